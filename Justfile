@@ -1,0 +1,30 @@
+# crush_trio tasks. `just --list` shows them.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+py := ".venv/bin/python"
+
+# Run the server on the built-in echo model (or crush.json when present).
+serve *ARGS:
+    {{py}} -m crush_trio serve {{ARGS}}
+
+# Run the whole test suite (CI runs exactly this).
+test *ARGS:
+    {{py}} -m pytest -q {{ARGS}}
+
+# Lint (ruff, with the flake8-async rules) and check formatting of the package.
+lint:
+    .venv/bin/ruff check crush_trio tests bench
+    .venv/bin/ruff format --check crush_trio
+
+# Strict type check of the package.
+typecheck:
+    .venv/bin/mypy
+
+# Every benchmark workload at full size; results under bench/results/.
+bench *ARGS:
+    {{py}} -m bench {{ARGS}}
+
+# Every benchmark at tiny sizes, so they cannot rot (part of the test suite too).
+bench-smoke:
+    {{py}} -m bench --smoke

@@ -1,0 +1,21 @@
+"""crush_trio: a headless server for AI coding-agent sessions, built on Trio.
+
+Layers, from the wire inwards (one module or package each):
+
+* ``wire`` — attrs wire types and the one cattrs converter; ``errors`` — the error hierarchy.
+* ``config`` — Crush's ``crush.json`` subset.
+* ``store`` — SQLite per workspace (worker thread) and the debounced message buffer.
+* ``broker`` — sequencing, encode-once, replay, per-client bounded delivery.
+* ``agent`` — run bookkeeping as plain logic (``agent.state``) and the turn runner shell.
+* ``providers`` — echo, OpenAI-compatible and Anthropic streaming models.
+* ``tools`` — the agent's coding tools; ``permissions`` — who may run them.
+* ``backend`` — workspaces, client holds and the registry that owns their nurseries.
+* ``server`` — HTTP, SSE and websocket transports (quart-trio on hypercorn) and ``serve``.
+* ``cli`` — ``crush-trio serve`` and ``crush-trio run``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

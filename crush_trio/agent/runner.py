@@ -1,0 +1,651 @@
+"""The agent shell: runs turns that :mod:`crush_trio.agent.state` decides on.
+
+Ownership: every turn runs in a *session driver* task started in the workspace's runs nursery
+(never in a request handler). A driver runs its session's turns one after another until the
+session's queue is empty. Title generation and dropped-prompt terminals run in the workspace's
+background nursery.
+
+Exactly-once terminals: every accepted run ends through :meth:`Agent._complete`, which publishes
+its ``run_complete`` (must-deliver) only the first time it is called for that run. Whatever ends a
+turn (completion, a provider failure, a cancel, workspace shutdown, a bug) passes through the
+turn's ``finally`` block, whose saves run inside ``trio.move_on_after(save_timeout, shield=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import orjson
+import trio
+
+from .. import wire
+from ..errors import BadRequest, ConfigError, Conflict, CrushError, ProviderError
+from ..providers import base as pb
+from ..wire import (
+    AgentEvent,
+    EventKind,
+    FinishPart,
+    FinishReason,
+    Message,
+    ReasoningPart,
+    Role,
+    Run,
+    RunComplete,
+    RunStatus,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    new_id,
+    now,
+)
+from .runs import RunBook
+from .state import Admission, AgentState, Prompt, Turn
+
+if TYPE_CHECKING:
+    from ..broker import Broker
+    from ..config import Config
+    from ..store import MessageService, Store
+
+log = logging.getLogger(__name__)
+
+CANCELED_MESSAGE: Final = "User canceled request"
+CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
+FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
+#: The same tool call (name and input) this many times in a row ends the turn.
+REPEATED_TOOL_CALL_LIMIT: Final = 5
+#: Bound on the title request to the small model (seconds).
+TITLE_TIMEOUT: Final = 30.0
+DEFAULT_TITLE: Final = "Untitled Session"
+
+SYSTEM_PROMPT: Final = (
+    "You are a coding agent working in the user's project directory. Use the tools to inspect "
+    "and change files and to run commands. Be concise."
+)
+TITLE_PROMPT: Final = (
+    "Write a short title (at most eight words, no quotes, no trailing punctuation) for a "
+    "conversation that starts with the user's message."
+)
+
+
+class SessionGone(CrushError):
+    status = 400
+
+
+@attrs.define
+class _TurnProgress:
+    """What a turn has written so far, so the final save knows what to repair."""
+
+    turn: Turn
+    user_written: set[str] = attrs.field(factory=set)  # run_ids whose user message exists
+    assistant: Message | None = None
+    results: set[str] = attrs.field(factory=set)  # tool_call ids that have a result
+    model: str = ""
+    provider: str = ""
+
+
+ProviderFactory = Callable[[str, Any], pb.Provider]
+
+
+class Agent:
+    """Turns for every session of one workspace.
+
+    Args:
+        store, messages, broker, runs: the workspace's services.
+        config: the workspace's configuration (models, options).
+        runs_nursery: where session drivers run (cancelled first at shutdown).
+        background_nursery: titles and other work not bound to a run.
+        save_timeout: bound on each shielded final save (seconds).
+        tools: the tools offered to the model (an object with ``specs()`` and ``call``) or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        messages: MessageService,
+        broker: Broker,
+        runs: RunBook,
+        config: Config,
+        runs_nursery: trio.Nursery,
+        background_nursery: trio.Nursery,
+        save_timeout: float,
+        provider_factory: ProviderFactory,
+        tools: Any = None,
+        on_idle: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.store = store
+        self.messages = messages
+        self.broker = broker
+        self.runs = runs
+        self.config = config
+        self.state = AgentState()
+        self._runs_nursery = runs_nursery
+        self._bg = background_nursery
+        self.save_timeout = save_timeout
+        self._provider_factory = provider_factory
+        self._providers: dict[str, pb.Provider] = {}
+        self.tools = tools
+        self._scopes: dict[int, trio.CancelScope] = {}
+        self._completed: set[str] = set()
+        self._on_idle = on_idle
+        self.closing = False
+
+    # -- public operations (called from request handlers: synchronous decisions only) ----------
+
+    def model_info(self) -> dict[str, Any]:
+        name, provider, model = self.config.resolve_model("large")
+        return {"provider": name, "type": provider.type, "model": model.id}
+
+    def is_busy(self, session_id: str | None = None) -> bool:
+        if session_id is None:
+            return bool(self.state.busy_sessions())
+        return self.state.is_busy(session_id)
+
+    async def submit(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+        """Accept a prompt; returns at once with the run's id and status (PROTOCOL §3).
+
+        Raises:
+            Conflict: the workspace is closing.
+            BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
+        """
+        if self.closing:
+            raise Conflict("workspace closing: it is shutting down; open it again and resend")
+        if not text.strip():
+            raise BadRequest("prompt is empty; send the text for the agent in 'prompt'")
+        wire.validate_run_id(run_id)
+        if await self.store.get_session(session_id) is None:
+            raise BadRequest(
+                f"session {session_id!r} does not exist in this workspace; create it with "
+                "POST /v1/workspaces/{id}/sessions"
+            )
+        if run_id is not None and (self.runs.known(run_id) or await self.store.get_run(run_id)):
+            raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
+        # Everything below is synchronous: the decision and the task start cannot be torn apart
+        # by a client that disconnects right after sending.
+        if self.closing:
+            raise Conflict("workspace closing: it is shutting down; open it again and resend")
+        explicit = run_id is not None
+        prompt, admission, turn = self.state.accept(
+            session_id, run_id or new_id(), text, explicit=explicit
+        )
+        self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)))
+        if turn is not None:
+            self._publish_busy(session_id)
+            self._runs_nursery.start_soon(self._drive, turn, name=f"session-{session_id}")
+        return wire.AcceptedPrompt(prompt.run_id, session_id, admission.value)  # type: ignore[arg-type]
+
+    def cancel(self, session_id: str) -> None:
+        """Cancel the session's active turn and drop its queue; a no-op when idle."""
+        outcome = self.state.cancel(session_id)
+        if outcome.turn is not None:
+            scope = self._scopes.get(id(outcome.turn))
+            if scope is not None:
+                scope.cancel()
+        if outcome.dropped:
+            self._bg.start_soon(self._complete_dropped, outcome.dropped)
+
+    def clear_queue(self, session_id: str) -> None:
+        dropped = self.state.clear_queue(session_id)
+        if dropped:
+            self._bg.start_soon(self._complete_dropped, dropped)
+
+    def queued_prompts(self, session_id: str) -> list[str]:
+        return [p.text for p in self.state.queued(session_id)]
+
+    def begin_shutdown(self) -> None:
+        """Refuse new prompts and cancel every session's work (PROTOCOL §6)."""
+        self.closing = True
+        for outcome in self.state.cancel_all():
+            if outcome.turn is not None:
+                scope = self._scopes.get(id(outcome.turn))
+                if scope is not None:
+                    scope.cancel()
+            if outcome.dropped:
+                self._runs_nursery.start_soon(self._complete_dropped, outcome.dropped)
+
+    async def aclose(self) -> None:
+        for provider in self._providers.values():
+            with trio.move_on_after(self.save_timeout, shield=True):
+                await provider.aclose()
+        self._providers.clear()
+
+    # -- drivers --------------------------------------------------------------------------------
+
+    async def _drive(self, turn: Turn | None) -> None:
+        while turn is not None:
+            completes = await self._run_turn(turn)
+            next_turn, dropped = self.state.finish_turn(turn)
+            if next_turn is None:
+                self._publish_busy(turn.session_id)
+            with trio.move_on_after(self.save_timeout, shield=True):
+                for complete in completes:
+                    await self._publish_complete(complete)
+                if dropped:
+                    await self._complete_dropped(dropped)
+            turn = next_turn
+            if turn is None and not self.state.busy_sessions():
+                self._on_idle()
+
+    async def _complete_dropped(self, dropped: list[Prompt]) -> None:
+        """Queued prompts dropped by a cancel, a clear or shutdown: cancelled terminals."""
+        with trio.move_on_after(self.save_timeout, shield=True):
+            completes = []
+            for prompt in dropped:
+                run = self.runs.get(prompt.run_id)
+                if run is not None and not run.status.terminal:
+                    self.runs.set_status(run, RunStatus.CANCELLED)
+                completes.append(
+                    RunComplete(prompt.session_id, prompt.run_id, None, "", None, cancelled=True)
+                )
+            await self.runs.save_now()
+            for complete in completes:
+                await self._publish_complete(complete)
+            if not self.state.busy_sessions():
+                self._on_idle()
+
+    async def _publish_complete(self, complete: RunComplete) -> None:
+        if complete.run_id in self._completed:
+            return
+        self._completed.add(complete.run_id)
+        await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+
+    def _publish_busy(self, session_id: str) -> None:
+        self._bg.start_soon(self._publish_session, session_id)
+
+    async def _publish_session(self, session_id: str) -> None:
+        session = await self.store.get_session(session_id)
+        if session is not None:
+            session.is_busy = self.state.is_busy(session_id)
+            self.broker.publish(session, EventKind.UPDATED)
+
+    # -- one turn -------------------------------------------------------------------------------
+
+    async def _run_turn(self, turn: Turn) -> list[RunComplete]:
+        """Run ``turn`` to its end and save its final state; returns its terminal events.
+
+        Cancellation: a user cancel ends the turn cancelled and returns normally; a cancel from
+        outside (workspace shutdown) saves the same final state and then propagates.
+        """
+        progress = _TurnProgress(turn)
+        error: BaseException | None = None
+        cancelled = False
+        try:
+            with trio.CancelScope() as scope:
+                self._scopes[id(turn)] = scope
+                if turn.cancelled:
+                    scope.cancel()
+                await self._turn_body(progress)
+            cancelled = scope.cancelled_caught or turn.cancelled
+        except trio.Cancelled:
+            cancelled = True
+            raise
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            error = _unwrap(exc)
+            if turn.cancelled:
+                cancelled, error = True, None
+            elif not isinstance(error, CrushError):
+                log.exception("turn of run %s failed with a bug", turn.primary.run_id)
+        finally:
+            self._scopes.pop(id(turn), None)
+            completes: list[RunComplete] = []
+            with trio.move_on_after(self.save_timeout, shield=True):
+                completes = await self._finish(progress, error=error, cancelled=cancelled)
+        return completes
+
+    async def _finish(
+        self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
+    ) -> list[RunComplete]:
+        """The shielded final save of a turn: repair the history, save runs, build terminals."""
+        turn = progress.turn
+        session_alive = await self.store.get_session(turn.session_id) is not None
+        error_text = _error_text(error) if error is not None else None
+        if session_alive and (cancelled or error is not None):
+            for prompt in turn.prompts:
+                if prompt.run_id not in progress.user_written:
+                    await self._write_user_message(progress, prompt)
+            msg = progress.assistant
+            if msg is None:
+                msg = Message(new_id(), turn.session_id, Role.ASSISTANT)
+                msg.model, msg.provider = progress.model, progress.provider
+                await self.messages.create(msg)
+                progress.assistant = msg
+            _repair_tool_calls(msg, progress.results, cancelled=cancelled)
+            if msg.finish() is None:
+                if cancelled:
+                    msg.parts.append(FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE))
+                else:
+                    msg.parts.append(
+                        FinishPart(FinishReason.ERROR, message=error_text or "", details="")
+                    )
+            msg.updated_at = now()
+            await self.messages.update(msg)
+            await self._write_missing_results(progress, cancelled=cancelled)
+        await self.messages.flush_all()
+
+        message_id = progress.assistant.id if progress.assistant else None
+        text = progress.assistant.text() if progress.assistant else ""
+        if cancelled:
+            status, error_text = RunStatus.CANCELLED, None
+        elif error is not None:
+            status = RunStatus.FAILED
+        else:
+            status = RunStatus.COMPLETED
+        completes = []
+        for prompt in turn.prompts:
+            run = self.runs.get(prompt.run_id)
+            if run is not None and not run.status.terminal:
+                self.runs.set_status(
+                    run, status, message_id=message_id, text=text, error=error_text
+                )
+            completes.append(
+                RunComplete(turn.session_id, prompt.run_id, message_id, text, error_text, cancelled)
+            )
+        await self.runs.save_now()
+        if error_text is not None:
+            for prompt in turn.prompts:
+                self.broker.publish(
+                    AgentEvent(
+                        "error",
+                        session_id=turn.session_id,
+                        run_id=prompt.run_id,
+                        message=error_text,
+                        error=error_text,
+                    ),
+                    EventKind.CREATED,
+                )
+        return completes
+
+    async def _write_user_message(self, progress: _TurnProgress, prompt: Prompt) -> None:
+        msg = Message(new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text)])
+        await self.messages.create(msg)
+        progress.user_written.add(prompt.run_id)
+
+    async def _write_missing_results(self, progress: _TurnProgress, *, cancelled: bool) -> None:
+        msg = progress.assistant
+        if msg is None:
+            return
+        missing = [c for c in msg.tool_calls() if c.id not in progress.results]
+        if not missing:
+            return
+        content = CANCELED_TOOL_RESULT if cancelled else FAILED_TOOL_RESULT
+        parts: list[wire.Part] = [
+            ToolResultPart(c.id, c.name, content, is_error=True) for c in missing
+        ]
+        await self.messages.create(Message(new_id(), msg.session_id, Role.TOOL, parts))
+        progress.results.update(c.id for c in missing)
+
+    async def _turn_body(self, progress: _TurnProgress) -> None:
+        turn = progress.turn
+        sid = turn.session_id
+        for prompt in turn.prompts:
+            self._mark_running(prompt)
+        session = await self.store.get_session(sid)
+        if session is None:
+            raise SessionGone(f"session {sid!r} was deleted before its run could start")
+        provider_name, provider_cfg, model_entry = self.config.resolve_model("large")
+        provider = self._provider(provider_name, provider_cfg)
+        progress.model, progress.provider = model_entry.id, provider_name
+        history = await self.messages_for(sid)
+        first_prompt = not any(m.role is Role.USER for m in history)
+        await self._write_user_message(progress, turn.primary)
+        if first_prompt and not session.title:
+            self._bg.start_soon(self._generate_title, sid, turn.primary.text)
+
+        options = self.config.options
+        max_tokens = model_entry.default_max_tokens
+        last_calls: list[str] = []
+        for _step in range(options.max_steps):
+            for prompt in self.state.take_foldable(sid):
+                self._mark_running(prompt)
+                await self._write_user_message(progress, prompt)
+            history = await self.messages_for(sid)
+            request = pb.ModelRequest(
+                model=pb.ModelInfo(
+                    model_entry.id,
+                    model_entry.name,
+                    model_entry.context_window,
+                    model_entry.default_max_tokens,
+                ),
+                system=SYSTEM_PROMPT,
+                messages=history,
+                tools=self.tools.specs() if self.tools is not None else [],
+                max_tokens=max_tokens,
+            )
+            msg = Message(new_id(), sid, Role.ASSISTANT, model=model_entry.id)
+            msg.provider = provider_name
+            await self.messages.create(msg)
+            progress.assistant = msg
+            progress.results = set()
+            reason = await self._stream_step(provider, request, msg, progress)
+            calls = msg.tool_calls()
+            if reason is FinishReason.TOOL_USE or calls:
+                signature = orjson.dumps([[c.name, c.input] for c in calls]).decode()
+                last_calls.append(signature)
+                if (
+                    len(last_calls) >= REPEATED_TOOL_CALL_LIMIT
+                    and len(set(last_calls[-REPEATED_TOOL_CALL_LIMIT:])) == 1
+                ):
+                    raise ProviderError(
+                        f"the model repeated the same tool call {REPEATED_TOOL_CALL_LIMIT} "
+                        "times in a row; stopped the turn to avoid a loop"
+                    )
+                try:
+                    await self._run_tools(msg, calls, progress)
+                except _StopTurn:
+                    return  # a denied permission ends the turn; the result says why
+                continue
+            if any(not p.explicit for p in self.state.queued(sid)):
+                continue  # fold the prompts that arrived during this step into a next step
+            return
+        raise ProviderError(
+            f"the agent stopped after {options.max_steps} steps (options.max_steps); "
+            "raise the limit or split the task"
+        )
+
+    def _mark_running(self, prompt: Prompt) -> None:
+        run = self.runs.get(prompt.run_id)
+        if run is not None and run.status is RunStatus.QUEUED:
+            self.runs.set_status(run, RunStatus.RUNNING)
+
+    async def messages_for(self, session_id: str) -> list[Message]:
+        await self.messages.flush_all()
+        return await self.store.list_messages(session_id)
+
+    def _provider(self, name: str, cfg: Any) -> pb.Provider:
+        provider = self._providers.get(name)
+        if provider is None:
+            try:
+                provider = self._provider_factory(name, cfg)
+            except CrushError:
+                raise
+            except Exception as exc:
+                raise ConfigError(f"provider {name!r} could not be set up: {exc}") from exc
+            self._providers[name] = provider
+        return provider
+
+    async def _stream_step(
+        self,
+        provider: pb.Provider,
+        request: pb.ModelRequest,
+        msg: Message,
+        progress: _TurnProgress,
+    ) -> FinishReason:
+        reason = FinishReason.END_TURN
+        text: TextPart | None = None
+        reasoning: ReasoningPart | None = None
+        calls: dict[str, ToolCallPart] = {}
+        stream = provider.stream(request)
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            async for event in stream:
+                match event:
+                    case pb.TextDelta(delta):
+                        if text is None:
+                            text = TextPart("")
+                            msg.parts.append(text)
+                        text.text += delta
+                    case pb.ReasoningDelta(delta):
+                        if reasoning is None:
+                            reasoning = ReasoningPart(started_at=now())
+                            msg.parts.append(reasoning)
+                        reasoning.thinking += delta
+                    case pb.ReasoningDone(signature):
+                        if reasoning is not None:
+                            reasoning.signature = signature
+                            reasoning.finished_at = now()
+                    case pb.ToolCallStart(call_id, name):
+                        calls[call_id] = ToolCallPart(call_id, name)
+                        msg.parts.append(calls[call_id])
+                    case pb.ToolCallDelta(call_id, arguments):
+                        if call_id in calls:
+                            calls[call_id].input += arguments
+                    case pb.ToolCallDone(call_id, name, input_json):
+                        part = calls.get(call_id)
+                        if part is None:
+                            part = calls[call_id] = ToolCallPart(call_id, name)
+                            msg.parts.append(part)
+                        part.input, part.finished = input_json, True
+                    case pb.Usage(prompt_tokens, completion_tokens):
+                        await self.store.add_session_usage(
+                            msg.session_id, prompt_tokens, completion_tokens, 0.0
+                        )
+                        continue
+                    case pb.Retrying(attempt, delay, why):
+                        self.broker.publish(
+                            AgentEvent(
+                                "retry",
+                                session_id=msg.session_id,
+                                run_id=progress.turn.primary.run_id,
+                                message=f"retry {attempt} in {delay:.1f}s: {why}",
+                            ),
+                            EventKind.CREATED,
+                        )
+                        msg.parts = [p for p in msg.parts if isinstance(p, ToolCallPart)]
+                        text = reasoning = None
+                        continue
+                    case pb.Finished(finish_reason):
+                        reason = finish_reason
+                        continue
+                msg.updated_at = now()
+                await self.messages.update(msg)
+        if reason is not FinishReason.TOOL_USE and msg.tool_calls():
+            reason = FinishReason.TOOL_USE
+        msg.parts.append(FinishPart(reason))
+        msg.updated_at = now()
+        await self.messages.update(msg)
+        return reason
+
+    async def _run_tools(
+        self, msg: Message, calls: list[ToolCallPart], progress: _TurnProgress
+    ) -> None:
+        results: list[wire.Part] = []
+        tool_msg = Message(new_id(), msg.session_id, Role.TOOL, results)
+        stop = False
+        try:
+            for call in calls:
+                if stop or self.tools is None:
+                    content = (
+                        "tool call skipped: the turn was stopped"
+                        if stop
+                        else f"no tools are available; cannot run {call.name!r}"
+                    )
+                    results.append(ToolResultPart(call.id, call.name, content, is_error=True))
+                    progress.results.add(call.id)
+                    continue
+                result = await self.tools.call(
+                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
+                )
+                results.append(
+                    ToolResultPart(call.id, call.name, result.content, is_error=result.is_error)
+                )
+                progress.results.add(call.id)
+                stop = stop or bool(getattr(result, "stop_turn", False))
+        finally:
+            if results:
+                with trio.move_on_after(self.save_timeout, shield=True):
+                    await self.messages.create(tool_msg)
+        if stop:
+            raise _StopTurn()
+
+    async def _generate_title(self, session_id: str, prompt: str) -> None:
+        """Title a new session with the small model; always saves some title."""
+        title = ""
+        try:
+            with trio.move_on_after(TITLE_TIMEOUT):
+                name, cfg, entry = self.config.resolve_model("small")
+                provider = self._provider(name, cfg)
+                request = pb.ModelRequest(
+                    model=pb.ModelInfo(entry.id, entry.name, entry.context_window, 64),
+                    system=TITLE_PROMPT,
+                    messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
+                    max_tokens=64,
+                )
+                stream = provider.stream(request)
+                async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                    async for event in stream:
+                        if isinstance(event, pb.TextDelta):
+                            title += event.text
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            log.warning("title generation for session %s failed: %s", session_id, exc)
+        finally:
+            with trio.move_on_after(self.save_timeout, shield=True):
+                await self._save_title(session_id, _clean_title(title) or _fallback_title(prompt))
+
+    async def _save_title(self, session_id: str, title: str) -> None:
+        session = await self.store.get_session(session_id)
+        if session is None or session.title:
+            return
+        max_words = self.config.options.title_max_words
+        session.title = " ".join(title.split()[:max_words]) or DEFAULT_TITLE
+        session.updated_at = now()
+        await self.store.update_session(session)
+        session.is_busy = self.state.is_busy(session_id)
+        self.broker.publish(session, EventKind.UPDATED)
+
+
+class _StopTurn(Exception):
+    """A tool result asked to end the turn (a permission denial)."""
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _error_text(exc: BaseException) -> str:
+    if isinstance(exc, CrushError):
+        return exc.message
+    return f"internal error ({type(exc).__name__}: {exc}); this is a bug, please report it"
+
+
+def _repair_tool_calls(msg: Message, results: set[str], *, cancelled: bool) -> None:
+    """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
+    for call in msg.tool_calls():
+        if not call.finished:
+            call.finished = True
+            call.input = "{}"
+        else:
+            try:
+                orjson.loads(call.input or "{}")
+            except orjson.JSONDecodeError:
+                call.input = "{}"
+
+
+def _clean_title(text: str) -> str:
+    return text.strip().strip("\"'").strip().rstrip(".!?:;")
+
+
+def _fallback_title(prompt: str) -> str:
+    return " ".join(prompt.split()[:8])
+
+
+def admission_status(admission: Admission) -> str:
+    return admission.value

@@ -1,0 +1,213 @@
+"""The backend: every open workspace, keyed by real path, and the server's lifetime.
+
+:class:`Backend` owns the nursery in which each :class:`Workspace` serves. It dedups workspaces
+by resolved real path (a symlink opens the same workspace), tracks retired clients, and shuts
+everything down in stages: refuse new workspaces (503), shut every workspace down, return.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..config import Config, ServerOptions, load_config
+from ..errors import BadRequest, ConfigError, Conflict, CrushError, NotFound, ShuttingDown
+from ..wire import validate_client_id
+from .workspace import Workspace, data_dir_for
+
+log = logging.getLogger(__name__)
+
+
+class Backend:
+    """Every workspace of one server.
+
+    Args:
+        server: the server's bounds (``server`` section of the config).
+        config_file: ``--config FILE``: when given, the only config file for every workspace.
+        data_dir: ``--data-dir``: when given, workspace databases live under it.
+        version: the server version reported in ``hello`` frames.
+    """
+
+    def __init__(
+        self,
+        *,
+        server: ServerOptions,
+        config_file: Path | None = None,
+        data_dir: Path | None = None,
+        version: str = "",
+        user_config_dir: Path | None = None,
+        provider_factory: Any = None,
+    ) -> None:
+        self.server = server
+        self.config_file = config_file
+        self.data_dir = data_dir
+        self.version = version
+        self.user_config_dir = user_config_dir
+        self.provider_factory = provider_factory
+        self.workspaces: dict[str, Workspace] = {}
+        self._by_path: dict[Path, Workspace] = {}
+        self._opening: dict[Path, trio.Event] = {}
+        self._retired: set[str] = set()
+        self.shutting_down = False
+        self.stopped = trio.Event()
+        self._nursery: trio.Nursery | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Backend]:
+        """Own the workspaces' nursery for the duration of the block; shut down on exit."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                with trio.move_on_after(self.shutdown_bound(), shield=True):
+                    await self.shutdown()
+                nursery.cancel_scope.cancel()
+        self.stopped.set()
+
+    def shutdown_bound(self) -> float:
+        """Upper bound on a full shutdown: the run grace plus the final saves, with slack."""
+        return self.server.shutdown_grace + 4 * self.server.shutdown_save_timeout + 5
+
+    # -- workspaces -----------------------------------------------------------------------------
+
+    def get(self, workspace_id: str) -> Workspace:
+        ws = self.workspaces.get(workspace_id)
+        if ws is None:
+            raise NotFound(
+                f"workspace {workspace_id!r} not found; open it with POST /v1/workspaces "
+                "(workspaces close when no client holds them)"
+            )
+        return ws
+
+    def list(self) -> list[Workspace]:
+        return [ws for ws in self.workspaces.values() if not ws.closing]
+
+    async def open(self, raw_path: str, client_id: str) -> Workspace:
+        """Open (or join) the workspace of a directory and give ``client_id`` a hold on it."""
+        validate_client_id(client_id)
+        if self.shutting_down or self._nursery is None:
+            raise ShuttingDown("server shutting down: retry against a new server")
+        if client_id in self._retired:
+            raise Conflict(f"client {client_id} was retired; use a new client_id")
+        path = self._resolve(raw_path)
+        while True:
+            ws = self._by_path.get(path)
+            if ws is not None and not ws.closing:
+                ws.open_hold(client_id)
+                return ws
+            if ws is not None:
+                await ws.closed.wait()  # a closing workspace finishes before it reopens
+                continue
+            pending = self._opening.get(path)
+            if pending is None:
+                break
+            await pending.wait()
+        done = self._opening[path] = trio.Event()
+        try:
+            try:
+                config = load_config(
+                    config_file=self.config_file,
+                    workspace=path,
+                    user_config_dir=self.user_config_dir,
+                )
+            except ConfigError as exc:
+                raise BadRequest(f"the workspace's configuration is invalid: {exc}") from None
+            ws = Workspace(
+                path=path,
+                config=config,
+                server=self.server,
+                data_dir=data_dir_for(path, config, self.data_dir),
+                version=self.version,
+                provider_factory=self.provider_factory,
+            )
+            if self.shutting_down:
+                raise ShuttingDown("server shutting down: retry against a new server")
+            ws.open_hold(client_id)  # before it serves, so the hold watcher sees it
+            try:
+                await self._nursery.start(self._serve_workspace, ws)
+            except CrushError:
+                raise
+            except OSError as exc:
+                raise BadRequest(
+                    f"cannot open the data directory {ws.data_dir}: {exc.strerror or exc}; "
+                    "check its permissions or set options.data_directory"
+                ) from exc
+            self._register(ws)
+            return ws
+        finally:
+            del self._opening[path]
+            done.set()
+
+    async def _serve_workspace(
+        self, ws: Workspace, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            await ws.serve(task_status=task_status)
+        except Exception:
+            log.exception("workspace %s (%s) crashed", ws.id, ws.path)
+            if ws.state.value == "starting":
+                raise
+        finally:
+            if self.workspaces.get(ws.id) is ws:
+                del self.workspaces[ws.id]
+            if self._by_path.get(ws.path) is ws:
+                del self._by_path[ws.path]
+
+    def _register(self, ws: Workspace) -> None:
+        self.workspaces[ws.id] = ws
+        self._by_path[ws.path] = ws
+
+    @staticmethod
+    def _resolve(raw_path: str) -> Path:
+        if not raw_path:
+            raise BadRequest("path is required: the absolute path of a project directory")
+        path = Path(raw_path).expanduser()
+        if not path.is_absolute():
+            raise BadRequest(f"path {raw_path!r} is not absolute; send an absolute directory path")
+        try:
+            real = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise BadRequest(
+                f"path {raw_path!r} does not exist; create the directory first"
+            ) from None
+        if not real.is_dir():
+            raise BadRequest(f"path {raw_path!r} is not a directory; open a project directory")
+        if not os.access(real, os.R_OK | os.X_OK):
+            raise BadRequest(f"path {raw_path!r} is not readable by the server")
+        return real
+
+    def release(self, workspace_id: str, client_id: str) -> None:
+        validate_client_id(client_id)
+        self.get(workspace_id).release(client_id)
+
+    def retire(self, client_id: str) -> None:
+        """Release every hold of the client; later opens from it get 409."""
+        validate_client_id(client_id)
+        self._retired.add(client_id)
+        for ws in list(self.workspaces.values()):
+            ws.holds.clients.pop(client_id, None)
+            ws.poke()
+
+    def is_idle(self) -> bool:
+        return not any(ws.agent.is_busy() for ws in self.workspaces.values() if not ws.closing)
+
+    async def shutdown(self) -> None:
+        """Refuse new workspaces (503), shut every workspace down, and wait for them."""
+        self.shutting_down = True
+        workspaces = list(self.workspaces.values())
+        for ws in workspaces:
+            ws.request_shutdown()
+        for ws in workspaces:
+            await ws.closed.wait()
+
+
+def load_server_options(config_file: Path | None, user_config_dir: Path | None = None) -> Config:
+    """The configuration read at start (``--config`` or the user file), validated up front."""
+    return load_config(config_file=config_file, workspace=None, user_config_dir=user_config_dir)

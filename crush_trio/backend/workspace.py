@@ -1,0 +1,272 @@
+"""One workspace: a project directory with its store, broker, agent and nursery.
+
+Task ownership (see docs/architecture.md)::
+
+    Backend nursery
+      └─ Workspace.serve                      one per open workspace
+           ├─ background nursery              message flusher, run-record writer, titles
+           │    └─ runs nursery               session drivers (one per busy session)
+           └─ hold watcher (inline)           ends serve when nothing holds the workspace
+
+Shutdown (PROTOCOL §6), in order: refuse new prompts (409 ``workspace closing``); cancel every
+session's work; wait for every run task to return (bounded by ``shutdown_grace``, then cancelled);
+save final state (buffered messages, run records) inside ``trio.move_on_after(save_timeout,
+shield=True)``; close the event streams; close the store.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..agent.runner import Agent
+from ..agent.runs import RunBook, save_run
+from ..broker import Broker
+from ..config import Config, ServerOptions
+from ..errors import Conflict
+from ..providers import make_provider
+from ..store import MessageService, Store
+from ..wire import (
+    EventKind,
+    FinishPart,
+    FinishReason,
+    Role,
+    RunStatus,
+    Session,
+    new_id,
+    now,
+)
+from ..wire import Workspace as WorkspaceInfo
+from .holds import Holds
+
+log = logging.getLogger(__name__)
+
+STOPPED_RUN_ERROR = "server stopped before the run finished"
+
+
+class WorkspaceState(enum.StrEnum):
+    STARTING = "starting"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_TRANSITIONS = {
+    WorkspaceState.STARTING: {WorkspaceState.OPEN, WorkspaceState.CLOSING},
+    WorkspaceState.OPEN: {WorkspaceState.CLOSING},
+    WorkspaceState.CLOSING: {WorkspaceState.CLOSED},
+    WorkspaceState.CLOSED: set(),
+}
+
+
+def data_dir_for(path: Path, config: Config, server_data_dir: Path | None) -> Path:
+    """Where a workspace keeps its database: ``<data-dir>/<name>-<hash>`` when the server has
+    ``--data-dir``, else ``options.data_directory`` inside the project (default ``.crush``)."""
+    if server_data_dir is not None:
+        digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        return server_data_dir / f"{path.name or 'root'}-{digest}"
+    data = Path(config.options.data_directory).expanduser()
+    return data if data.is_absolute() else path / data
+
+
+class Workspace:
+    """A project directory served to clients. Create with :meth:`serve` via ``nursery.start``."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        config: Config,
+        server: ServerOptions,
+        data_dir: Path,
+        version: str,
+        provider_factory: Any = None,
+    ) -> None:
+        self.id = new_id()
+        self.path = path
+        self.config = config
+        self.server = server
+        self.data_dir = data_dir
+        self.version = version
+        self.provider_factory = provider_factory or make_provider
+        self.state = WorkspaceState.STARTING
+        self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
+        self.broker = Broker(
+            replay_size=server.replay_buffer,
+            client_queue_size=server.client_queue_size,
+            must_deliver_timeout=server.must_deliver_timeout,
+        )
+        self._changed = trio.Event()
+        self._stop = trio.Event()
+        self.closed = trio.Event()
+        self.store: Store
+        self.messages: MessageService
+        self.runs: RunBook
+        self.agent: Agent
+        self.permissions: Any = None
+
+    @property
+    def info(self) -> WorkspaceInfo:
+        return WorkspaceInfo(self.id, str(self.path), str(self.data_dir))
+
+    def _move(self, new: WorkspaceState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"workspace {self.id} cannot move from {self.state} to {new}")
+        self.state = new
+
+    @property
+    def closing(self) -> bool:
+        return self.state in (WorkspaceState.CLOSING, WorkspaceState.CLOSED)
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise Conflict(
+                f"workspace closing: {self.path} is shutting down; open it again with "
+                "POST /v1/workspaces and retry"
+            )
+
+    # -- holds ----------------------------------------------------------------------------------
+
+    def poke(self) -> None:
+        """Something that keeps the workspace alive changed: re-check the holds."""
+        self._changed.set()
+
+    def open_hold(self, client_id: str) -> None:
+        self.holds.open(client_id, trio.current_time())
+        self.poke()
+
+    def attach(self, client_id: str) -> None:
+        self.holds.attach(client_id)
+        self.poke()
+
+    def detach(self, client_id: str) -> None:
+        self.holds.detach(client_id, trio.current_time())
+        self.poke()
+
+    def release(self, client_id: str) -> None:
+        self.holds.release(client_id)
+        self.poke()
+
+    def request_shutdown(self) -> None:
+        self._stop.set()
+        self.poke()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the store and serve until nothing holds the workspace or shutdown is requested."""
+        self.store = await Store.open(self.data_dir)
+        save_timeout = self.server.shutdown_save_timeout
+        try:
+            self.messages = MessageService(
+                self.store,
+                self.broker.publish,
+                debounce=self.config.options.debounce_ms / 1000,
+            )
+            self.runs = RunBook(self.store)
+            async with trio.open_nursery() as background:
+                await background.start(self.messages.run)
+                await background.start(self.runs.writer)
+                async with trio.open_nursery() as runs:
+                    self.agent = Agent(
+                        store=self.store,
+                        messages=self.messages,
+                        broker=self.broker,
+                        runs=self.runs,
+                        config=self.config,
+                        runs_nursery=runs,
+                        background_nursery=background,
+                        save_timeout=save_timeout,
+                        provider_factory=self.provider_factory,
+                        tools=self._make_tools(),
+                        on_idle=self.poke,
+                    )
+                    await self._recover_stopped_runs()
+                    self._move(WorkspaceState.OPEN)
+                    task_status.started(self)
+                    await self._watch_holds()
+                    self._move(WorkspaceState.CLOSING)
+                    log.info("workspace %s (%s) shutting down", self.id, self.path)
+                    self.agent.begin_shutdown()
+                    # Deadline first, then cancel: drivers finish their cancelled turns and
+                    # publish terminals; anything still running after the grace is cancelled.
+                    runs.cancel_scope.deadline = trio.current_time() + self.server.shutdown_grace
+                background.cancel_scope.cancel()
+        finally:
+            if self.state is not WorkspaceState.CLOSING:
+                self.state = WorkspaceState.CLOSING
+            with trio.move_on_after(save_timeout, shield=True):
+                await self.messages.flush_all()
+            with trio.move_on_after(save_timeout, shield=True):
+                await self.runs.save_now()
+            with trio.move_on_after(save_timeout, shield=True):
+                await self.agent.aclose()
+            self.broker.close()
+            with trio.move_on_after(save_timeout, shield=True):
+                await self.store.aclose()
+            self._move(WorkspaceState.CLOSED)
+            self.closed.set()
+            log.info("workspace %s closed", self.id)
+
+    def _make_tools(self) -> Any:
+        return None
+
+    async def _watch_holds(self) -> None:
+        while not self._stop.is_set():
+            self.holds.expire(trio.current_time())
+            if not self.holds.held and self.agent.state.pending_count() == 0:
+                return
+            deadline = self.holds.next_deadline()
+            with trio.move_on_at(deadline if deadline is not None else math.inf):
+                await self._changed.wait()
+            self._changed = trio.Event()
+
+    async def _recover_stopped_runs(self) -> None:
+        """Runs a killed process left running or queued end ``failed``; their assistant messages
+        get a finish part so nothing stays hanging."""
+        stale = await self.store.list_runs({RunStatus.RUNNING, RunStatus.QUEUED})
+        sessions = {run.session_id for run in stale}
+        for run in stale:
+            run.status = RunStatus.FAILED
+            run.error = STOPPED_RUN_ERROR
+            run.finished_at = now()
+            await save_run(self.store, run)
+        for session_id in sessions:
+            for msg in await self.store.list_messages(session_id):
+                if msg.role is Role.ASSISTANT and msg.finish() is None:
+                    msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
+                    msg.updated_at = now()
+                    await self.store.update_message(msg)
+        if stale:
+            log.warning("marked %d runs left by a stopped server as failed", len(stale))
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def create_session(self, title: str = "") -> Session:
+        self.check_open()
+        session = Session(new_id(), title=title)
+        await self.store.create_session(session)
+        self.broker.publish(session, EventKind.CREATED)
+        return session
+
+    def decorate(self, session: Session) -> Session:
+        session.is_busy = self.agent.is_busy(session.id)
+        return session
+
+    async def delete_session(self, session_id: str) -> bool:
+        self.agent.cancel(session_id)
+        await self.messages.delete_session_messages(session_id)
+        session = await self.store.get_session(session_id)
+        if session is None:
+            return False
+        await self.store.delete_session(session_id)
+        self.broker.publish(session, EventKind.DELETED)
+        return True

@@ -1,0 +1,365 @@
+"""Event brokers: sequencing, encoding once, replay, and per-client bounded delivery.
+
+One :class:`Broker` per workspace. Publishing an event gives it the next ``seq``, encodes its
+envelope **once** (the same ``str``/``bytes`` objects are shared by every client and the replay
+buffer), stores it in a bounded replay buffer, and offers it to every :class:`ClientStream`.
+
+Delivery classes (PROTOCOL §5):
+
+* **lossy** (``session``, ``message``, ``agent_event``): :meth:`Broker.publish` is synchronous and
+  never waits. A client whose channel is full misses the event; the miss is counted and the client
+  gets a ``gap`` frame, in order, as soon as its channel has room again.
+* **must-deliver** (``run_complete``, ``permission_*``): :meth:`Broker.publish_must_deliver` waits
+  for room in every client's channel, all clients concurrently, for at most
+  ``must_deliver_timeout`` seconds in total. A client that still has no room is disconnected
+  (:attr:`ClientStream.killed` is set; the transport closes it with 1013 ``too slow``), never
+  silently skipped.
+
+The broker never touches a socket: each transport runs one writer task per connection that drains
+the client's channel (see ``server/streams.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterable
+from typing import Any, Final
+
+import attrs
+import orjson
+import trio
+
+from . import wire
+from .wire import EventKind
+
+log = logging.getLogger(__name__)
+
+#: Default capacity of each client's channel (events). Full → lossy drops, must-deliver waits.
+DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
+#: Default number of events kept for resume by ``since`` / ``Last-Event-ID``.
+DEFAULT_REPLAY_BUFFER: Final = 4096
+#: Default bound on how long a must-deliver publish waits for slow clients (seconds).
+DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
+
+TOO_SLOW_REASON: Final = "too slow"
+
+
+class Event:
+    """One published event, encoded once and shared by every client.
+
+    ``text`` is the envelope JSON (a websocket text frame); :attr:`sse` is the SSE block, built on
+    first use and cached.
+    """
+
+    __slots__ = ("_sse", "must_deliver", "seq", "text", "type")
+
+    def __init__(self, seq: int, type: str, text: str, must_deliver: bool) -> None:
+        self.seq = seq
+        self.type = type
+        self.text = text
+        self.must_deliver = must_deliver
+        self._sse: bytes | None = None
+
+    @property
+    def sse(self) -> bytes:
+        if self._sse is None:
+            self._sse = f"id: {self.seq}\ndata: {self.text}\n\n".encode()
+        return self._sse
+
+    def __repr__(self) -> str:
+        return f"<Event seq={self.seq} type={self.type}>"
+
+
+def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:
+    """A frame of one connection (``hello``, ``gap``): it repeats the latest seq, takes none."""
+    text = orjson.dumps({"seq": seq, "type": type, "payload": payload}).decode()
+    return Event(seq, type, text, must_deliver=False)
+
+
+@attrs.define
+class Gap:
+    """Events a client missed: ``dropped`` of them between ``from_seq`` and ``to_seq``."""
+
+    dropped: int
+    from_seq: int
+    to_seq: int
+
+    def extend(self, seq: int) -> None:
+        self.dropped += 1
+        self.to_seq = seq
+
+    def frame(self, latest_seq: int) -> Event:
+        return connection_frame(
+            latest_seq,
+            "gap",
+            {"dropped": self.dropped, "from_seq": self.from_seq, "to_seq": self.to_seq},
+        )
+
+
+class ClientStream:
+    """One subscriber: a bounded channel of events plus its drop accounting.
+
+    Backpressure: the channel holds ``size`` events. Lossy events are dropped and counted when it
+    is full (a :class:`Gap` is recorded and queued as soon as there is room); must-deliver events
+    wait for room up to the broker's bound, then the client is killed (``killed`` is set,
+    ``kill_reason`` says why) and the transport closes it with 1013.
+    """
+
+    def __init__(self, broker: Broker, size: int, *, client_id: str = "") -> None:
+        self.broker = broker
+        self.client_id = client_id
+        self._send, self.receive = trio.open_memory_channel[Event](size)
+        self.size = size
+        self.dropped = 0
+        self.must_deliver_waits = 0
+        self.peak_depth = 0
+        self._gap: Gap | None = None
+        self._md_lock = trio.Lock()
+        self._md_waiting = 0
+        self.killed = trio.Event()
+        self.kill_reason = ""
+        self.closed = False
+
+    # -- producer side (the broker) ------------------------------------------------------------
+
+    def _depth(self) -> int:
+        return self._send.statistics().current_buffer_used
+
+    def _push_nowait(self, event: Event) -> bool:
+        try:
+            self._send.send_nowait(event)
+        except trio.WouldBlock:
+            return False
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return True  # the stream is going away; nothing more to deliver to it
+        depth = self._depth()
+        if depth > self.peak_depth:
+            self.peak_depth = depth
+        return True
+
+    def _flush_gap_nowait(self) -> bool:
+        """Queue the pending gap frame if there is room; True when nothing is pending."""
+        if self._gap is None:
+            return True
+        if self._push_nowait(self._gap.frame(self.broker.seq)):
+            self._gap = None
+            return True
+        return False
+
+    def offer(self, event: Event) -> None:
+        """Offer a lossy event: queue it now or drop and count it."""
+        if self.closed:
+            return
+        # While a must-deliver event waits for this client, later lossy events would overtake
+        # it; drop them into the gap instead so the client sees events in seq order.
+        if self._md_waiting == 0 and self._flush_gap_nowait() and self._push_nowait(event):
+            return
+        self.dropped += 1
+        self.broker.dropped += 1
+        if self._gap is None:
+            self._gap = Gap(1, event.seq, event.seq)
+        else:
+            self._gap.extend(event.seq)
+
+    def try_deliver_nowait(self, event: Event) -> bool:
+        if self.closed:
+            return True
+        if self._md_waiting:
+            return False
+        return self._flush_gap_nowait() and self._push_nowait(event)
+
+    async def deliver(self, event: Event) -> None:
+        """Wait for room for a must-deliver event (the caller bounds the wait).
+
+        Cancellation: if cancelled while waiting the event was not queued; the caller then kills
+        this client.
+        """
+        self._md_waiting += 1
+        self.must_deliver_waits += 1
+        try:
+            async with self._md_lock:
+                if self._gap is not None:
+                    await self._send.send(self._gap.frame(self.broker.seq))
+                    self._gap = None
+                await self._send.send(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+        finally:
+            self._md_waiting -= 1
+
+    async def send_reply(self, frame: Event) -> None:
+        """Queue a command reply (waits for room: backpressure on the client's commands)."""
+        try:
+            await self._send.send(frame)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def kill(self, reason: str) -> None:
+        """Disconnect this client: it could not take a must-deliver event in time."""
+        if not self.killed.is_set():
+            self.kill_reason = reason
+            log.warning(
+                "disconnecting client %s: %s (queue %d/%d)",
+                self.client_id or "?",
+                reason,
+                self._depth(),
+                self.size,
+            )
+            self.killed.set()
+        self.close()
+
+    # -- consumer side (the transport's writer task) -------------------------------------------
+
+    def after_receive(self) -> None:
+        """Called by the writer after taking an event: there is room now for a pending gap."""
+        if self._md_waiting == 0:
+            self._flush_gap_nowait()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._send.close()
+            self.broker._unsubscribe(self)
+
+
+class Broker:
+    """Sequences, encodes and fans out one workspace's events.
+
+    Args:
+        replay_size: events kept for resume.
+        client_queue_size: capacity of each client's channel.
+        must_deliver_timeout: total bound on one must-deliver publish (seconds).
+    """
+
+    def __init__(
+        self,
+        *,
+        replay_size: int = DEFAULT_REPLAY_BUFFER,
+        client_queue_size: int = DEFAULT_CLIENT_QUEUE_SIZE,
+        must_deliver_timeout: float = DEFAULT_MUST_DELIVER_TIMEOUT,
+    ) -> None:
+        self.seq = 0
+        self.replay: collections.deque[Event] = collections.deque(maxlen=replay_size)
+        self.client_queue_size = client_queue_size
+        self.must_deliver_timeout = must_deliver_timeout
+        self.clients: set[ClientStream] = set()
+        self.dropped = 0
+        self.killed = 0
+        self.published = 0
+        self.closed = False
+
+    def _encode(self, obj: Any, kind: EventKind) -> Event:
+        ptype = wire.PAYLOAD_TYPES[type(obj)]
+        self.seq += 1
+        envelope = {
+            "seq": self.seq,
+            "type": ptype.value,
+            "payload": {"type": kind.value, "payload": wire.converter.unstructure(obj)},
+        }
+        event = Event(self.seq, ptype.value, orjson.dumps(envelope).decode(), ptype.must_deliver)
+        self.replay.append(event)
+        self.published += 1
+        return event
+
+    def publish(self, obj: Any, kind: EventKind = EventKind.UPDATED) -> Event:
+        """Publish a lossy event. Never blocks.
+
+        Raises:
+            ValueError: ``obj`` is a must-deliver payload; use :meth:`publish_must_deliver`.
+        """
+        if wire.PAYLOAD_TYPES[type(obj)].must_deliver:
+            raise ValueError(f"{type(obj).__name__} is must-deliver; use publish_must_deliver")
+        event = self._encode(obj, kind)
+        for client in list(self.clients):
+            client.offer(event)
+        return event
+
+    async def publish_must_deliver(self, obj: Any, kind: EventKind = EventKind.UPDATED) -> Event:
+        """Publish a must-deliver event to every client, bounded by ``must_deliver_timeout``.
+
+        Backpressure: waits for room in each full client's channel, all clients concurrently, so
+        one slow client costs at most the bound; clients still full then are killed (1013).
+
+        Cancellation: if the caller is cancelled, clients not yet served are killed rather than
+        left without the event; callers publish terminal events inside shielded, time-bounded
+        scopes so this does not happen on the normal paths.
+        """
+        event = self._encode(obj, kind)
+        slow = [c for c in list(self.clients) if not c.try_deliver_nowait(event)]
+        if slow:
+            await self._deliver_slow(event, slow)
+        return event
+
+    async def _deliver_slow(self, event: Event, slow: list[ClientStream]) -> None:
+        served: set[ClientStream] = set()
+
+        async def one(client: ClientStream) -> None:
+            await client.deliver(event)
+            served.add(client)
+
+        try:
+            with trio.move_on_after(self.must_deliver_timeout):
+                async with trio.open_nursery() as nursery:
+                    for client in slow:
+                        nursery.start_soon(one, client)
+        finally:
+            for client in slow:
+                if client not in served and not client.closed:
+                    self.killed += 1
+                    client.kill(TOO_SLOW_REASON)
+
+    def subscribe(
+        self, *, since: int | None = None, client_id: str = ""
+    ) -> tuple[ClientStream, list[Event]]:
+        """Add a client. Returns its stream and the frames to send first.
+
+        The first frames are ``hello``, then (when resuming) a ``gap`` for events no longer in the
+        replay buffer and the replayed events after ``since``, in order. Everything published
+        after this call goes to the stream's channel, so nothing is missed or sent twice.
+        """
+        if self.closed:
+            raise trio.ClosedResourceError("broker is closed")
+        stream = ClientStream(self, self.client_queue_size, client_id=client_id)
+        self.clients.add(stream)
+        return stream, list(self._resume_frames(since))
+
+    def hello(self, workspace_id: str, version: str) -> Event:
+        return connection_frame(
+            self.seq, "hello", {"workspace_id": workspace_id, "server_version": version}
+        )
+
+    def _resume_frames(self, since: int | None) -> Iterable[Event]:
+        if since is None or since == self.seq:
+            return
+        if since > self.seq:
+            # A cursor from another server instance (seq restarts with the process): the client
+            # cannot trust anything it holds, so it re-reads state.
+            yield Gap(self.seq, 1 if self.seq else 0, self.seq).frame(self.seq)
+            return
+        oldest = self.replay[0].seq if self.replay else self.seq + 1
+        if since + 1 < oldest:
+            missing_to = oldest - 1
+            yield Gap(missing_to - since, since + 1, missing_to).frame(self.seq)
+        for event in self.replay:
+            if event.seq > since:
+                yield event
+
+    def _unsubscribe(self, stream: ClientStream) -> None:
+        self.clients.discard(stream)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "clients": len(self.clients),
+            "published": self.published,
+            "dropped": self.dropped,
+            "killed": self.killed,
+            "peak_depth": max((c.peak_depth for c in self.clients), default=0),
+        }
+
+    def close(self) -> None:
+        """Close every client stream (their writers finish what is queued, then end)."""
+        self.closed = True
+        for client in list(self.clients):
+            client.close()

@@ -1,0 +1,118 @@
+"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1) and ``run`` (PROTOCOL §8).
+
+argparse (stdlib) is enough for these flat flag sets and keeps start-up fast for ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from . import __version__
+from .errors import ConfigError
+from .server.serve import DEFAULT_HOST, DEFAULT_PORT, ServeOptions, ServerHandle, serve
+
+EXIT_USAGE = 2
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the server", description="Run the crush_trio server.")
+    p.add_argument("--host", default=DEFAULT_HOST, help="address, or unix:/path/to.sock")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
+    p.add_argument("--data-dir", type=Path, default=None, help="where workspace databases live")
+    p.add_argument(
+        "--config", type=Path, default=None, help="crush.json to use for every workspace"
+    )
+    p.add_argument("--token", default=None, help="auth token (default: a random one is printed)")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="another origin allowed to open event streams (repeatable)",
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--no-access-log", action="store_true", help="do not log each request")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="crush-trio", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"crush-trio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    try:
+        from .run_cmd import add_run_parser
+    except ImportError:  # pragma: no cover - the run command is optional during development
+        pass
+    else:
+        add_run_parser(sub)
+    return parser
+
+
+async def _serve_main(options: ServeOptions) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def run_server(*, task_status: trio.TaskStatus[ServerHandle]) -> None:
+            await serve(options, task_status=task_status)
+            nursery.cancel_scope.cancel()  # stop the signal watcher too
+
+        handle: ServerHandle = await nursery.start(run_server)
+        print(handle.listening_line, flush=True)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                handle.stop()
+                break
+
+
+def unwrap_group(exc: BaseException) -> BaseException:
+    """The single exception inside nested one-member groups (what a user should see)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        logging.basicConfig(
+            level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        options = ServeOptions(
+            host=args.host,
+            port=args.port,
+            data_dir=args.data_dir,
+            config_file=args.config,
+            token=args.token,
+            allow_origins=args.allow_origin,
+            access_log=not args.no_access_log,
+        )
+        try:
+            trio.run(_serve_main, options)
+        except BaseException as group:
+            exc = unwrap_group(group)
+            if isinstance(exc, ConfigError):
+                print(f"crush-trio: {exc}", file=sys.stderr)
+                return EXIT_USAGE
+            if isinstance(exc, OSError):
+                print(f"crush-trio: cannot listen on {args.host}: {exc}", file=sys.stderr)
+                return 1
+            raise
+        return 0
+    run = getattr(args, "run", None)
+    if run is not None:
+        return int(run(args))
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

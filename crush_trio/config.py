@@ -1,0 +1,737 @@
+"""Configuration: a subset of Crush's ``crush.json`` format (PROTOCOL §7).
+
+A configuration is a tree of frozen attrs classes, rooted at :class:`Config`, with a default for
+every field: an empty file (``{}``), a missing file and ``Config()`` are all valid and give the
+built-in ``echo`` model.
+
+Loading goes in stages, each of which reports every problem it finds with the file and the JSON
+path (``/p/crush.json: $.providers.local.type: ...``) before giving up:
+
+1. **Lookup** (:func:`config_files`): ``--config FILE`` alone, or else the user file
+   ``$XDG_CONFIG_HOME/crush-trio/crush.json`` with the workspace's ``crush.json`` and then
+   ``.crush.json`` merged over it. Objects merge key by key, later files win, lists are replaced.
+   The merge remembers which file set which key, so an error names the file to edit.
+2. **Shape**: every object, map and list is where the classes expect one, and unknown keys are
+   logged (one warning each, naming the path) and ignored, so a full Crush file works unchanged.
+3. **Types**: the project's one converter (:data:`crush_trio.wire.converter`) structures the tree;
+   it is strict, so ``"5"`` is not an int.
+4. **Meaning**: numbers are within their bounds, ``$VAR``/``${VAR}`` in ``api_key``, ``base_url``
+   and ``extra_headers`` expand from the environment, and ``models.large``/``models.small`` name a
+   configured provider and model (:meth:`Config.resolve_model`).
+
+Every failure is a :class:`~crush_trio.errors.ConfigError` whose message names the file, the path
+and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin
+
+import attrs
+import cattrs
+import orjson
+
+from .errors import ConfigError
+from .wire import converter
+
+logger: Final = logging.getLogger("crush_trio.config")
+
+_N = TypeVar("_N", int, float)
+
+# ---------------------------------------------------------------------------------------------
+# Names and defaults
+
+#: File name looked up in the user config directory and in a workspace.
+CONFIG_FILE_NAME: Final = "crush.json"
+#: Hidden variant in a workspace, merged over :data:`CONFIG_FILE_NAME`.
+HIDDEN_CONFIG_FILE_NAME: Final = ".crush.json"
+#: Directory under ``$XDG_CONFIG_HOME`` that holds the user file.
+USER_CONFIG_SUBDIR: Final = "crush-trio"
+#: Name of the built-in provider, usable without configuring it.
+ECHO_PROVIDER: Final = "echo"
+#: Model id of the built-in echo model.
+ECHO_MODEL: Final = "echo"
+#: What :func:`config_to_json` shows instead of a secret.
+REDACTED: Final = "***"
+#: Top-level keys accepted silently although they configure nothing (editors' schema hint).
+IGNORED_TOP_LEVEL_KEYS: Final = frozenset({"$schema"})
+
+ProviderType = Literal["openai-compat", "openai", "anthropic", "echo"]
+#: The allowed values of ``providers.<name>.type``.
+PROVIDER_TYPES: Final[tuple[str, ...]] = get_args(ProviderType)
+
+# Providers (seconds unless named otherwise).
+#: Echo provider: delay per streamed word, in milliseconds.
+DEFAULT_ECHO_DELAY_MS: Final = 0.0
+#: Longest wait to open a connection to a provider.
+DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+#: Longest wait from sending a request to the first byte of the reply.
+DEFAULT_FIRST_BYTE_TIMEOUT: Final = 60.0
+#: Longest silence between two chunks of a streamed reply.
+DEFAULT_CHUNK_TIMEOUT: Final = 60.0
+#: Retries of a retryable provider failure before the run fails.
+DEFAULT_MAX_RETRIES: Final = 3
+#: First retry delay; it doubles on each retry.
+DEFAULT_RETRY_BASE_DELAY: Final = 1.0
+#: Cap on one retry delay.
+DEFAULT_RETRY_MAX_DELAY: Final = 30.0
+
+# Workspace and agent options.
+#: Per-workspace data directory, relative to the workspace.
+DEFAULT_DATA_DIRECTORY: Final = ".crush"
+#: Most model calls in one run before it stops.
+DEFAULT_MAX_STEPS: Final = 50
+#: Coalescing window for streamed message updates, in milliseconds.
+DEFAULT_DEBOUNCE_MS: Final = 33.0
+#: Longest generated session title, in words.
+DEFAULT_TITLE_MAX_WORDS: Final = 8
+#: Longest wait for a permission answer; ``None`` waits until the run is cancelled.
+DEFAULT_PERMISSION_TIMEOUT: Final[float | None] = None
+#: Longest run of one tool call.
+DEFAULT_TOOL_TIMEOUT: Final = 120.0
+#: Characters of bash output kept in a tool result.
+DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
+
+# Server bounds.
+#: Largest request body and websocket frame, in bytes (4 MiB).
+DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
+#: Longest wait to hand a must-deliver event to a slow client before disconnecting it.
+DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
+#: Events buffered per client stream.
+DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
+#: Events kept per workspace for replay on reconnect.
+DEFAULT_REPLAY_BUFFER: Final = 4096
+#: Time a creating client has to open its first stream.
+DEFAULT_CREATE_GRACE: Final = 30.0
+#: Time a workspace stays after a client's last stream closes.
+DEFAULT_DETACH_GRACE: Final = 10.0
+#: Longest shielded final save of a workspace at shutdown.
+DEFAULT_SHUTDOWN_SAVE_TIMEOUT: Final = 5.0
+#: Time given to work at server shutdown before it is cancelled.
+DEFAULT_SHUTDOWN_GRACE: Final = 10.0
+#: Interval of SSE keep-alive comments.
+DEFAULT_SSE_PING_INTERVAL: Final = 15.0
+#: Interval of websocket pings.
+DEFAULT_WS_PING_INTERVAL: Final = 20.0
+#: ``TCP_USER_TIMEOUT`` on accepted sockets, in milliseconds (0 leaves the OS default).
+DEFAULT_TCP_USER_TIMEOUT_MS: Final = 2000
+
+# A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
+_POSITIVE: Final = "crush_trio.config.positive"
+
+
+def _positive(default: _N) -> _N:
+    """A number field whose value must be greater than zero (zero would break the server)."""
+    return attrs.field(default=default, metadata={_POSITIVE: True})
+
+
+# ---------------------------------------------------------------------------------------------
+# The configuration tree
+
+
+@attrs.frozen
+class ModelEntry:
+    """One model a provider offers; ``0`` means unknown / the provider's default."""
+
+    id: str
+    name: str = ""
+    context_window: int = 0
+    default_max_tokens: int = 0
+
+
+@attrs.frozen
+class ProviderConfig:
+    """One entry of ``providers``: how to reach a model API, and its bounds."""
+
+    type: ProviderType
+    base_url: str = ""
+    api_key: str = ""
+    models: list[ModelEntry] = attrs.field(factory=list)
+    extra_headers: dict[str, str] = attrs.field(factory=dict)
+    #: Echo only: delay per streamed word, in milliseconds.
+    delay_ms: float = DEFAULT_ECHO_DELAY_MS
+    connect_timeout: float = _positive(DEFAULT_CONNECT_TIMEOUT)
+    first_byte_timeout: float = _positive(DEFAULT_FIRST_BYTE_TIMEOUT)
+    chunk_timeout: float = _positive(DEFAULT_CHUNK_TIMEOUT)
+    max_retries: int = DEFAULT_MAX_RETRIES
+    retry_base_delay: float = DEFAULT_RETRY_BASE_DELAY
+    retry_max_delay: float = DEFAULT_RETRY_MAX_DELAY
+
+    def find_model(self, model_id: str) -> ModelEntry | None:
+        """The entry of ``models`` with this id, or ``None``."""
+        for entry in self.models:
+            if entry.id == model_id:
+                return entry
+        return None
+
+
+@attrs.frozen
+class SelectedModel:
+    """``models.large`` / ``models.small``: a provider name and one of its model ids."""
+
+    provider: str
+    model: str
+    #: Overrides the model's ``default_max_tokens`` when non-zero.
+    max_tokens: int = 0
+
+
+@attrs.frozen
+class Models:
+    """The model chosen for each role; ``small`` falls back to ``large``."""
+
+    large: SelectedModel | None = None
+    small: SelectedModel | None = None
+
+
+@attrs.frozen
+class Options:
+    """Workspace and agent options."""
+
+    data_directory: str = DEFAULT_DATA_DIRECTORY
+    max_steps: int = _positive(DEFAULT_MAX_STEPS)
+    debounce_ms: float = DEFAULT_DEBOUNCE_MS
+    title_max_words: int = _positive(DEFAULT_TITLE_MAX_WORDS)
+    permission_timeout: float | None = attrs.field(
+        default=DEFAULT_PERMISSION_TIMEOUT, metadata={_POSITIVE: True}
+    )
+    tool_timeout: float = _positive(DEFAULT_TOOL_TIMEOUT)
+    bash_output_limit: int = _positive(DEFAULT_BASH_OUTPUT_LIMIT)
+    #: Accepted for compatibility; not used yet.
+    context_paths: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class Permissions:
+    """Tools that run without asking."""
+
+    allowed_tools: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class ServerOptions:
+    """The server's bounds (top-level key ``server``, an addition to the Crush format)."""
+
+    #: Also the websocket frame limit.
+    max_body_bytes: int = _positive(DEFAULT_MAX_BODY_BYTES)
+    must_deliver_timeout: float = _positive(DEFAULT_MUST_DELIVER_TIMEOUT)
+    client_queue_size: int = _positive(DEFAULT_CLIENT_QUEUE_SIZE)
+    replay_buffer: int = DEFAULT_REPLAY_BUFFER
+    create_grace: float = DEFAULT_CREATE_GRACE
+    detach_grace: float = DEFAULT_DETACH_GRACE
+    shutdown_save_timeout: float = _positive(DEFAULT_SHUTDOWN_SAVE_TIMEOUT)
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    sse_ping_interval: float = _positive(DEFAULT_SSE_PING_INTERVAL)
+    ws_ping_interval: float = _positive(DEFAULT_WS_PING_INTERVAL)
+    tcp_user_timeout_ms: int = DEFAULT_TCP_USER_TIMEOUT_MS
+    allow_origins: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class Config:
+    """The whole configuration; ``Config()`` is the all-defaults one (built-in echo model)."""
+
+    providers: dict[str, ProviderConfig] = attrs.field(factory=dict)
+    models: Models = attrs.field(factory=Models)
+    options: Options = attrs.field(factory=Options)
+    permissions: Permissions = attrs.field(factory=Permissions)
+    server: ServerOptions = attrs.field(factory=ServerOptions)
+
+    def resolve_model(
+        self, role: Literal["large", "small"]
+    ) -> tuple[str, ProviderConfig, ModelEntry]:
+        """The provider name, provider config and model entry to use for ``role``.
+
+        Rules: ``small`` falls back to ``large``. With no selection and no provider, the built-in
+        echo model. With no selection but providers, the first provider's first model (model
+        ``echo`` for an echo-type provider that lists none). A selected
+        provider named ``echo`` that is not configured is the built-in one. When the provider
+        lists no models, any model id is accepted. A non-zero ``max_tokens`` of the selection
+        replaces the entry's ``default_max_tokens``.
+
+        Raises:
+            ConfigError: the selection names an unknown provider or model, or the first provider
+                has no models; the message names the JSON path and the fix.
+        """
+        try:
+            return _resolve_model(self, role)
+        except _Problem as problem:
+            raise ConfigError(problem.describe()) from None
+
+
+def builtin_echo() -> tuple[str, ProviderConfig, ModelEntry]:
+    """The built-in echo provider and model, as :meth:`Config.resolve_model` returns them."""
+    return ECHO_PROVIDER, ProviderConfig(type="echo"), ModelEntry(id=ECHO_MODEL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converter hook
+
+_PROVIDER_TYPE_HINT: Final[object] = ProviderType
+
+
+def _structure_provider_type(value: Any, _: Any) -> str:
+    if not isinstance(value, str) or value not in PROVIDER_TYPES:
+        allowed = ", ".join(repr(t) for t in PROVIDER_TYPES)
+        raise ValueError(f"unknown provider type {value!r}; allowed types: {allowed}")
+    return value
+
+
+# The converter's generic Literal error is "x not in literal typing.Literal[...]"; this one lists
+# the allowed types in the file's own terms.
+converter.register_structure_hook_func(lambda t: t == _PROVIDER_TYPE_HINT, _structure_provider_type)
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems and paths
+
+PathParts = tuple[str | int, ...]
+
+_PLAIN_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def format_path(parts: PathParts) -> str:
+    """``("providers", "local", "models", 0)`` -> ``$.providers.local.models[0]``."""
+    out = ["$"]
+    for part in parts:
+        if isinstance(part, int):
+            out.append(f"[{part}]")
+        elif _PLAIN_KEY.fullmatch(part):
+            out.append(f".{part}")
+        else:
+            out.append(f"[{orjson.dumps(part).decode()}]")
+    return "".join(out)
+
+
+class _Problem(Exception):
+    """One thing wrong at one path; ``message`` already says how to fix it."""
+
+    def __init__(self, path: PathParts, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+    def describe(self, origins: _Origins | None = None) -> str:
+        where = format_path(self.path)
+        source = origins.source_of(self.path) if origins is not None else None
+        return f"{source}: {where}: {self.message}" if source else f"{where}: {self.message}"
+
+
+def _raise_problems(problems: list[_Problem], origins: _Origins) -> None:
+    if problems:
+        raise ConfigError("\n".join(p.describe(origins) for p in problems))
+
+
+@attrs.define
+class _Origins:
+    """Which file last set each key of the merged tree, to name the file in messages."""
+
+    by_path: dict[PathParts, Path] = attrs.field(factory=dict)
+
+    def set(self, path: PathParts, source: Path, *, replace: bool) -> None:
+        if replace:
+            # The whole subtree now comes from ``source``.
+            n = len(path)
+            for stale in [p for p in self.by_path if p[:n] == path]:
+                del self.by_path[stale]
+        self.by_path[path] = source
+
+    def source_of(self, path: PathParts) -> Path | None:
+        for n in range(len(path), -1, -1):
+            found = self.by_path.get(path[:n])
+            if found is not None:
+                return found
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup, reading and merging
+
+
+def user_config_file(
+    *, env: Mapping[str, str] | None = None, user_config_dir: Path | None = None
+) -> Path:
+    """The user file: ``user_config_dir/crush.json``, else under ``$XDG_CONFIG_HOME``."""
+    if user_config_dir is not None:
+        return user_config_dir / CONFIG_FILE_NAME
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_CONFIG_HOME", "")
+    # The XDG spec says to ignore a relative value.
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".config"
+    return base / USER_CONFIG_SUBDIR / CONFIG_FILE_NAME
+
+
+def config_files(
+    *,
+    config_file: Path | None,
+    workspace: Path | None,
+    env: Mapping[str, str] | None = None,
+    user_config_dir: Path | None = None,
+) -> list[Path]:
+    """The files :func:`load_config` reads, in merge order (later wins); some may not exist."""
+    if config_file is not None:
+        return [config_file]
+    files = [user_config_file(env=env, user_config_dir=user_config_dir)]
+    if workspace is not None:
+        files += [workspace / CONFIG_FILE_NAME, workspace / HIDDEN_CONFIG_FILE_NAME]
+    return files
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(
+                f"{path}: config file not found; check the path given with --config"
+            ) from None
+        return None
+    except OSError as exc:
+        raise ConfigError(
+            f"{path}: cannot read config file ({exc.strerror or exc}); "
+            "make it a readable file or remove it"
+        ) from None
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}; "
+            "fix the syntax"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: $: expected a JSON object, got {_json_kind(data)}; "
+            'make the file an object such as {"providers": {}}'
+        )
+    return data
+
+
+def _merge_into(
+    base: dict[str, Any],
+    over: Mapping[str, Any],
+    source: Path,
+    origins: _Origins,
+    prefix: PathParts = (),
+) -> None:
+    """Deep-merge ``over`` into ``base``: objects merge, anything else (lists too) replaces."""
+    for key, value in over.items():
+        path = (*prefix, key)
+        current = base.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            origins.set(path, source, replace=False)
+            _merge_into(current, value, source, origins, path)
+        else:
+            base[key] = value
+            origins.set(path, source, replace=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape check and unknown keys
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _check_shape(
+    value: Any,
+    hint: Any,
+    path: PathParts,
+    problems: list[_Problem],
+    unknown: list[PathParts],
+) -> None:
+    """Check that objects, maps and lists sit where ``hint`` expects them; collect unknown keys.
+
+    Leaves (strings, numbers, literals) are left to the converter. This runs first because the
+    converter would turn a string into a list of characters or fail on ``.items()`` of a list.
+    """
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in get_args(hint):
+            return
+        members = [a for a in get_args(hint) if a is not type(None)]
+        if len(members) == 1:
+            _check_shape(value, members[0], path, problems, unknown)
+        return
+    if attrs.has(hint):
+        if not isinstance(value, dict):
+            problems.append(_Problem(path, f"expected an object, got {_json_kind(value)}"))
+            return
+        fields = {f.name: f for f in attrs.fields(attrs.resolve_types(hint))}
+        for key, item in value.items():
+            field = fields.get(key)
+            if field is None:
+                if not (path == () and key in IGNORED_TOP_LEVEL_KEYS):
+                    unknown.append((*path, key))
+                continue
+            _check_shape(item, field.type, (*path, key), problems, unknown)
+        return
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(_Problem(path, f"expected an object, got {_json_kind(value)}"))
+            return
+        _, value_hint = get_args(hint)
+        for key, item in value.items():
+            _check_shape(item, value_hint, (*path, key), problems, unknown)
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(_Problem(path, f"expected an array, got {_json_kind(value)}"))
+            return
+        (item_hint,) = get_args(hint)
+        for index, item in enumerate(value):
+            _check_shape(item, item_hint, (*path, index), problems, unknown)
+
+
+# ---------------------------------------------------------------------------------------------
+# Structuring errors
+
+
+def _structuring_problems(exc: BaseException, path: PathParts = ()) -> Iterator[_Problem]:
+    """Flatten a cattrs error tree into problems with JSON paths (like ``transform_error``)."""
+    if isinstance(exc, (cattrs.ClassValidationError, cattrs.IterableValidationError)):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            if isinstance(note, cattrs.AttributeValidationNote):
+                sub_path: PathParts = (*path, note.name)
+            else:
+                sub_path = (*path, note.index)
+            yield from _structuring_problems(sub, sub_path)
+        for sub in without:
+            yield from _structuring_problems(sub, path)
+    elif isinstance(exc, KeyError):
+        yield _Problem(path, "required key missing; add it to the file")
+    else:
+        yield _Problem(path, f"{exc}; fix the value in the file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks after structuring
+
+
+def _check_bounds(obj: Any, path: PathParts, problems: list[_Problem]) -> None:
+    """Every number is finite and >= 0; fields marked positive must be > 0."""
+    for field in attrs.fields(type(obj)):
+        value = getattr(obj, field.name)
+        here = (*path, field.name)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            if not math.isfinite(value):
+                problems.append(_Problem(here, "must be a finite number; fix the value"))
+            elif field.metadata.get(_POSITIVE) and value <= 0:
+                problems.append(
+                    _Problem(here, f"must be greater than 0, got {value}; fix the value")
+                )
+            elif value < 0:
+                problems.append(_Problem(here, f"must not be negative, got {value}; fix the value"))
+        elif attrs.has(type(value)):
+            _check_bounds(value, here, problems)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if attrs.has(type(item)):
+                    _check_bounds(item, (*here, key), problems)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if attrs.has(type(item)):
+                    _check_bounds(item, (*here, index), problems)
+
+
+_ENV_REF: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _expand(text: str, env: Mapping[str, str], path: PathParts, origins: _Origins) -> str:
+    """Expand ``$VAR`` and ``${VAR}``; an unset variable becomes "" and is logged."""
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        value = env.get(name)
+        if value is None:
+            logger.warning(
+                "%s: %s: environment variable %s is not set; it expands to an empty string",
+                origins.source_of(path),
+                format_path(path),
+                name,
+            )
+            return ""
+        return value
+
+    return _ENV_REF.sub(replace, text)
+
+
+def _expand_provider(
+    name: str, provider: ProviderConfig, env: Mapping[str, str], origins: _Origins
+) -> ProviderConfig:
+    base: PathParts = ("providers", name)
+    return attrs.evolve(
+        provider,
+        api_key=_expand(provider.api_key, env, (*base, "api_key"), origins),
+        base_url=_expand(provider.base_url, env, (*base, "base_url"), origins),
+        extra_headers={
+            header: _expand(value, env, (*base, "extra_headers", header), origins)
+            for header, value in provider.extra_headers.items()
+        },
+    )
+
+
+def _resolve_model(
+    config: Config, role: Literal["large", "small"]
+) -> tuple[str, ProviderConfig, ModelEntry]:
+    selected = config.models.large if role == "large" else config.models.small
+    where: PathParts = ("models", role)
+    if selected is None and role == "small":
+        selected, where = config.models.large, ("models", "large")
+    if selected is None:
+        if not config.providers:
+            return builtin_echo()
+        name, provider = next(iter(config.providers.items()))
+        if provider.models:
+            return name, provider, provider.models[0]
+        if provider.type == "echo":
+            return name, provider, ModelEntry(id=ECHO_MODEL)
+        raise _Problem(
+            ("providers", name, "models"),
+            f"provider {name!r} lists no models and $.models.large is not set; "
+            "add a model to this list or set $.models.large",
+        )
+
+    name = selected.provider
+    found = config.providers.get(name)
+    if found is None:
+        if name != ECHO_PROVIDER:
+            choices = ", ".join(repr(p) for p in [*config.providers, ECHO_PROVIDER])
+            raise _Problem(
+                (*where, "provider"),
+                f"unknown provider {name!r}; use one of {choices} or add it under $.providers",
+            )
+        found = ProviderConfig(type="echo")
+    provider = found
+    if not selected.model:
+        raise _Problem((*where, "model"), "model is empty; set it to a model id")
+    entry = provider.find_model(selected.model)
+    if entry is None:
+        if provider.models:
+            known = ", ".join(repr(m.id) for m in provider.models)
+            raise _Problem(
+                (*where, "model"),
+                f"model {selected.model!r} is not in $.providers.{name}.models ({known}); "
+                "use one of them or add it to that list",
+            )
+        entry = ModelEntry(id=selected.model)
+    if selected.max_tokens:
+        entry = attrs.evolve(entry, default_max_tokens=selected.max_tokens)
+    return name, provider, entry
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_config(
+    *,
+    config_file: Path | None,
+    workspace: Path | None,
+    env: Mapping[str, str] | None = None,
+    user_config_dir: Path | None = None,
+) -> Config:
+    """Find, merge, check and structure the configuration (see the module docstring).
+
+    Args:
+        config_file: ``--config FILE``; when given, only this file is read and it must exist.
+        workspace: The workspace directory whose ``crush.json`` and ``.crush.json`` merge over
+            the user file; ``None`` reads the user file only.
+        env: Variables for ``$VAR`` expansion and ``XDG_CONFIG_HOME``; default ``os.environ``.
+        user_config_dir: Replaces ``$XDG_CONFIG_HOME/crush-trio`` as the user file's directory.
+
+    Raises:
+        ConfigError: unreadable file, invalid JSON, wrong shape or type, out-of-bounds number,
+            or a model selection that names nothing; the message names the file, the JSON path
+            and the fix (one line per problem).
+    """
+    env = os.environ if env is None else env
+    files = config_files(
+        config_file=config_file, workspace=workspace, env=env, user_config_dir=user_config_dir
+    )
+    merged: dict[str, Any] = {}
+    origins = _Origins()
+    loaded: list[Path] = []
+    for path in files:
+        data = _read_json(path, required=config_file is not None)
+        if data is not None:
+            _merge_into(merged, data, path, origins)
+            loaded.append(path)
+    logger.debug("config files read: %s", ", ".join(map(str, loaded)) or "none (defaults)")
+
+    problems: list[_Problem] = []
+    unknown: list[PathParts] = []
+    _check_shape(merged, Config, (), problems, unknown)
+    for path_parts in unknown:
+        logger.warning(
+            "%s: %s: unknown key ignored",
+            origins.source_of(path_parts),
+            format_path(path_parts),
+        )
+    _raise_problems(problems, origins)
+
+    try:
+        config = converter.structure(merged, Config)
+    except Exception as exc:
+        _raise_problems(list(_structuring_problems(exc)), origins)
+        raise  # pragma: no cover - every converter error yields at least one problem
+
+    _check_bounds(config, (), problems)
+    _raise_problems(problems, origins)
+
+    config = attrs.evolve(
+        config,
+        providers={
+            name: _expand_provider(name, provider, env, origins)
+            for name, provider in config.providers.items()
+        },
+    )
+
+    roles: list[Literal["large", "small"]] = ["large"]
+    if config.models.small is not None:
+        roles.append("small")
+    for role in roles:
+        try:
+            _resolve_model(config, role)
+        except _Problem as problem:
+            problems.append(problem)
+    _raise_problems(problems, origins)
+    return config
+
+
+def config_to_json(config: Config) -> dict[str, Any]:
+    """The configuration as JSON data for display, with secrets redacted.
+
+    ``api_key`` and every ``extra_headers`` value (they often carry tokens) become ``"***"``
+    when non-empty.
+    """
+    data: dict[str, Any] = converter.unstructure(config)
+    for provider in data["providers"].values():
+        if provider["api_key"]:
+            provider["api_key"] = REDACTED
+        provider["extra_headers"] = {
+            header: REDACTED if value else value
+            for header, value in provider["extra_headers"].items()
+        }
+    return data

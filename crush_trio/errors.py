@@ -1,0 +1,102 @@
+"""The error hierarchy, arranged by what the caller can do about each error.
+
+Every error the server reports to a client is a :class:`CrushError`. Each class carries the HTTP
+status it maps to (the table of PROTOCOL §2) and, where it ends a websocket, the close code. The
+message always names the object at fault and what to do next. Provider, sqlite and socket errors are
+translated into these at the boundary where they occur.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Final
+
+#: Websocket close codes used by the server.
+WS_CLOSE_GOING_AWAY: Final = 1001
+WS_CLOSE_PROTOCOL_ERROR: Final = 1002
+WS_CLOSE_POLICY: Final = 1008
+WS_CLOSE_TOO_BIG: Final = 1009
+WS_CLOSE_TRY_AGAIN_LATER: Final = 1013
+
+
+class CrushError(Exception):
+    """Base class of every error the server reports; ``status`` is the HTTP status."""
+
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadRequest(CrushError):
+    """The input was malformed or refers to something that does not exist (400)."""
+
+    status = 400
+
+
+class Unauthorized(CrushError):
+    """The token was missing or wrong (401)."""
+
+    status = 401
+
+
+class Forbidden(CrushError):
+    """The request came from a foreign origin (403)."""
+
+    status = 403
+
+
+class NotFound(CrushError):
+    """An id in the path names nothing (404)."""
+
+    status = 404
+
+
+class Conflict(CrushError):
+    """The target cannot take this now: workspace closing, client retired, server busy (409)."""
+
+    status = 409
+
+
+class TooLarge(CrushError):
+    """A request body or websocket frame exceeds the configured limit (413, close 1009)."""
+
+    status = 413
+
+
+class ShuttingDown(CrushError):
+    """The server is shutting down; retry against a new server (503)."""
+
+    status = 503
+
+
+class TooSlow(CrushError):
+    """A client could not take a must-deliver event in time (websocket close 1013)."""
+
+    status = 503
+
+
+class ConfigError(CrushError):
+    """The configuration is invalid; the message names the JSON path and the fix."""
+
+    status = 500
+
+
+class ProviderError(CrushError):
+    """A model provider failed; the message says which provider and what to check."""
+
+    status = 502
+
+    def __init__(self, message: str, *, retryable: bool = False, details: str = "") -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.details = details
+
+
+class StoreError(CrushError):
+    """The embedded database failed; this is a bug or a broken disk (500)."""
+
+    status = 500

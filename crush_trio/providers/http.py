@@ -1,0 +1,554 @@
+"""HTTP machinery shared by the HTTP providers: SSE decoding, timeouts, retries, error mapping.
+
+Layers, from the wire up:
+
+* :class:`SSEDecoder` is pure logic: bytes in, :class:`SSEEvent` values out. It knows nothing of
+  sockets or clocks, so it is tested by feeding it bytes split at every possible point.
+* :class:`HttpStreamer` is the thin Trio shell. It owns one ``httpx.AsyncClient`` per provider,
+  posts a JSON body, retries transient failures, enforces the named timeouts on Trio's clock, and
+  yields decoded events. Every ``httpx`` exception becomes a
+  :class:`~crush_trio.errors.ProviderError` here, so the provider modules above it never see HTTP
+  errors.
+
+Timeouts (all config keys of a provider, in seconds):
+
+* ``connect_timeout``: opening the TCP (and TLS) connection; ``httpx``'s connect timeout.
+* ``first_byte_timeout``: from sending the request until the response headers *and* the first
+  chunk of the body arrived. Enforced with :func:`trio.move_on_after`, so Trio's clock (and a
+  test's ``MockClock``) drives it.
+* ``chunk_timeout``: the longest silence between two chunks of a streaming body.
+
+Retries: a connection failure, HTTP 429 and HTTP 5xx are retried up to ``max_retries`` times, only
+before any content was streamed. The delay is ``min(retry_max_delay, retry_base_delay * 2**n)``
+for the ``n``-th retry (counting from 0), or the server's ``Retry-After`` when it sent one
+(capped by ``retry_max_delay``). A :class:`~crush_trio.providers.base.Retrying` event is yielded
+before each retry sleep so clients can show it. Timeouts are not retried: a provider that is
+silent for ``first_byte_timeout`` is reported at once instead of multiplying the wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from typing import Any, Final, Protocol
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from ..errors import ProviderError
+from .base import Retrying
+
+#: Defaults of the provider config keys (the config module uses the same values).
+DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+DEFAULT_FIRST_BYTE_TIMEOUT: Final = 60.0
+DEFAULT_CHUNK_TIMEOUT: Final = 60.0
+DEFAULT_MAX_RETRIES: Final = 3
+DEFAULT_RETRY_BASE_DELAY: Final = 1.0
+DEFAULT_RETRY_MAX_DELAY: Final = 30.0
+
+#: How long closing a response may take when the stream ends or is cancelled (shielded cleanup).
+CLOSE_TIMEOUT: Final = 5.0
+#: After the final event of a reply, how long to wait for the end of the body so the connection
+#: can be reused; past it the connection is closed instead (no error: the reply is complete).
+DRAIN_TIMEOUT: Final = 1.0
+#: Most bytes of an error response body read to find its message; the rest is discarded.
+MAX_ERROR_BODY_BYTES: Final = 64 * 1024
+#: Largest SSE event (or line) accepted; a larger one is a protocol error, never unbounded memory.
+MAX_SSE_EVENT_BYTES: Final = 16 * 1024 * 1024
+#: Longest excerpt of a bad chunk or error body quoted in an error message.
+MAX_QUOTE_CHARS: Final = 200
+
+#: Statuses retried before any content was streamed (besides every 5xx).
+RETRYABLE_STATUSES: Final = frozenset({429})
+#: Statuses that mean the credentials are wrong: fail at once with an api_key hint.
+AUTH_STATUSES: Final = frozenset({401, 403})
+
+
+class ProviderSettings(Protocol):
+    """The provider config keys this package reads (``ProviderConfig`` in the config module).
+
+    Any object with these attributes works; :class:`Settings` is a plain implementation.
+    """
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def api_key(self) -> str: ...
+    @property
+    def extra_headers(self) -> Mapping[str, str]: ...
+    @property
+    def delay_ms(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def first_byte_timeout(self) -> float: ...
+    @property
+    def chunk_timeout(self) -> float: ...
+    @property
+    def max_retries(self) -> int: ...
+    @property
+    def retry_base_delay(self) -> float: ...
+    @property
+    def retry_max_delay(self) -> float: ...
+
+
+@attrs.frozen
+class Settings:
+    """Provider settings with the documented defaults, for code that builds a provider by hand."""
+
+    type: str = "openai-compat"
+    base_url: str = ""
+    api_key: str = ""
+    extra_headers: Mapping[str, str] = attrs.field(factory=dict)
+    delay_ms: float = 0.0
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT
+    chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
+    max_retries: int = DEFAULT_MAX_RETRIES
+    retry_base_delay: float = DEFAULT_RETRY_BASE_DELAY
+    retry_max_delay: float = DEFAULT_RETRY_MAX_DELAY
+
+
+# ---------------------------------------------------------------------------------------------
+# Server-sent events, without I/O
+
+
+@attrs.frozen
+class SSEEvent:
+    """One dispatched server-sent event: its ``event:`` name and its joined ``data:`` lines."""
+
+    event: str = "message"
+    data: str = ""
+
+
+class SSEDecoder:
+    """Incremental decoder of a ``text/event-stream`` body (the WHATWG event-stream rules).
+
+    Lines end in ``\\n``, ``\\r\\n`` or ``\\r``, possibly split across chunks; ``data:`` lines
+    are joined with ``\\n``; a blank line dispatches the event; ``:`` comments, ``id:`` and
+    ``retry:`` are ignored. An event still pending when the body ends is dispatched by
+    :meth:`close`, since some servers omit the final blank line.
+
+    Args:
+        limit: the largest event or line in bytes; a bigger one raises :class:`ValueError`.
+    """
+
+    def __init__(self, limit: int = MAX_SSE_EVENT_BYTES) -> None:
+        self._limit = limit
+        self._buffer = b""
+        self._event = ""
+        self._data: list[str] = []
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Decode ``chunk`` and return the events it completed.
+
+        Raises:
+            ValueError: an event or line exceeds the limit.
+        """
+        buffer = self._buffer + chunk if self._buffer else chunk
+        events: list[SSEEvent] = []
+        start = 0
+        size = len(buffer)
+        while start < size:
+            nl = buffer.find(b"\n", start)
+            cr = buffer.find(b"\r", start, nl if nl >= 0 else size)
+            if cr >= 0:
+                if cr + 1 == size:
+                    break  # a "\r" at the end may be the first half of "\r\n": wait for more
+                end = cr
+                start_next = cr + 2 if buffer[cr + 1] == 0x0A else cr + 1
+            elif nl >= 0:
+                end = nl
+                start_next = nl + 1
+            else:
+                break
+            self._line(buffer[start:end], events)
+            start = start_next
+        self._buffer = buffer[start:]
+        if len(self._buffer) > self._limit:
+            raise ValueError(f"an event-stream line is longer than {self._limit} bytes")
+        return events
+
+    def close(self) -> list[SSEEvent]:
+        """End of the body: return the last event if one was pending."""
+        events: list[SSEEvent] = []
+        if self._buffer:
+            line, self._buffer = self._buffer.rstrip(b"\r"), b""
+            self._line(line, events)
+        self._dispatch(events)
+        return events
+
+    def _line(self, raw: bytes, events: list[SSEEvent]) -> None:
+        if not raw:
+            self._dispatch(events)
+            return
+        line = raw.decode("utf-8", errors="replace")
+        if line.startswith(":"):
+            return
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._size += len(raw)
+            if self._size > self._limit:
+                raise ValueError(f"an event-stream event is larger than {self._limit} bytes")
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+
+    def _dispatch(self, events: list[SSEEvent]) -> None:
+        if self._data:
+            events.append(SSEEvent(self._event or "message", "\n".join(self._data)))
+        self._event = ""
+        self._data = []
+        self._size = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry and error helpers, without I/O
+
+
+def backoff_delay(settings: ProviderSettings, retry: int, retry_after: float | None) -> float:
+    """Seconds to wait before the ``retry``-th retry (0-based).
+
+    ``Retry-After`` wins when the server sent one; either way the delay is capped by
+    ``retry_max_delay``.
+    """
+    if retry_after is not None:
+        return max(0.0, min(settings.retry_max_delay, retry_after))
+    return max(0.0, min(settings.retry_max_delay, settings.retry_base_delay * float(2**retry)))
+
+
+def parse_retry_after(headers: Mapping[str, str]) -> float | None:
+    """The server's requested delay in seconds (``retry-after-ms`` or ``Retry-After`` seconds).
+
+    An HTTP-date ``Retry-After`` or a malformed value is ignored (the backoff applies).
+    """
+    for key, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        raw = headers.get(key)
+        if raw is None:
+            continue
+        try:
+            value = float(raw.strip()) * scale
+        except ValueError:
+            continue
+        if math.isfinite(value) and value >= 0:
+            return value
+    return None
+
+
+def quote(text: str | bytes, limit: int = MAX_QUOTE_CHARS) -> str:
+    """A short excerpt of ``text`` for an error message."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def error_message(body: bytes) -> str:
+    """The human message of an error body (``{"error": {"message": ...}}`` and variants)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return quote(body) or "(empty body)"
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            for key in ("message", "detail", "error"):
+                value = err.get(key)
+                if isinstance(value, str) and value:
+                    return quote(value, 4 * MAX_QUOTE_CHARS)
+        elif isinstance(err, str) and err:
+            return quote(err, 4 * MAX_QUOTE_CHARS)
+    return quote(body)
+
+
+def parse_json_event(provider: str, data: str) -> Any:
+    """Decode the JSON data of one stream event.
+
+    Raises:
+        ProviderError: the data is not JSON (a malformed chunk never hangs or crashes the run).
+    """
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ProviderError(
+            f"provider {provider!r} sent a malformed stream chunk: {quote(data)} ({exc})"
+        ) from exc
+
+
+def is_retryable_status(status: int) -> bool:
+    return status in RETRYABLE_STATUSES or 500 <= status <= 599
+
+
+# ---------------------------------------------------------------------------------------------
+# The Trio shell
+
+
+@attrs.frozen
+class _Retry:
+    """A transient failure before any content: retry it, or report ``message`` when out of tries."""
+
+    reason: str
+    message: str
+    retry_after: float | None = None
+
+
+@attrs.frozen
+class _Opened:
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes | None
+
+
+class HttpStreamer:
+    """One provider's HTTP client: posts JSON, yields server-sent events, retries, times out.
+
+    Args:
+        provider: the provider's name in ``crush.json``, used in every error message.
+        settings: timeouts, retries, ``base_url`` and ``extra_headers``.
+        headers: headers of every request (auth, API version); ``extra_headers`` override them.
+
+    Cancellation: cancelling (or closing) a :meth:`stream_sse` generator closes its HTTP response,
+    and with it the upstream connection, inside a shielded scope bounded by
+    :data:`CLOSE_TIMEOUT`.
+    """
+
+    def __init__(
+        self, provider: str, settings: ProviderSettings, *, headers: Mapping[str, str]
+    ) -> None:
+        self.provider = provider
+        self.settings = settings
+        merged = {"accept": "text/event-stream", **headers, **dict(settings.extra_headers)}
+        # Only connect uses httpx's own timeout; first byte and chunk gaps are timed on Trio's
+        # clock below, which also covers writing the request and waiting for the pool.
+        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
+        self._client = httpx.AsyncClient(headers=merged, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Close the client and its pooled connections."""
+        await self._client.aclose()
+
+    async def stream_sse(
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        *,
+        is_final: Callable[[SSEEvent], bool] = lambda _: False,
+    ) -> AsyncGenerator[SSEEvent | Retrying, None]:
+        """POST ``body`` as JSON to ``url`` and yield the events of the streamed reply.
+
+        ``Retrying`` values are yielded before each retry sleep. After an event for which
+        ``is_final`` is true, the rest of the body is drained for up to :data:`DRAIN_TIMEOUT` so
+        the connection can be reused, and the generator ends.
+
+        Raises:
+            ProviderError: the request failed, the reply was not a stream, a timeout expired,
+                the connection broke or the stream was malformed.
+
+        Cancellation: the response is closed when the generator is closed or cancelled.
+        """
+        payload = orjson.dumps(body)
+        retry = 0
+        while True:
+            outcome = await self._open(url, payload)
+            if isinstance(outcome, _Opened):
+                break
+            if retry >= self.settings.max_retries:
+                raise ProviderError(outcome.message, retryable=True)
+            delay = backoff_delay(self.settings, retry, outcome.retry_after)
+            retry += 1
+            yield Retrying(attempt=retry, delay=delay, reason=outcome.reason)
+            await trio.sleep(delay)
+
+        response, chunks = outcome.response, outcome.chunks
+        try:
+            decoder = SSEDecoder()
+            chunk = outcome.first
+            while chunk is not None:
+                for event in self._decode(decoder, chunk):
+                    yield event
+                    if is_final(event):
+                        await self._drain(chunks)
+                        return
+                chunk = await self._next_chunk(chunks)
+            for event in self._decode(decoder, None):
+                yield event
+        finally:
+            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                await _aclose_iter(chunks)
+                await response.aclose()
+
+    async def _open(self, url: str, payload: bytes) -> _Opened | _Retry:
+        """Send the request and wait for the headers and the first chunk (first-byte timeout)."""
+        name = self.provider
+        response: httpx.Response | None = None
+        try:
+            request = self._client.build_request(
+                "POST", url, content=payload, headers={"content-type": "application/json"}
+            )
+        except httpx.InvalidURL as exc:
+            raise ProviderError(
+                f"provider {name!r} has an invalid base_url ({url}): {exc}; "
+                "set base_url to an http:// or https:// URL"
+            ) from exc
+        ok = False
+        try:
+            with trio.move_on_after(self.settings.first_byte_timeout):
+                response = await self._client.send(request, stream=True)
+                status = response.status_code
+                if not 200 <= status <= 299:
+                    return await self._failed(response, url)
+                content_type = response.headers.get("content-type", "")
+                if content_type.startswith("application/json"):
+                    detail = error_message(await _read_limited(response))
+                    raise ProviderError(
+                        f"provider {name!r} answered with JSON instead of an event stream "
+                        f"({detail}); check that base_url {self.settings.base_url!r} points at "
+                        "an API that supports streaming"
+                    )
+                chunks = response.aiter_bytes()
+                try:
+                    first: bytes | None = await anext(chunks)
+                except StopAsyncIteration:
+                    first = None
+                ok = True
+                return _Opened(response, chunks, first)
+            raise ProviderError(
+                f"provider {name!r} sent no response within first_byte_timeout="
+                f"{self.settings.first_byte_timeout:g}s; check that {url} is up, or raise "
+                f"first_byte_timeout for provider {name!r} if the model is slow to start",
+                retryable=True,
+            )
+        except httpx.UnsupportedProtocol as exc:
+            raise ProviderError(
+                f"provider {name!r} has an unsupported base_url ({url}): {exc}; "
+                "set base_url to an http:// or https:// URL"
+            ) from exc
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            return _Retry(
+                reason=f"connection failed: {_describe(exc)}",
+                message=(
+                    f"could not connect to provider {name!r} at {url}: {_describe(exc)}; "
+                    f"check base_url for provider {name!r} and that the server is running"
+                ),
+            )
+        except httpx.TransportError as exc:
+            if response is not None:
+                raise ProviderError(
+                    f"provider {name!r} broke the connection before the reply started: "
+                    f"{_describe(exc)}",
+                    retryable=True,
+                ) from exc
+            # The connection failed before any response: nothing was streamed, so retry.
+            return _Retry(
+                reason=f"connection failed: {_describe(exc)}",
+                message=(
+                    f"provider {name!r} at {url} closed the connection before answering: "
+                    f"{_describe(exc)}"
+                ),
+            )
+        except httpx.HTTPError as exc:
+            raise ProviderError(f"request to provider {name!r} failed: {_describe(exc)}") from exc
+        finally:
+            if response is not None and not ok:
+                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                    await response.aclose()
+
+    async def _failed(self, response: httpx.Response, url: str) -> _Retry:
+        """Turn a non-2xx response into a retry, or raise the matching ProviderError."""
+        name = self.provider
+        status = response.status_code
+        try:
+            detail = error_message(await _read_limited(response))
+        except httpx.HTTPError as exc:
+            detail = f"(error body unreadable: {_describe(exc)})"
+        if status in AUTH_STATUSES:
+            raise ProviderError(
+                f"provider {name!r} rejected the request ({status}): "
+                f"check the api_key for provider {name!r}",
+                details=detail,
+            )
+        if is_retryable_status(status):
+            return _Retry(
+                reason=f"HTTP {status}: {detail}",
+                message=(
+                    f"provider {name!r} kept failing ({status}: {detail}) after "
+                    f"{self.settings.max_retries} retries; try again later or raise max_retries"
+                ),
+                retry_after=parse_retry_after(response.headers),
+            )
+        hint = ""
+        if status == 404:
+            hint = f"; check base_url for provider {name!r} ({url}) and the model id"
+        raise ProviderError(
+            f"provider {name!r} refused the request ({status}): {detail}{hint}", details=detail
+        )
+
+    async def _next_chunk(self, chunks: AsyncIterator[bytes]) -> bytes | None:
+        """The next body chunk, or None at the end (chunk timeout, errors translated)."""
+        name = self.provider
+        chunk: bytes | None = None
+        with trio.move_on_after(self.settings.chunk_timeout) as scope:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return None
+            except httpx.HTTPError as exc:
+                raise ProviderError(
+                    f"provider {name!r} closed the connection mid-stream: {_describe(exc)}",
+                    retryable=True,
+                ) from exc
+        if scope.cancelled_caught:
+            raise ProviderError(
+                f"provider {name!r} stalled mid-stream: nothing for chunk_timeout="
+                f"{self.settings.chunk_timeout:g}s; raise chunk_timeout for provider {name!r} "
+                "if the model pauses that long",
+                retryable=True,
+            )
+        return chunk
+
+    def _decode(self, decoder: SSEDecoder, chunk: bytes | None) -> list[SSEEvent]:
+        try:
+            return decoder.feed(chunk) if chunk is not None else decoder.close()
+        except ValueError as exc:
+            raise ProviderError(f"provider {self.provider!r} sent a malformed stream: {exc}")
+
+    async def _drain(self, chunks: AsyncIterator[bytes]) -> None:
+        with trio.move_on_after(DRAIN_TIMEOUT):
+            with contextlib.suppress(httpx.HTTPError):
+                async for _ in chunks:
+                    pass
+
+
+async def _read_limited(response: httpx.Response) -> bytes:
+    """Up to :data:`MAX_ERROR_BODY_BYTES` of the body."""
+    parts: list[bytes] = []
+    size = 0
+    iterator = response.aiter_bytes()
+    try:
+        async for chunk in iterator:
+            parts.append(chunk)
+            size += len(chunk)
+            if size >= MAX_ERROR_BODY_BYTES:
+                break
+    finally:
+        await _aclose_iter(iterator)
+    return b"".join(parts)[:MAX_ERROR_BODY_BYTES]
+
+
+async def _aclose_iter(iterator: AsyncIterator[bytes]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,109 @@
+"""Operations of the ``/v1`` API, shared by the HTTP routes and the websocket commands.
+
+Each operation takes already-parsed input and returns a wire object (or plain JSON data); errors
+are :class:`~crush_trio.errors.CrushError` subclasses that both transports map to the same status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend.registry import Backend
+from ..backend.workspace import Workspace
+from ..errors import BadRequest, NotFound
+from ..wire import (
+    AcceptedPrompt,
+    AgentInfo,
+    AgentMessage,
+    CreateSessionRequest,
+    GrantRequest,
+    Message,
+    Run,
+    Session,
+    SkipRequest,
+)
+
+
+class Api:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def workspace(self, workspace_id: str) -> Workspace:
+        return self.backend.get(workspace_id)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def create_session(self, ws: Workspace, body: CreateSessionRequest) -> Session:
+        return ws.decorate(await ws.create_session(body.title))
+
+    async def list_sessions(self, ws: Workspace) -> list[Session]:
+        return [ws.decorate(s) for s in await ws.store.list_sessions()]
+
+    async def get_session(
+        self, ws: Workspace, session_id: str, *, in_body: bool = False
+    ) -> Session:
+        session = await ws.store.get_session(session_id)
+        if session is None:
+            error = BadRequest if in_body else NotFound
+            raise error(
+                f"session {session_id!r} not found in workspace {ws.id}; list sessions with "
+                f"GET /v1/workspaces/{ws.id}/sessions"
+            )
+        return ws.decorate(session)
+
+    async def delete_session(self, ws: Workspace, session_id: str) -> dict[str, Any]:
+        if not await ws.delete_session(session_id):
+            raise NotFound(f"session {session_id!r} not found in workspace {ws.id}")
+        return {}
+
+    async def list_messages(
+        self, ws: Workspace, session_id: str, *, in_body: bool = False
+    ) -> list[Message]:
+        await self.get_session(ws, session_id, in_body=in_body)
+        await ws.messages.flush_all()
+        return await ws.store.list_messages(session_id)
+
+    # -- agent ----------------------------------------------------------------------------------
+
+    def agent_info(self, ws: Workspace) -> AgentInfo:
+        return AgentInfo(
+            is_busy=ws.agent.is_busy(), is_ready=not ws.closing, model=ws.agent.model_info()
+        )
+
+    async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
+        ws.check_open()
+        return await ws.agent.submit(body.session_id, body.prompt, body.run_id)
+
+    async def cancel(self, ws: Workspace, session_id: str) -> dict[str, Any]:
+        ws.agent.cancel(session_id)
+        return {}
+
+    async def clear_queue(self, ws: Workspace, session_id: str) -> dict[str, Any]:
+        ws.agent.clear_queue(session_id)
+        return {}
+
+    def queued_count(self, ws: Workspace, session_id: str) -> int:
+        return len(ws.agent.queued_prompts(session_id))
+
+    def queued_list(self, ws: Workspace, session_id: str) -> list[str]:
+        return ws.agent.queued_prompts(session_id)
+
+    async def get_run(self, ws: Workspace, run_id: str, *, in_body: bool = False) -> Run:
+        run = ws.runs.get(run_id) or await ws.store.get_run(run_id)
+        if run is None:
+            error = BadRequest if in_body else NotFound
+            raise error(f"run {run_id!r} not found in workspace {ws.id}")
+        return run
+
+    # -- permissions ----------------------------------------------------------------------------
+
+    async def grant(self, ws: Workspace, body: GrantRequest) -> dict[str, Any]:
+        if ws.permissions is None:
+            return {"resolved": False}
+        resolved = await ws.permissions.grant(body.permission.id, body.action)
+        return {"resolved": resolved}
+
+    async def skip(self, ws: Workspace, body: SkipRequest) -> dict[str, Any]:
+        if ws.permissions is not None:
+            ws.permissions.set_skip(body.skip)
+        return {}

@@ -1,0 +1,401 @@
+"""The HTTP application: ``/v1`` routes, authentication, origin checks and the error table.
+
+Routes are thin: parse and validate input with the wire converter, call :class:`Api`, encode the
+result. Every :class:`~crush_trio.errors.CrushError` becomes ``{"message": ...}`` with its status;
+anything else is a 500 whose message says it is a bug. Tokens are compared in constant time and
+never logged (the access log redacts ``token=``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import time
+from importlib import resources
+from typing import Any, Final
+from urllib.parse import parse_qsl, urlencode
+
+import attrs
+import orjson
+from quart import Response, redirect, request, websocket
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from .. import __version__, wire
+from ..backend.registry import Backend
+from ..errors import (
+    BadRequest,
+    Conflict,
+    CrushError,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+)
+from ..wire import (
+    AgentMessage,
+    ControlRequest,
+    CreateSessionRequest,
+    CreateWorkspaceRequest,
+    GrantRequest,
+    SkipRequest,
+)
+from .api import Api
+from .streams import serve_sse, serve_websocket
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("crush_trio.access")
+
+#: Name of the cookie a browser gets after opening ``/?token=...``.
+TOKEN_COOKIE: Final = "crush_trio_token"
+_TOKEN_RE: Final = re.compile(r"(token=)[^&\s]*")
+
+
+@attrs.define
+class Settings:
+    """What the app needs to know about how it is served."""
+
+    token: str
+    allow_origins: list[str] = attrs.field(factory=list)
+    unix: bool = False
+    max_body_bytes: int = 4 * 1024 * 1024
+    sse_ping_interval: float = 15.0
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    body = orjson.dumps(wire.converter.unstructure(data))
+    return Response(body, status=status, content_type="application/json")
+
+
+def error_response(exc: CrushError) -> Response:
+    response = json_response({"message": exc.message}, exc.status)
+    if exc.status == 413:
+        response.headers["Connection"] = "close"
+    return response
+
+
+def redact(text: str) -> str:
+    return _TOKEN_RE.sub(r"\1[redacted]", text)
+
+
+def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None) -> QuartTrio:
+    """Build the ASGI app serving ``backend``.
+
+    Args:
+        on_shutdown: called (synchronously) by ``POST /v1/control`` to stop the server.
+    """
+    app = QuartTrio("crush_trio")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 60
+    api = Api(backend)
+    app.extensions["crush_trio"] = {"backend": backend, "api": api, "settings": settings}
+
+    # -- auth, origin, logging ------------------------------------------------------------------
+
+    def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
+        auth = headers.get("Authorization", "")
+        if auth.lower().startswith("bearer "):
+            return str(auth[7:].strip())
+        if "token" in args:
+            return str(args["token"])
+        cookie = cookies.get(TOKEN_COOKIE)
+        return str(cookie) if cookie is not None else None
+
+    def check_token(headers: Any, args: Any, cookies: Any) -> None:
+        if settings.unix or not settings.token:
+            return
+        given = presented_token(headers, args, cookies)
+        if given is None:
+            raise Unauthorized(
+                "missing token: send 'Authorization: Bearer TOKEN' or add ?token=TOKEN "
+                "(the token is printed by 'crush-trio serve')"
+            )
+        if not hmac.compare_digest(given.encode(), settings.token.encode()):
+            raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
+
+    def check_origin(headers: Any, scheme: str) -> None:
+        origin = headers.get("Origin")
+        if origin is None:
+            return
+        host = headers.get("Host", "")
+        own = f"{'https' if scheme in ('https', 'wss') else 'http'}://{host}"
+        if origin == own or origin in settings.allow_origins:
+            return
+        raise Forbidden(
+            f"origin {origin!r} is not allowed; connect from {own} or start the server with "
+            f"--allow-origin {origin}"
+        )
+
+    @app.before_request
+    async def _auth() -> Response | None:
+        request.environ_started = time.perf_counter()  # type: ignore[attr-defined]
+        if request.path == "/v1/health":
+            return None
+        try:
+            check_token(request.headers, request.args, request.cookies)
+            if request.path.endswith("/events"):
+                check_origin(request.headers, request.scheme)
+        except CrushError as exc:
+            return error_response(exc)
+        return None
+
+    @app.after_request
+    async def _access_log(response: Response) -> Response:
+        if access_log.isEnabledFor(logging.INFO):
+            started = getattr(request, "environ_started", None)
+            elapsed = (time.perf_counter() - started) * 1000 if started else 0.0
+            target = request.path + (
+                "?" + request.query_string.decode() if request.query_string else ""
+            )
+            access_log.info(
+                "%s %s %d %.1fms", request.method, redact(target), response.status_code, elapsed
+            )
+        return response
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    @app.errorhandler(CrushError)
+    async def _crush_error(exc: CrushError) -> Response:
+        return error_response(exc)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    async def _too_large(exc: RequestEntityTooLarge) -> Response:
+        response = json_response(
+            {
+                "message": f"request body too large: the limit is {settings.max_body_bytes} "
+                "bytes (server.max_body_bytes); send a smaller body"
+            },
+            413,
+        )
+        response.headers["Connection"] = "close"
+        return response
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        if status == 404:
+            message = (
+                f"no route {request.method} {request.path}; see docs/protocol.md for the routes"
+            )
+        elif status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        else:
+            message = exc.description or exc.name
+        return json_response({"message": message}, status)
+
+    @app.errorhandler(Exception)
+    async def _bug(exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, redact(request.path))
+        return json_response(
+            {"message": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
+            500,
+        )
+
+    async def body(cls: type[Any]) -> Any:
+        raw = await request.get_data(cache=False)
+        return wire.loads_body(raw, cls)
+
+    # -- system ---------------------------------------------------------------------------------
+
+    @app.get("/v1/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/v1/version")
+    async def version() -> Response:
+        return json_response({"version": __version__})
+
+    @app.post("/v1/control")
+    async def control() -> Response:
+        req = await body(ControlRequest)
+        if req.command == "shutdown_if_idle" and not backend.is_idle():
+            raise Conflict("server not idle: runs are in progress; cancel them or use 'shutdown'")
+        if on_shutdown is not None:
+            on_shutdown()
+        return json_response({})
+
+    @app.delete("/v1/clients/<client_id>")
+    async def retire_client(client_id: str) -> Response:
+        backend.retire(client_id)
+        return json_response({})
+
+    # -- workspaces -----------------------------------------------------------------------------
+
+    @app.post("/v1/workspaces")
+    async def create_workspace() -> Response:
+        req = await body(CreateWorkspaceRequest)
+        ws = await backend.open(req.path, req.client_id)
+        return json_response(ws.info)
+
+    @app.get("/v1/workspaces")
+    async def list_workspaces() -> Response:
+        return json_response([ws.info for ws in backend.list()])
+
+    @app.get("/v1/workspaces/<wid>")
+    async def get_workspace(wid: str) -> Response:
+        return json_response(backend.get(wid).info)
+
+    @app.delete("/v1/workspaces/<wid>")
+    async def delete_workspace(wid: str) -> Response:
+        client_id = request.args.get("client_id")
+        backend.release(wid, wire.validate_client_id(client_id))
+        return json_response({})
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    @app.post("/v1/workspaces/<wid>/sessions")
+    async def create_session(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(await api.create_session(ws, await body(CreateSessionRequest)))
+
+    @app.get("/v1/workspaces/<wid>/sessions")
+    async def list_sessions(wid: str) -> Response:
+        return json_response(await api.list_sessions(api.workspace(wid)))
+
+    @app.get("/v1/workspaces/<wid>/sessions/<sid>")
+    async def get_session(wid: str, sid: str) -> Response:
+        return json_response(await api.get_session(api.workspace(wid), sid))
+
+    @app.delete("/v1/workspaces/<wid>/sessions/<sid>")
+    async def delete_session(wid: str, sid: str) -> Response:
+        return json_response(await api.delete_session(api.workspace(wid), sid))
+
+    @app.get("/v1/workspaces/<wid>/sessions/<sid>/messages")
+    async def list_messages(wid: str, sid: str) -> Response:
+        return json_response(await api.list_messages(api.workspace(wid), sid))
+
+    # -- agent ----------------------------------------------------------------------------------
+
+    @app.get("/v1/workspaces/<wid>/agent")
+    async def agent_info(wid: str) -> Response:
+        return json_response(api.agent_info(api.workspace(wid)))
+
+    @app.post("/v1/workspaces/<wid>/agent")
+    async def prompt(wid: str) -> Response:
+        ws = api.workspace(wid)
+        accepted = await api.prompt(ws, await body(AgentMessage))
+        return json_response(accepted, 202)
+
+    async def _session(wid: str, sid: str) -> Any:
+        ws = api.workspace(wid)
+        await api.get_session(ws, sid)
+        return ws
+
+    @app.post("/v1/workspaces/<wid>/agent/sessions/<sid>/cancel")
+    async def cancel(wid: str, sid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(await api.cancel(ws, sid))
+
+    @app.get("/v1/workspaces/<wid>/agent/sessions/<sid>/prompts/queued")
+    async def queued(wid: str, sid: str) -> Response:
+        return json_response(api.queued_count(await _session(wid, sid), sid))
+
+    @app.get("/v1/workspaces/<wid>/agent/sessions/<sid>/prompts/list")
+    async def queued_list(wid: str, sid: str) -> Response:
+        return json_response(api.queued_list(await _session(wid, sid), sid))
+
+    @app.post("/v1/workspaces/<wid>/agent/sessions/<sid>/prompts/clear")
+    async def clear(wid: str, sid: str) -> Response:
+        return json_response(await api.clear_queue(await _session(wid, sid), sid))
+
+    @app.get("/v1/workspaces/<wid>/runs/<run_id>")
+    async def get_run(wid: str, run_id: str) -> Response:
+        return json_response(await api.get_run(api.workspace(wid), run_id))
+
+    # -- permissions ----------------------------------------------------------------------------
+
+    @app.post("/v1/workspaces/<wid>/permissions/grant")
+    async def grant(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(await api.grant(ws, await body(GrantRequest)))
+
+    @app.post("/v1/workspaces/<wid>/permissions/skip")
+    async def skip(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(await api.skip(ws, await body(SkipRequest)))
+
+    # -- event streams --------------------------------------------------------------------------
+
+    @app.get("/v1/workspaces/<wid>/events")
+    async def events(wid: str) -> Response:
+        ws = api.workspace(wid)
+        client_id = wire.validate_client_id(request.args.get("client_id"))
+        last = request.headers.get("Last-Event-ID") or request.args.get("since")
+        since = _parse_seq(last, "Last-Event-ID")
+        return await serve_sse(ws, client_id, since, settings)
+
+    @app.websocket("/v1/workspaces/<wid>/ws")
+    async def ws_endpoint(wid: str) -> Response | None:
+        try:
+            check_token(websocket.headers, websocket.args, websocket.cookies)
+            check_origin(websocket.headers, websocket.scheme)
+            ws = api.workspace(wid)
+            client_id = wire.validate_client_id(websocket.args.get("client_id"))
+            since = _parse_seq(websocket.args.get("since"), "since")
+            ws.check_open()
+        except CrushError as exc:
+            return error_response(exc)
+        await serve_websocket(ws, client_id, since, api, settings)
+        return None
+
+    # -- the browser client ---------------------------------------------------------------------
+
+    @app.get("/")
+    async def index() -> Response:
+        if "token" in request.args:
+            # The token is valid (checked above): trade it for a cookie and drop it from the URL.
+            rest = [(k, v) for k, v in parse_qsl(request.query_string.decode()) if k != "token"]
+            target = "/" + ("?" + urlencode(rest) if rest else "")
+            response = redirect(target, 303)
+            response.set_cookie(
+                TOKEN_COOKIE, settings.token, httponly=True, samesite="Strict", path="/"
+            )
+            return response
+        return _static("index.html")
+
+    @app.get("/static/<path:name>")
+    async def static_file(name: str) -> Response:
+        return _static(name)
+
+    return app
+
+
+_CONTENT_TYPES: Final = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
+
+
+def _static(name: str) -> Response:
+    if ".." in name.split("/"):
+        raise NotFound(f"no file {name!r}")
+    root = resources.files("crush_trio") / "web"
+    target = root.joinpath(*name.split("/"))
+    if not target.is_file():
+        raise NotFound(f"no file {name!r} in the web client")
+    suffix = "." + name.rsplit(".", 1)[-1] if "." in name else ""
+    response = Response(
+        target.read_bytes(), content_type=_CONTENT_TYPES.get(suffix, "application/octet-stream")
+    )
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["Content-Security-Policy"] = (
+        "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:; "
+        "style-src 'self'; script-src 'self'"
+    )
+    return response
+
+
+def _parse_seq(value: str | None, name: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        seq = int(value)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer event seq, got {value!r}") from None
+    if seq < 0:
+        raise BadRequest(f"{name} must not be negative")
+    return seq

@@ -1,0 +1,200 @@
+"""Serving: the listening socket, hypercorn, and the staged shutdown of the whole server.
+
+:func:`serve` is what ``crush-trio serve`` runs, and what tests start with ``nursery.start``: it
+reports a :class:`ServerHandle` (URL, token, backend) once the socket is listening.
+
+Shutdown (signal, ``POST /v1/control`` or :meth:`ServerHandle.stop`): the backend refuses new
+workspaces (503) and shuts every workspace down, which closes their event streams from the app
+(websocket close 1001) — only then is hypercorn told to stop, so it never has to cut open
+websockets itself.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import stat
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from .. import __version__
+from ..backend.registry import Backend
+from ..config import Config, load_config
+from ..errors import ConfigError
+from .app import Settings, create_app
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 7433
+#: Seconds hypercorn waits for open connections after the app has closed its streams.
+HYPERCORN_GRACE: Final = 2.0
+LISTEN_BACKLOG: Final = 1024
+
+
+@attrs.define
+class ServeOptions:
+    """The flags of ``crush-trio serve`` (PROTOCOL §1)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    data_dir: Path | None = None
+    config_file: Path | None = None
+    token: str | None = None
+    allow_origins: list[str] = attrs.field(factory=list)
+    user_config_dir: Path | None = None
+    access_log: bool = True
+    #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
+    provider_factory: Any = None
+
+
+@attrs.define
+class ServerHandle:
+    """A running server, as reported to ``nursery.start``."""
+
+    url: str
+    token: str
+    backend: Backend
+    config: Config
+    _stop: trio.Event
+
+    @property
+    def listening_line(self) -> str:
+        if self.url.startswith("unix:"):
+            return f"crush-trio listening on {self.url}"
+        return f"crush-trio listening on {self.url}/?token={self.token}"
+
+    def stop(self) -> None:
+        """Begin the staged shutdown; :func:`serve` returns when it is done."""
+        self._stop.set()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def make_socket(host: str, port: int, *, tcp_user_timeout_ms: int) -> socket.socket:
+    """Create the listening socket ourselves, so that the port is known (``--port 0``) and the
+    kernel can break connections whose reader stalled (``TCP_USER_TIMEOUT``, inherited by every
+    accepted socket)."""
+    if host.startswith("unix:"):
+        path = host[len("unix:") :]
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)  # a stale socket of an earlier server
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+    else:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if tcp_user_timeout_ms > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, tcp_user_timeout_ms)
+        sock.bind(address)
+    sock.listen(LISTEN_BACKLOG)
+    sock.setblocking(False)
+    return sock
+
+
+def _url_of(sock: socket.socket, host: str) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    addr, port = sock.getsockname()[:2]
+    shown = f"[{addr}]" if sock.family == socket.AF_INET6 else addr
+    return f"http://{shown}:{port}"
+
+
+async def serve(
+    options: ServeOptions, *, task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run the server until it is stopped; reports a :class:`ServerHandle` once listening.
+
+    Raises:
+        ConfigError: the configuration file is invalid, or ``--token ""`` on a non-loopback host.
+    """
+    config = load_config(
+        config_file=options.config_file, workspace=None, user_config_dir=options.user_config_dir
+    )
+    unix = options.host.startswith("unix:")
+    token = options.token if options.token is not None else secrets.token_urlsafe(24)
+    if token == "" and not unix and not is_loopback(options.host):
+        raise ConfigError(
+            f"--token '' disables authentication and is refused on {options.host}; "
+            "use a loopback host or give a token"
+        )
+    server_opts = config.server
+    sock = make_socket(
+        options.host, options.port, tcp_user_timeout_ms=server_opts.tcp_user_timeout_ms
+    )
+    url = _url_of(sock, options.host)
+    backend = Backend(
+        server=server_opts,
+        config_file=options.config_file,
+        data_dir=options.data_dir,
+        version=__version__,
+        user_config_dir=options.user_config_dir,
+        provider_factory=options.provider_factory,
+    )
+    settings = Settings(
+        token=token,
+        allow_origins=[*server_opts.allow_origins, *options.allow_origins],
+        unix=unix,
+        max_body_bytes=server_opts.max_body_bytes,
+        sse_ping_interval=server_opts.sse_ping_interval,
+    )
+    stop = trio.Event()
+    app = create_app(backend, settings, on_shutdown=stop.set)
+    hconfig = HypercornConfig()
+    hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("crush_trio.http")
+    hconfig.graceful_timeout = HYPERCORN_GRACE
+    hconfig.websocket_ping_interval = server_opts.ws_ping_interval or None
+    hconfig.websocket_max_message_size = server_opts.max_body_bytes
+    hconfig.wsgi_max_body_size = server_opts.max_body_bytes
+    hconfig.include_server_header = False
+    logging.getLogger("crush_trio.access").disabled = not options.access_log
+    try:
+        async with backend.running(), trio.open_nursery() as nursery:
+            http_stop = trio.Event()
+            await nursery.start(
+                partial(
+                    worker_serve,
+                    wrap_app(app, hconfig.wsgi_max_body_size, None),
+                    hconfig,
+                    sockets=Sockets([], [sock], []),
+                    shutdown_trigger=http_stop.wait,
+                )
+            )
+            task_status.started(ServerHandle(url, token, backend, config, stop))
+            await stop.wait()
+            log.info("shutting down")
+            with trio.move_on_after(backend.shutdown_bound()):
+                await backend.shutdown()
+            http_stop.set()
+    finally:
+        sock.close()
+        if unix:
+            try:
+                os.unlink(url[len("unix:") :])
+            except OSError:
+                pass

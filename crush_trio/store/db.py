@@ -1,0 +1,656 @@
+"""The embedded database of one workspace: sessions, messages and run records in SQLite.
+
+One :class:`Store` owns one ``sqlite3`` connection to ``<data_dir>/crush.db`` (WAL mode, foreign
+keys on, a busy timeout). The event loop never blocks on the database: every public method is one
+call into a worker thread through :func:`trio.to_thread.run_sync`, serialized by a
+``CapacityLimiter(1)`` so the single connection (opened with ``check_same_thread=False``) is only
+ever used by one thread at a time.
+
+Rows are encoded on the calling (event loop) side before the thread starts, so an object the caller
+keeps mutating (a streaming message) is captured at the moment of the call; rows are decoded into
+fresh objects inside the thread.
+
+The schema is versioned with ``PRAGMA user_version``: :data:`MIGRATIONS` is an ordered tuple of SQL
+scripts, and opening a store applies each one the database has not seen yet, each in its own
+transaction together with the version bump. A new migration is one more string appended to the
+tuple.
+
+Errors from sqlite become :class:`~crush_trio.errors.StoreError` (with the sqlite error as the
+cause), and every call on a closed store raises ``StoreError("store is closed ...")``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import trio
+
+from ..errors import StoreError
+from ..wire import Message, Role, Run, RunStatus, Session, now, parts_from_json, parts_to_json
+
+T = TypeVar("T")
+
+#: File name of the database inside a workspace's data directory.
+DB_FILENAME: Final = "crush.db"
+
+#: How long sqlite waits for a lock held by another connection before failing with "database is
+#: locked" (milliseconds). Only another process on the same file can hold one: this process uses a
+#: single connection.
+BUSY_TIMEOUT_MS: Final = 5_000
+
+_MIGRATION_1: Final = """
+CREATE TABLE sessions (
+    id                TEXT PRIMARY KEY,
+    parent_session_id TEXT,
+    title             TEXT    NOT NULL DEFAULT '',
+    message_count     INTEGER NOT NULL DEFAULT 0 CHECK (message_count >= 0),
+    prompt_tokens     INTEGER NOT NULL DEFAULT 0 CHECK (prompt_tokens >= 0),
+    completion_tokens INTEGER NOT NULL DEFAULT 0 CHECK (completion_tokens >= 0),
+    cost              REAL    NOT NULL DEFAULT 0.0 CHECK (cost >= 0.0),
+    created_at        INTEGER NOT NULL,
+    updated_at        INTEGER NOT NULL
+);
+
+CREATE TABLE messages (
+    id          TEXT PRIMARY KEY,
+    session_id  TEXT    NOT NULL REFERENCES sessions (id) ON DELETE CASCADE,
+    role        TEXT    NOT NULL,
+    parts       TEXT    NOT NULL DEFAULT '[]',
+    model       TEXT    NOT NULL DEFAULT '',
+    provider    TEXT    NOT NULL DEFAULT '',
+    created_at  INTEGER NOT NULL,
+    updated_at  INTEGER NOT NULL,
+    finished_at INTEGER
+);
+
+CREATE INDEX idx_messages_session_created ON messages (session_id, created_at);
+
+CREATE TRIGGER messages_count_insert AFTER INSERT ON messages
+BEGIN
+    UPDATE sessions SET message_count = message_count + 1 WHERE id = NEW.session_id;
+END;
+
+CREATE TRIGGER messages_count_delete AFTER DELETE ON messages
+BEGIN
+    UPDATE sessions SET message_count = message_count - 1 WHERE id = OLD.session_id;
+END;
+
+-- No foreign key on session_id: a run record outlives a deleted session, so a client can still
+-- ask how its run ended.
+CREATE TABLE runs (
+    run_id      TEXT PRIMARY KEY,
+    session_id  TEXT    NOT NULL,
+    status      TEXT    NOT NULL,
+    message_id  TEXT,
+    text        TEXT    NOT NULL DEFAULT '',
+    error       TEXT,
+    created_at  INTEGER NOT NULL,
+    finished_at INTEGER
+);
+
+CREATE INDEX idx_runs_status ON runs (status);
+"""
+
+#: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
+#: ``i + 1``. Append new scripts; never edit one that has shipped.
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
+
+#: The schema version this code writes (``PRAGMA user_version`` after opening).
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+_SESSION_COLUMNS: Final = (
+    "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
+    "created_at, updated_at"
+)
+_MESSAGE_COLUMNS: Final = (
+    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at"
+)
+_RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
+
+# Insert a message, or update the streaming fields of an existing one. Rows whose session no longer
+# exists are skipped rather than failing the batch: a late write after a session was deleted must
+# neither resurrect the row nor break the other messages in the batch.
+_UPSERT_MESSAGE: Final = f"""
+INSERT INTO messages ({_MESSAGE_COLUMNS})
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?
+WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)
+ON CONFLICT (id) DO UPDATE SET
+    parts = excluded.parts,
+    updated_at = excluded.updated_at,
+    finished_at = excluded.finished_at
+"""
+
+_MessageRow = tuple[str, str, str, str, str, str, int, int, int | None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Row encoding (event loop side) and decoding (worker thread side)
+
+
+def _session_row(s: Session) -> tuple[Any, ...]:
+    return (
+        s.id,
+        s.parent_session_id,
+        s.title,
+        s.message_count,
+        s.prompt_tokens,
+        s.completion_tokens,
+        s.cost,
+        s.created_at,
+        s.updated_at,
+    )
+
+
+def _session_from_row(row: tuple[Any, ...]) -> Session:
+    return Session(
+        id=row[0],
+        parent_session_id=row[1],
+        title=row[2],
+        message_count=row[3],
+        prompt_tokens=row[4],
+        completion_tokens=row[5],
+        cost=float(row[6]),
+        created_at=row[7],
+        updated_at=row[8],
+    )
+
+
+def _message_row(m: Message) -> _MessageRow:
+    finish = m.finish()
+    return (
+        m.id,
+        m.session_id,
+        m.role.value,
+        parts_to_json(m.parts),
+        m.model,
+        m.provider,
+        m.created_at,
+        m.updated_at,
+        finish.time if finish is not None else None,
+    )
+
+
+def _message_from_row(row: tuple[Any, ...]) -> Message:
+    try:
+        parts = parts_from_json(row[3])
+        role = Role(row[2])
+    except Exception as exc:
+        raise StoreError(
+            f"message {row[0]!r} has unreadable stored data ({exc}); the database was written "
+            "by an incompatible version or is damaged"
+        ) from exc
+    return Message(
+        id=row[0],
+        session_id=row[1],
+        role=role,
+        parts=parts,
+        model=row[4],
+        provider=row[5],
+        created_at=row[6],
+        updated_at=row[7],
+    )
+
+
+def _run_row(r: Run) -> tuple[Any, ...]:
+    return (
+        r.run_id,
+        r.session_id,
+        r.status.value,
+        r.message_id,
+        r.text,
+        r.error,
+        r.created_at,
+        r.finished_at,
+    )
+
+
+def _run_from_row(row: tuple[Any, ...]) -> Run:
+    try:
+        status = RunStatus(row[2])
+    except ValueError as exc:
+        raise StoreError(
+            f"run {row[0]!r} has unknown stored status {row[2]!r}; the database was written by "
+            "an incompatible version or is damaged"
+        ) from exc
+    return Run(
+        run_id=row[0],
+        session_id=row[1],
+        status=status,
+        message_id=row[3],
+        text=row[4],
+        error=row[5],
+        created_at=row[6],
+        finished_at=row[7],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection setup (worker thread)
+
+
+def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """Run ``fn`` in one write transaction; roll back if it raises."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = fn(conn)
+    except BaseException:
+        if conn.in_transaction:  # sqlite may already have rolled back (e.g. disk full)
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+def _migrate(conn: sqlite3.Connection, path: Path) -> None:
+    version: int = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"database {path} has schema version {version}, newer than this server supports "
+            f"({SCHEMA_VERSION}); upgrade crush-trio or use another data directory"
+        )
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        script = MIGRATIONS[target - 1]
+        try:
+            # One transaction per migration, version bump included, so a crash leaves the
+            # database at a whole version.
+            conn.executescript(
+                f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {target:d};\nCOMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(
+        path,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,  # we issue BEGIN/COMMIT ourselves
+        check_same_thread=False,  # used from worker threads, one at a time (see Store)
+    )
+    try:
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(
+                f"database {path} cannot use WAL journaling (got {mode!r}); put the data "
+                "directory on a local file system"
+            )
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
+        conn.execute("PRAGMA synchronous = NORMAL")  # safe with WAL; commits stay durable on crash
+        _migrate(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _open_in_thread(path: Path) -> sqlite3.Connection:
+    try:
+        return _connect(path)
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open database {path}: {exc}; check the data directory") from exc
+    except OSError as exc:
+        raise StoreError(
+            f"cannot create data directory {path.parent}: {exc}; check its permissions"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+class Store:
+    """One workspace's database. Create it with :meth:`open`; close it with :meth:`aclose`.
+
+    Every method is one worker-thread call; calls are serialized (first come, first served) by a
+    ``CapacityLimiter(1)``. Writes are single transactions.
+
+    Cancellation:
+        A call cancelled while it waits for its turn does nothing and raises ``Cancelled``. Once
+        its thread has started the call is not cancellable: it runs to the end (a write commits or
+        rolls back as a whole) and returns, and the cancellation is delivered at the caller's next
+        checkpoint. So a write is never torn by a cancel.
+
+    Backpressure:
+        Callers queue on the limiter; there is no other buffer.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        """Wrap an open connection; use :meth:`open` instead."""
+        self._conn: sqlite3.Connection | None = conn
+        self._path = path
+        self._limiter = trio.CapacityLimiter(1)
+
+    @classmethod
+    async def open(cls, data_dir: Path) -> Store:
+        """Open (creating if needed) ``<data_dir>/crush.db`` and bring its schema up to date.
+
+        Raises:
+            StoreError: the directory or database cannot be created or opened, or its schema is
+                newer than this code.
+        """
+        path = Path(data_dir) / DB_FILENAME
+        conn = await trio.to_thread.run_sync(_open_in_thread, path)
+        return cls(conn, path)
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    @property
+    def closed(self) -> bool:
+        return self._conn is None
+
+    async def aclose(self) -> None:
+        """Close the connection after any call in progress; later calls raise StoreError.
+
+        Idempotent.
+
+        Cancellation:
+            New calls are refused at once; the close itself waits for its turn, so call this
+            inside ``trio.move_on_after(T, shield=True)`` during shutdown. If the wait is cancelled
+            the connection is left to the garbage collector.
+        """
+        if self._conn is None:
+            return
+        conn = self._conn
+        self._conn = None
+
+        def close() -> None:
+            try:
+                conn.close()
+            except sqlite3.Error as exc:
+                raise StoreError(f"closing database {self._path} failed: {exc}") from exc
+
+        await trio.to_thread.run_sync(close, limiter=self._limiter)
+
+    def _closed_error(self) -> StoreError:
+        return StoreError(
+            f"store is closed ({self._path}); its workspace has shut down, open the workspace "
+            "again to use it"
+        )
+
+    async def _call(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``fn(conn)`` in the worker thread, translating sqlite errors."""
+        if self._conn is None:
+            raise self._closed_error()
+
+        def in_thread() -> T:
+            conn = self._conn
+            if conn is None:  # closed while this call waited for its turn
+                raise self._closed_error()
+            try:
+                return fn(conn)
+            except sqlite3.Error as exc:
+                raise StoreError(f"database {self._path}: {what} failed: {exc}") from exc
+
+        return await trio.to_thread.run_sync(in_thread, limiter=self._limiter)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def create_session(self, session: Session) -> None:
+        """Insert a session. Raises StoreError if the id exists."""
+        row = _session_row(session)
+
+        def op(conn: sqlite3.Connection) -> None:
+            _transaction(
+                conn,
+                lambda c: c.execute(
+                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    row,
+                ),
+            )
+
+        await self._call(f"creating session {session.id!r}", op)
+
+    async def get_session(self, session_id: str) -> Session | None:
+        def op(conn: sqlite3.Connection) -> Session | None:
+            row = conn.execute(
+                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+            ).fetchone()
+            return None if row is None else _session_from_row(row)
+
+        return await self._call(f"reading session {session_id!r}", op)
+
+    async def list_sessions(self) -> list[Session]:
+        """All sessions, most recently updated first."""
+
+        def op(conn: sqlite3.Connection) -> list[Session]:
+            rows = conn.execute(
+                f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY updated_at DESC, rowid DESC"
+            ).fetchall()
+            return [_session_from_row(r) for r in rows]
+
+        return await self._call("listing sessions", op)
+
+    async def update_session(self, session: Session) -> bool:
+        """Store title, parent, token counts, cost and ``updated_at`` as given.
+
+        ``message_count`` is kept by the database and is not written. Returns False if there is no
+        such session.
+        """
+        params = (
+            session.title,
+            session.parent_session_id,
+            session.prompt_tokens,
+            session.completion_tokens,
+            session.cost,
+            session.updated_at,
+            session.id,
+        )
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cur = _transaction(
+                conn,
+                lambda c: c.execute(
+                    "UPDATE sessions SET title = ?, parent_session_id = ?, prompt_tokens = ?, "
+                    "completion_tokens = ?, cost = ?, updated_at = ? WHERE id = ?",
+                    params,
+                ),
+            )
+            return cur.rowcount > 0
+
+        return await self._call(f"updating session {session.id!r}", op)
+
+    async def add_session_usage(
+        self, session_id: str, prompt_tokens: int, completion_tokens: int, cost: float
+    ) -> Session | None:
+        """Add usage to a session's totals and bump ``updated_at``, atomically.
+
+        Returns:
+            The updated session, or None if there is no such session.
+        """
+        params = (prompt_tokens, completion_tokens, cost, now(), session_id)
+
+        def op(conn: sqlite3.Connection) -> Session | None:
+            def tx(c: sqlite3.Connection) -> Session | None:
+                c.execute(
+                    "UPDATE sessions SET prompt_tokens = prompt_tokens + ?, "
+                    "completion_tokens = completion_tokens + ?, cost = cost + ?, updated_at = ? "
+                    "WHERE id = ?",
+                    params,
+                )
+                row = c.execute(
+                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+                ).fetchone()
+                return None if row is None else _session_from_row(row)
+
+            return _transaction(conn, tx)
+
+        return await self._call(f"adding usage to session {session_id!r}", op)
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Delete a session and (by cascade) its messages; its run records stay.
+
+        Returns False if there was no such session.
+        """
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cur = _transaction(
+                conn, lambda c: c.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
+            )
+            return cur.rowcount > 0
+
+        return await self._call(f"deleting session {session_id!r}", op)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    async def create_message(self, message: Message) -> None:
+        """Insert a message. Raises StoreError if the id exists or the session does not."""
+        row = _message_row(message)
+
+        def op(conn: sqlite3.Connection) -> None:
+            _transaction(
+                conn,
+                lambda c: c.execute(
+                    f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    row,
+                ),
+            )
+
+        await self._call(f"creating message {message.id!r}", op)
+
+    async def update_message(self, message: Message) -> bool:
+        """Store a message's parts, ``updated_at`` and finish time. False if there is no row."""
+        row = _message_row(message)
+        params = (row[3], row[7], row[8], row[0])
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cur = _transaction(
+                conn,
+                lambda c: c.execute(
+                    "UPDATE messages SET parts = ?, updated_at = ?, finished_at = ? WHERE id = ?",
+                    params,
+                ),
+            )
+            return cur.rowcount > 0
+
+        return await self._call(f"updating message {message.id!r}", op)
+
+    async def get_message(self, message_id: str) -> Message | None:
+        def op(conn: sqlite3.Connection) -> Message | None:
+            row = conn.execute(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
+            ).fetchone()
+            return None if row is None else _message_from_row(row)
+
+        return await self._call(f"reading message {message_id!r}", op)
+
+    async def list_messages(self, session_id: str) -> list[Message]:
+        """A session's messages, oldest first; equal ``created_at`` keeps insertion order."""
+
+        def op(conn: sqlite3.Connection) -> list[Message]:
+            rows = conn.execute(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
+                "ORDER BY created_at, rowid",
+                (session_id,),
+            ).fetchall()
+            return [_message_from_row(r) for r in rows]
+
+        return await self._call(f"listing messages of session {session_id!r}", op)
+
+    async def write_messages(self, messages: Iterable[Message]) -> set[str]:
+        """Upsert messages in one transaction (the streaming buffer's flush).
+
+        A new id is inserted; an existing one gets its parts, ``updated_at`` and finish time. A
+        message whose session no longer exists is skipped, so a late write cannot resurrect a
+        deleted session's rows.
+
+        Returns:
+            The ids that were written (the others were skipped).
+        """
+        rows = [(*_message_row(m), m.session_id) for m in messages]
+
+        def op(conn: sqlite3.Connection) -> set[str]:
+            def tx(c: sqlite3.Connection) -> set[str]:
+                written: set[str] = set()
+                for row in rows:
+                    if c.execute(_UPSERT_MESSAGE, row).rowcount > 0:
+                        written.add(row[0])
+                return written
+
+            return _transaction(conn, tx)
+
+        return await self._call(f"writing {len(rows)} message(s)", op)
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    async def create_run(self, run: Run) -> None:
+        """Insert a run record. Raises StoreError if the run id exists."""
+        row = _run_row(run)
+
+        def op(conn: sqlite3.Connection) -> None:
+            _transaction(
+                conn,
+                lambda c: c.execute(
+                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
+                ),
+            )
+
+        await self._call(f"creating run {run.run_id!r}", op)
+
+    async def update_run(self, run: Run) -> bool:
+        """Store a run's status, message id, text, error and finish time. False if unknown."""
+        params = (
+            run.status.value,
+            run.message_id,
+            run.text,
+            run.error,
+            run.finished_at,
+            run.run_id,
+        )
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cur = _transaction(
+                conn,
+                lambda c: c.execute(
+                    "UPDATE runs SET status = ?, message_id = ?, text = ?, error = ?, "
+                    "finished_at = ? WHERE run_id = ?",
+                    params,
+                ),
+            )
+            return cur.rowcount > 0
+
+        return await self._call(f"updating run {run.run_id!r}", op)
+
+    async def get_run(self, run_id: str) -> Run | None:
+        def op(conn: sqlite3.Connection) -> Run | None:
+            row = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            return None if row is None else _run_from_row(row)
+
+        return await self._call(f"reading run {run_id!r}", op)
+
+    async def list_runs(self, statuses: Iterable[RunStatus]) -> list[Run]:
+        """Runs whose status is one of ``statuses``, oldest first."""
+        values = sorted({RunStatus(s).value for s in statuses})
+        if not values:
+            if self._conn is None:
+                raise self._closed_error()
+            return []
+        marks = ", ".join("?" * len(values))
+
+        def op(conn: sqlite3.Connection) -> list[Run]:
+            rows = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs WHERE status IN ({marks}) "
+                "ORDER BY created_at, rowid",
+                values,
+            ).fetchall()
+            return [_run_from_row(r) for r in rows]
+
+        return await self._call(f"listing runs with status {', '.join(values)}", op)
+
+    async def run_exists(self, run_id: str) -> bool:
+        def op(conn: sqlite3.Connection) -> bool:
+            row = conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            return row is not None
+
+        return await self._call(f"looking up run {run_id!r}", op)

@@ -1,0 +1,321 @@
+"""The message service: a debounced write buffer between streaming updates and the store.
+
+A streaming reply changes its message many times a second. Writing and publishing every delta
+would make the database the bottleneck, so :class:`MessageService` keeps only the latest state of
+each message and writes it (and publishes ``updated``) at most once per debounce window
+(:data:`DEBOUNCE_SECONDS` after the first update that made it pending). Changes that end a phase
+are written and published at once, because the next step depends on them being stored:
+
+- the message gained a finish part;
+- the number of tool-call parts changed, or a tool call's ``finished`` flag flipped;
+- a reasoning part got its ``finished_at``.
+
+:meth:`MessageService.flush_all` drains everything and waits for any write in flight; it does not
+need the flusher task, so it works at shutdown inside ``trio.move_on_after(T, shield=True)`` after
+that task has been cancelled. Readers call it before listing messages so that a read never shows
+less than an event already sent.
+
+Rules the state below keeps:
+
+- ``_pending`` holds the latest unwritten state per id; ``_due`` the time its window ends.
+- Only one write runs at a time (``_write_lock``); it takes its batch out of ``_pending`` after
+  acquiring the lock, so the newest state always wins.
+- A write that could not start (cancelled while waiting, or failed) puts its batch back unless a
+  newer state arrived or the message was forgotten in the meantime.
+- :meth:`forget` and :meth:`delete_session_messages` drop pending state and wait for the write in
+  flight, so nothing written afterwards can resurrect a deleted row. (The store also skips rows
+  whose session is gone.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Final, NamedTuple, Protocol
+
+import trio
+
+from ..errors import StoreError
+from ..wire import EventKind, Message, ReasoningPart, ToolCallPart
+
+logger = logging.getLogger(__name__)
+
+#: Debounce window for streaming updates of one message (seconds): the latest state is written
+#: and published at most this long after its first unwritten update.
+DEBOUNCE_SECONDS: Final = 0.033
+
+#: After a failed background write, the flusher waits this long (seconds) before trying again, so
+#: a broken disk produces a log line a second rather than thirty.
+WRITE_RETRY_SECONDS: Final = 1.0
+
+
+class MessageStore(Protocol):
+    """What the service needs from the database; :class:`~crush_trio.store.db.Store` is one."""
+
+    async def create_message(self, message: Message) -> None: ...
+
+    async def write_messages(self, messages: Iterable[Message]) -> set[str]:
+        """Upsert in one transaction; skip (and leave out of the result) deleted sessions."""
+        ...
+
+
+#: The publish callback: synchronous, never blocking (lossy delivery is the caller's business).
+Publish = Callable[[Message, EventKind], None]
+
+
+class Shape(NamedTuple):
+    """The parts of a message's state whose change is terminal (see :func:`is_terminal_change`)."""
+
+    finished: bool
+    tool_calls: tuple[tuple[str, bool], ...]  # (id, finished) per tool-call part, in order
+    reasoning_finished: int  # number of reasoning parts with a finished_at
+
+
+def shape_of(message: Message) -> Shape:
+    return Shape(
+        finished=message.finish() is not None,
+        tool_calls=tuple((p.id, p.finished) for p in message.parts if isinstance(p, ToolCallPart)),
+        reasoning_finished=sum(
+            1 for p in message.parts if isinstance(p, ReasoningPart) and p.finished_at
+        ),
+    )
+
+
+_EMPTY_SHAPE: Final = Shape(finished=False, tool_calls=(), reasoning_finished=0)
+
+
+def is_terminal_change(old: Shape | None, new: Shape) -> bool:
+    """Whether going from ``old`` to ``new`` must be written at once rather than debounced.
+
+    ``old`` is None for a message this service has not seen updated (it is compared with an empty
+    message, so a first update that already carries a finish part or tool calls is terminal).
+    """
+    old = old or _EMPTY_SHAPE
+    if new.finished and not old.finished:
+        return True
+    if len(new.tool_calls) != len(old.tool_calls):
+        return True
+    was_finished = dict(old.tool_calls)
+    if any(tid in was_finished and was_finished[tid] != done for tid, done in new.tool_calls):
+        return True
+    return new.reasoning_finished > old.reasoning_finished
+
+
+class MessageService:
+    """Creates messages and buffers their streaming updates in front of the store.
+
+    The owner starts :meth:`run` in its nursery with ``await nursery.start(service.run)`` and,
+    when shutting down, cancels it and then calls :meth:`flush_all` inside
+    ``trio.move_on_after(T, shield=True)`` before closing the store.
+
+    Attributes:
+        peak_pending: The most messages that were pending (unwritten) at once.
+        flush_count: Batch writes made to the store (each one transaction).
+        write_errors: Background writes that failed (logged and retried).
+
+    Backpressure:
+        None is needed: pending state is one entry per message id (the latest state replaces the
+        previous one), so memory is bounded by the number of messages being streamed.
+    """
+
+    def __init__(
+        self, store: MessageStore, publish: Publish, *, debounce: float = DEBOUNCE_SECONDS
+    ) -> None:
+        if not (debounce >= 0 and math.isfinite(debounce)):
+            raise ValueError(f"debounce must be a finite number of seconds >= 0, got {debounce!r}")
+        self._store = store
+        self._publish = publish
+        self._debounce = debounce
+        self._pending: dict[str, Message] = {}
+        self._due: dict[str, float] = {}  # id -> trio time its window ends; insertion = due order
+        self._inflight: dict[str, Message] = {}  # the batch being written, minus forgotten ids
+        self._shapes: dict[str, tuple[str, Shape]] = {}  # id -> (session_id, last updated shape)
+        self._write_lock = trio.Lock()
+        self._wakeup = trio.Event()
+        self._running = False
+        self.peak_pending = 0
+        self.flush_count = 0
+        self.write_errors = 0
+
+    @property
+    def pending_count(self) -> int:
+        """Messages whose latest state is not written yet."""
+        return len(self._pending)
+
+    # -- the flusher ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write each pending message when its debounce window ends; runs until cancelled.
+
+        Signals ``task_status.started()`` at once. A failed write (StoreError) is logged, its
+        state stays pending, and the task waits :data:`WRITE_RETRY_SECONDS` before going on.
+
+        Cancellation:
+            Ends the task. A write whose database work has started finishes and is published
+            first; one still waiting for its turn is put back. Unwritten state stays pending for
+            :meth:`flush_all`.
+        """
+        if self._running:
+            raise RuntimeError("MessageService.run is already running; start it once per service")
+        self._running = True
+        try:
+            task_status.started()
+            while True:
+                if not self._due:
+                    self._wakeup = trio.Event()
+                    await self._wakeup.wait()
+                    continue
+                # Windows all have the same length, so the earliest deadline is the first entry.
+                await trio.sleep_until(next(iter(self._due.values())))
+                now = trio.current_time()
+                due = [mid for mid, deadline in self._due.items() if deadline <= now]
+                if not due:
+                    continue  # flushed by someone else while we slept
+                try:
+                    await self._write(due)
+                except StoreError as exc:
+                    self.write_errors += 1
+                    logger.error("writing %d buffered message(s) failed: %s", len(due), exc)
+                    await trio.sleep(WRITE_RETRY_SECONDS)
+        finally:
+            self._running = False
+
+    # -- the API -------------------------------------------------------------------------------
+
+    async def create(self, message: Message) -> None:
+        """Insert a message now and publish ``created``.
+
+        Raises:
+            StoreError: the id exists, the session does not, or the database failed.
+        """
+        await self._store.create_message(message)
+        self._publish(message, EventKind.CREATED)
+
+    async def update(self, message: Message) -> None:
+        """Record the latest state of a message; write and publish it within the window.
+
+        This is async because a terminal change (see :func:`is_terminal_change`) is written and
+        published before it returns; any other update returns at once, without a checkpoint.
+        The service keeps a reference to ``message``; the row is encoded when it is written, so a
+        caller may keep mutating the same object between updates.
+
+        Cancellation:
+            A terminal write that had not started stays pending (the flusher or :meth:`flush_all`
+            writes it); one that had started completes and is published first.
+        """
+        mid = message.id
+        old = self._shapes.get(mid)
+        shape = shape_of(message)
+        terminal = is_terminal_change(old[1] if old else None, shape)
+        if shape.finished:
+            self._shapes.pop(mid, None)  # a finished message needs no baseline; keep memory flat
+        else:
+            self._shapes[mid] = (message.session_id, shape)
+        self._add_pending(message)
+        if terminal:
+            await self._write([mid])
+
+    async def flush(self, message_id: str) -> None:
+        """Write and publish one message's pending state now; wait for any write in flight.
+
+        Raises:
+            StoreError: the write failed (the state stays pending).
+        """
+        await self._write([message_id])
+
+    async def flush_all(self) -> None:
+        """Write every pending message in one transaction and publish each; wait for any write
+        in flight first.
+
+        After it returns the store holds the latest state of every message passed to
+        :meth:`update` before the call (except forgotten ones and those whose session is gone).
+        Independent of the flusher task: safe to call after it was cancelled.
+
+        Raises:
+            StoreError: the write failed (the state stays pending).
+
+        Cancellation:
+            Cancelled before its write starts, the state stays pending; once the write has started
+            it completes and is published, and ``Cancelled`` is raised afterwards. Never a torn or
+            half-published batch. At shutdown call it inside
+            ``trio.move_on_after(T, shield=True)``.
+        """
+        await self._write(None)
+
+    async def forget(self, message_id: str) -> None:
+        """Drop a message's pending state and wait for the write in flight.
+
+        Call it before deleting the message's row so no later write can bring the row back.
+        """
+        self._drop(lambda m: m.id == message_id, [message_id])
+        await self._wait_for_write()
+
+    async def delete_session_messages(self, session_id: str) -> None:
+        """Drop the pending state of a session's messages and wait for the write in flight.
+
+        Call it when deleting the session (before or after the store's ``delete_session``; the
+        store also skips writes for a deleted session). Publishes nothing: the deletion of the
+        session is the event.
+        """
+        ids = [mid for mid, (sid, _) in self._shapes.items() if sid == session_id]
+        self._drop(lambda m: m.session_id == session_id, ids)
+        await self._wait_for_write()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _add_pending(self, message: Message) -> None:
+        self._pending[message.id] = message
+        if message.id not in self._due:
+            self._due[message.id] = trio.current_time() + self._debounce
+            self._wakeup.set()
+        self.peak_pending = max(self.peak_pending, len(self._pending))
+
+    def _drop(self, match: Callable[[Message], bool], ids: Iterable[str]) -> None:
+        for table in (self._pending, self._inflight):
+            for mid in [mid for mid, m in table.items() if match(m)]:
+                del table[mid]
+        for mid in ids:
+            self._shapes.pop(mid, None)
+        for mid in [mid for mid in self._due if mid not in self._pending]:
+            del self._due[mid]
+
+    async def _wait_for_write(self) -> None:
+        async with self._write_lock:
+            pass
+
+    async def _write(self, ids: list[str] | None) -> None:
+        """Write the pending state of ``ids`` (None: all) as one batch, then publish it."""
+        async with self._write_lock:
+            # Take the batch only now, so it is the newest state.
+            if ids is None:
+                ids = list(self._pending)
+            batch: list[Message] = []
+            for mid in ids:
+                message = self._pending.pop(mid, None)
+                self._due.pop(mid, None)
+                if message is not None:
+                    batch.append(message)
+            if not batch:
+                return
+            self._inflight = {m.id: m for m in batch}
+            try:
+                try:
+                    written = await self._store.write_messages(batch)
+                except BaseException:
+                    self._restore()
+                    raise
+                self.flush_count += 1
+                for message in batch:
+                    # Skip rows the store did not write (session gone) and messages forgotten
+                    # while the write ran.
+                    if message.id in written and message.id in self._inflight:
+                        self._publish(message, EventKind.UPDATED)
+            finally:
+                self._inflight = {}
+
+    def _restore(self) -> None:
+        """Put an unwritten batch back, unless newer state arrived or it was forgotten."""
+        for mid, message in self._inflight.items():
+            if mid not in self._pending:
+                self._add_pending(message)

@@ -1,0 +1,227 @@
+"""The coding tools the model can call, and the one entry point the agent loop uses.
+
+Layers, from the bottom:
+
+* :mod:`.base` — the interface: :class:`ToolResult`, :class:`ToolContext`, :class:`Tool` and the
+  :class:`PermissionAsker` the permission service implements.
+* :mod:`.paths` — confinement: resolving a path and telling whether it stays in the workspace.
+* :mod:`.fs` — ``ls``, ``view``, ``glob``, ``grep``, ``write``, ``edit``.
+* :mod:`.bash` — ``bash``.
+* this module — :func:`default_tools` and :func:`call_tool`, which parses the model's JSON input,
+  checks it against the tool's parameter schema, runs the tool and turns every failure into an
+  error result the model can read. See ``docs/tools.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, Final
+
+import orjson
+
+from .base import (
+    DEFAULT_BASH_OUTPUT_LIMIT,
+    DEFAULT_TOOL_TIMEOUT,
+    PermissionAsker,
+    PermissionDenied,
+    Tool,
+    ToolContext,
+    ToolError,
+    ToolResult,
+    ToolSpec,
+)
+from .bash import BashTool, is_read_only
+from .fs import EditTool, GlobTool, GrepTool, LsTool, ViewTool, WriteTool
+from .paths import ResolvedPath, resolve_path
+
+__all__ = [
+    "DEFAULT_BASH_OUTPUT_LIMIT",
+    "DEFAULT_TOOL_TIMEOUT",
+    "TOOLS_BY_NAME",
+    "BashTool",
+    "EditTool",
+    "GlobTool",
+    "GrepTool",
+    "LsTool",
+    "PermissionAsker",
+    "PermissionDenied",
+    "ResolvedPath",
+    "Tool",
+    "ToolContext",
+    "ToolError",
+    "ToolResult",
+    "ToolSpec",
+    "ViewTool",
+    "WriteTool",
+    "call_tool",
+    "check_params",
+    "default_tools",
+    "is_read_only",
+    "resolve_path",
+    "tool_specs",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def default_tools() -> list[Tool]:
+    """A fresh list of the built-in tools, in the order they are offered to the model."""
+    return [LsTool(), ViewTool(), GlobTool(), GrepTool(), WriteTool(), EditTool(), BashTool()]
+
+
+#: The built-in tools by name (read-only mapping).
+TOOLS_BY_NAME: Final[Mapping[str, Tool]] = MappingProxyType(
+    {tool.spec.name: tool for tool in default_tools()}
+)
+
+
+def tool_specs(tools: Iterable[Tool]) -> list[ToolSpec]:
+    """The specs of ``tools``, for a :class:`~crush_trio.providers.base.ModelRequest`."""
+    return [tool.spec for tool in tools]
+
+
+_JSON_TYPE_NAMES: Final = {
+    "string": "a string",
+    "integer": "an integer",
+    "number": "a number",
+    "boolean": "a boolean",
+    "object": "an object",
+    "array": "an array",
+}
+
+
+def _json_type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _coerce(expected: str | None, value: Any) -> tuple[bool, Any]:
+    """Whether ``value`` has JSON-schema type ``expected``; integral floats count as integers."""
+    if expected is None:
+        return True, value
+    if expected == "string":
+        return isinstance(value, str), value
+    if expected == "boolean":
+        return isinstance(value, bool), value
+    if expected == "integer":
+        if isinstance(value, float) and value.is_integer():
+            return True, int(value)
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if expected == "number":
+        return isinstance(value, int | float) and not isinstance(value, bool), value
+    if expected == "object":
+        return isinstance(value, dict), value
+    if expected == "array":
+        return isinstance(value, list), value
+    return True, value
+
+
+def check_params(spec: ToolSpec, params: dict[str, Any]) -> dict[str, Any]:
+    """Check ``params`` against ``spec.parameters`` (required keys, types, minimums).
+
+    Optional parameters given as ``null`` are dropped; unknown parameters are kept and ignored by
+    the tool.
+
+    Returns:
+        The parameters to pass to the tool.
+
+    Raises:
+        ToolError: a parameter is missing or has the wrong type or value; the message names it.
+    """
+    schema = spec.parameters
+    properties: dict[str, Any] = schema.get("properties", {})
+    required: list[str] = schema.get("required", [])
+    checked = {k: v for k, v in params.items() if v is not None or k in required}
+    for key in required:
+        if key not in checked:
+            names = ", ".join(properties) or "none"
+            raise ToolError(
+                f"missing required parameter '{key}' for tool {spec.name} (its parameters: {names})"
+            )
+    for key, value in list(checked.items()):
+        prop = properties.get(key)
+        if prop is None:
+            continue
+        expected = prop.get("type")
+        ok, value = _coerce(expected, value)
+        if not ok:
+            raise ToolError(
+                f"parameter '{key}' of tool {spec.name} must be "
+                f"{_JSON_TYPE_NAMES.get(expected, expected)}, got {_json_type_of(value)}"
+            )
+        minimum = prop.get("minimum")
+        if minimum is not None and value < minimum:
+            raise ToolError(
+                f"parameter '{key}' of tool {spec.name} must be at least {minimum}, got {value}"
+            )
+        above = prop.get("exclusiveMinimum")
+        if above is not None and value <= above:
+            raise ToolError(
+                f"parameter '{key}' of tool {spec.name} must be more than {above}, got {value}"
+            )
+        checked[key] = value
+    return checked
+
+
+async def call_tool(
+    tools: Iterable[Tool] | Mapping[str, Tool],
+    name: str,
+    input_json: str,
+    ctx: ToolContext,
+) -> ToolResult:
+    """Run the tool call ``name(input_json)`` and return its result; never raises an error.
+
+    Args:
+        tools: the tools on offer, as a list or by name.
+        name: the tool the model called.
+        input_json: the model's arguments as JSON text (empty text means ``{}``).
+        ctx: the call's context.
+
+    Returns:
+        The tool's result, or an error result for an unknown tool, invalid JSON, a missing or
+        wrongly typed parameter, or an exception inside the tool. A denied permission gives an
+        error result with ``stop_turn`` set.
+
+    Cancellation:
+        ``trio.Cancelled`` (and any other ``BaseException``) propagates; the tool has ended its
+        subprocesses by then.
+    """
+    by_name = tools if isinstance(tools, Mapping) else {tool.spec.name: tool for tool in tools}
+    tool = by_name.get(name)
+    if tool is None:
+        available = ", ".join(sorted(by_name)) or "none"
+        return ToolResult(
+            content=f"unknown tool {name!r}; the available tools are: {available}", is_error=True
+        )
+    try:
+        params = orjson.loads(input_json.strip() or "{}")
+    except orjson.JSONDecodeError as exc:
+        return ToolResult(content=f"invalid JSON input for tool {name}: {exc}", is_error=True)
+    if not isinstance(params, dict):
+        return ToolResult(
+            content=f"input for tool {name} must be a JSON object, got {_json_type_of(params)}",
+            is_error=True,
+        )
+    try:
+        checked = check_params(tool.spec, params)
+        return await tool.run(checked, ctx)
+    except ToolError as exc:
+        return ToolResult(content=exc.message, is_error=True, stop_turn=exc.stop_turn)
+    except Exception as exc:
+        logger.exception(
+            "tool %s failed (session %s, call %s)", name, ctx.session_id, ctx.tool_call_id
+        )
+        return ToolResult(content=f"tool {name} failed: {type(exc).__name__}: {exc}", is_error=True)

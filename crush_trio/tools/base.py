@@ -1,0 +1,244 @@
+"""The tool interface: what a tool is, what it gets to run, and what it returns.
+
+A tool is an object with a :class:`~crush_trio.providers.base.ToolSpec` (name, description and
+JSON-schema parameters, sent to the model) and an async ``run(params, ctx)`` that returns a
+:class:`ToolResult`. The agent loop calls tools through :func:`crush_trio.tools.call_tool`, which
+parses and checks the model's JSON input first.
+
+Everything a call needs comes in a :class:`ToolContext`: the workspace (the only tree tools may
+touch without asking), the server's data directory (never writable by tools), the ids of the
+session and tool call, the :class:`PermissionAsker` that asks the workspace's clients, and the
+tool timeout and output limits.
+
+Permission rules (the permission service implements :class:`PermissionAsker`):
+
+* writing (``write``, ``edit``) always asks, with action ``"write"``;
+* ``bash`` asks with action ``"execute"`` unless the command is one simple read-only command (see
+  :mod:`crush_trio.tools.bash`);
+* any path outside the workspace asks, read tools included (action ``"read"``);
+* a path inside the data directory is never written, whatever the answer would be;
+* a denial ends the turn: the result has ``is_error`` and ``stop_turn`` set.
+
+Every ask happens before the tool has any side effect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import attrs
+import trio
+
+from ..errors import CrushError
+from ..providers.base import ToolSpec
+
+__all__ = [
+    "DEFAULT_BASH_OUTPUT_LIMIT",
+    "DEFAULT_TOOL_TIMEOUT",
+    "PermissionAsker",
+    "PermissionDenied",
+    "Tool",
+    "ToolContext",
+    "ToolError",
+    "ToolResult",
+    "ToolSpec",
+    "ask_permission",
+    "run_blocking",
+    "run_tool",
+]
+
+#: Default tool timeout in seconds (``ToolContext.timeout``): the longest a tool may work once it
+#: has permission; a ``bash`` command may ask for less, never more. Waiting for a permission
+#: answer does not count.
+DEFAULT_TOOL_TIMEOUT: Final = 120.0
+
+#: Default cap, in bytes, on the ``bash`` output returned to the model
+#: (``ToolContext.bash_output_limit``); the head and tail are kept, the middle is cut.
+DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
+
+
+@attrs.define
+class ToolResult:
+    """What a tool call returns to the model.
+
+    Attributes:
+        content: the text the model reads.
+        is_error: the call failed; ``content`` says why and what to do instead.
+        stop_turn: the user denied a permission; the agent loop ends the turn after this result.
+    """
+
+    content: str
+    is_error: bool = False
+    stop_turn: bool = False
+
+
+class PermissionAsker(Protocol):
+    """Asks the workspace's clients whether a tool call may go ahead.
+
+    The permission service implements this: it applies the workspace's skip mode, the config's
+    ``permissions.allowed_tools``, session auto-approval and earlier ``allow_session`` grants,
+    and otherwise publishes a ``permission_request`` and waits for the first answer.
+    """
+
+    async def request(
+        self,
+        *,
+        session_id: str,
+        tool_call_id: str,
+        tool_name: str,
+        action: str,
+        description: str,
+        params: dict[str, Any],
+        path: str,
+    ) -> bool:
+        """Ask for permission and wait for the answer.
+
+        Args:
+            session_id: the session whose run makes the call.
+            tool_call_id: the model's id of the tool call.
+            tool_name: the tool's name (``write``, ``bash``, ...).
+            action: ``"read"``, ``"write"`` or ``"execute"``.
+            description: one line a person can judge the request by.
+            params: the details a client shows (path, command, content, ...).
+            path: the file or directory the call touches (for ``bash``: the workspace).
+
+        Returns:
+            True if the call is allowed, False if it was denied.
+
+        Cancellation:
+            Raises ``trio.Cancelled`` if the run is cancelled while waiting; the request is then
+            withdrawn.
+        """
+        ...
+
+
+def _real_path(value: str | os.PathLike[str]) -> Path:
+    return Path(os.path.realpath(value))
+
+
+@attrs.define
+class ToolContext:
+    """Everything one tool call may use.
+
+    Attributes:
+        workspace: the workspace directory (stored as its real path); relative paths start here
+            and paths outside it need permission.
+        data_dir: the server's data directory (stored as its real path); tools never write there
+            and ``ls``/``glob``/``grep`` do not show it.
+        session_id: the session whose run makes the call.
+        tool_call_id: the model's id of this tool call.
+        permissions: asks the workspace's clients for permission.
+        timeout: seconds a tool may work once allowed (:data:`DEFAULT_TOOL_TIMEOUT`).
+        bash_output_limit: bytes of ``bash`` output kept (:data:`DEFAULT_BASH_OUTPUT_LIMIT`).
+    """
+
+    workspace: Path = attrs.field(converter=_real_path)
+    data_dir: Path = attrs.field(converter=_real_path)
+    session_id: str
+    tool_call_id: str
+    permissions: PermissionAsker
+    timeout: float = DEFAULT_TOOL_TIMEOUT
+    bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
+
+
+class Tool(Protocol):
+    """A tool the model can call."""
+
+    spec: ToolSpec
+
+    async def run(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Run one call with already-checked ``params``.
+
+        Expected failures (missing file, no match, denied permission) come back as error results;
+        :func:`crush_trio.tools.call_tool` also turns unexpected exceptions into error results.
+
+        Cancellation:
+            Cancelling stops the work; subprocesses are ended before ``trio.Cancelled``
+            propagates.
+        """
+        ...
+
+
+class ToolError(CrushError):
+    """A tool call failed in a way the model can act on; the message says how."""
+
+    status = 400
+    stop_turn: bool = False
+
+
+class PermissionDenied(ToolError):
+    """The user denied a permission: the call did nothing and the turn ends."""
+
+    stop_turn = True
+
+
+async def run_tool(tool: Any, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
+    """Run ``tool.execute(params, ctx)``, turning a :class:`ToolError` into an error result.
+
+    The tools of this package implement ``run`` as this wrapper around their ``execute``, so an
+    expected failure can be raised from any helper and still reach the model as a result.
+    """
+    try:
+        result: ToolResult = await tool.execute(params, ctx)
+    except ToolError as exc:
+        return ToolResult(content=exc.message, is_error=True, stop_turn=exc.stop_turn)
+    return result
+
+
+async def ask_permission(
+    ctx: ToolContext,
+    *,
+    tool_name: str,
+    action: str,
+    description: str,
+    params: dict[str, Any],
+    path: Path,
+) -> None:
+    """Ask ``ctx.permissions`` and raise :class:`PermissionDenied` on a denial.
+
+    Cancellation:
+        ``trio.Cancelled`` from the asker propagates unchanged.
+    """
+    allowed = await ctx.permissions.request(
+        session_id=ctx.session_id,
+        tool_call_id=ctx.tool_call_id,
+        tool_name=tool_name,
+        action=action,
+        description=description,
+        params=params,
+        path=str(path),
+    )
+    if not allowed:
+        raise PermissionDenied(
+            f"permission denied: the user did not allow {tool_name} to {action} {path}; "
+            "do not retry this call, ask the user how to proceed"
+        )
+
+
+async def run_blocking(
+    ctx: ToolContext, tool_name: str, fn: Any, *args: Any, abandon: bool = True
+) -> Any:
+    """Run blocking file-system work in a thread, bounded by ``ctx.timeout``.
+
+    Args:
+        ctx: the call's context (for the timeout).
+        tool_name: named in the timeout message.
+        fn: the blocking function; ``args`` are passed to it.
+        abandon: leave the thread behind on cancel or timeout. True for read-only work (its
+            result is simply discarded); False for writes, so a cancelled call never leaves a
+            write running behind the caller's back.
+
+    Raises:
+        ToolError: the work took longer than ``ctx.timeout``.
+
+    Cancellation:
+        With ``abandon`` the call returns at once and the thread's result is discarded; without
+        it the call waits for the (short) write to finish first.
+    """
+    with trio.move_on_after(ctx.timeout):
+        return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon)
+    raise ToolError(
+        f"{tool_name} timed out after {ctx.timeout:g} s; narrow the path or pattern and try again"
+    )

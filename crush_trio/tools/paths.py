@@ -1,0 +1,117 @@
+"""Path confinement: where a tool's path really points, and whether that is inside the workspace.
+
+Rules:
+
+* A relative path is relative to the workspace; ``~`` expands to the home directory.
+* The path is resolved to its real path, following every symlink. For a path that does not exist
+  yet, its nearest existing parent is resolved and the rest appended.
+* It is *inside* when the real path is the workspace or below it. ``..`` escapes, absolute paths
+  elsewhere and symlinks that lead out are all outside, and using them needs permission.
+* The data directory is never written by a tool; the file tools refuse it before any prompt.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from .base import ToolContext, ToolError, ask_permission
+
+__all__ = [
+    "ResolvedPath",
+    "check_read",
+    "check_writable",
+    "display_path",
+    "in_data_dir",
+    "is_within",
+    "resolve_path",
+]
+
+
+@attrs.define(frozen=True)
+class ResolvedPath:
+    """A tool path after resolution.
+
+    Attributes:
+        path: the real path (symlinks followed).
+        inside: the real path is the workspace or below it.
+    """
+
+    path: Path
+    inside: bool
+
+
+def is_within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or below it (both real paths)."""
+    return path == root or root in path.parents
+
+
+def resolve_path(ctx: ToolContext, raw: str) -> ResolvedPath:
+    """Resolve a path given by the model.
+
+    Args:
+        ctx: the call's context; relative paths start at ``ctx.workspace``.
+        raw: the path as the model wrote it; empty means the workspace.
+
+    Returns:
+        The real path and whether it is inside the workspace.
+    """
+    candidate = Path(os.path.expanduser(raw)) if raw else ctx.workspace
+    if not candidate.is_absolute():
+        candidate = ctx.workspace / candidate
+    # realpath follows every symlink it meets, dangling ones included, and keeps a missing tail
+    # as written, which is the nearest existing parent resolved plus the rest.
+    real = Path(os.path.realpath(candidate))
+    return ResolvedPath(path=real, inside=is_within(real, ctx.workspace))
+
+
+def in_data_dir(ctx: ToolContext, path: Path) -> bool:
+    """Whether the real ``path`` is the data directory or inside it."""
+    return is_within(path, ctx.data_dir)
+
+
+def display_path(ctx: ToolContext, path: Path) -> str:
+    """``path`` as tools show it: relative to the workspace when inside, else absolute."""
+    if is_within(path, ctx.workspace):
+        rel = path.relative_to(ctx.workspace).as_posix()
+        return rel if rel != "." else "."
+    return str(path)
+
+
+async def check_read(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> None:
+    """Ask for permission to read ``resolved`` when it is outside the workspace.
+
+    Raises:
+        PermissionDenied: the user denied it.
+
+    Cancellation:
+        ``trio.Cancelled`` while waiting for the answer propagates.
+    """
+    if resolved.inside:
+        return
+    await ask_permission(
+        ctx,
+        tool_name=tool_name,
+        action="read",
+        description=(
+            f"{tool_name} wants to read {resolved.path}, which is outside the workspace "
+            f"{ctx.workspace}"
+        ),
+        params={"path": str(resolved.path)},
+        path=resolved.path,
+    )
+
+
+def check_writable(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> None:
+    """Refuse a write into the data directory; no permission answer can override this.
+
+    Raises:
+        ToolError: ``resolved`` is the data directory or inside it.
+    """
+    if in_data_dir(ctx, resolved.path):
+        raise ToolError(
+            f"{tool_name} refused: {resolved.path} is inside the server's data directory "
+            f"{ctx.data_dir}, which tools never write; choose a path elsewhere in the workspace"
+        )

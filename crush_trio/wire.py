@@ -1,0 +1,493 @@
+"""Wire types and the one configured converter.
+
+Every object that crosses the wire (PROTOCOL §4) or comes from a request body is an attrs class
+here, and every conversion goes through :data:`converter`, a cattrs orjson converter configured to
+be strict about primitive types (``"5"`` is not an int, ``5`` is not a str) so that a wrong type
+is a 400 naming the JSON path, never a silent coercion.
+
+Message parts are stored and sent as ``{"type": ..., "data": {...}}`` wrappers, the same shape on
+the wire and in the database.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Any, Final, Literal, TypeVar
+
+import attrs
+import cattrs
+import orjson
+from cattrs.preconf.orjson import make_converter
+
+from .errors import BadRequest
+
+T = TypeVar("T")
+
+#: Longest client-chosen ``run_id`` (PROTOCOL §2).
+MAX_RUN_ID_LENGTH: Final = 128
+
+
+def now() -> int:
+    """Current time as integer Unix seconds, the wire's time format."""
+    return int(time.time())
+
+
+def new_id() -> str:
+    """A new server-made id (a UUID string)."""
+    return str(uuid.uuid4())
+
+
+# ---------------------------------------------------------------------------------------------
+# Message parts
+
+
+@attrs.define
+class TextPart:
+    text: str = ""
+
+
+@attrs.define
+class ReasoningPart:
+    thinking: str = ""
+    signature: str = ""
+    started_at: int = 0
+    finished_at: int = 0
+
+
+@attrs.define
+class ToolCallPart:
+    id: str
+    name: str
+    input: str = ""
+    finished: bool = False
+
+
+@attrs.define
+class ToolResultPart:
+    tool_call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+
+
+class FinishReason(enum.StrEnum):
+    END_TURN = "end_turn"
+    MAX_TOKENS = "max_tokens"
+    TOOL_USE = "tool_use"
+    CANCELED = "canceled"
+    ERROR = "error"
+
+
+@attrs.define
+class FinishPart:
+    reason: FinishReason
+    time: int = attrs.field(factory=now)
+    message: str = ""
+    details: str = ""
+
+
+Part = TextPart | ReasoningPart | ToolCallPart | ToolResultPart | FinishPart
+
+PART_TAGS: Final[dict[type[Any], str]] = {
+    TextPart: "text",
+    ReasoningPart: "reasoning",
+    ToolCallPart: "tool_call",
+    ToolResultPart: "tool_result",
+    FinishPart: "finish",
+}
+PART_TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in PART_TAGS.items()}
+
+
+class Role(enum.StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+    SYSTEM = "system"
+
+
+# ---------------------------------------------------------------------------------------------
+# Objects (PROTOCOL §4)
+
+
+@attrs.define
+class Workspace:
+    id: str
+    path: str
+    data_dir: str
+
+
+@attrs.define
+class Session:
+    id: str
+    title: str = ""
+    parent_session_id: str | None = None
+    message_count: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost: float = 0.0
+    created_at: int = attrs.field(factory=now)
+    updated_at: int = attrs.field(factory=now)
+    is_busy: bool = False
+
+
+@attrs.define
+class Message:
+    id: str
+    session_id: str
+    role: Role
+    parts: list[Part] = attrs.field(factory=list)
+    model: str = ""
+    provider: str = ""
+    created_at: int = attrs.field(factory=now)
+    updated_at: int = attrs.field(factory=now)
+
+    def text(self) -> str:
+        """The concatenated text parts: what a reader sees as the reply."""
+        return "".join(p.text for p in self.parts if isinstance(p, TextPart))
+
+    def finish(self) -> FinishPart | None:
+        for part in self.parts:
+            if isinstance(part, FinishPart):
+                return part
+        return None
+
+    def tool_calls(self) -> list[ToolCallPart]:
+        return [p for p in self.parts if isinstance(p, ToolCallPart)]
+
+
+class RunStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED)
+
+
+#: Allowed run status moves; anything else is a bug (see :func:`check_run_transition`).
+RUN_TRANSITIONS: Final[dict[RunStatus, frozenset[RunStatus]]] = {
+    RunStatus.QUEUED: frozenset(
+        {RunStatus.RUNNING, RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED}
+    ),
+    RunStatus.RUNNING: frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED}),
+    RunStatus.COMPLETED: frozenset(),
+    RunStatus.FAILED: frozenset(),
+    RunStatus.CANCELLED: frozenset(),
+}
+
+
+def check_run_transition(run_id: str, old: RunStatus, new: RunStatus) -> None:
+    if new not in RUN_TRANSITIONS[old]:
+        raise RuntimeError(f"run {run_id!r} cannot move from {old.value} to {new.value}")
+
+
+@attrs.define
+class Run:
+    run_id: str
+    session_id: str
+    status: RunStatus = RunStatus.QUEUED
+    message_id: str | None = None
+    text: str = ""
+    error: str | None = None
+    created_at: int = attrs.field(factory=now)
+    finished_at: int | None = None
+
+
+@attrs.define
+class RunComplete:
+    session_id: str
+    run_id: str
+    message_id: str | None = None
+    text: str = ""
+    error: str | None = None
+    cancelled: bool = False
+
+
+@attrs.define
+class AgentEvent:
+    type: str
+    session_id: str | None = None
+    run_id: str | None = None
+    message: str = ""
+    error: str = ""
+
+
+@attrs.define
+class PermissionRequest:
+    id: str
+    session_id: str
+    tool_call_id: str
+    tool_name: str
+    description: str = ""
+    action: str = ""
+    params: dict[str, Any] = attrs.field(factory=dict)
+    path: str = ""
+
+
+@attrs.define
+class PermissionNotification:
+    tool_call_id: str
+    granted: bool = False
+    denied: bool = False
+    id: str = ""
+
+
+@attrs.define
+class AgentInfo:
+    is_busy: bool
+    is_ready: bool
+    model: dict[str, Any]
+
+
+@attrs.define
+class AcceptedPrompt:
+    run_id: str
+    session_id: str
+    status: Literal["running", "queued"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Request bodies
+
+
+@attrs.define
+class CreateWorkspaceRequest:
+    path: str
+    client_id: str
+
+
+@attrs.define
+class CreateSessionRequest:
+    title: str = ""
+
+
+@attrs.define
+class AgentMessage:
+    session_id: str
+    prompt: str
+    run_id: str | None = None
+
+
+@attrs.define
+class SessionRef:
+    session_id: str
+
+
+@attrs.define
+class RunRef:
+    run_id: str
+
+
+@attrs.define
+class PermissionRef:
+    id: str
+
+
+@attrs.define
+class GrantRequest:
+    permission: PermissionRef
+    action: Literal["allow", "allow_session", "deny"]
+
+
+@attrs.define
+class SkipRequest:
+    skip: bool
+
+
+@attrs.define
+class ControlRequest:
+    command: Literal["shutdown", "shutdown_if_idle"]
+
+
+@attrs.define
+class WsCommand:
+    method: str
+    id: Any = None
+    params: dict[str, Any] = attrs.field(factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events (PROTOCOL §5)
+
+
+class EventKind(enum.StrEnum):
+    """The inner ``payload.type`` of an envelope."""
+
+    CREATED = "created"
+    UPDATED = "updated"
+    DELETED = "deleted"
+
+
+class PayloadType(enum.StrEnum):
+    SESSION = "session"
+    MESSAGE = "message"
+    AGENT_EVENT = "agent_event"
+    RUN_COMPLETE = "run_complete"
+    PERMISSION_REQUEST = "permission_request"
+    PERMISSION_NOTIFICATION = "permission_notification"
+
+    @property
+    def must_deliver(self) -> bool:
+        return self in MUST_DELIVER
+
+
+MUST_DELIVER: Final = frozenset(
+    {
+        PayloadType.RUN_COMPLETE,
+        PayloadType.PERMISSION_REQUEST,
+        PayloadType.PERMISSION_NOTIFICATION,
+    }
+)
+
+PAYLOAD_TYPES: Final[dict[type[Any], PayloadType]] = {
+    Session: PayloadType.SESSION,
+    Message: PayloadType.MESSAGE,
+    AgentEvent: PayloadType.AGENT_EVENT,
+    RunComplete: PayloadType.RUN_COMPLETE,
+    PermissionRequest: PayloadType.PERMISSION_REQUEST,
+    PermissionNotification: PayloadType.PERMISSION_NOTIFICATION,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The converter
+
+
+def _strict(kind: type[Any], *, exclude: tuple[type[Any], ...] = ()) -> Any:
+    def structure(value: Any, _: Any) -> Any:
+        if not isinstance(value, kind) or isinstance(value, exclude):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    return structure
+
+
+def _structure_float(value: Any, _: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected number, got {type(value).__name__}")
+    return float(value)
+
+
+def _structure_enum(value: Any, cls: type[enum.Enum]) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"{value!r} is not one of {allowed}") from None
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = make_converter(forbid_extra_keys=False)
+    conv.register_structure_hook(str, _strict(str))
+    conv.register_structure_hook(int, _strict(int, exclude=(bool,)))
+    conv.register_structure_hook(bool, _strict(bool))
+    conv.register_structure_hook(float, _structure_float)
+    # Our enums subclass str; name each one so the strict str hook above does not take them.
+    for enum_cls in (FinishReason, Role, RunStatus, EventKind, PayloadType):
+        conv.register_structure_hook(enum_cls, _structure_enum)
+
+    def unstructure_part(part: Any) -> dict[str, Any]:
+        return {"type": PART_TAGS[type(part)], "data": conv.unstructure(part, type(part))}
+
+    def structure_part(value: Any, _: Any) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a part object, got {type(value).__name__}")
+        tag = value.get("type")
+        cls = PART_TYPES.get(tag) if isinstance(tag, str) else None
+        if cls is None:
+            raise ValueError(f"unknown part type {tag!r}; expected one of {sorted(PART_TYPES)}")
+        return conv.structure(value.get("data") or {}, cls)
+
+    for cls in PART_TAGS:
+        conv.register_unstructure_hook(cls, _attrs_unstructure(conv, cls))
+    conv.register_unstructure_hook_func(
+        lambda t: t is Part,
+        lambda part: unstructure_part(part),  # type: ignore[comparison-overlap]
+    )
+    conv.register_structure_hook_func(
+        lambda t: t is Part,  # type: ignore[comparison-overlap]
+        structure_part,
+    )
+    return conv
+
+
+def _attrs_unstructure(conv: cattrs.Converter, cls: type[Any]) -> Any:
+    from cattrs.gen import make_dict_unstructure_fn
+
+    return make_dict_unstructure_fn(cls, conv)
+
+
+converter: Final = _make_converter()
+
+
+def dumps(obj: Any) -> bytes:
+    """Encode a wire object (or plain data) as JSON bytes."""
+    return orjson.dumps(converter.unstructure(obj))
+
+
+def unstructure(obj: Any) -> Any:
+    return converter.unstructure(obj)
+
+
+def parts_to_json(parts: list[Part]) -> str:
+    return orjson.dumps([converter.unstructure(p, Part) for p in parts]).decode()
+
+
+def parts_from_json(raw: str) -> list[Part]:
+    return converter.structure(orjson.loads(raw), list[Part])
+
+
+def describe_error(exc: BaseException, root: str = "$") -> str:
+    """Turn a cattrs structuring error into ``$.path: problem`` lines."""
+    if isinstance(exc, (cattrs.ClassValidationError, cattrs.IterableValidationError)):
+        messages = cattrs.transform_error(exc, path=root)
+        return "; ".join(messages)
+    return f"{root}: {exc}"
+
+
+def structure(data: Any, cls: type[T], *, what: str = "request body") -> T:
+    """Structure ``data`` into ``cls``, raising :class:`BadRequest` with JSON paths on failure."""
+    if not isinstance(data, dict) and attrs.has(cls):
+        raise BadRequest(
+            f"{what} must be a JSON object, got {type(data).__name__}; "
+            "send a JSON object as described in docs/protocol.md"
+        )
+    try:
+        return converter.structure(data, cls)
+    except Exception as exc:
+        raise BadRequest(f"invalid {what}: {describe_error(exc)}") from None
+
+
+def loads_body(raw: bytes | str, cls: type[T], *, what: str = "request body") -> T:
+    """Parse JSON text and structure it, with 400-class errors that say what to fix."""
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"{what} is not valid JSON ({exc}); send a JSON object") from None
+    return structure(data, cls, what=what)
+
+
+def validate_client_id(value: str | None) -> str:
+    """``client_id`` must be a UUID (PROTOCOL §2)."""
+    if not value:
+        raise BadRequest("client_id is required: pass a UUID as ?client_id= (or in the body)")
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        raise BadRequest(f"client_id {value!r} is not a UUID; generate one with uuid4") from None
+    return value
+
+
+def validate_run_id(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value or len(value) > MAX_RUN_ID_LENGTH:
+        raise BadRequest(
+            f"run_id must be a non-empty string of at most {MAX_RUN_ID_LENGTH} characters"
+        )
+    return value

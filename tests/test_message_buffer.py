@@ -1,0 +1,526 @@
+"""The message service: debounced writes, terminal flushes, flush_all at shutdown, deletes.
+
+Timing tests use ``autojump_clock`` with an in-memory store (no threads, so virtual time only
+moves when every task waits on the clock). Persistence tests use the real :class:`Store` with a
+debounce window long enough that the flusher never fires on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from crush_trio.errors import StoreError
+from crush_trio.store import DEBOUNCE_SECONDS, MessageService, Store
+from crush_trio.store.messages import Shape, is_terminal_change, shape_of
+from crush_trio.wire import (
+    EventKind,
+    FinishPart,
+    FinishReason,
+    Message,
+    Part,
+    ReasoningPart,
+    Role,
+    Session,
+    TextPart,
+    ToolCallPart,
+)
+
+#: Trio-clock cap for each test's waits.
+TEST_TIMEOUT = 10
+
+#: A window the flusher never reaches within a test, for tests that drive writes by hand.
+NEVER = 3600.0
+
+
+class FakeStore:
+    """An in-memory MessageStore that records every batch and can hold a write at its start."""
+
+    def __init__(self) -> None:
+        self.sessions: set[str] = {"s"}
+        self.rows: dict[str, str] = {}  # id -> text at the time it was written
+        self.batches: list[list[tuple[str, str]]] = []  # (id, text) per write
+        self.write_times: list[float] = []
+        self.gate: trio.Event | None = None
+        self.write_started = trio.Event()
+        self.fail: StoreError | None = None
+
+    async def create_message(self, message: Message) -> None:
+        await trio.lowlevel.checkpoint()
+        self.rows[message.id] = message.text()
+
+    async def write_messages(self, messages: Iterable[Message]) -> set[str]:
+        batch = list(messages)
+        self.write_started.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        if self.fail is not None:
+            raise self.fail
+        self.batches.append([(m.id, m.text()) for m in batch])
+        self.write_times.append(trio.current_time())
+        written = {m.id for m in batch if m.session_id in self.sessions}
+        for m in batch:
+            if m.id in written:
+                self.rows[m.id] = m.text()
+        return written
+
+
+class Recorder:
+    """The publish callback: records (kind, id, text) in call order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[EventKind, str, str]] = []
+
+    def __call__(self, message: Message, kind: EventKind) -> None:
+        self.events.append((kind, message.id, message.text()))
+
+
+def msg(mid: str = "m", *parts: Part, session_id: str = "s") -> Message:
+    return Message(id=mid, session_id=session_id, role=Role.ASSISTANT, parts=list(parts))
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(tmp_path / "data")
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal-change rules (no I/O)
+
+
+def test_default_debounce_is_one_frame() -> None:
+    assert DEBOUNCE_SECONDS == 0.033
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "terminal"),
+    [
+        (msg("m", TextPart("a")), msg("m", TextPart("ab")), False),
+        (msg("m"), msg("m", ReasoningPart(thinking="x")), False),
+        (msg("m", ReasoningPart()), msg("m", ReasoningPart(finished_at=5)), True),
+        (msg("m"), msg("m", ToolCallPart(id="t", name="bash")), True),
+        (
+            msg("m", ToolCallPart(id="t", name="bash")),
+            msg("m", ToolCallPart(id="t", name="bash", input='{"a"')),
+            False,
+        ),
+        (
+            msg("m", ToolCallPart(id="t", name="bash")),
+            msg("m", ToolCallPart(id="t", name="bash", finished=True)),
+            True,
+        ),
+        (msg("m", TextPart("a")), msg("m", TextPart("a"), FinishPart(FinishReason.END_TURN)), True),
+    ],
+)
+def test_is_terminal_change(before: Message, after: Message, terminal: bool) -> None:
+    assert is_terminal_change(shape_of(before), shape_of(after)) is terminal
+
+
+def test_first_update_is_compared_with_an_empty_message() -> None:
+    assert not is_terminal_change(None, shape_of(msg("m", TextPart("hi"))))
+    assert is_terminal_change(None, shape_of(msg("m", FinishPart(FinishReason.CANCELED))))
+    assert shape_of(msg("m")) == Shape(finished=False, tool_calls=(), reasoning_finished=0)
+
+
+def test_negative_debounce_is_refused() -> None:
+    with pytest.raises(ValueError, match="debounce"):
+        MessageService(FakeStore(), Recorder(), debounce=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Debouncing (virtual time)
+
+
+async def test_many_updates_in_one_window_make_one_write(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fake, published = FakeStore(), Recorder()
+    service = MessageService(fake, published)
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            message = msg("m", TextPart(""))
+            await service.create(message)
+            start = trio.current_time()
+            for i in range(30):  # 30 updates over 29 ms: all inside one 33 ms window
+                message.parts = [TextPart("x" * (i + 1))]
+                await service.update(message)
+                await trio.sleep(0.001)
+            assert fake.batches == []
+            assert service.pending_count == 1
+            await trio.sleep(DEBOUNCE_SECONDS)
+            nursery.cancel_scope.cancel()
+
+    assert fake.batches == [[("m", "x" * 30)]]
+    assert fake.write_times[0] == pytest.approx(start + DEBOUNCE_SECONDS)
+    assert service.flush_count == 1
+    assert published.events == [
+        (EventKind.CREATED, "m", ""),
+        (EventKind.UPDATED, "m", "x" * 30),
+    ]
+    assert service.peak_pending == 1
+    assert service.pending_count == 0
+
+
+async def test_steady_stream_is_written_once_per_window_not_starved(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The window starts at the first pending update; later updates do not push it back."""
+    fake = FakeStore()
+    service = MessageService(fake, Recorder())
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            message = msg("m")
+            for i in range(100):  # one update every 2 ms for 200 ms
+                message.parts = [TextPart(str(i))]
+                await service.update(message)
+                await trio.sleep(0.002)
+            await trio.sleep(DEBOUNCE_SECONDS)
+            nursery.cancel_scope.cancel()
+
+    assert 6 <= len(fake.batches) <= 7  # 200 ms / 33 ms, plus the tail
+    gaps = [b - a for a, b in zip(fake.write_times, fake.write_times[1:], strict=False)]
+    assert all(gap >= DEBOUNCE_SECONDS - 1e-9 for gap in gaps)
+    assert fake.rows["m"] == "99"
+
+
+async def test_messages_due_in_the_same_window_share_one_write(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder())
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            for mid in ("a", "b", "c"):
+                await service.update(msg(mid, TextPart(mid)))
+            assert service.peak_pending == 3
+            await trio.sleep(DEBOUNCE_SECONDS * 2)
+            nursery.cancel_scope.cancel()
+    assert fake.batches == [[("a", "a"), ("b", "b"), ("c", "c")]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Terminal changes
+
+
+@pytest.mark.parametrize(
+    ("baseline", "terminal"),
+    [
+        (msg("m", TextPart("a")), msg("m", TextPart("ab"), FinishPart(FinishReason.END_TURN))),
+        (msg("m", TextPart("a")), msg("m", TextPart("a"), ToolCallPart(id="t", name="ls"))),
+        (
+            msg("m", ToolCallPart(id="t", name="ls")),
+            msg("m", ToolCallPart(id="t", name="ls", input="{}", finished=True)),
+        ),
+        (
+            msg("m", ReasoningPart(thinking="th")),
+            msg("m", ReasoningPart(thinking="think", finished_at=3)),
+        ),
+    ],
+    ids=["finish", "tool-call-added", "tool-call-finished", "reasoning-finished"],
+)
+async def test_terminal_change_is_written_and_published_at_once(
+    baseline: Message, terminal: Message
+) -> None:
+    fake, published = FakeStore(), Recorder()
+    service = MessageService(fake, published, debounce=NEVER)  # no flusher: only terminal writes
+    await service.update(baseline)
+    await service.flush("m")
+    fake.batches.clear()
+    published.events.clear()
+
+    await service.update(msg("m", *baseline.parts, TextPart("delta")))
+    assert fake.batches == []  # an ordinary delta waits for the window
+    await service.update(terminal)
+
+    assert fake.batches == [[("m", terminal.text())]]
+    assert published.events == [(EventKind.UPDATED, "m", terminal.text())]
+    assert service.pending_count == 0
+
+
+async def test_update_after_finish_is_still_written_at_once() -> None:
+    """A finished message keeps no baseline, so a later change to it is not left pending."""
+    fake = FakeStore()
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    done = msg("m", TextPart("a"), FinishPart(FinishReason.END_TURN))
+    await service.update(done)
+    done.parts[0] = TextPart("a, corrected")
+    await service.update(done)
+    assert [b[0][1] for b in fake.batches] == ["a", "a, corrected"]
+
+
+# ---------------------------------------------------------------------------------------------
+# flush / flush_all with the real store
+
+
+async def test_flush_writes_only_that_message(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    service = MessageService(store, Recorder(), debounce=NEVER)
+    await service.create(msg("a"))
+    await service.create(msg("b"))
+    await service.update(msg("a", TextPart("A")))
+    await service.update(msg("b", TextPart("B")))
+    await service.flush("a")
+    a, b = await store.get_message("a"), await store.get_message("b")
+    assert a is not None
+    assert b is not None
+    assert (a.text(), b.text()) == ("A", "")
+    assert service.pending_count == 1
+
+
+async def test_flush_all_persists_latest_state_after_flusher_cancelled_inside_shield(
+    store: Store,
+) -> None:
+    await store.create_session(Session(id="s"))
+    published = Recorder()
+    service = MessageService(store, published, debounce=NEVER)
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            for mid in ("a", "b"):
+                await service.create(msg(mid))
+                for text in ("1", "12", "123"):
+                    await service.update(msg(mid, TextPart(mid + text)))
+            await service.update(msg("new", TextPart("never created")))
+            # Shutdown: the owner's scope is cancelled, then the final save runs shielded.
+            nursery.cancel_scope.cancel()
+            with trio.move_on_after(TEST_TIMEOUT, shield=True) as save:
+                await service.flush_all()
+            assert not save.cancelled_caught
+
+    assert [(m.id, m.text()) for m in await store.list_messages("s")] == [
+        ("a", "a123"),
+        ("b", "b123"),
+        ("new", "never created"),
+    ]
+    assert service.flush_count == 1  # one transaction for the whole drain
+    assert service.pending_count == 0
+    assert [e for e in published.events if e[0] is EventKind.UPDATED] == [
+        (EventKind.UPDATED, "a", "a123"),
+        (EventKind.UPDATED, "b", "b123"),
+        (EventKind.UPDATED, "new", "never created"),
+    ]
+
+
+async def test_publish_order_created_then_updated(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    published = Recorder()
+    service = MessageService(store, published, debounce=NEVER)
+    await service.create(msg("m", TextPart("")))
+    await service.update(msg("m", TextPart("hi")))
+    await service.flush_all()
+    await service.update(msg("m", TextPart("hi there"), FinishPart(FinishReason.END_TURN)))
+    await service.flush_all()  # nothing left: publishes nothing
+    assert published.events == [
+        (EventKind.CREATED, "m", ""),
+        (EventKind.UPDATED, "m", "hi"),
+        (EventKind.UPDATED, "m", "hi there"),
+    ]
+
+
+async def test_flush_all_waits_for_the_write_in_flight() -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    fake.gate = trio.Event()
+    await service.update(msg("a", TextPart("a1")))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.flush, "a")
+            await fake.write_started.wait()
+            await service.update(msg("a", TextPart("a2")))  # arrives during the write
+            flushed = trio.Event()
+
+            async def flush_all() -> None:
+                await service.flush_all()
+                flushed.set()
+
+            nursery.start_soon(flush_all)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not flushed.is_set()
+            fake.gate.set()
+    assert fake.batches == [[("a", "a1")], [("a", "a2")]]
+
+
+async def test_cancel_before_the_write_starts_keeps_state_pending() -> None:
+    fake = FakeStore()
+    published = Recorder()
+    service = MessageService(fake, published, debounce=NEVER)
+    fake.gate = trio.Event()
+    await service.update(msg("a", TextPart("a1")))
+    with trio.fail_after(TEST_TIMEOUT):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.flush_all)
+                await fake.write_started.wait()
+                scope.cancel()
+    assert fake.batches == []
+    assert published.events == []
+    assert service.pending_count == 1
+
+    fake.gate = None
+    await service.flush_all()
+    assert fake.batches == [[("a", "a1")]]
+
+
+async def test_newer_state_wins_over_a_restored_batch() -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    fake.gate = trio.Event()
+    await service.update(msg("a", TextPart("old")))
+    with trio.fail_after(TEST_TIMEOUT):
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.flush_all)
+                await fake.write_started.wait()
+                await service.update(msg("a", TextPart("new")))
+                scope.cancel()
+    fake.gate = None
+    await service.flush_all()
+    assert fake.batches == [[("a", "new")]]
+
+
+async def test_failed_flush_raises_and_keeps_state_pending() -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    fake.fail = StoreError("disk broke")
+    await service.update(msg("a", TextPart("a")))
+    with pytest.raises(StoreError, match="disk broke"):
+        await service.flush_all()
+    assert service.pending_count == 1
+    fake.fail = None
+    await service.flush_all()
+    assert fake.rows == {"a": "a"}
+
+
+async def test_flusher_survives_a_store_error_and_retries(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder())
+    fake.fail = StoreError("store is closed")
+    with trio.fail_after(TEST_TIMEOUT), caplog.at_level(logging.ERROR):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            await service.update(msg("a", TextPart("a")))
+            await trio.sleep(DEBOUNCE_SECONDS * 2)
+            assert service.write_errors == 1
+            assert service.pending_count == 1
+            fake.fail = None
+            await trio.sleep(2)  # past the retry delay and one more window
+            nursery.cancel_scope.cancel()
+    assert fake.rows == {"a": "a"}
+    assert "store is closed" in caplog.text
+
+
+async def test_run_cannot_be_started_twice() -> None:
+    service = MessageService(FakeStore(), Recorder())
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            with pytest.raises(RuntimeError, match="already running"):
+                await service.run()
+            nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Deletes must not be undone by a late flush
+
+
+async def test_deleted_session_is_not_resurrected_by_a_late_flush(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_session(Session(id="other"))
+    published = Recorder()
+    service = MessageService(store, published, debounce=NEVER)
+    await service.create(msg("m"))
+    await service.create(msg("o", session_id="other"))
+    await service.update(msg("m", TextPart("pending")))
+    await service.update(msg("o", TextPart("kept"), session_id="other"))
+
+    await service.delete_session_messages("s")
+    assert await store.delete_session("s")
+    await service.flush_all()
+
+    assert await store.get_session("s") is None
+    assert await store.get_message("m") is None
+    kept = await store.get_message("o")
+    assert kept is not None
+    assert kept.text() == "kept"
+    assert (EventKind.UPDATED, "m", "pending") not in published.events
+
+
+async def test_store_skips_late_write_even_without_delete_session_messages(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    published = Recorder()
+    service = MessageService(store, published, debounce=NEVER)
+    await service.create(msg("m"))
+    await service.update(msg("m", TextPart("pending")))
+    assert await store.delete_session("s")
+    await service.flush_all()
+    assert await store.get_message("m") is None
+    assert published.events == [(EventKind.CREATED, "m", "")]
+
+
+async def test_forget_drops_pending_state(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    service = MessageService(store, Recorder(), debounce=NEVER)
+    await service.create(msg("m", TextPart("created")))
+    await service.update(msg("m", TextPart("pending")))
+    await service.forget("m")
+    await service.flush_all()
+    stored = await store.get_message("m")
+    assert stored is not None
+    assert stored.text() == "created"
+    assert service.flush_count == 0
+
+
+async def test_forget_waits_for_the_write_in_flight_and_suppresses_its_event() -> None:
+    fake = FakeStore()
+    published = Recorder()
+    service = MessageService(fake, published, debounce=NEVER)
+    fake.gate = trio.Event()
+    await service.update(msg("a", TextPart("a")))
+    await service.update(msg("b", TextPart("b")))
+    forgotten = trio.Event()
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.flush_all)
+            await fake.write_started.wait()
+
+            async def forget() -> None:
+                await service.forget("a")
+                forgotten.set()
+
+            nursery.start_soon(forget)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not forgotten.is_set()  # the caller may delete the row only after this
+            fake.gate.set()
+    assert forgotten.is_set()
+    assert published.events == [(EventKind.UPDATED, "b", "b")]
+
+
+async def test_caller_may_keep_mutating_the_same_message_object(store: Store) -> None:
+    """The row is encoded when written, so in-place edits between updates are captured."""
+    await store.create_session(Session(id="s"))
+    service = MessageService(store, Recorder(), debounce=NEVER)
+    message = msg("m", TextPart(""))
+    await service.create(message)
+    for chunk in ("a", "b", "c"):
+        message.parts[0] = TextPart(message.text() + chunk)
+        await service.update(message)
+    await service.flush_all()
+    stored = await store.get_message("m")
+    assert stored is not None
+    assert stored.text() == "abc"

@@ -1,0 +1,430 @@
+"""The embedded store: round trips, schema, triggers, errors and staying off the event loop."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from crush_trio.errors import StoreError
+from crush_trio.store import db as db_module
+from crush_trio.store.db import DB_FILENAME, SCHEMA_VERSION, Store
+from crush_trio.wire import (
+    FinishPart,
+    FinishReason,
+    Message,
+    ReasoningPart,
+    Role,
+    Run,
+    RunStatus,
+    Session,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+    parts_from_json,
+)
+
+#: Trio-clock cap for each test's waits.
+TEST_TIMEOUT = 10
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(tmp_path / "data")
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+def raw(tmp_path: Path) -> sqlite3.Connection:
+    """A plain connection to the test database, for checks below the Store API."""
+    conn = sqlite3.connect(tmp_path / "data" / DB_FILENAME, isolation_level=None)
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+def all_parts() -> list[Any]:
+    return [
+        ReasoningPart(thinking="hmm", signature="sig", started_at=10, finished_at=11),
+        TextPart(text="hello ✓"),
+        ToolCallPart(id="call-1", name="bash", input='{"cmd": "ls"}', finished=True),
+        ToolResultPart(tool_call_id="call-1", name="bash", content="a\nb", is_error=True),
+        FinishPart(reason=FinishReason.TOOL_USE, time=12, message="m", details="d"),
+    ]
+
+
+async def test_open_creates_directory_wal_and_schema_version(tmp_path: Path) -> None:
+    s = await Store.open(tmp_path / "nested" / "data")
+    await s.aclose()
+    conn = sqlite3.connect(tmp_path / "nested" / "data" / DB_FILENAME)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 1
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+async def test_reopen_keeps_data_and_does_not_rerun_migrations(tmp_path: Path) -> None:
+    s = await Store.open(tmp_path / "data")
+    await s.create_session(Session(id="s1", title="kept"))
+    await s.create_message(Message(id="m1", session_id="s1", role=Role.USER, parts=[TextPart("x")]))
+    await s.aclose()
+
+    s = await Store.open(tmp_path / "data")
+    try:
+        session = await s.get_session("s1")
+        assert session is not None
+        assert session.title == "kept"
+        assert session.message_count == 1
+        assert [m.text() for m in await s.list_messages("s1")] == ["x"]
+    finally:
+        await s.aclose()
+
+
+async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    conn = sqlite3.connect(tmp_path / "data" / DB_FILENAME)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this server supports"):
+        await Store.open(tmp_path / "data")
+
+
+async def test_session_round_trip_update_usage_and_list_order(store: Store) -> None:
+    a = Session(id="a", title="first", created_at=100, updated_at=100)
+    b = Session(id="b", title="second", parent_session_id="a", created_at=200, updated_at=200)
+    await store.create_session(a)
+    await store.create_session(b)
+
+    got = await store.get_session("b")
+    assert got == Session(
+        id="b", title="second", parent_session_id="a", created_at=200, updated_at=200
+    )
+    assert await store.get_session("missing") is None
+    assert [s.id for s in await store.list_sessions()] == ["b", "a"]
+
+    a.title = "renamed"
+    a.updated_at = 300
+    a.cost = 1.5
+    assert await store.update_session(a) is True
+    assert [s.id for s in await store.list_sessions()] == ["a", "b"]
+    assert await store.update_session(Session(id="missing")) is False
+
+    after = await store.add_session_usage("a", 10, 5, 0.25)
+    assert after is not None
+    assert (after.title, after.prompt_tokens, after.completion_tokens, after.cost) == (
+        "renamed",
+        10,
+        5,
+        1.75,
+    )
+    after = await store.add_session_usage("a", 1, 2, 0.25)
+    assert after is not None
+    assert (after.prompt_tokens, after.completion_tokens, after.cost) == (11, 7, 2.0)
+    assert await store.get_session("a") == after
+    assert await store.add_session_usage("missing", 1, 1, 1.0) is None
+
+
+async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: Path) -> None:
+    await store.create_session(Session(id="s"))
+    message = Message(
+        id="m",
+        session_id="s",
+        role=Role.ASSISTANT,
+        parts=all_parts(),
+        model="model-x",
+        provider="prov",
+        created_at=5,
+        updated_at=6,
+    )
+    await store.create_message(message)
+    assert await store.get_message("m") == message
+    assert await store.get_message("nope") is None
+
+    conn = raw(tmp_path)
+    try:
+        stored = conn.execute("SELECT parts, finished_at FROM messages").fetchone()
+    finally:
+        conn.close()
+    assert stored[0].startswith('[{"type":"reasoning","data":{')
+    assert stored[1] == 12  # the finish part's time
+
+    message.parts = [TextPart("edited")]
+    message.updated_at = 7
+    assert await store.update_message(message) is True
+    got = await store.get_message("m")
+    assert got is not None
+    assert (got.parts, got.updated_at, got.model) == ([TextPart("edited")], 7, "model-x")
+    assert await store.update_message(Message(id="nope", session_id="s", role=Role.USER)) is False
+
+
+async def test_list_messages_orders_by_created_at_then_insertion(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_session(Session(id="other"))
+    for mid, created in [("c", 50), ("a", 50), ("b", 50), ("early", 10)]:
+        await store.create_message(
+            Message(id=mid, session_id="s", role=Role.USER, created_at=created)
+        )
+    await store.create_message(Message(id="x", session_id="other", role=Role.USER))
+    assert [m.id for m in await store.list_messages("s")] == ["early", "c", "a", "b"]
+    assert await store.list_messages("none") == []
+
+
+async def test_message_count_trigger_on_insert_upsert_and_delete(
+    store: Store, tmp_path: Path
+) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_message(Message(id="m1", session_id="s", role=Role.USER))
+    await store.write_messages(
+        [
+            Message(id="m1", session_id="s", role=Role.USER, parts=[TextPart("upserted")]),
+            Message(id="m2", session_id="s", role=Role.ASSISTANT),
+        ]
+    )
+    session = await store.get_session("s")
+    assert session is not None
+    assert session.message_count == 2  # the upsert of m1 did not count twice
+    message = await store.get_message("m1")
+    assert message is not None
+    assert message.text() == "upserted"
+
+    conn = raw(tmp_path)
+    try:
+        conn.execute("DELETE FROM messages WHERE id = 'm1'")
+    finally:
+        conn.close()
+    session = await store.get_session("s")
+    assert session is not None
+    assert session.message_count == 1
+
+
+async def test_delete_session_cascades_to_messages_but_not_runs(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_session(Session(id="keep"))
+    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    await store.create_message(Message(id="k", session_id="keep", role=Role.USER))
+    await store.create_run(Run(run_id="r", session_id="s"))
+
+    assert await store.delete_session("s") is True
+    assert await store.delete_session("s") is False
+    assert await store.get_session("s") is None
+    assert await store.get_message("m") is None
+    assert await store.list_messages("s") == []
+    assert await store.get_message("k") is not None
+    assert await store.run_exists("r")
+
+
+async def test_write_messages_skips_rows_of_a_deleted_session(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_session(Session(id="gone"))
+    await store.delete_session("gone")
+    written = await store.write_messages(
+        [
+            Message(id="late", session_id="gone", role=Role.ASSISTANT),
+            Message(id="ok", session_id="s", role=Role.ASSISTANT),
+        ]
+    )
+    assert written == {"ok"}
+    assert await store.get_message("late") is None
+    assert await store.get_message("ok") is not None
+
+
+async def test_run_round_trip_update_and_list_by_status(store: Store) -> None:
+    r1 = Run(run_id="r1", session_id="s", created_at=1)
+    r2 = Run(run_id="r2", session_id="s", status=RunStatus.RUNNING, created_at=2)
+    r3 = Run(run_id="r3", session_id="t", created_at=3)
+    for r in (r1, r2, r3):
+        await store.create_run(r)
+    assert await store.get_run("r2") == r2
+    assert await store.get_run("nope") is None
+    assert await store.run_exists("r1")
+    assert not await store.run_exists("nope")
+
+    r1.status = RunStatus.COMPLETED
+    r1.message_id = "m"
+    r1.text = "done"
+    r1.finished_at = 9
+    assert await store.update_run(r1) is True
+    r3.status = RunStatus.FAILED
+    r3.error = "boom"
+    assert await store.update_run(r3) is True
+    assert await store.update_run(Run(run_id="nope", session_id="s")) is False
+    assert await store.get_run("r1") == r1
+
+    active = await store.list_runs({RunStatus.QUEUED, RunStatus.RUNNING})
+    assert [r.run_id for r in active] == ["r2"]
+    ended = await store.list_runs({RunStatus.COMPLETED, RunStatus.FAILED})
+    assert ended == [r1, r3]
+    assert await store.list_runs(set()) == []
+
+
+async def test_sqlite_errors_become_store_errors(store: Store) -> None:
+    await store.create_session(Session(id="s"))
+    with pytest.raises(StoreError, match="creating session 's'") as info:
+        await store.create_session(Session(id="s"))
+    assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
+    with pytest.raises(StoreError, match="creating message 'm'"):
+        await store.create_message(Message(id="m", session_id="no-such", role=Role.USER))
+    await store.create_run(Run(run_id="r", session_id="s"))
+    with pytest.raises(StoreError, match="creating run 'r'"):
+        await store.create_run(Run(run_id="r", session_id="s"))
+
+
+CLOSED_CALLS: list[Callable[[Store], Awaitable[object]]] = [
+    lambda s: s.create_session(Session(id="x")),
+    lambda s: s.get_session("x"),
+    lambda s: s.list_sessions(),
+    lambda s: s.update_session(Session(id="x")),
+    lambda s: s.add_session_usage("x", 1, 1, 1.0),
+    lambda s: s.delete_session("x"),
+    lambda s: s.create_message(Message(id="m", session_id="x", role=Role.USER)),
+    lambda s: s.update_message(Message(id="m", session_id="x", role=Role.USER)),
+    lambda s: s.get_message("m"),
+    lambda s: s.list_messages("x"),
+    lambda s: s.write_messages([]),
+    lambda s: s.create_run(Run(run_id="r", session_id="x")),
+    lambda s: s.update_run(Run(run_id="r", session_id="x")),
+    lambda s: s.get_run("r"),
+    lambda s: s.list_runs({RunStatus.QUEUED}),
+    lambda s: s.list_runs(set()),
+    lambda s: s.run_exists("r"),
+]
+
+
+@pytest.mark.parametrize("call", CLOSED_CALLS)
+async def test_closed_store_raises_store_error(
+    tmp_path: Path, call: Callable[[Store], Awaitable[object]]
+) -> None:
+    s = await Store.open(tmp_path / "data")
+    await s.aclose()
+    await s.aclose()  # idempotent
+    assert s.closed
+    with pytest.raises(StoreError, match="store is closed"):
+        await call(s)
+
+
+async def test_call_waiting_for_its_turn_when_the_store_closes_raises_store_error(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    entered = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    real = parts_from_json
+
+    def blocking(raw_parts: str) -> Any:
+        trio.from_thread.run_sync(entered.set, trio_token=token)
+        assert release.wait(TEST_TIMEOUT)
+        return real(raw_parts)
+
+    await store.create_session(Session(id="s"))
+    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    monkeypatch.setattr(db_module, "parts_from_json", blocking)
+    errors: list[BaseException] = []
+
+    async def queued_call() -> None:
+        try:
+            await store.get_session("s")
+        except StoreError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store.get_message, "m")  # holds the connection
+            await entered.wait()
+            nursery.start_soon(queued_call)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(store.aclose)
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert len(errors) == 1
+    assert "store is closed" in str(errors[0])
+
+
+async def test_database_work_runs_in_a_worker_thread(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.create_session(Session(id="s"))
+    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    seen: list[int] = []
+    real = parts_from_json
+
+    def spy(raw_parts: str) -> Any:
+        seen.append(threading.get_ident())
+        return real(raw_parts)
+
+    monkeypatch.setattr(db_module, "parts_from_json", spy)
+    assert await store.list_messages("s") != []
+    assert seen
+    assert threading.get_ident() not in seen
+
+
+async def test_event_loop_keeps_running_while_a_database_call_is_busy(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker thread cannot finish until a trio task runs, so a blocked loop would fail."""
+    await store.create_session(Session(id="s"))
+    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    loop_ran = threading.Event()
+    real = parts_from_json
+
+    def needs_the_loop(raw_parts: str) -> Any:
+        assert loop_ran.wait(TEST_TIMEOUT), "the event loop was blocked during a database call"
+        return real(raw_parts)
+
+    async def other_task() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        loop_ran.set()
+
+    monkeypatch.setattr(db_module, "parts_from_json", needs_the_loop)
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+            message = await store.get_message("m")
+    assert message is not None
+    assert loop_ran.is_set()
+
+
+async def test_cancelled_write_that_started_is_not_torn(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel arriving while the thread runs does not abandon it: the commit completes and the
+    call returns; the cancellation lands at the caller's next checkpoint."""
+    await store.create_session(Session(id="s"))
+    started = trio.Event()
+    release = threading.Event()
+    token = trio.lowlevel.current_trio_token()
+    real = db_module._transaction
+
+    def slow_transaction(conn: sqlite3.Connection, fn: Any) -> Any:
+        trio.from_thread.run_sync(started.set, trio_token=token)
+        assert release.wait(TEST_TIMEOUT)
+        return real(conn, fn)
+
+    monkeypatch.setattr(db_module, "_transaction", slow_transaction)
+    batch = [Message(id=f"m{i}", session_id="s", role=Role.USER) for i in range(50)]
+    with trio.fail_after(TEST_TIMEOUT):
+        scope = trio.CancelScope()
+        returned: list[set[str]] = []
+
+        async def writer() -> None:
+            with scope:
+                returned.append(await store.write_messages(batch))
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await started.wait()
+            scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            release.set()
+    assert len(returned) == 1
+    assert len(returned[0]) == 50
+    assert scope.cancelled_caught
+    monkeypatch.undo()
+    assert len(await store.list_messages("s")) == 50
