@@ -119,6 +119,7 @@ class ClientStream:
         self._md_waiting = 0
         self.killed = trio.Event()
         self.kill_reason = ""
+        self.kill_code = 1013
         self.closed = False
 
     # -- producer side (the broker) ------------------------------------------------------------
@@ -195,10 +196,12 @@ class ClientStream:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
 
-    def kill(self, reason: str) -> None:
-        """Disconnect this client: it could not take a must-deliver event in time."""
+    def kill(self, reason: str, code: int = 1013) -> None:
+        """Disconnect this client (by default: it could not take a must-deliver event in time);
+        the transport closes it with ``code`` and ``reason``."""
         if not self.killed.is_set():
             self.kill_reason = reason
+            self.kill_code = code
             log.warning(
                 "disconnecting client %s: %s (queue %d/%d)",
                 self.client_id or "?",
@@ -357,6 +360,13 @@ class Broker:
             "killed": self.killed,
             "peak_depth": max((c.peak_depth for c in self.clients), default=0),
         }
+
+    def drop_all(self, reason: str, code: int) -> int:
+        """Disconnect every client (they may resume with ``since``); returns how many."""
+        clients = list(self.clients)
+        for client in clients:
+            client.kill(reason, code)
+        return len(clients)
 
     def close(self) -> None:
         """Close every client stream (their writers finish what is queued, then end)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
 import time
 from importlib import resources
@@ -45,6 +46,11 @@ from .streams import serve_sse, serve_websocket
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("crush_trio.access")
+
+#: Environment variable that enables test-only routes (``/debug/...``); never set in production.
+DEBUG_ROUTES_ENV: Final = "CRUSH_TRIO_DEBUG_ROUTES"
+#: Close code for streams dropped by the debug route ("service restart": reconnect).
+WS_CLOSE_SERVICE_RESTART: Final = 1012
 
 #: Name of the cookie a browser gets after opening ``/?token=...``.
 TOKEN_COOKIE: Final = "crush_trio_token"
@@ -314,6 +320,16 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     async def skip(wid: str) -> Response:
         ws = api.workspace(wid)
         return json_response(await api.skip(ws, await body(SkipRequest)))
+
+    # -- test hooks (off unless CRUSH_TRIO_DEBUG_ROUTES=1) -----------------------------------
+
+    if os.environ.get(DEBUG_ROUTES_ENV) == "1":
+
+        @app.post("/v1/workspaces/<wid>/debug/drop-streams")
+        async def drop_streams(wid: str) -> Response:
+            ws = api.workspace(wid)
+            dropped = ws.broker.drop_all("dropped by debug route", WS_CLOSE_SERVICE_RESTART)
+            return json_response({"dropped": dropped})
 
     # -- event streams --------------------------------------------------------------------------
 

@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 7433
-#: Seconds hypercorn waits for open connections after the app has closed its streams.
-HYPERCORN_GRACE: Final = 2.0
+#: Seconds hypercorn waits for open connections after the app has closed its streams (its
+#: websocket ping tasks outlive their connection by up to one ping interval; nothing else is left).
+HYPERCORN_GRACE: Final = 0.5
 LISTEN_BACKLOG: Final = 1024
 
 

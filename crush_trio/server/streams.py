@@ -29,7 +29,6 @@ from .. import __version__, wire
 from ..broker import Event
 from ..errors import (
     WS_CLOSE_GOING_AWAY,
-    WS_CLOSE_TRY_AGAIN_LATER,
     BadRequest,
     CrushError,
     NotFound,
@@ -93,7 +92,7 @@ async def serve_websocket(
         stream.close()
         ws.detach(client_id)
     if stream.killed.is_set():
-        close_code, close_reason = WS_CLOSE_TRY_AGAIN_LATER, stream.kill_reason
+        close_code, close_reason = stream.kill_code, stream.kill_reason
     elif ws.closing:
         close_code, close_reason = WS_CLOSE_GOING_AWAY, "workspace closed"
     with trio.move_on_after(CLOSE_TIMEOUT, shield=True):

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+import attrs
 import orjson
 
 from .base import (
@@ -53,6 +55,7 @@ __all__ = [
     "ToolError",
     "ToolResult",
     "ToolSpec",
+    "Toolbox",
     "ViewTool",
     "WriteTool",
     "call_tool",
@@ -225,3 +228,50 @@ async def call_tool(
             "tool %s failed (session %s, call %s)", name, ctx.session_id, ctx.tool_call_id
         )
         return ToolResult(content=f"tool {name} failed: {type(exc).__name__}: {exc}", is_error=True)
+
+
+@attrs.define
+class Toolbox:
+    """The tools of one workspace, bound to its paths, permissions and limits.
+
+    This is the object the agent loop holds: :meth:`specs` for the model request and :meth:`call`
+    for each tool call.
+
+    Attributes:
+        workspace: the workspace directory.
+        data_dir: the server's data directory.
+        permissions: asks the workspace's clients.
+        tools: the tools on offer (default: :func:`default_tools`).
+        timeout: the tool timeout in seconds.
+        bash_output_limit: bytes of ``bash`` output kept.
+    """
+
+    workspace: Path
+    data_dir: Path
+    permissions: PermissionAsker
+    tools: list[Tool] = attrs.field(factory=default_tools)
+    timeout: float = DEFAULT_TOOL_TIMEOUT
+    bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
+
+    def specs(self) -> list[ToolSpec]:
+        """The specs of the tools, for the model request."""
+        return tool_specs(self.tools)
+
+    async def call(
+        self, name: str, input_json: str, *, session_id: str, tool_call_id: str
+    ) -> ToolResult:
+        """Run one tool call (see :func:`call_tool`).
+
+        Cancellation:
+            ``trio.Cancelled`` propagates after the tool has ended its subprocesses.
+        """
+        ctx = ToolContext(
+            workspace=self.workspace,
+            data_dir=self.data_dir,
+            session_id=session_id,
+            tool_call_id=tool_call_id,
+            permissions=self.permissions,
+            timeout=self.timeout,
+            bash_output_limit=self.bash_output_limit,
+        )
+        return await call_tool(self.tools, name, input_json, ctx)

@@ -413,7 +413,10 @@ def _read_text_file(path: Path, shown: str, max_bytes: int, tool_name: str) -> s
             f"{shown} is {st.st_size} bytes, over the {max_bytes} byte limit of {tool_name}; "
             "use grep to find the part you need, or bash with head/tail/sed"
         )
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ToolError(f"could not read {shown}: {exc.strerror or exc}") from exc
     if _is_binary(data[:BINARY_SNIFF_BYTES]):
         raise ToolError(
             f"{shown} looks like a binary file (it contains NUL bytes); {tool_name} works on "

@@ -1,0 +1,90 @@
+// HTTP calls to the /v1 API (PROTOCOL §3). The browser authenticates with the HttpOnly cookie it
+// got from opening /?token=..., so no token is handled here.
+
+/** An error answer of the API: the HTTP status and the server's message. */
+export class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.name = "ApiError";
+    this.status = status;
+  }
+}
+
+/** Bound on one HTTP request (milliseconds). */
+export const HTTP_TIMEOUT_MS = 30000;
+
+/**
+ * Send one request and decode its JSON answer.
+ * @param {string} method
+ * @param {string} path starts with /v1
+ * @param {any} [body] sent as JSON
+ * @returns {Promise<any>}
+ */
+export async function request(method, path, body) {
+  const init = { method, headers: {}, credentials: "same-origin", signal: AbortSignal.timeout(HTTP_TIMEOUT_MS) };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(path, init);
+  } catch (err) {
+    throw new ApiError(0, `cannot reach the server (${err.message || err})`);
+  }
+  const text = await response.text();
+  let data = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    data = null;
+  }
+  if (!response.ok) {
+    const message = data && typeof data.message === "string" ? data.message : `HTTP ${response.status}`;
+    throw new ApiError(response.status, message);
+  }
+  return data;
+}
+
+const enc = encodeURIComponent;
+
+/**
+ * The HTTP route of each websocket command (PROTOCOL §5 "Websocket commands"), so a command can
+ * be sent over HTTP while the socket is down.
+ */
+export function httpCommand(wid, method, params = {}) {
+  const w = `/v1/workspaces/${enc(wid)}`;
+  const sid = params.session_id === undefined ? "" : enc(params.session_id);
+  switch (method) {
+    case "agent.prompt":
+      return request("POST", `${w}/agent`, params);
+    case "agent.cancel":
+      return request("POST", `${w}/agent/sessions/${sid}/cancel`);
+    case "agent.clear_queue":
+      return request("POST", `${w}/agent/sessions/${sid}/prompts/clear`);
+    case "sessions.create":
+      return request("POST", `${w}/sessions`, params);
+    case "sessions.list":
+      return request("GET", `${w}/sessions`);
+    case "messages.list":
+      return request("GET", `${w}/sessions/${sid}/messages`);
+    case "runs.get":
+      return request("GET", `${w}/runs/${enc(params.run_id)}`);
+    case "permissions.grant":
+      return request("POST", `${w}/permissions/grant`, params);
+    default:
+      return Promise.reject(new ApiError(404, `unknown method ${method}`));
+  }
+}
+
+export const api = {
+  openWorkspace: (path, clientId) => request("POST", "/v1/workspaces", { path, client_id: clientId }),
+  releaseWorkspace: (wid, clientId) =>
+    request("DELETE", `/v1/workspaces/${enc(wid)}?client_id=${enc(clientId)}`),
+  deleteSession: (wid, sid) => request("DELETE", `/v1/workspaces/${enc(wid)}/sessions/${enc(sid)}`),
+  renameSession: (wid, sid, title) =>
+    request("PATCH", `/v1/workspaces/${enc(wid)}/sessions/${enc(sid)}`, { title }),
+  queuedPrompts: (wid, sid) =>
+    request("GET", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/prompts/list`),
+  agentInfo: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/agent`),
+};

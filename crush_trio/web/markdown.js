@@ -1,0 +1,312 @@
+// A small, safe Markdown renderer: text in, DOM nodes out.
+//
+// It never builds HTML strings: every node is made with createElement and every piece of text
+// goes in as a Text node, so model output such as "<script>" is shown as the characters it is.
+// Raw HTML in the source is not interpreted (it stays visible text). Links are kept only for
+// http:, https: and mailto: targets, and open in a new tab without a referrer.
+//
+// Supported: ATX headings, paragraphs (single newlines become line breaks), fenced code blocks
+// (``` or ~~~, an unterminated fence while streaming is still a code block), indented lists
+// (ordered, unordered, task boxes, nested by indentation), block quotes, horizontal rules, GFM
+// tables, and inline code, **strong**, *emphasis*, ~~strike~~, [links](url), <autolinks> and
+// backslash escapes.
+
+import { h } from "./dom.js";
+
+const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)?.*$/;
+const HEADING = /^ {0,3}(#{1,6})(?:\s+(.*?))?\s*#*\s*$/;
+const HR = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+const QUOTE = /^ {0,3}> ?(.*)$/;
+const LIST_ITEM = /^( *)([-*+]|\d{1,9}[.)])(?:\s+(.*))?$/;
+const TABLE_SEP = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+const SAFE_URL = /^(https?:\/\/|mailto:)/i;
+
+/**
+ * Render Markdown source into a DocumentFragment.
+ * @param {string} source
+ * @returns {DocumentFragment}
+ */
+export function renderMarkdown(source) {
+  const frag = document.createDocumentFragment();
+  const lines = String(source ?? "").replace(/\r\n?/g, "\n").split("\n");
+  for (const node of parseBlocks(lines)) frag.append(node);
+  return frag;
+}
+
+function isBlank(line) {
+  return line.trim() === "";
+}
+
+function startsBlock(lines, i) {
+  const line = lines[i];
+  return (
+    FENCE.test(line) ||
+    HEADING.test(line) ||
+    HR.test(line) ||
+    QUOTE.test(line) ||
+    LIST_ITEM.test(line) ||
+    isTableStart(lines, i)
+  );
+}
+
+function isTableStart(lines, i) {
+  return (
+    i + 1 < lines.length &&
+    lines[i].includes("|") &&
+    TABLE_SEP.test(lines[i + 1]) &&
+    lines[i + 1].includes("-")
+  );
+}
+
+/** Parse a list of lines into block nodes. */
+function parseBlocks(lines) {
+  const out = [];
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    if (isBlank(line)) {
+      i++;
+      continue;
+    }
+    let m;
+    if ((m = FENCE.exec(line))) {
+      const marker = m[1];
+      const lang = (m[2] || "").replace(/[^\w+#.-]/g, "");
+      const body = [];
+      i++;
+      while (i < lines.length && !lines[i].trimStart().startsWith(marker)) {
+        body.push(lines[i]);
+        i++;
+      }
+      i++; // the closing fence (or past the end while the block is still streaming)
+      out.push(codeBlock(body.join("\n"), lang));
+      continue;
+    }
+    if ((m = HEADING.exec(line)) && /^ {0,3}#{1,6}(\s|$)/.test(line)) {
+      const level = m[1].length;
+      out.push(h(`h${Math.min(level + 2, 6)}`, { class: `md-h md-h${level}` }, inline(m[2] || "")));
+      i++;
+      continue;
+    }
+    if (HR.test(line)) {
+      out.push(h("hr"));
+      i++;
+      continue;
+    }
+    if (QUOTE.test(line)) {
+      const body = [];
+      while (i < lines.length && !isBlank(lines[i]) && (m = QUOTE.exec(lines[i]))) {
+        body.push(m[1]);
+        i++;
+      }
+      out.push(h("blockquote", {}, parseBlocks(body)));
+      continue;
+    }
+    if (LIST_ITEM.test(line)) {
+      const [node, next] = parseList(lines, i);
+      out.push(node);
+      i = next;
+      continue;
+    }
+    if (isTableStart(lines, i)) {
+      const [node, next] = parseTable(lines, i);
+      out.push(node);
+      i = next;
+      continue;
+    }
+    const para = [line.trim()];
+    i++;
+    while (i < lines.length && !isBlank(lines[i]) && !startsBlock(lines, i)) {
+      para.push(lines[i].trim());
+      i++;
+    }
+    out.push(h("p", {}, inlineLines(para)));
+  }
+  return out;
+}
+
+function codeBlock(text, lang) {
+  const code = h("code", lang ? { class: `language-${lang}` } : {});
+  code.textContent = text;
+  const wrapper = h("div", { class: "code-block" });
+  if (lang) wrapper.append(h("span", { class: "code-lang", text: lang }));
+  wrapper.append(h("pre", { tabindex: "0" }, code));
+  return wrapper;
+}
+
+function parseList(lines, start) {
+  const first = LIST_ITEM.exec(lines[start]);
+  const indent = first[1].length;
+  const ordered = /\d/.test(first[2]);
+  const list = h(ordered ? "ol" : "ul");
+  if (ordered) {
+    const n = parseInt(first[2], 10);
+    if (n !== 1) list.setAttribute("start", String(n));
+  }
+  let i = start;
+  while (i < lines.length) {
+    const m = LIST_ITEM.exec(lines[i]);
+    if (!m || m[1].length !== indent || /\d/.test(m[2]) !== ordered) break;
+    const contentIndent = indent + m[2].length + 1;
+    const body = [m[3] || ""];
+    i++;
+    // Continuation: indented lines (nested blocks) and lazy paragraph lines.
+    while (i < lines.length) {
+      const line = lines[i];
+      if (isBlank(line)) {
+        const next = lines[i + 1];
+        if (next !== undefined && !isBlank(next) && leadingSpaces(next) >= contentIndent) {
+          body.push("");
+          i++;
+          continue;
+        }
+        break;
+      }
+      const sub = LIST_ITEM.exec(line);
+      if (sub && sub[1].length <= indent) break;
+      if (leadingSpaces(line) >= Math.min(contentIndent, indent + 2)) {
+        body.push(line.slice(Math.min(leadingSpaces(line), contentIndent)));
+      } else if (!startsBlock(lines, i)) {
+        body.push(line.trim());
+      } else break;
+      i++;
+    }
+    list.append(listItem(body));
+    // A blank line between items of the same list keeps the list going.
+    if (i < lines.length && isBlank(lines[i])) {
+      const next = LIST_ITEM.exec(lines[i + 1] ?? "");
+      if (next && next[1].length === indent && /\d/.test(next[2]) === ordered) i++;
+    }
+  }
+  return [list, i];
+}
+
+function listItem(body) {
+  const li = h("li");
+  let text = body;
+  const task = /^\[([ xX])\]\s+/.exec(body[0]);
+  if (task) {
+    li.className = "task";
+    li.append(h("input", { type: "checkbox", disabled: true, checked: task[1] !== " ", "aria-label": task[1] !== " " ? "done" : "not done" }));
+    text = [body[0].slice(task[0].length), ...body.slice(1)];
+  }
+  const simple = text.every((l) => !isBlank(l)) && !text.some((l, k) => k > 0 && startsBlock(text, k));
+  if (simple) li.append(...inlineLines(text.map((l) => l.trim())));
+  else li.append(...parseBlocks(text));
+  return li;
+}
+
+function leadingSpaces(line) {
+  return line.length - line.trimStart().length;
+}
+
+function splitRow(line) {
+  let s = line.trim();
+  if (s.startsWith("|")) s = s.slice(1);
+  if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
+  const cells = [];
+  let cur = "";
+  for (let k = 0; k < s.length; k++) {
+    if (s[k] === "\\" && s[k + 1] === "|") {
+      cur += "|";
+      k++;
+    } else if (s[k] === "|") {
+      cells.push(cur.trim());
+      cur = "";
+    } else cur += s[k];
+  }
+  cells.push(cur.trim());
+  return cells;
+}
+
+function parseTable(lines, start) {
+  const head = splitRow(lines[start]);
+  const aligns = splitRow(lines[start + 1]).map((c) =>
+    c.startsWith(":") && c.endsWith(":") ? "center" : c.endsWith(":") ? "right" : c.startsWith(":") ? "left" : "",
+  );
+  const cell = (tag, text, k) => {
+    const el = h(tag, {}, inline(text));
+    if (aligns[k]) el.dataset.align = aligns[k];
+    return el;
+  };
+  const thead = h("thead", {}, h("tr", {}, head.map((c, k) => cell("th", c, k))));
+  const tbody = h("tbody");
+  let i = start + 2;
+  while (i < lines.length && !isBlank(lines[i]) && lines[i].includes("|")) {
+    const row = splitRow(lines[i]);
+    tbody.append(h("tr", {}, head.map((_, k) => cell("td", row[k] ?? "", k))));
+    i++;
+  }
+  return [h("div", { class: "table-wrap" }, h("table", {}, thead, tbody)), i];
+}
+
+/** Inline content of several lines joined by line breaks. */
+function inlineLines(lines) {
+  const out = [];
+  lines.forEach((line, k) => {
+    if (k > 0) out.push(h("br"));
+    out.push(...inline(line));
+  });
+  return out;
+}
+
+const INLINE = [
+  { re: /\\([\\`*_{}\[\]()#+\-.!|~<>])/y, make: (m) => [document.createTextNode(m[1])] },
+  {
+    re: /(`+)([\s\S]*?[^`])\1(?!`)/y,
+    make: (m) => {
+      const code = h("code");
+      code.textContent = m[2].length > 2 && m[2].startsWith(" ") && m[2].endsWith(" ") ? m[2].slice(1, -1) : m[2];
+      return [code];
+    },
+  },
+  { re: /\*\*(?=\S)([\s\S]*?\S)\*\*/y, make: (m) => [h("strong", {}, inline(m[1]))] },
+  { re: /__(?=\S)([\s\S]*?\S)__(?!\w)/y, make: (m) => [h("strong", {}, inline(m[1]))] },
+  { re: /~~(?=\S)([\s\S]*?\S)~~/y, make: (m) => [h("del", {}, inline(m[1]))] },
+  { re: /\*(?=[^\s*])([\s\S]*?[^\s*])\*/y, make: (m) => [h("em", {}, inline(m[1]))] },
+  { re: /_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/y, make: (m) => [h("em", {}, inline(m[1]))] },
+  { re: /\[([^\]\n]*)\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)/y, make: (m) => link(m[1], m[2]) },
+  { re: /<((?:https?:\/\/|mailto:)[^\s<>]+)>/y, make: (m) => link(m[1], m[1]) },
+];
+
+function link(text, url) {
+  if (!SAFE_URL.test(url)) return [...inline(text)];
+  return [
+    h("a", { href: url, target: "_blank", rel: "noopener noreferrer nofollow" }, text ? inline(text) : url),
+  ];
+}
+
+/**
+ * Parse inline Markdown into nodes.
+ * @param {string} text
+ * @returns {Node[]}
+ */
+export function inline(text) {
+  const out = [];
+  let plain = "";
+  let i = 0;
+  const flush = () => {
+    if (plain) out.push(document.createTextNode(plain));
+    plain = "";
+  };
+  // An emphasis marker at a word boundary only: snake_case_names stay as they are.
+  outer: while (i < text.length) {
+    const ch = text[i];
+    if ("\\`*_~[<".includes(ch) && !(ch === "_" && /\w/.test(text[i - 1] ?? ""))) {
+      for (const rule of INLINE) {
+        rule.re.lastIndex = i;
+        const m = rule.re.exec(text);
+        if (m) {
+          flush();
+          out.push(...rule.make(m));
+          i = rule.re.lastIndex;
+          continue outer;
+        }
+      }
+    }
+    plain += ch;
+    i++;
+  }
+  flush();
+  return out;
+}
