@@ -181,8 +181,9 @@ class ClientStream:
         try:
             async with self._md_lock:
                 if self._gap is not None:
-                    await self._send.send(self._gap.frame(self.broker.seq))
-                    self._gap = None
+                    # Detach the gap before waiting: drops during the wait start a new one.
+                    gap, self._gap = self._gap, None
+                    await self._send.send(gap.frame(self.broker.seq))
                 await self._send.send(event)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass

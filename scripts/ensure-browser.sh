@@ -25,7 +25,7 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 log=$(mktemp)
 if $SUDO apt-get update -qq >"$log" 2>&1 \
-    && $SUDO apt-get install -y -qq --no-install-recommends chromium >>"$log" 2>&1; then
+    && $SUDO apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >>"$log" 2>&1; then
     rm -f "$log"
     exit 0
 fi

@@ -17,7 +17,7 @@ In a test::
 
 As a process, for benchmarks (every request gets ``--tokens`` tokens)::
 
-    python -m tests.fake_llm --port 0 --tokens 200 --delay-ms 0 [--stamp]
+    python -m tests.fake_llm --port 0 --tokens 200 --delay-ms 0 [--batch N] [--stamp]
 
 prints ``fake-llm listening on http://127.0.0.1:PORT`` (flushed) once it accepts connections.
 
@@ -96,7 +96,9 @@ class Reply:
         finish: ``end_turn``, ``max_tokens`` or ``tool_use`` (mapped to each API's names), or a
             raw API value; by default ``tool_use`` when there are tool calls, else ``end_turn``.
         usage: ``(prompt_tokens, completion_tokens)``; by default ``(body bytes // 4, frames)``.
-        token_delay: seconds (Trio's clock) slept before each frame after the first.
+        token_delay: seconds (Trio's clock) slept before each write after the first.
+        batch: stream frames per socket write (1: one write per frame, like a real model;
+            more: less server CPU for throughput benchmarks).
         stamp: prefix each text token with its send time (``STAMP_FORMAT``, ``time.time()``).
         status: the HTTP status; anything but 200 sends an error body with ``error``.
         retry_after: a ``Retry-After`` header value in seconds (with a non-200 status).
@@ -111,6 +113,7 @@ class Reply:
     finish: str = ""
     usage: tuple[int, int] | None = None
     token_delay: float = 0.0
+    batch: int = 1
     stamp: bool = False
     status: int = 200
     retry_after: float | None = None
@@ -374,8 +377,22 @@ class FakeLLM:
             await trio.sleep_forever()
         head = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
         await stream.send_all(conn.send(h11.Response(status_code=200, headers=head)))
+        pending = bytearray()
+        writes = 0
+
+        async def flush() -> None:
+            nonlocal pending, writes
+            if writes and reply.token_delay > 0:
+                await trio.sleep(reply.token_delay)
+            data, pending = bytes(pending), bytearray()
+            writes += 1
+            await stream.send_all(data)
+
+        batch = max(1, reply.batch)
         for index, frame in enumerate(frames):
             if index == reply.fault_after and fault is not None:
+                if pending:
+                    await flush()
                 if fault is Fault.HANG:
                     await trio.sleep_forever()
                 if fault is Fault.DROP:
@@ -383,17 +400,14 @@ class FakeLLM:
                     await trio.aclose_forcefully(stream)
                     return False
                 if fault is Fault.MALFORMED:
-                    await stream.send_all(conn.send(h11.Data(data=b'data: {"oops": [1, 2\n\n')))
-            if index and reply.token_delay > 0:
-                await trio.sleep(reply.token_delay)
-            data = frame() if callable(frame) else frame
+                    pending += conn.send(h11.Data(data=b'data: {"oops": [1, 2\n\n'))
+            pending += conn.send(h11.Data(data=frame() if callable(frame) else frame))
             if index == len(frames) - 1:
+                pending += conn.send(h11.EndOfMessage())
                 state["complete"] = True
-                await stream.send_all(
-                    conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
-                )
-            else:
-                await stream.send_all(conn.send(h11.Data(data=data)))
+                await flush()
+            elif (index + 1) % batch == 0:
+                await flush()
         return True
 
 
@@ -578,11 +592,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=200, help="text tokens per reply")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="pause between tokens")
+    parser.add_argument("--batch", type=int, default=1, help="stream frames per socket write")
     parser.add_argument("--stamp", action="store_true", help="prefix tokens with send times")
     args = parser.parse_args(argv)
     reply = Reply(
         text=[f"t{i} " for i in range(args.tokens)],
         token_delay=args.delay_ms / 1000,
+        batch=args.batch,
         stamp=args.stamp,
     )
     fake = FakeLLM(default=reply, record=False)

@@ -13,10 +13,12 @@ Rules for these tests:
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
 
 import httpx
 import hypothesis
@@ -63,7 +65,7 @@ from crush_trio.wire import (
     ToolCallPart,
     ToolResultPart,
 )
-from tests.fake_llm import Fault, FakeLLM, Reply, ToolCall, parse_stamps, strip_stamps
+from tests.fake_llm import FakeLLM, Fault, Reply, ToolCall, parse_stamps, strip_stamps
 
 #: Cap on every wait in a test (Trio seconds; with autojump_clock, virtual seconds).
 TEST_TIMEOUT = 10
@@ -92,8 +94,15 @@ def request(*messages: Message, system: str = "You are terse.", **kw: Any) -> Mo
     return ModelRequest(model=MODEL, system=system, messages=list(messages), **kw)
 
 
+def open_stream(
+    provider: Provider, req: ModelRequest
+) -> contextlib.aclosing[AsyncGenerator[StreamEvent, None]]:
+    """The stream as the agent loop uses it: an async generator under ``aclosing``."""
+    return contextlib.aclosing(cast(AsyncGenerator[StreamEvent, None], provider.stream(req)))
+
+
 async def collect(provider: Provider, req: ModelRequest) -> list[StreamEvent]:
-    async with contextlib.aclosing(provider.stream(req)) as events:  # type: ignore[type-var]
+    async with open_stream(provider, req) as events:
         return [event async for event in events]
 
 
@@ -102,7 +111,7 @@ async def collect_until_error(
 ) -> tuple[list[StreamEvent], ProviderError]:
     seen: list[StreamEvent] = []
     with pytest.raises(ProviderError) as info:
-        async with contextlib.aclosing(provider.stream(req)) as events:  # type: ignore[type-var]
+        async with open_stream(provider, req) as events:
             async for event in events:
                 seen.append(event)
     return seen, info.value
@@ -169,7 +178,7 @@ async def test_echo_delay_between_words_uses_trio_clock(autojump_clock: MockCloc
     times: list[float] = []
     start = trio.current_time()
     with trio.fail_after(TEST_TIMEOUT):
-        async with contextlib.aclosing(provider.stream(request(user("a b c d")))) as events:
+        async with open_stream(provider, request(user("a b c d"))) as events:
             async for event in events:
                 if isinstance(event, TextDelta):
                     times.append(trio.current_time() - start)
@@ -181,7 +190,7 @@ async def test_echo_delay_between_words_uses_trio_clock(autojump_clock: MockCloc
 
 SSE_BODY = (
     b": comment\r\n"
-    b"event: first\r\ndata: {\"a\": 1}\r\n\r\n"
+    b'event: first\r\ndata: {"a": 1}\r\n\r\n'
     b"data: line one\ndata: line two\n\n"
     b"data:no-space\rid: 7\rretry: 10\r\r"
     b"data: caf\xc3\xa9\n\n"
@@ -201,7 +210,7 @@ def test_sse_decoder_gives_the_same_events_for_any_chunking(cuts: list[int]) -> 
     bounds = [0, *sorted(cuts), len(SSE_BODY)]
     decoder = SSEDecoder()
     events: list[SSEEvent] = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         events += decoder.feed(SSE_BODY[lo:hi])
     events += decoder.close()
     assert events == SSE_EVENTS
@@ -220,7 +229,9 @@ def test_backoff_is_exponential_capped_and_honours_retry_after() -> None:
     assert backoff_delay(cfg, 0, 120.0) == 5.0
     assert parse_retry_after(httpx.Headers({"Retry-After": "7"})) == 7.0
     assert parse_retry_after(httpx.Headers({"retry-after-ms": "1500"})) == 1.5
-    assert parse_retry_after(httpx.Headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})) is None
+    assert (
+        parse_retry_after(httpx.Headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})) is None
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,6 +370,35 @@ async def test_stamped_tokens_carry_send_times() -> None:
 
 
 @both_apis
+async def test_token_delay_paces_the_stream(provider_type: str, autojump_clock: MockClock) -> None:
+    fake = FakeLLM([Reply(text="a b c", token_delay=0.5)])
+    arrivals: list[float] = []
+    with trio.fail_after(LONG_TEST_TIMEOUT):
+        async with serving(fake, provider_type) as provider:
+            start = trio.current_time()
+            async with open_stream(provider, request(user("x"))) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        arrivals.append(trio.current_time() - start)
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert gaps == pytest.approx([0.5, 0.5])
+
+
+@both_apis
+async def test_batched_frames_stream_the_same_reply(provider_type: str) -> None:
+    tokens = [f"w{i} " for i in range(50)]
+    fake = FakeLLM(
+        [Reply(text=tokens, batch=8, tool_calls=[ToolCall("view", '{"a": 1}', chunks=3)])]
+    )
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(fake, provider_type) as provider:
+            events = await collect(provider, request(user("x")))
+    assert text_of(events) == "".join(tokens)
+    assert [e.input for e in events if isinstance(e, ToolCallDone)] == ['{"a": 1}']
+    assert events[-1] == Finished(FinishReason.TOOL_USE)
+
+
+@both_apis
 async def test_sequential_requests_reuse_one_connection(provider_type: str) -> None:
     fake = FakeLLM(default=Reply(text="again"))
     with trio.fail_after(TEST_TIMEOUT):
@@ -409,7 +449,11 @@ async def test_openai_history_with_tool_calls_and_results() -> None:
                     "type": "function",
                     "function": {"name": "view", "arguments": '{"path": "a.txt"}'},
                 },
-                {"id": "call_2", "type": "function", "function": {"name": "view", "arguments": "{}"}},
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "view", "arguments": "{}"},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "alpha"},
@@ -530,7 +574,9 @@ async def test_unreachable_server_is_retried_then_reported(autojump_clock: MockC
         await provider.aclose()
     assert [e.delay for e in seen if isinstance(e, Retrying)] == [1.0, 2.0]
     assert all(e.reason.startswith("connection failed") for e in seen if isinstance(e, Retrying))
-    assert str(error).startswith(f"could not connect to provider 'local' at http://127.0.0.1:{port}")
+    assert str(error).startswith(
+        f"could not connect to provider 'local' at http://127.0.0.1:{port}"
+    )
 
 
 @both_apis
@@ -597,7 +643,7 @@ async def test_cancel_mid_stream_closes_the_upstream_connection(provider_type: s
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(fake, provider_type) as provider:
             with trio.CancelScope() as scope:
-                async with contextlib.aclosing(provider.stream(request(user("x")))) as events:  # type: ignore[type-var]
+                async with open_stream(provider, request(user("x"))) as events:
                     async for event in events:
                         seen.append(event)
                         if isinstance(event, TextDelta):
@@ -615,7 +661,7 @@ async def test_closing_the_stream_early_closes_the_upstream_connection(provider_
     fake = FakeLLM([Reply(text="a b c d e", fault=Fault.HANG, fault_after=4)])
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(fake, provider_type) as provider:
-            async with contextlib.aclosing(provider.stream(request(user("x")))) as events:  # type: ignore[type-var]
+            async with open_stream(provider, request(user("x"))) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         break
@@ -630,7 +676,9 @@ async def test_closing_the_stream_early_closes_the_upstream_connection(provider_
 def test_anthropic_error_event_is_a_provider_error() -> None:
     parser = MessagesStreamParser("claude")
     parser.feed(SSEEvent("message_start", '{"type": "message_start", "message": {}}'))
-    with pytest.raises(ProviderError, match="reported overloaded_error mid-stream: Overloaded") as info:
+    with pytest.raises(
+        ProviderError, match="reported overloaded_error mid-stream: Overloaded"
+    ) as info:
         parser.feed(
             SSEEvent(
                 "error",
@@ -700,9 +748,7 @@ async def test_fake_llm_runs_as_a_process() -> None:
     command = [sys.executable, "-m", "tests.fake_llm", "--port", "0", "--tokens", "5"]
     async with trio.open_nursery() as nursery:
         process: trio.Process = await nursery.start(
-            lambda task_status: trio.run_process(
-                command, stdout=subprocess.PIPE, check=False, task_status=task_status
-            )
+            functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
         )
         try:
             with trio.fail_after(TEST_TIMEOUT):

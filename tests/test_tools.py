@@ -113,7 +113,7 @@ def ctx(ws: Path, asker: FakeAsker) -> ToolContext:
 
 
 async def run(
-    ctx: ToolContext, name: str, params: dict[str, Any] | None = None, **more: Any
+    ctx: ToolContext, name: str, params: dict[str, Any] | None = None, /, **more: Any
 ) -> ToolResult:
     """Call a default tool with ``params`` (and/or keyword parameters) as the model would."""
     with trio.fail_after(20):

@@ -62,13 +62,14 @@ async def serve_websocket(
     """Serve one websocket connection until the client leaves or the workspace closes."""
     await websocket.accept()
     stream, first = ws.broker.subscribe(since=since, client_id=client_id)
+    hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
     ws.attach(client_id)
     close_code, close_reason = 1000, ""
     try:
         async with trio.open_nursery() as nursery:
 
             async def writer() -> None:
-                await websocket.send(ws.broker.hello(ws.id, __version__).text)
+                await websocket.send(hello.text)
                 for frame in first:
                     await websocket.send(frame.text)
                 async for event in stream.receive:
@@ -206,12 +207,13 @@ async def serve_sse(
     """An SSE response streaming the workspace's events (PROTOCOL §5)."""
     ws.check_open()
     stream, first = ws.broker.subscribe(since=since, client_id=client_id)
+    hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
     ws.attach(client_id)
     interval = settings.sse_ping_interval
 
     async def body() -> AsyncIterator[bytes]:
         try:
-            yield ws.broker.hello(ws.id, __version__).sse
+            yield hello.sse
             for frame in first:
                 yield frame.sse
             while not stream.killed.is_set():

@@ -296,7 +296,7 @@ async def run_shell(
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
-                        start_new_session=False,
+                        start_new_session=True,
                         check=False,
                         deliver_cancel=_deliver_cancel,
                     )

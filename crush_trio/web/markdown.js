@@ -265,7 +265,11 @@ const INLINE = [
   { re: /~~(?=\S)([\s\S]*?\S)~~/y, make: (m) => [h("del", {}, inline(m[1]))] },
   { re: /\*(?=[^\s*])([\s\S]*?[^\s*])\*/y, make: (m) => [h("em", {}, inline(m[1]))] },
   { re: /_(?=[^\s_])([\s\S]*?[^\s_])_(?!\w)/y, make: (m) => [h("em", {}, inline(m[1]))] },
-  { re: /\[([^\]\n]*)\]\(\s*<?([^)\s>]*)>?(?:\s+"[^"]*")?\s*\)/y, make: (m) => link(m[1], m[2]) },
+  {
+    // [text](url "title"): the url may hold one level of balanced parentheses.
+    re: /\[([^\]\n]*)\]\(\s*<?((?:[^()\s<>]|\([^()\s]*\))*)>?(?:\s+"[^"]*")?\s*\)/y,
+    make: (m) => link(m[1], m[2]),
+  },
   { re: /<((?:https?:\/\/|mailto:)[^\s<>]+)>/y, make: (m) => link(m[1], m[1]) },
 ];
 

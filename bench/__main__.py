@@ -1,0 +1,126 @@
+"""``python -m bench``: run the load benchmarks and write their results.
+
+Examples::
+
+    python -m bench                      # every workload at full size (about 15 min on 2 cores)
+    python -m bench --smoke              # every workload at tiny sizes (under a minute)
+    python -m bench --only W1,W3         # some workloads
+    python -m bench --soak-runs 2000     # a shorter soak
+
+Results go to ``bench/results/`` (``--out``): ``W1.md`` ... ``W5.md`` with a PNG chart each,
+``summary.md`` (every table and the targets) and ``results.json`` (raw figures). A smoke run
+writes to a temporary directory unless ``--out`` is given. The exit code is 0 when every workload
+ran (targets not met are reported, not failures), 1 when a workload failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from .procs import REPO_ROOT, raise_fd_limit
+from .report import WorkloadResult, machine, machine_line, targets_table, write_results
+from .workloads import FULL, SMOKE, WORKLOADS, Ctx
+
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Load benchmarks of the crush_trio server.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that all workloads run")
+    p.add_argument("--only", default="", help="comma-separated workloads, e.g. W1,W3")
+    p.add_argument("--out", type=Path, default=None, help="results directory")
+    p.add_argument("--keep-workdir", action="store_true", help="keep server logs and data")
+    p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
+    p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
+    p.add_argument("--w2-runs", type=int, help="W2 concurrent runs")
+    p.add_argument("--w3-clients", type=_ints, help="W3 client counts, e.g. 10,100,1000")
+    p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
+    p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
+    p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
+    p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
+    p.add_argument("--w5-seconds", type=float, help="W5 chaos duration in seconds")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sizes = dataclasses.replace(SMOKE if args.smoke else FULL)
+    overrides = {
+        "w1_levels": args.w1_levels,
+        "w1_min_runs": args.w1_min_runs,
+        "w2_runs": args.w2_runs,
+        "w3_clients": args.w3_clients,
+        "w3_updates": args.w3_updates,
+        "w4_idle": args.w4_idle,
+        "w4_updates": args.w4_updates,
+        "soak_runs": args.soak_runs,
+        "w5_seconds": args.w5_seconds,
+    }
+    sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
+    keys = [k.strip().upper() for k in args.only.split(",") if k.strip()] or list(WORKLOADS)
+    unknown = [k for k in keys if k not in WORKLOADS]
+    if unknown:
+        print(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
+        return 2
+    raise_fd_limit()
+    workdir = Path(tempfile.mkdtemp(prefix="crush-bench-"))
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="crush-bench-smoke-")) if args.smoke else DEFAULT_OUT
+    )
+    command = "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    info = machine()
+    started = time.monotonic()
+
+    def log(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {line}", flush=True)
+
+    print(f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}")
+    print(f"machine: {machine_line(info)}", flush=True)
+    ctx = Ctx(sizes=sizes, workdir=workdir, log=log)
+    results: list[WorkloadResult] = []
+    failed: list[str] = []
+    for key in keys:
+        t0 = time.monotonic()
+        try:
+            result = trio.run(WORKLOADS[key], ctx)
+        except Exception:
+            failed.append(key)
+            log(f"{key} FAILED:\n{traceback.format_exc()}")
+            continue
+        result.seconds = time.monotonic() - t0
+        results.append(result)
+        print("\n" + result.markdown() + "\n", flush=True)
+    if results:
+        print(targets_table(results).markdown(), flush=True)
+        paths = write_results(out, results, info, command)
+        print(f"\nresults: {', '.join(str(p) for p in paths)}", flush=True)
+    if args.keep_workdir or failed:
+        print(f"work directory (server logs, data): {workdir}", flush=True)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    log(f"done; {len(results)} workload(s) ran" + (f", FAILED: {failed}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1140 @@
+"""The five workloads (W1-W5), run by the orchestrator process.
+
+Each workload starts a fresh server (``python -m crush_trio serve``) per measured configuration,
+drives it from client worker processes (:mod:`bench.client`), reads the server's CPU time and
+memory from ``/proc``, and returns a :class:`~bench.report.WorkloadResult` with its tables,
+targets and chart.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import trio
+
+from . import charts
+from .procs import (
+    TOKEN,
+    Child,
+    RssSampler,
+    ServerProcess,
+    child_process,
+    python,
+    server_process,
+)
+from .report import MB, Table, Target, WorkloadResult, mb, mean, ms, percentile
+
+# Targets (issue "Load benchmarks"): see docs/performance.md.
+W1_TARGET_LEVEL: Final = 50
+W1_CPU_PER_RUN_TARGET: Final = 0.040  # seconds of server CPU per 200-token run
+W1_PEAK_RSS_TARGET: Final = 200 * MB
+W2_FIRST_TEXT_P50_TARGET: Final = 0.100  # seconds
+W3_RATIO_TARGET: Final = 0.50
+W4_IDLE_TARGET: Final = 40 * MB  # added by 1,000 idle websocket clients
+W4_STALL_RSS_TARGET: Final = 20 * MB
+W4_STALL_DURATION_TARGET: Final = 0.10
+W4_SOAK_GROWTH_TARGET: Final = 0.10
+
+#: Generous bound on one measured phase (seconds); a hung phase fails the workload.
+PHASE_TIMEOUT: Final = 900.0
+#: Settling time before an idle RSS reading (seconds).
+SETTLE: Final = 2.0
+#: Server bounds of every benchmarked server: the creating client's hold never lapses, so the
+#: workspace lives for the whole measurement whatever the clients do.
+BASE_SERVER: Final = {"create_grace": 86400.0}
+#: Websocket clients per client process in the fan-out and idle workloads.
+CLIENTS_PER_PROCESS: Final = 250
+
+
+@dataclass
+class Sizes:
+    """Every size of the benchmark; :data:`FULL` and :data:`SMOKE` are the presets."""
+
+    w1_levels: list[int]
+    w1_min_runs: int
+    w1_tokens: int
+    w1_modes: list[str]
+    w2_runs: int
+    w2_tokens: int
+    w2_delay_ms: float
+    w3_clients: list[int]
+    w3_updates: int
+    w3_delay_ms: float
+    w4_idle: int
+    w4_updates: int
+    w4_delay_ms: float
+    soak_runs: int
+    soak_concurrency: int
+    soak_per_session: int
+    w5_seconds: float
+    w5_workers: int
+    w5_sessions: int
+    w5_actors: int
+    smoke: bool = False
+
+
+FULL: Final = Sizes(
+    w1_levels=[1, 10, 50, 200],
+    w1_min_runs=50,
+    w1_tokens=200,
+    w1_modes=["fake", "echo"],
+    w2_runs=50,
+    w2_tokens=200,
+    w2_delay_ms=20.0,
+    w3_clients=[10, 100, 1000],
+    w3_updates=5000,
+    w3_delay_ms=1.0,
+    w4_idle=1000,
+    w4_updates=5000,
+    w4_delay_ms=1.0,
+    soak_runs=10_000,
+    soak_concurrency=8,
+    soak_per_session=10,
+    w5_seconds=60.0,
+    w5_workers=2,
+    w5_sessions=4,
+    w5_actors=6,
+)
+
+SMOKE: Final = Sizes(
+    w1_levels=[1, 3],
+    w1_min_runs=2,
+    w1_tokens=20,
+    w1_modes=["fake", "echo"],
+    w2_runs=3,
+    w2_tokens=10,
+    w2_delay_ms=20.0,
+    w3_clients=[3],
+    w3_updates=50,
+    w3_delay_ms=1.0,
+    w4_idle=10,
+    w4_updates=100,
+    w4_delay_ms=1.0,
+    soak_runs=20,
+    soak_concurrency=2,
+    soak_per_session=5,
+    w5_seconds=3.0,
+    w5_workers=1,
+    w5_sessions=2,
+    w5_actors=3,
+    smoke=True,
+)
+
+
+@dataclass
+class Ctx:
+    """What every workload gets: sizes, a scratch directory and a progress printer."""
+
+    sizes: Sizes
+    workdir: Path
+    log: Callable[[str], None]
+    scratch: list[Path] = field(default_factory=list)
+
+    def dir(self, name: str) -> Path:
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def fake_config(
+    base_url: str,
+    *,
+    server: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+    provider: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A crush.json pointing both models at the fake model server."""
+    return {
+        "providers": {
+            "fake": {
+                "type": "openai-compat",
+                "base_url": f"{base_url}/v1",
+                "api_key": "x",
+                "models": [{"id": "fake"}],
+                **(provider or {}),
+            }
+        },
+        "models": {
+            "large": {"provider": "fake", "model": "fake"},
+            "small": {"provider": "fake", "model": "fake"},
+        },
+        "options": options or {},
+        "server": {**BASE_SERVER, **(server or {})},
+    }
+
+
+def echo_config(
+    delay_ms: float = 0.0,
+    *,
+    server: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A crush.json using the built-in echo model (replies with the prompt's words)."""
+    return {
+        "providers": {"echo": {"type": "echo", "delay_ms": delay_ms}},
+        "models": {"large": {"provider": "echo", "model": "echo"}},
+        "options": options or {},
+        "server": {**BASE_SERVER, **(server or {})},
+    }
+
+
+def words(count: int, word: str | None = None) -> str:
+    """A prompt the echo model answers with ``count`` tokens: ``w0 w1 ...``, or ``word``
+    repeated (the smallest growth of a streamed message per token)."""
+    return " ".join(word if word is not None else f"w{i}" for i in range(count))
+
+
+@asynccontextmanager
+async def fake_model(ctx: Ctx, name: str, *args: str) -> AsyncIterator[str]:
+    """Run ``python -m bench.fake ARGS``; yields its base URL."""
+    argv = python("-m", "bench.fake", "--port", "0", *args)
+    async with child_process(name, argv, ctx.dir(name), "fake-llm listening on ") as (_, line):
+        yield line.split(" on ", 1)[1].strip()
+
+
+def http_client(server: ServerProcess) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    )
+
+
+async def open_workspace(http: httpx.AsyncClient, project: Path) -> str:
+    project.mkdir(parents=True, exist_ok=True)
+    response = await http.post(
+        "/v1/workspaces", json={"path": str(project), "client_id": str(uuid.uuid4())}
+    )
+    response.raise_for_status()
+    wid: str = response.json()["id"]
+    return wid
+
+
+async def create_session(http: httpx.AsyncClient, wid: str) -> str:
+    response = await http.post(f"/v1/workspaces/{wid}/sessions", json={"title": "bench"})
+    response.raise_for_status()
+    sid: str = response.json()["id"]
+    return sid
+
+
+async def prompt(http: httpx.AsyncClient, wid: str, sid: str, text: str) -> str:
+    run_id = str(uuid.uuid4())
+    response = await http.post(
+        f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "run_id": run_id, "prompt": text}
+    )
+    if response.status_code != 202:
+        raise RuntimeError(f"prompt refused: {response.status_code} {response.text}")
+    return run_id
+
+
+@asynccontextmanager
+async def workers(
+    ctx: Ctx, role: str, configs: Sequence[dict[str, Any]], name: str
+) -> AsyncIterator[list[Child]]:
+    """Start one ``bench.client ROLE`` process per config; they are stopped on exit."""
+    async with AsyncExitStack() as stack:
+        children: list[Child] = []
+        for index, cfg in enumerate(configs):
+            child = await Child.start(
+                f"{name}-{index}", python("-m", "bench.client", role), log_dir=ctx.dir(name)
+            )
+            stack.push_async_callback(child.stop)
+            await child.send(cfg)
+            children.append(child)
+        yield children
+
+
+async def all_events(children: Sequence[Child], name: str, timeout: float) -> list[dict[str, Any]]:
+    """The next ``name`` event of every child, in order."""
+    return [await child.recv_event(name, timeout) for child in children]
+
+
+async def broadcast(children: Sequence[Child], command: dict[str, Any]) -> None:
+    for child in children:
+        await child.send(command)
+
+
+def split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def ws_template(server: ServerProcess, wid: str) -> str:
+    return f"{server.ws_base}/v1/workspaces/{wid}/ws?client_id={{cid}}&token={TOKEN}"
+
+
+def processes_for(clients: int) -> int:
+    return max(1, math.ceil(clients / CLIENTS_PER_PROCESS))
+
+
+def pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+# ---------------------------------------------------------------------------------------------
+# W1: throughput
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    n: int
+    runs: int = 0
+    completed: int = 0
+    failed: int = 0
+    missing: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    tokens: int = 0
+    events: int = 0
+    hwm: int = 0
+    first_text: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def runs_per_s(self) -> float:
+        return self.runs / self.wall if self.wall else float("nan")
+
+    @property
+    def cpu_per_run(self) -> float:
+        return self.cpu / self.runs if self.runs else float("nan")
+
+
+async def run_rounds(
+    ctx: Ctx,
+    server: ServerProcess,
+    wid: str,
+    level: LevelResult,
+    prompt_text: str,
+    *,
+    rounds: int,
+    stamp: bool = False,
+) -> list[float]:
+    """Run ``rounds`` rounds of ``level.n`` concurrent one-prompt sessions; returns the token
+    latencies (when stamped)."""
+    procs = 1 if level.n <= 10 else 2
+    shares = split(level.n, procs)
+    cfg = {
+        "http": server.url,
+        "ws": server.ws_base,
+        "wid": wid,
+        "stamp": stamp,
+        "connections": max(shares) + 8,
+    }
+    token_latency: list[float] = []
+    async with workers(ctx, "runs", [cfg] * procs, f"w-{level.mode}-{level.n}") as ws:
+        await all_events(ws, "ready", 60)
+        for r in range(rounds):
+            for child, share in zip(ws, shares, strict=True):
+                await child.send({"cmd": "sessions", "count": share})
+            await all_events(ws, "sessions", 120)
+            cpu0, t0 = server.cpu(), time.time()
+            await broadcast(ws, {"cmd": "go", "prompt": prompt_text, "timeout": PHASE_TIMEOUT})
+            done = await all_events(ws, "done", PHASE_TIMEOUT + 30)
+            level.cpu += server.cpu() - cpu0
+            level.wall += max(d["finished"] for d in done) - t0
+            level.events += done[0]["frames"]
+            for d in done:
+                level.runs += d["runs"]
+                level.completed += d["completed"]
+                level.failed += d["failed"]
+                level.missing += d["missing"]
+                level.tokens += d["tokens"]
+                level.first_text += d["first_text"]
+                level.latency += d["latency"]
+                level.errors += d["errors"]
+                token_latency += d["token_latency"]
+            if rounds > 1 and (r + 1) % max(1, rounds // 5) == 0:
+                ctx.log(f"  round {r + 1}/{rounds}")
+        await broadcast(ws, {"cmd": "quit"})
+    level.hwm = server.memory().hwm
+    return token_latency
+
+
+async def w1(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W1", "Throughput")
+    table = Table(
+        f"N concurrent sessions, one prompt each, {s.w1_tokens}-token replies at 0 ms/token",
+        [
+            "model",
+            "N",
+            "runs",
+            "wall",
+            "runs/s",
+            "tokens/s to clients",
+            "server CPU/run",
+            "peak RSS",
+            "events/run",
+            "first text p50",
+            "run p50",
+            "failed",
+        ],
+    )
+    levels: list[LevelResult] = []
+    async with fake_model(ctx, "w1-fake", "--tokens", str(s.w1_tokens)) as fake_url:
+        for mode in s.w1_modes:
+            for n in s.w1_levels:
+                ctx.log(f"[W1] {mode} model, N={n}")
+                config = fake_config(fake_url) if mode == "fake" else echo_config(0)
+                text = "Reply with your tokens." if mode == "fake" else words(s.w1_tokens)
+                level = LevelResult(mode, n)
+                async with (
+                    server_process(config, ctx.dir(f"w1-{mode}-{n}")) as server,
+                    http_client(server) as http,
+                ):
+                    wid = await open_workspace(http, ctx.dir(f"w1-{mode}-{n}") / "project")
+                    rounds = max(1, math.ceil(s.w1_min_runs / n))
+                    await run_rounds(ctx, server, wid, level, text, rounds=rounds)
+                levels.append(level)
+                table.add(
+                    mode,
+                    n,
+                    level.runs,
+                    f"{level.wall:.2f} s",
+                    f"{level.runs_per_s:.1f}",
+                    f"{level.tokens / level.wall:,.0f}" if level.wall else "n/a",
+                    ms(level.cpu_per_run),
+                    mb(level.hwm),
+                    f"{level.events / level.runs:.1f}" if level.runs else "n/a",
+                    ms(percentile(level.first_text, 50)),
+                    ms(percentile(level.latency, 50)),
+                    level.failed + level.missing,
+                )
+                ctx.log(
+                    f"  {level.runs} runs in {level.wall:.2f} s, "
+                    f"{ms(level.cpu_per_run)} CPU/run, peak RSS {mb(level.hwm)}"
+                )
+    result.tables.append(table)
+    fake_levels = [lv for lv in levels if lv.mode == s.w1_modes[0]]
+    at = next((lv for lv in fake_levels if lv.n == W1_TARGET_LEVEL), fake_levels[-1])
+    where = f"{at.mode} model, N={at.n}"
+    result.targets += [
+        Target(
+            f"server CPU per run ({where})",
+            ms(at.cpu_per_run),
+            "≤ 40 ms",
+            at.cpu_per_run <= W1_CPU_PER_RUN_TARGET,
+        ),
+        Target(f"peak RSS ({where})", mb(at.hwm), "≤ 200 MB", at.hwm <= W1_PEAK_RSS_TARGET),
+        Target(
+            "every run completed",
+            f"{sum(lv.completed for lv in levels)}/{sum(lv.runs for lv in levels)}",
+            "all",
+            all(lv.completed == lv.runs for lv in levels),
+        ),
+    ]
+    result.notes += [
+        "wall = first submit to last `run_complete`; server CPU = user+system time of the server "
+        "process (all threads) over the same interval, from /proc/<pid>/stat.",
+        "events/run = websocket frames one watching client received per run (all events of the "
+        "workspace); sessions are created with a title, so no title request is made.",
+        f"N≤10 uses one client process, larger N two; rounds of N runs repeat until at least "
+        f"{s.w1_min_runs} runs were measured.",
+    ]
+    if any(lv.errors for lv in levels):
+        result.notes.append(
+            "errors: " + "; ".join(sorted({e for lv in levels for e in lv.errors})[:5])
+        )
+    result.raw = {
+        "levels": [
+            {
+                "mode": lv.mode,
+                "n": lv.n,
+                "runs": lv.runs,
+                "completed": lv.completed,
+                "wall": lv.wall,
+                "runs_per_s": lv.runs_per_s,
+                "tokens_per_s": lv.tokens / lv.wall if lv.wall else None,
+                "cpu_per_run": lv.cpu_per_run,
+                "peak_rss": lv.hwm,
+                "events_per_run": lv.events / lv.runs if lv.runs else None,
+                "first_text_p50": percentile(lv.first_text, 50),
+                "latency_p50": percentile(lv.latency, 50),
+            }
+            for lv in levels
+        ]
+    }
+    result.chart = lambda path: charts.w1(path, result.raw)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# W2: latency
+
+
+async def w2(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W2", "Latency")
+    ctx.log(f"[W2] {s.w2_runs} runs at {s.w2_delay_ms:g} ms/token, {s.w2_tokens} tokens")
+    args = ("--tokens", str(s.w2_tokens), "--delay-ms", f"{s.w2_delay_ms:g}", "--stamp")
+    level = LevelResult("fake", s.w2_runs)
+    async with (
+        fake_model(ctx, "w2-fake", *args) as fake_url,
+        server_process(fake_config(fake_url), ctx.dir("w2")) as server,
+        http_client(server) as http,
+    ):
+        wid = await open_workspace(http, ctx.dir("w2") / "project")
+        token_latency = await run_rounds(
+            ctx, server, wid, level, "Reply with your tokens.", rounds=1, stamp=True
+        )
+    first, lat = level.first_text, token_latency
+    table = Table(
+        f"N={s.w2_runs} concurrent runs, {s.w2_tokens} tokens at {s.w2_delay_ms:g} ms/token",
+        ["measure", "samples", "p50", "p95", "p99", "max"],
+    )
+    table.add(
+        "submit → first visible text",
+        len(first),
+        ms(percentile(first, 50)),
+        ms(percentile(first, 95)),
+        ms(percentile(first, 99)),
+        ms(max(first, default=float("nan"))),
+    )
+    table.add(
+        "token sent by the model → visible to the client",
+        len(lat),
+        ms(percentile(lat, 50)),
+        ms(percentile(lat, 95)),
+        ms(percentile(lat, 99)),
+        ms(max(lat, default=float("nan"))),
+    )
+    table.add(
+        "submit → run_complete",
+        len(level.latency),
+        ms(percentile(level.latency, 50)),
+        ms(percentile(level.latency, 95)),
+        ms(percentile(level.latency, 99)),
+        ms(max(level.latency, default=float("nan"))),
+    )
+    result.tables.append(table)
+    p50 = percentile(first, 50)
+    result.targets += [
+        Target("first visible text p50", ms(p50), "≤ 100 ms", p50 <= W2_FIRST_TEXT_P50_TARGET),
+        Target(
+            "every run completed",
+            f"{level.completed}/{level.runs}",
+            "all",
+            level.completed == level.runs,
+        ),
+    ]
+    result.notes += [
+        "The fake model stamps each token with its send time (time.time()); a client takes the "
+        "latency of a token when the first `message` event containing it arrives. Streamed "
+        "message updates are coalesced for up to `options.debounce_ms` (33 ms by default), "
+        "which bounds how fresh a token can be.",
+        f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}.",
+    ]
+    result.raw = {
+        "first_text": first,
+        "token_latency": lat,
+        "run_latency": level.latency,
+        "first_text_p50": p50,
+        "token_p50": percentile(lat, 50),
+        "token_p99": percentile(lat, 99),
+        "cpu_per_run": level.cpu_per_run,
+    }
+    result.chart = lambda path: charts.w2(path, result.raw)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# W3: fan-out
+
+
+@dataclass
+class FanOut:
+    clients: int
+    deliveries: int = 0
+    cpu: float = 0.0
+    wall: float = 0.0
+    updates: int = 0
+    frames: int = 0
+    gaps: int = 0
+    complete: int = 0
+    closes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_cpu(self) -> float:
+        return self.deliveries / self.cpu if self.cpu > 0 else float("nan")
+
+
+async def watch_until_done(
+    ctx: Ctx,
+    name: str,
+    template: str,
+    clients: int,
+    start: Callable[[], Any],
+    measure: Callable[[], float],
+    record: Path | None = None,
+) -> FanOut:
+    """Connect ``clients`` watchers over several processes, call ``start`` (async), and wait
+    until every watcher saw ``run_complete``; ``measure`` reads the server's CPU seconds."""
+    procs = processes_for(clients)
+    configs = [
+        {"url": template, "count": share, "record": str(record) if record and i == 0 else None}
+        for i, share in enumerate(split(clients, procs))
+    ]
+    fan = FanOut(clients)
+    async with workers(ctx, "watch", configs, name) as ws:
+        ready = await all_events(ws, "ready", 300)
+        failed = sum(r["failed"] for r in ready)
+        if failed:
+            raise RuntimeError(f"{name}: {failed} of {clients} websocket clients failed to connect")
+        cpu0, t0 = measure(), time.time()
+        await start()
+        done = await all_events(ws, "done", PHASE_TIMEOUT)
+        fan.cpu = measure() - cpu0
+        fan.wall = max(d["last_end"] for d in done) - t0
+        fan.deliveries = sum(d["frames"] for d in done)
+        fan.gaps = sum(d["gaps"] for d in done)
+        fan.complete = sum(d["run_complete"] for d in done)
+        for d in done:
+            for code, n in d["closes"].items():
+                fan.closes[code] = fan.closes.get(code, 0) + n
+        await broadcast(ws, {"cmd": "quit"})
+    return fan
+
+
+async def w3(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W3", "Fan-out")
+    table = Table(
+        f"One run streaming up to {s.w3_updates:,} updates (echo model, {s.w3_delay_ms:g} ms per "
+        "token, debounce off) to N websocket clients, against a bare trio-websocket server "
+        "pushing the same recorded frames to the same clients",
+        [
+            "clients",
+            "client procs",
+            "updates published",
+            "server: deliveries",
+            "server: msgs/CPU-s",
+            "server: wall",
+            "gaps",
+            "bare: msgs/CPU-s",
+            "bare: wall",
+            "ratio",
+        ],
+    )
+    rows: list[dict[str, Any]] = []
+    config = echo_config(s.w3_delay_ms, options={"debounce_ms": 0})
+    text = words(s.w3_updates, "x")
+    for n in s.w3_clients:
+        ctx.log(f"[W3] {n} clients: server")
+        work = ctx.dir(f"w3-{n}")
+        record = work / "frames.json"
+        async with (
+            server_process(config, work) as server,
+            http_client(server) as http,
+        ):
+            wid = await open_workspace(http, work / "project")
+            sid = await create_session(http, wid)
+
+            async def start(http: httpx.AsyncClient = http, wid: str = wid, sid: str = sid) -> None:
+                await prompt(http, wid, sid, text)
+
+            real = await watch_until_done(
+                ctx, f"w3-{n}-watch", ws_template(server, wid), n, start, server.cpu, record
+            )
+        frames = record.read_text()
+        real.updates = frames.count('"payload":{"type":"updated","payload":{"id"')
+        ctx.log(
+            f"  {real.deliveries:,} deliveries, {real.per_cpu:,.0f} msgs/CPU-s; bare ceiling"
+        )
+        async with child_process(
+            f"w3-{n}-bare",
+            python("-m", "bench.bare", "--port", "0", "--frames", str(record)),
+            work,
+            "bare-ws listening on ",
+        ) as (bare, line):
+            url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
+
+            async def go(bare: Child = bare) -> None:
+                assert bare.process.stdin is not None
+                await bare.process.stdin.send_all(b"go\n")
+
+            ceiling = await watch_until_done(
+                ctx, f"w3-{n}-bare-watch", url, n, go, lambda b=bare: cpu_of(b)
+            )
+        ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
+        ctx.log(f"  bare {ceiling.per_cpu:,.0f} msgs/CPU-s, ratio {ratio:.0%}")
+        table.add(
+            n,
+            processes_for(n),
+            f"{real.updates:,}",
+            f"{real.deliveries:,}",
+            f"{real.per_cpu:,.0f}",
+            f"{real.wall:.2f} s",
+            real.gaps,
+            f"{ceiling.per_cpu:,.0f}",
+            f"{ceiling.wall:.2f} s",
+            f"{ratio:.0%}",
+        )
+        rows.append(
+            {
+                "clients": n,
+                "updates": real.updates,
+                "deliveries": real.deliveries,
+                "server_cpu": real.cpu,
+                "server_per_cpu": real.per_cpu,
+                "server_wall": real.wall,
+                "gaps": real.gaps,
+                "closes": real.closes,
+                "run_complete": real.complete,
+                "bare_deliveries": ceiling.deliveries,
+                "bare_cpu": ceiling.cpu,
+                "bare_per_cpu": ceiling.per_cpu,
+                "bare_wall": ceiling.wall,
+                "ratio": ratio,
+            }
+        )
+        result.targets.append(
+            Target(
+                f"msgs per CPU-second vs bare ceiling, {n} clients",
+                f"{ratio:.0%}",
+                "≥ 50%",
+                ratio >= W3_RATIO_TARGET,
+            )
+        )
+        result.targets.append(
+            Target(
+                f"every client got run_complete, {n} clients",
+                f"{real.complete}/{n}",
+                "all",
+                real.complete == n,
+            )
+        )
+    result.tables.append(table)
+    result.notes += [
+        "Deliveries are websocket frames received by all clients from the prompt to the last "
+        "client's `run_complete`; msgs/CPU-s divides them by the server process's CPU seconds "
+        "over that interval (the run's own work — model, store writes, encoding — included).",
+        "The bare server replays exactly the frames the first client received from the real "
+        "server (same count, same bytes) to the same number of clients from the same client "
+        "processes. The model paces at most one token per "
+        f"{s.w3_delay_ms:g} ms; with many clients the server coalesces updates (each "
+        "`message` event carries the whole message), so fewer updates are published.",
+        f"Clients are spread over one process per {CLIENTS_PER_PROCESS} clients.",
+    ]
+    result.raw = {"levels": rows}
+    result.chart = lambda path: charts.w3(path, result.raw)
+    return result
+
+
+def cpu_of(child: Child) -> float:
+    from .procs import cpu_seconds
+
+    return cpu_seconds(child.pid)
+
+
+# ---------------------------------------------------------------------------------------------
+# W4: memory
+
+
+async def idle_rss(
+    ctx: Ctx, name: str, pid: int, template: str, clients: int
+) -> tuple[int, int, int]:
+    """RSS before and with ``clients`` idle websocket clients; returns (before, with, failed)."""
+    from .procs import memory
+
+    await trio.sleep(SETTLE)
+    before = memory(pid).rss
+    procs = processes_for(clients)
+    configs = [{"url": template, "count": share} for share in split(clients, procs)]
+    async with workers(ctx, "watch", configs, name) as ws:
+        ready = await all_events(ws, "ready", 300)
+        await trio.sleep(SETTLE)
+        after = memory(pid).rss
+        await broadcast(ws, {"cmd": "quit"})
+        await all_events(ws, "done", 60)
+    return before, after, sum(r["failed"] for r in ready)
+
+
+async def stall_run(
+    ctx: Ctx,
+    server: ServerProcess,
+    http: httpx.AsyncClient,
+    wid: str,
+    text: str,
+    name: str,
+    *,
+    stalled: bool,
+    drain_after: float,
+) -> dict[str, Any]:
+    """One streaming run watched by a reading client, plus (when ``stalled``) one that never
+    reads until the run is over."""
+    sid = await create_session(http, wid)
+    template = ws_template(server, wid)
+    async with AsyncExitStack() as stack:
+        (reader,) = await stack.enter_async_context(
+            workers(ctx, "watch", [{"url": template, "count": 1}], f"{name}-reader")
+        )
+        await reader.recv_event("ready", 60)
+        staller: Child | None = None
+        if stalled:
+            (staller,) = await stack.enter_async_context(
+                workers(
+                    ctx,
+                    "stall",
+                    [{"url": template.replace("{cid}", str(uuid.uuid4()))}],
+                    f"{name}-stall",
+                )
+            )
+            await staller.recv_event("ready", 60)
+        before = server.memory().rss
+        sampler = RssSampler(server.pid)
+        async with sampler.running():
+            t0 = time.time()
+            await prompt(http, wid, sid, text)
+            done = await reader.recv_event("done", PHASE_TIMEOUT)
+        out: dict[str, Any] = {
+            "duration": done["last_end"] - t0,
+            "rss_before": before,
+            "rss_peak": sampler.peak,
+            "reader_frames": done["frames"],
+            "reader_complete": done["run_complete"],
+        }
+        if staller is not None:
+            await trio.sleep(drain_after)
+            out["rss_after_stall"] = server.memory().rss
+            await staller.send({"cmd": "drain", "timeout": 30})
+            out["stalled"] = await staller.recv_event("done", 60)
+        await reader.send({"cmd": "quit"})
+    return out
+
+
+async def w4(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W4", "Memory")
+    raw: dict[str, Any] = {}
+
+    # -- idle clients ---------------------------------------------------------------------------
+    ctx.log(f"[W4] RSS with {s.w4_idle} idle websocket clients")
+    idle = Table(
+        f"RSS with 0 and {s.w4_idle:,} idle websocket clients",
+        ["server", "RSS, 0 clients", f"RSS, {s.w4_idle:,} clients", "added", "per client"],
+    )
+    work = ctx.dir("w4-idle")
+    async with server_process(echo_config(), work) as server, http_client(server) as http:
+        wid = await open_workspace(http, work / "project")
+        before, after, failed = await idle_rss(
+            ctx, "w4-idle", server.pid, ws_template(server, wid), s.w4_idle
+        )
+    if failed:
+        result.notes.append(f"{failed} idle clients failed to connect to the server")
+    added = after - before
+    idle.add(
+        "crush-trio", mb(before), mb(after), mb(added), f"{added / s.w4_idle / 1024:.1f} KB"
+    )
+    raw["idle"] = {"clients": s.w4_idle, "before": before, "after": after, "added": added}
+    async with child_process(
+        "w4-bare", python("-m", "bench.bare", "--port", "0"), work, "bare-ws listening on "
+    ) as (bare, line):
+        url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
+        b_before, b_after, _ = await idle_rss(ctx, "w4-bare-idle", bare.pid, url, s.w4_idle)
+    b_added = b_after - b_before
+    idle.add(
+        "bare trio-websocket (reference)",
+        mb(b_before),
+        mb(b_after),
+        mb(b_added),
+        f"{b_added / s.w4_idle / 1024:.1f} KB",
+    )
+    raw["idle_bare"] = {"before": b_before, "after": b_after, "added": b_added}
+    result.tables.append(idle)
+    scaled = added * 1000 / s.w4_idle
+    result.targets.append(
+        Target(
+            "1,000 idle clients add" + (" (scaled)" if s.w4_idle != 1000 else ""),
+            mb(scaled),
+            "≤ 40 MB",
+            scaled <= W4_IDLE_TARGET,
+        )
+    )
+
+    # -- a stalled client -----------------------------------------------------------------------
+    ctx.log(f"[W4] a stalled client during a {s.w4_updates}-update run")
+    server_opts = {"must_deliver_timeout": 2.0, "tcp_user_timeout_ms": 2000}
+    config = echo_config(s.w4_delay_ms, options={"debounce_ms": 0}, server=server_opts)
+    text = words(s.w4_updates, "x")
+    drain_after = server_opts["must_deliver_timeout"] + server_opts["tcp_user_timeout_ms"] / 1000
+    work = ctx.dir("w4-stall")
+    async with server_process(config, work) as server, http_client(server) as http:
+        wid = await open_workspace(http, work / "project")
+        runs = {}
+        for label, stalled in (("warm-up", False), ("A", False), ("B", True), ("A2", False)):
+            ctx.log(f"  run {label}" + (" (with a stalled client)" if stalled else ""))
+            runs[label] = await stall_run(
+                ctx,
+                server,
+                http,
+                wid,
+                text,
+                f"w4-{label}",
+                stalled=stalled,
+                drain_after=drain_after + 3,
+            )
+        stall_warnings = [line for line in server.warning_lines() if "too slow" in line]
+    base = mean([runs["A"]["duration"], runs["A2"]["duration"]])
+    b = runs["B"]
+    change = b["duration"] / base - 1
+    stall_rss = b["rss_peak"] - max(runs["A"]["rss_peak"], runs["A2"]["rss_peak"])
+    st = b["stalled"]
+    if st["run_complete"]:
+        ending = "got run_complete"
+    elif st["close_code"] is not None:
+        ending = f"closed {st['close_code']} {st['close_reason']!r}".strip()
+    else:
+        ending = "nothing after the frames it had"
+    stall = Table(
+        "A run streaming to one reading client, without (A, A2) and with (B) a client that "
+        "never reads",
+        ["run", "duration", "RSS before", "peak RSS", "reader frames"],
+    )
+    for label in ("A", "B", "A2"):
+        r = runs[label]
+        stall.add(
+            label,
+            f"{r['duration']:.2f} s",
+            mb(r["rss_before"]),
+            mb(r["rss_peak"]),
+            r["reader_frames"],
+        )
+    result.tables.append(stall)
+    result.notes.append(
+        f"The stalled client, drained after the run: {st['frames']} frames ({st['gaps']} gap), "
+        f"then {ending}. Server log: {len(stall_warnings)} 'too slow' disconnect(s)."
+    )
+    result.targets += [
+        Target("stalled client adds (peak RSS, B − A)", mb(stall_rss), "≤ 20 MB",
+               stall_rss <= W4_STALL_RSS_TARGET),
+        Target(
+            "stalled client changes the run's duration",
+            pct(change),
+            "≤ ±10%",
+            abs(change) <= W4_STALL_DURATION_TARGET,
+        ),
+    ]
+    raw["stall"] = {
+        "runs": runs,
+        "duration_change": change,
+        "stall_rss": stall_rss,
+        "ending": ending,
+        "warnings": stall_warnings[:5],
+    }
+
+    # -- soak -----------------------------------------------------------------------------------
+    ctx.log(f"[W4] soak: {s.soak_runs:,} short runs")
+    work = ctx.dir("w4-soak")
+    progress: list[tuple[int, int]] = []
+    async with server_process(echo_config(), work) as server, http_client(server) as http:
+        wid = await open_workspace(http, work / "project")
+        cfg = {"http": server.url, "ws": server.ws_base, "wid": wid, "connections": 32}
+        async with workers(ctx, "runs", [cfg], "w4-soak") as (soaker,):
+            await soaker.recv_event("ready", 60)
+            every = max(1, s.soak_runs // 50)
+            cpu0 = server.cpu()
+            progress.append((0, server.memory().rss))
+            await soaker.send(
+                {
+                    "cmd": "soak",
+                    "runs": s.soak_runs,
+                    "concurrency": s.soak_concurrency,
+                    "per_session": s.soak_per_session,
+                    "prompt": words(20),
+                    "progress_every": every,
+                    "timeout": 60,
+                }
+            )
+            while True:
+                event = await soaker.recv(300)
+                if event["event"] == "progress":
+                    progress.append((event["done"], server.memory().rss))
+                    if event["done"] % max(1, s.soak_runs // 10) < every:
+                        ctx.log(f"  {event['done']:,} runs, RSS {mb(progress[-1][1])}")
+                elif event["event"] == "done":
+                    soak_done = event
+                    break
+            cpu = server.cpu() - cpu0
+            await soaker.send({"cmd": "quit"})
+        hwm = server.memory().hwm
+    warm_at = max(1, s.soak_runs // 10)
+    warm = next((rss for done, rss in progress if done >= warm_at), progress[-1][1])
+    end = progress[-1][1]
+    growth = (end - warm) / warm
+    wall = soak_done["finished"] - soak_done["started"]
+    soak = Table(
+        f"Soak: {s.soak_runs:,} short runs (echo, 20 words), {s.soak_concurrency} sessions at a "
+        f"time, a new session every {s.soak_per_session} runs",
+        [
+            "runs",
+            "failed/missing",
+            "runs/s",
+            "CPU/run",
+            "RSS at start",
+            f"RSS after {warm_at:,} runs",
+            "RSS at end",
+            "growth",
+            "peak RSS",
+        ],
+    )
+    soak.add(
+        soak_done["done"],
+        soak_done["failed"] + soak_done["missing"],
+        f"{soak_done['done'] / wall:.0f}",
+        ms(cpu / max(1, soak_done["done"])),
+        mb(progress[0][1]),
+        mb(warm),
+        mb(end),
+        pct(growth),
+        mb(hwm),
+    )
+    result.tables.append(soak)
+    result.targets += [
+        Target("soak RSS growth after warm-up", pct(growth), "≤ 10%", growth <= W4_SOAK_GROWTH_TARGET),
+        Target(
+            "soak: every run completed",
+            f"{soak_done['done'] - soak_done['failed'] - soak_done['missing']}/{s.soak_runs}",
+            "all",
+            soak_done["failed"] + soak_done["missing"] + soak_done["duplicates"] == 0,
+        ),
+    ]
+    raw["soak"] = {
+        "runs": s.soak_runs,
+        "progress": progress,
+        "warm": warm,
+        "end": end,
+        "growth": growth,
+        "runs_per_s": soak_done["done"] / wall,
+        "cpu_per_run": cpu / max(1, soak_done["done"]),
+    }
+    result.raw = raw
+    result.chart = lambda path: charts.w4(path, result.raw)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# W5: chaos
+
+
+async def w5(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W5", "Chaos")
+    ctx.log(f"[W5] chaos for {s.w5_seconds:g} s")
+    work = ctx.dir("w5")
+    args = ("--tokens", "30", "--delay-ms", "5", "--fail-rate", "0.15", "--drop-rate", "0.05")
+    config_kwargs: dict[str, Any] = {"provider": {"max_retries": 0}}
+    async with fake_model(ctx, "w5-fake", *args) as fake_url:
+        async with server_process(fake_config(fake_url, **config_kwargs), work) as server:
+            async with http_client(server) as http:
+                wid = await open_workspace(http, work / "project")
+            configs = [
+                {
+                    "http": server.url,
+                    "ws": server.ws_base,
+                    "wid": wid,
+                    "seconds": s.w5_seconds,
+                    "seed": 1 + i,
+                    "sessions": s.w5_sessions,
+                    "actors": s.w5_actors,
+                    "think_max": 0.05,
+                    "reconnect_max": 0.3,
+                    "settle_timeout": 60,
+                }
+                for i in range(s.w5_workers)
+            ]
+            async with workers(ctx, "chaos", configs, "w5-chaos") as ws:
+                await all_events(ws, "ready", 60)
+                cpu0 = server.cpu()
+                await broadcast(ws, {"cmd": "go"})
+                done = await all_events(ws, "done", s.w5_seconds + 180)
+                cpu = server.cpu() - cpu0
+        exit_code = server.child.process.returncode
+        errors = server.error_lines()
+    total = {
+        key: sum(d[key] for d in done)
+        for key in ("accepted", "exactly_once", "missing", "duplicated", "uncertain_found")
+    }
+    ops: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    wsstats: dict[str, int] = {}
+    for d in done:
+        for target, src in ((ops, d["ops"]), (outcomes, d["outcomes"]),
+                            (rejected, d["rejected"]), (wsstats, d["ws"])):
+            for k, v in src.items():
+                target[k] = target.get(k, 0) + v
+    table = Table(
+        f"{s.w5_seconds:g} s of random prompts, cancels, clears, disconnects and provider "
+        f"failures ({s.w5_workers} client processes × {s.w5_actors} actors, "
+        f"{s.w5_sessions} sessions each)",
+        ["runs accepted", "exactly one run_complete", "none", "more than one",
+         "completed / failed / cancelled", "server errors logged", "server exit code"],
+    )
+    table.add(
+        total["accepted"],
+        total["exactly_once"],
+        total["missing"],
+        total["duplicated"],
+        f"{outcomes.get('completed', 0)} / {outcomes.get('failed', 0)} / "
+        f"{outcomes.get('cancelled', 0)}",
+        len(errors),
+        exit_code,
+    )
+    result.tables.append(table)
+    op_table = Table("Operations", ["operation", "count"])
+    for k in sorted(ops):
+        op_table.add(k, ops[k])
+    for k in sorted(rejected):
+        op_table.add(f"refused: {k}", rejected[k])
+    for k in sorted(wsstats):
+        op_table.add(f"websocket: {k}", wsstats[k])
+    result.tables.append(op_table)
+    ok = total["missing"] == 0 and total["duplicated"] == 0
+    result.targets += [
+        Target(
+            "runs without exactly one run_complete",
+            str(total["missing"] + total["duplicated"]),
+            "0",
+            ok,
+        ),
+        Target("errors logged by the server", str(len(errors)), "0", not errors),
+    ]
+    result.notes += [
+        "The fake model fails 15% of requests with HTTP 500 and drops 5% mid-stream; the provider "
+        "has `max_retries: 0`. Prompts aborted by the client mid-request, or sent over a "
+        "websocket that closed before the reply, count as accepted when GET /runs/{id} finds "
+        f"them ({total['uncertain_found']} did).",
+        f"Server CPU over the chaos: {cpu:.1f} s.",
+    ]
+    missing_runs = [m for d in done for m in d["missing_runs"]]
+    if missing_runs:
+        result.notes.append(f"runs without run_complete (first ones): {missing_runs[:5]}")
+    if errors:
+        result.notes.append("server errors (first ones): " + " | ".join(errors[:5]))
+    result.raw = {
+        "totals": total,
+        "outcomes": outcomes,
+        "ops": ops,
+        "rejected": rejected,
+        "ws": wsstats,
+        "errors": errors[:20],
+        "exit_code": exit_code,
+        "per_worker": done,
+    }
+    result.chart = lambda path: charts.w5(path, result.raw)
+    return result
+
+
+WORKLOADS: Final = {"W1": w1, "W2": w2, "W3": w3, "W4": w4, "W5": w5}

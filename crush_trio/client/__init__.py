@@ -1,0 +1,102 @@
+"""A trio client for crush_trio servers.
+
+Layers, from the socket up:
+
+* :mod:`.connection`: :func:`connect` / :func:`embedded` and :class:`Client` (HTTP, errors).
+* :mod:`.workspace`: :class:`WorkspaceClient`, one open workspace with its one event stream
+  (reader task, reconnect with ``since``, refetch after a ``gap``).
+* :mod:`.runs`: :class:`RunHandle`, one prompt's events and final record, with the rules that
+  tell a run's own events from everyone else's.
+* :mod:`.events`: decoded events and the bounded mailboxes between the reader and consumers.
+* :mod:`.transcript`: printing a streamed reply without loss or repetition.
+* :mod:`.errors`: the error classes.
+
+Every wait takes a ``timeout`` argument (seconds; ``None`` waits as long as it takes) and raises
+:class:`Timeout`, whose message names what was awaited, rather than relying on the caller's
+cancel scope alone.
+
+Example::
+
+    async with connect("http://127.0.0.1:7433", token) as client:
+        async with client.workspace("/path/to/project") as ws:
+            session = await ws.create_session()
+            handle = await ws.prompt(session.id, "hello")
+            run = await handle.result(timeout=60)
+            print(run.text)
+"""
+
+from __future__ import annotations
+
+from ..wire import Message, Run, RunComplete, RunStatus, Session, Workspace
+from .connection import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    Client,
+    connect,
+    embedded,
+    parse_server_url,
+)
+from .errors import (
+    AuthError,
+    BadRequest,
+    Conflict,
+    CrushError,
+    NotFound,
+    RunFailed,
+    ShuttingDown,
+    Timeout,
+    TooLarge,
+    TooSlow,
+    Unreachable,
+)
+from .events import DEFAULT_MAILBOX_SIZE, Event, Gap
+from .runs import DEFAULT_RUN_TIMEOUT, RunEvents, RunHandle, is_own_agent_event
+from .transcript import Transcript
+from .workspace import (
+    DEFAULT_RECONNECT_TIMEOUT,
+    StreamStats,
+    Subscription,
+    WorkspaceClient,
+    latest_session,
+    resolve_session_prefix,
+)
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_MAILBOX_SIZE",
+    "DEFAULT_RECONNECT_TIMEOUT",
+    "DEFAULT_REQUEST_TIMEOUT",
+    "DEFAULT_RUN_TIMEOUT",
+    "AuthError",
+    "BadRequest",
+    "Client",
+    "Conflict",
+    "CrushError",
+    "Event",
+    "Gap",
+    "Message",
+    "NotFound",
+    "Run",
+    "RunComplete",
+    "RunEvents",
+    "RunFailed",
+    "RunHandle",
+    "RunStatus",
+    "Session",
+    "ShuttingDown",
+    "StreamStats",
+    "Subscription",
+    "Timeout",
+    "TooLarge",
+    "TooSlow",
+    "Transcript",
+    "Unreachable",
+    "Workspace",
+    "WorkspaceClient",
+    "connect",
+    "embedded",
+    "is_own_agent_event",
+    "latest_session",
+    "parse_server_url",
+    "resolve_session_prefix",
+]

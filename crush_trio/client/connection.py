@@ -1,0 +1,350 @@
+"""Connecting to a server: :func:`connect`, :func:`embedded` and :class:`Client`.
+
+A :class:`Client` is one HTTP connection pool (httpx) plus one ``client_id`` (a UUID the server
+uses to count this client's holds on workspaces). Every request is bounded by the client's
+request timeout; transport failures become :class:`Unreachable`, timeouts :class:`Timeout`, and
+error answers the class of the server's status table with the server's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from functools import partial
+from typing import TYPE_CHECKING, Any, Final, NoReturn
+from urllib.parse import parse_qs, urlsplit
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from .. import wire
+from ..wire import Workspace
+from .errors import AuthError, CrushError, Timeout, Unreachable, error_for_status
+from .events import DEFAULT_MAILBOX_SIZE
+from .workspace import CLOSE_TIMEOUT, DEFAULT_RECONNECT_TIMEOUT, WorkspaceClient
+
+if TYPE_CHECKING:
+    from ..server.serve import ServeOptions, ServerHandle
+
+log = logging.getLogger(__name__)
+
+#: Default bound on one HTTP request, from connecting to the last byte of the answer (seconds).
+DEFAULT_REQUEST_TIMEOUT: Final = 30.0
+#: Default bound on opening a TCP connection to the server (seconds).
+DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+
+
+def parse_server_url(url: str, token: str | None = None) -> tuple[str, str | None, str | None]:
+    """Split a server address into ``(base_url, token, unix_path)``.
+
+    Accepts ``http://host:port``, the line ``crush-trio serve`` prints
+    (``http://host:port/?token=T``, whose token is used when ``token`` is ``None``) and
+    ``unix:/path/to.sock``.
+
+    Raises:
+        ValueError: the address is not one of those forms.
+    """
+    url = url.strip()
+    if url.startswith("unix:"):
+        path = url[len("unix:") :]
+        if not path:
+            raise ValueError("a unix: server address needs a socket path, e.g. unix:/tmp/c.sock")
+        return "http://localhost", token, path
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(
+            f"server address {url!r} is not an http(s) URL; use http://HOST:PORT as printed "
+            "by 'crush-trio serve'"
+        )
+    if token is None:
+        found = parse_qs(parts.query).get("token")
+        if found:
+            token = found[0]
+    return f"{parts.scheme}://{parts.netloc}", token, None
+
+
+def _only_error(group: BaseExceptionGroup[Any]) -> BaseException | None:
+    """The one exception a group stands for: its single leaf, or its single non-Cancelled leaf."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    return real[0] if len(real) == 1 else None
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    context = exc.__context__
+    try:
+        raise exc
+    finally:
+        exc.__context__ = context
+        del exc, context
+
+
+def _absolute(path: str | os.PathLike[str]) -> str:
+    return os.path.abspath(os.fspath(path))
+
+
+@contextmanager
+def single_errors() -> Iterator[None]:
+    """Let one exception out of nurseries as itself, not inside an exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        only = _only_error(group)
+        if only is None:
+            raise
+        _reraise(only)
+
+
+class Client:
+    """A connection to one server. Get it from :func:`connect` or :func:`embedded`.
+
+    Attributes:
+        url: the server's base URL (``http://host:port``, or ``unix:/path``).
+        token: the token sent with every request (``None`` when the server needs none).
+        client_id: this client's UUID (its holds on workspaces are counted under it).
+        server: the in-process server, for a client from :func:`embedded`.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        url: str,
+        token: str | None,
+        unix_path: str | None = None,
+        client_id: str | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
+        mailbox_size: int = DEFAULT_MAILBOX_SIZE,
+    ) -> None:
+        self.http = http
+        self.base_url = url
+        self.url = f"unix:{unix_path}" if unix_path is not None else url
+        self.ws_base = url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        self.token = token
+        self.unix_path = unix_path
+        self.client_id = client_id or str(uuid.uuid4())
+        self.request_timeout = request_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.mailbox_size = mailbox_size
+        self.server: ServerHandle | None = None
+
+    def auth_headers(self) -> list[tuple[bytes, bytes]]:
+        if not self.token:
+            return []
+        return [(b"Authorization", f"Bearer {self.token}".encode())]
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> Any:
+        """One API request; returns the decoded JSON answer (``None`` for an empty body).
+
+        Raises:
+            Unreachable: the server could not be reached or broke the connection.
+            Timeout: no complete answer within ``timeout`` (default: the request timeout).
+            CrushError: the server answered with an error (the class of its status, e.g.
+                :class:`NotFound`, :class:`Conflict`, :class:`AuthError`).
+        """
+        limit = self.request_timeout if timeout is None else timeout
+        try:
+            response = await self.http.request(
+                method,
+                path,
+                content=orjson.dumps(json) if json is not None else None,
+                headers={"Content-Type": "application/json"} if json is not None else None,
+                params=params,
+                timeout=limit,
+            )
+        except httpx.TimeoutException as exc:
+            raise Timeout(
+                f"{method} {path} got no answer from the server at {self.url} within "
+                f"{limit:g} s; the server may be overloaded"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise Unreachable(
+                f"cannot reach the server at {self.url} ({exc.__class__.__name__}: {exc}); "
+                "check the address and that the server is running"
+            ) from exc
+        body = response.content
+        data: Any = None
+        if body:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                data = None
+        if response.status_code >= 400:
+            message = data.get("message") if isinstance(data, dict) else None
+            if not isinstance(message, str) or not message:
+                message = f"{method} {path} failed with status {response.status_code}"
+            raise error_for_status(response.status_code, message)
+        return data
+
+    async def version(self) -> str:
+        data = await self.request("GET", "/v1/version")
+        return str(data.get("version", "")) if isinstance(data, dict) else ""
+
+    async def workspaces(self) -> list[Workspace]:
+        data = await self.request("GET", "/v1/workspaces")
+        return wire.converter.structure(data, list[Workspace])
+
+    async def control(self, command: str) -> None:
+        """``POST /v1/control`` (``shutdown`` or ``shutdown_if_idle``)."""
+        await self.request("POST", "/v1/control", json={"command": command})
+
+    @asynccontextmanager
+    async def workspace(self, path: str | os.PathLike[str]) -> AsyncIterator[WorkspaceClient]:
+        """Open (or join) the workspace of a project directory for the block's duration.
+
+        Creates the workspace with this client's ``client_id``, opens its event stream at once
+        (well within the server's create grace), and on leaving closes the stream and releases
+        the hold (``DELETE /v1/workspaces/{id}?client_id=``).
+
+        Raises:
+            BadRequest: the path is not an existing directory.
+            ShuttingDown: the server is shutting down.
+            Unreachable, AuthError: the server or its event stream cannot be reached.
+        """
+        absolute = _absolute(path)
+        data = await self.request(
+            "POST", "/v1/workspaces", json={"path": absolute, "client_id": self.client_id}
+        )
+        info = wire.converter.structure(data, Workspace)
+        ws = WorkspaceClient(
+            self,
+            info,
+            mailbox_size=self.mailbox_size,
+            reconnect_timeout=self.reconnect_timeout,
+        )
+        try:
+            with single_errors():
+                async with trio.open_nursery() as nursery:
+                    ws._nursery = nursery
+                    await nursery.start(ws._stream)
+                    nursery.start_soon(ws._resync_worker)
+                    try:
+                        yield ws
+                    finally:
+                        ws._close()
+                        nursery.cancel_scope.cancel()
+        finally:
+            ws._close()
+            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                try:
+                    await self.request(
+                        "DELETE",
+                        f"/v1/workspaces/{info.id}",
+                        params={"client_id": self.client_id},
+                        timeout=CLOSE_TIMEOUT,
+                    )
+                except CrushError as exc:
+                    log.debug("releasing workspace %s: %s", info.id, exc)
+
+
+@asynccontextmanager
+async def connect(
+    url: str,
+    token: str | None = None,
+    *,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
+    mailbox_size: int = DEFAULT_MAILBOX_SIZE,
+    client_id: str | None = None,
+) -> AsyncIterator[Client]:
+    """Connect to a running server; checks the address and the token before it yields.
+
+    Args:
+        url: ``http://host:port`` (a ``?token=`` in it is used when ``token`` is ``None``) or
+            ``unix:/path/to.sock``.
+        token: the server's token.
+        request_timeout: bound on each HTTP request (seconds).
+        connect_timeout: bound on opening a connection (seconds).
+        reconnect_timeout: how long a dropped event stream is retried before pending runs fail.
+        mailbox_size: lossy events buffered per run handle or subscription.
+        client_id: a UUID to use instead of a new one.
+
+    Raises:
+        ValueError: ``url`` is not a server address.
+        Unreachable: nothing answers at ``url``.
+        AuthError: the server refused the token.
+    """
+    base, token, unix_path = parse_server_url(url, token)
+    transport = httpx.AsyncHTTPTransport(uds=unix_path) if unix_path is not None else None
+    timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with single_errors():
+        async with httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=timeout, transport=transport
+        ) as http:
+            client = Client(
+                http,
+                url=base,
+                token=token,
+                unix_path=unix_path,
+                client_id=client_id,
+                request_timeout=request_timeout,
+                reconnect_timeout=reconnect_timeout,
+                mailbox_size=mailbox_size,
+            )
+            try:
+                await client.version()
+            except AuthError as exc:
+                raise AuthError(
+                    f"the server at {client.url} refused the token: {exc.message}"
+                ) from None
+            yield client
+
+
+@asynccontextmanager
+async def embedded(
+    options: ServeOptions | None = None, **connect_options: Any
+) -> AsyncIterator[Client]:
+    """Start a server inside this process on an ephemeral loopback port and connect to it.
+
+    The server runs in this block's nursery; leaving the block stops it gracefully (runs are
+    cancelled, final state is saved) and waits for it to finish.
+
+    Args:
+        options: server options; ``host`` and ``port`` are replaced by ``127.0.0.1`` and ``0``,
+            and a random token is used when none is given.
+        connect_options: passed to :func:`connect`.
+    """
+    # Imported here: a client of a remote server does not need the server's code.
+    from ..server.serve import ServeOptions, serve
+
+    opts = attrs.evolve(options) if options is not None else ServeOptions(access_log=False)
+    opts.host, opts.port = "127.0.0.1", 0
+    if opts.token is None:
+        opts.token = secrets.token_urlsafe(24)
+    with single_errors():
+        async with trio.open_nursery() as nursery:
+            handle: ServerHandle = await nursery.start(partial(serve, opts))
+            try:
+                async with connect(handle.url, handle.token, **connect_options) as client:
+                    client.server = handle
+                    yield client
+            finally:
+                handle.stop()

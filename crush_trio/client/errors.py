@@ -1,0 +1,83 @@
+"""The client's errors: the server's hierarchy plus what only a client can run into.
+
+Every error the client raises is a :class:`~crush_trio.errors.CrushError`, so one ``except``
+catches them all. Errors the server reports keep its message (it names the object and the fix)
+and map to the class of the server's table (:func:`error_for_status`); the classes below add what
+happens on the client's side of the wire: the server cannot be reached, the token is refused, a
+wait ran out of time, a run failed.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ..errors import (
+    BadRequest,
+    Conflict,
+    CrushError,
+    NotFound,
+    ShuttingDown,
+    TooLarge,
+    TooSlow,
+)
+from ..wire import Run
+
+__all__ = [
+    "AuthError",
+    "BadRequest",
+    "Conflict",
+    "CrushError",
+    "NotFound",
+    "RunFailed",
+    "ShuttingDown",
+    "Timeout",
+    "TooLarge",
+    "TooSlow",
+    "Unreachable",
+    "error_for_status",
+]
+
+
+class AuthError(CrushError):
+    """The server refused the token (401) or the request's origin (403)."""
+
+    status = 401
+
+
+class Unreachable(CrushError, ConnectionError):
+    """The server could not be reached, or its event stream could not be re-established."""
+
+    status = 503
+
+
+class Timeout(CrushError, TimeoutError):
+    """A wait ran out of time. The message names what was awaited and for how long."""
+
+    status = 504
+
+
+class RunFailed(CrushError):
+    """A run ended ``failed``; :attr:`run` is its final record (``run.error`` says why)."""
+
+    status = 502
+
+    def __init__(self, message: str, run: Run) -> None:
+        super().__init__(message)
+        self.run = run
+
+
+_BY_STATUS: Final[dict[int, type[CrushError]]] = {
+    400: BadRequest,
+    401: AuthError,
+    403: AuthError,
+    404: NotFound,
+    409: Conflict,
+    413: TooLarge,
+    503: ShuttingDown,
+}
+
+
+def error_for_status(status: int, message: str) -> CrushError:
+    """The client-side error for an HTTP (or websocket reply) ``status`` and server message."""
+    cls = _BY_STATUS.get(status, CrushError)
+    return cls(message)

@@ -1,0 +1,646 @@
+"""A workspace seen from the client: its HTTP operations and its one event stream.
+
+Task ownership: :meth:`Client.workspace <crush_trio.client.Client.workspace>` opens a nursery
+that lives as long as its ``async with`` block and holds
+
+* the **reader** (:meth:`WorkspaceClient._stream`): the one task that reads the workspace's
+  websocket. It decodes each frame and offers it to the run handles and subscriptions
+  (never waiting on them: see :class:`~crush_trio.client.events.Mailbox`). When the connection
+  drops it reconnects with ``since=<last seq>``, so the server replays what was missed; when the
+  server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
+  to re-read state over HTTP.
+* the **resync** task: re-reads ``GET runs/{id}`` (and the session's messages) for run handles
+  that may have missed events, so a run that ended while the client was away still ends.
+* short **grant** tasks that answer permission requests of runs sent with ``auto_approve``.
+
+Leaving the block cancels those tasks, fails the runs still pending with :class:`Conflict`
+("workspace client closed"), and releases the client's hold with
+``DELETE /v1/workspaces/{id}?client_id=`` (bounded by :data:`CLOSE_TIMEOUT`).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Final, Literal
+from urllib.parse import urlencode
+
+import attrs
+import orjson
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+    wrap_client_stream,
+)
+
+from .. import wire
+from ..wire import (
+    AcceptedPrompt,
+    AgentInfo,
+    Message,
+    Run,
+    Session,
+    Workspace,
+)
+from .errors import AuthError, BadRequest, Conflict, CrushError, NotFound, Timeout, Unreachable
+from .events import DEFAULT_MAILBOX_SIZE, Event, Mailbox, decode_frame
+from .runs import DEFAULT_RUN_TIMEOUT, RunHandle, deadline_after, deadline_scope
+
+if TYPE_CHECKING:
+    from .connection import Client
+
+log = logging.getLogger(__name__)
+
+#: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
+HELLO_TIMEOUT: Final = 10.0
+#: A stream silent this long is probed with a websocket ping (seconds).
+KEEPALIVE_INTERVAL: Final = 15.0
+#: A ping unanswered this long means the connection is dead; it is dropped and re-opened.
+PING_TIMEOUT: Final = 10.0
+#: Default bound on re-establishing a dropped stream before pending runs fail (seconds).
+DEFAULT_RECONNECT_TIMEOUT: Final = 30.0
+#: First pause between reconnect attempts; it doubles up to :data:`RECONNECT_MAX_DELAY`.
+RECONNECT_FIRST_DELAY: Final = 0.05
+RECONNECT_MAX_DELAY: Final = 2.0
+#: Pause before retrying a refetch that failed (seconds).
+RESYNC_RETRY_DELAY: Final = 0.5
+#: Bound on each cleanup step when the workspace block ends (seconds).
+CLOSE_TIMEOUT: Final = 5.0
+#: Largest event frame accepted (a message event carries a whole message).
+MAX_EVENT_BYTES: Final = 64 * 1024 * 1024
+#: Frames buffered inside the websocket library between the socket and the reader task.
+WS_QUEUE_SIZE: Final = 64
+
+#: Handshake statuses after which reconnecting cannot help.
+_PERMANENT_STATUSES: Final = frozenset({400, 401, 403, 404, 409, 503})
+
+GrantAction = Literal["allow", "allow_session", "deny"]
+
+
+@attrs.define
+class StreamStats:
+    """Counters of one workspace's event stream (for tests, logs and benchmarks)."""
+
+    connects: int = 0
+    reconnects: int = 0
+    drops: int = 0
+    gaps: int = 0
+    refetches: int = 0
+    events: int = 0
+    last_seq: int = 0
+
+
+class _Stalled(Exception):
+    """The stream's keep-alive ping got no answer."""
+
+
+def resolve_session_prefix(sessions: list[Session], prefix: str) -> Session:
+    """The session whose id is ``prefix`` or starts with it (a unique prefix is enough).
+
+    Raises:
+        NotFound: no session matches.
+        BadRequest: several sessions match; the message lists them.
+    """
+    exact = [s for s in sessions if s.id == prefix]
+    if exact:
+        return exact[0]
+    matches = [s for s in sessions if prefix and s.id.startswith(prefix)]
+    if not matches:
+        raise NotFound(
+            f"no session id starts with {prefix!r}; list the sessions of this workspace "
+            "to find its id"
+        )
+    if len(matches) > 1:
+        ids = ", ".join(s.id for s in matches[:5])
+        raise BadRequest(
+            f"session prefix {prefix!r} matches {len(matches)} sessions ({ids}); "
+            "give more characters"
+        )
+    return matches[0]
+
+
+def latest_session(sessions: list[Session]) -> Session | None:
+    """The most recently updated session (``None`` when there are none)."""
+    if not sessions:
+        return None
+    return max(sessions, key=lambda s: (s.updated_at, s.created_at))
+
+
+class WorkspaceClient:
+    """One open workspace. Get it from ``async with client.workspace(path) as ws``.
+
+    Attributes:
+        info: the server's Workspace object (``id``, ``path``, ``data_dir``).
+        stats: counters of the event stream.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        info: Workspace,
+        *,
+        mailbox_size: int = DEFAULT_MAILBOX_SIZE,
+        reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
+    ) -> None:
+        self.client = client
+        self.info = info
+        self.mailbox_size = mailbox_size
+        self.reconnect_timeout = reconnect_timeout
+        self.stats = StreamStats()
+        self._runs: dict[str, RunHandle] = {}
+        self._feeds: set[Mailbox] = set()
+        self._resync: dict[RunHandle, bool] = {}
+        self._resync_wakeup = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._conn: WebSocketConnection | None = None
+        self.stream_error: CrushError | None = None
+        self.closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def path(self) -> str:
+        return self.info.path
+
+    def _url(self, tail: str) -> str:
+        return f"/v1/workspaces/{self.id}{tail}"
+
+    # -- sessions and messages -------------------------------------------------------------------
+
+    async def create_session(self, title: str = "") -> Session:
+        data = await self.client.request("POST", self._url("/sessions"), json={"title": title})
+        return wire.converter.structure(data, Session)
+
+    async def sessions(self) -> list[Session]:
+        data = await self.client.request("GET", self._url("/sessions"))
+        return wire.converter.structure(data, list[Session])
+
+    async def session(self, session_id: str) -> Session:
+        data = await self.client.request("GET", self._url(f"/sessions/{session_id}"))
+        return wire.converter.structure(data, Session)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self.client.request("DELETE", self._url(f"/sessions/{session_id}"))
+
+    async def resolve_session(self, prefix: str) -> Session:
+        """The session with this id or unique id prefix (see :func:`resolve_session_prefix`)."""
+        return resolve_session_prefix(await self.sessions(), prefix)
+
+    async def latest_session(self) -> Session | None:
+        """The most recently updated session, or ``None``."""
+        return latest_session(await self.sessions())
+
+    async def messages(self, session_id: str) -> list[Message]:
+        data = await self.client.request("GET", self._url(f"/sessions/{session_id}/messages"))
+        return wire.converter.structure(data, list[Message])
+
+    # -- agent -----------------------------------------------------------------------------------
+
+    async def agent_info(self) -> AgentInfo:
+        data = await self.client.request("GET", self._url("/agent"))
+        return wire.converter.structure(data, AgentInfo)
+
+    async def prompt(
+        self,
+        session_id: str,
+        text: str,
+        run_id: str | None = None,
+        *,
+        auto_approve: bool = False,
+    ) -> RunHandle:
+        """Send a prompt to a session; returns the handle of its run once the server accepted it.
+
+        The handle is subscribed before the prompt is sent, so it sees every event of the run.
+
+        Args:
+            session_id: the session to prompt.
+            text: the prompt, sent unchanged.
+            run_id: the run's id; a new UUID when ``None``. (The client always sends one, so a
+                prompt to a busy session is queued as its own turn, never folded into another.)
+            auto_approve: answer this run's own permission requests with ``allow``, never
+                another run's and never workspace-wide.
+
+        Raises:
+            BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
+            Conflict: the workspace is closing.
+            Unreachable: the server or its event stream is gone.
+        """
+        self._check_open()
+        run_id = run_id if run_id is not None else str(uuid.uuid4())
+        if run_id in self._runs:
+            raise BadRequest(f"run_id {run_id!r} is already pending in this client; pick a new one")
+        handle = RunHandle(
+            self,
+            session_id,
+            run_id,
+            text,
+            auto_approve=auto_approve,
+            mailbox_size=self.mailbox_size,
+        )
+        self._runs[run_id] = handle
+        try:
+            data = await self.client.request(
+                "POST",
+                self._url("/agent"),
+                json={"session_id": session_id, "prompt": text, "run_id": run_id},
+            )
+        except BaseException:
+            self._runs.pop(run_id, None)
+            raise
+        handle.accepted = wire.converter.structure(data, AcceptedPrompt)
+        return handle
+
+    async def run(
+        self,
+        session_id: str,
+        text: str,
+        *,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+        check: bool = True,
+        auto_approve: bool = False,
+    ) -> Run:
+        """Send a prompt and wait for its run's final record (see :meth:`RunHandle.result`)."""
+        handle = await self.prompt(session_id, text, auto_approve=auto_approve)
+        return await handle.result(timeout, check=check)
+
+    async def get_run(self, run_id: str) -> Run:
+        data = await self.client.request("GET", self._url(f"/runs/{run_id}"))
+        return wire.converter.structure(data, Run)
+
+    async def cancel(self, session_id: str) -> None:
+        """Cancel the session's active turn and drop its queued prompts (idempotent)."""
+        await self.client.request("POST", self._url(f"/agent/sessions/{session_id}/cancel"))
+
+    async def clear_queue(self, session_id: str) -> None:
+        """Drop the session's queued prompts (each gets a cancelled ``run_complete``)."""
+        await self.client.request("POST", self._url(f"/agent/sessions/{session_id}/prompts/clear"))
+
+    async def queued(self, session_id: str) -> list[str]:
+        """The texts of the session's queued prompts."""
+        data = await self.client.request(
+            "GET", self._url(f"/agent/sessions/{session_id}/prompts/list")
+        )
+        return wire.converter.structure(data, list[str])
+
+    # -- permissions -----------------------------------------------------------------------------
+
+    async def grant(self, permission_id: str, action: GrantAction = "allow") -> bool:
+        """Answer a permission request; True when this answer was the one that counted."""
+        data = await self.client.request(
+            "POST",
+            self._url("/permissions/grant"),
+            json={"permission": {"id": permission_id}, "action": action},
+        )
+        return bool(data.get("resolved")) if isinstance(data, dict) else False
+
+    async def set_skip(self, skip: bool) -> None:
+        """Workspace-wide auto-approve of every permission request (use with care)."""
+        await self.client.request("POST", self._url("/permissions/skip"), json={"skip": skip})
+
+    # -- raw events ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def subscribe(
+        self,
+        *,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> AsyncIterator[Subscription]:
+        """Every event of the workspace from now on, until the block ends.
+
+        ``async for event in sub`` waits at most ``timeout`` seconds for each event (then raises
+        :class:`Timeout`); :meth:`Subscription.next` and :meth:`Subscription.until` take their own.
+
+        Backpressure: as :class:`~crush_trio.client.events.Mailbox` (lossy events beyond its
+        size are dropped and reported as a ``gap`` event).
+        """
+        self._check_open()
+        mailbox = Mailbox(self.mailbox_size)
+        self._feeds.add(mailbox)
+        try:
+            yield Subscription(self, mailbox, timeout)
+        finally:
+            self._feeds.discard(mailbox)
+            mailbox.close()
+
+    # -- the stream ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise Conflict(f"workspace client for {self.path} is closed; open the workspace again")
+        if self.stream_error is not None:
+            raise self.stream_error
+
+    def _ws_url(self, since: int | None) -> str:
+        query: dict[str, Any] = {"client_id": self.client.client_id}
+        if since is not None:
+            query["since"] = since
+        return f"{self.client.ws_base}/v1/workspaces/{self.id}/ws?{urlencode(query)}"
+
+    @asynccontextmanager
+    async def _open_socket(self, since: int | None) -> AsyncIterator[WebSocketConnection]:
+        """One websocket connection to the workspace's stream (TCP or a Unix socket)."""
+        headers = self.client.auth_headers()
+        url = self._ws_url(since)
+        if self.client.unix_path is None:
+            async with open_websocket_url(
+                url,
+                extra_headers=headers,
+                message_queue_size=WS_QUEUE_SIZE,
+                max_message_size=MAX_EVENT_BYTES,
+                connect_timeout=HELLO_TIMEOUT,
+                disconnect_timeout=CLOSE_TIMEOUT,
+            ) as conn:
+                yield conn
+            return
+        resource = url[url.index("/v1/") :]
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(HELLO_TIMEOUT):
+                stream = await trio.open_unix_socket(self.client.unix_path)
+                conn = await wrap_client_stream(
+                    nursery,
+                    stream,
+                    "localhost",
+                    resource,
+                    extra_headers=headers,
+                    message_queue_size=WS_QUEUE_SIZE,
+                    max_message_size=MAX_EVENT_BYTES,
+                )
+            try:
+                yield conn
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                    await conn.aclose()
+                nursery.cancel_scope.cancel()
+
+    async def _stream(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The reader task (see the module docstring); reports started after the first hello.
+
+        Raises (before started): Unreachable, AuthError, NotFound, Timeout for the first connect.
+        """
+        first = True
+        lost_at: float | None = None
+        delay = RECONNECT_FIRST_DELAY
+        while True:
+            try:
+                since = None if first else self.stats.last_seq
+                async with self._open_socket(since) as conn:
+                    self._conn = conn
+                    with trio.fail_after(HELLO_TIMEOUT):
+                        hello = orjson.loads(await conn.get_message())
+                    if not isinstance(hello, dict) or hello.get("type") != "hello":
+                        raise Unreachable(
+                            f"the event stream of workspace {self.id} did not "
+                            "start with a hello frame; is this a crush_trio server?"
+                        )
+                    self.stats.connects += 1
+                    if first:
+                        self.stats.last_seq = int(hello.get("seq", 0))
+                        first = False
+                        task_status.started()
+                    else:
+                        self.stats.reconnects += 1
+                    lost_at, delay = None, RECONNECT_FIRST_DELAY
+                    await self._read(conn)
+            except (
+                ConnectionClosed,
+                HandshakeError,
+                OSError,
+                trio.BrokenResourceError,
+                trio.TooSlowError,
+                _Stalled,
+                orjson.JSONDecodeError,
+                CrushError,
+            ) as exc:
+                self._conn = None
+                error = exc if isinstance(exc, CrushError) else self._stream_failure(exc)
+                if first:
+                    raise error from exc
+                if self.closed:
+                    return
+                self.stats.drops += 1
+                now = trio.current_time()
+                if lost_at is None:
+                    lost_at = now
+                    log.info(
+                        "event stream of workspace %s dropped (%s); reconnecting",
+                        self.id,
+                        exc.__class__.__name__,
+                    )
+                permanent = isinstance(exc, ConnectionRejected) and (
+                    exc.status_code in _PERMANENT_STATUSES
+                )
+                if permanent or now - lost_at >= self.reconnect_timeout:
+                    self._fail_stream(error)
+                    return
+                await trio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_MAX_DELAY)
+            finally:
+                self._conn = None
+
+    def _stream_failure(self, exc: BaseException) -> CrushError:
+        where = f"the event stream of workspace {self.id} at {self.client.url}"
+        if isinstance(exc, ConnectionRejected):
+            body = exc.body or b""
+            try:
+                message = str(orjson.loads(body).get("message", ""))
+            except (orjson.JSONDecodeError, AttributeError):
+                message = body.decode(errors="replace")
+            status = exc.status_code
+            message = message or f"status {status}"
+            if status in (401, 403):
+                return AuthError(f"{where} refused the connection: {message}")
+            if status == 404:
+                return NotFound(f"{where} is gone: {message}")
+            if status == 409:
+                return Conflict(f"{where} refused the connection: {message}")
+            return Unreachable(f"{where} refused the connection: {message}")
+        if isinstance(exc, trio.TooSlowError):
+            return Timeout(f"{where} did not answer within {HELLO_TIMEOUT:g} s")
+        return Unreachable(
+            f"lost {where} ({exc.__class__.__name__}: {exc}) and could not re-open it within "
+            f"{self.reconnect_timeout:g} s; check that the server is running"
+        )
+
+    async def _read(self, conn: WebSocketConnection) -> None:
+        """Read frames until the connection ends.
+
+        Raises:
+            ConnectionClosed: the connection ended.
+            _Stalled: the keep-alive ping was not answered.
+        """
+        while True:
+            with trio.move_on_after(KEEPALIVE_INTERVAL) as idle:
+                raw = await conn.get_message()
+            if idle.cancelled_caught:
+                with trio.move_on_after(PING_TIMEOUT) as ping:
+                    await conn.ping()
+                if ping.cancelled_caught:
+                    raise _Stalled()
+                continue
+            try:
+                frame = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                log.warning("ignoring an event frame that is not JSON")
+                continue
+            self._handle_frame(frame)
+
+    def _handle_frame(self, frame: Any) -> None:
+        event = decode_frame(frame)
+        if event is None:
+            return
+        if event.type == "gap":
+            self.stats.gaps += 1
+            for mailbox in self._feeds:
+                mailbox.put(event)
+            for handle in list(self._runs.values()):
+                handle.offer(event)
+                self._schedule_resync(handle, messages=True)
+            return
+        assert event.seq is not None
+        if event.seq <= self.stats.last_seq:
+            return  # already seen (a replay overlapping what arrived before the drop)
+        self.stats.last_seq = event.seq
+        self.stats.events += 1
+        for mailbox in self._feeds:
+            mailbox.put(event)
+        for handle in list(self._runs.values()):
+            handle.offer(event)
+
+    def _fail_stream(self, error: CrushError) -> None:
+        self.stream_error = error
+        log.warning("%s", error)
+        for handle in list(self._runs.values()):
+            handle.fail(error)
+        for mailbox in self._feeds:
+            mailbox.close()
+
+    async def drop_stream(self) -> None:
+        """Close the current event-stream connection; the reader re-opens it with ``since``.
+
+        Meant for tests and for a caller that suspects a stale connection.
+        """
+        conn = self._conn
+        if conn is not None:
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                await conn.aclose()
+
+    # -- work the run handles ask for ------------------------------------------------------------
+
+    def _forget(self, handle: RunHandle) -> None:
+        if self._runs.get(handle.run_id) is handle:
+            del self._runs[handle.run_id]
+        self._resync.pop(handle, None)
+
+    def _schedule_resync(self, handle: RunHandle, *, messages: bool) -> None:
+        if handle.done:
+            return
+        self._resync[handle] = self._resync.get(handle, False) or messages
+        self._resync_wakeup.set()
+
+    def _schedule_grant(self, permission_id: str, action: GrantAction) -> None:
+        if self._nursery is not None and not self.closed:
+            self._nursery.start_soon(self._grant_quietly, permission_id, action)
+
+    async def _grant_quietly(self, permission_id: str, action: GrantAction) -> None:
+        try:
+            await self.grant(permission_id, action)
+        except CrushError as exc:
+            log.warning("could not answer permission request %s: %s", permission_id, exc)
+
+    async def _resync_worker(self) -> None:
+        """Re-read runs (and messages) of handles that may have missed events."""
+        while True:
+            await self._resync_wakeup.wait()
+            self._resync_wakeup = trio.Event()
+            batch, self._resync = self._resync, {}
+            failed = False
+            for handle, with_messages in batch.items():
+                if handle.done:
+                    continue
+                try:
+                    run = await self.get_run(handle.run_id)
+                    self.stats.refetches += 1
+                    handle.refetched_run(run)
+                    if with_messages and not handle.done:
+                        handle.refetched_messages(await self.messages(handle.session_id))
+                except NotFound:
+                    pass  # the run is not known (yet): its events will tell
+                except CrushError as exc:
+                    log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
+                    self._resync[handle] = self._resync.get(handle, False) or with_messages
+                    failed = True
+            if failed:
+                await trio.sleep(RESYNC_RETRY_DELAY)
+                self._resync_wakeup.set()
+
+    def _close(self) -> None:
+        self.closed = True
+        error = Conflict(f"workspace client for {self.path} was closed before the run ended")
+        for handle in list(self._runs.values()):
+            handle.fail(error)
+        for mailbox in self._feeds:
+            mailbox.close()
+
+
+class Subscription:
+    """The events of a workspace, from :meth:`WorkspaceClient.subscribe`."""
+
+    def __init__(self, workspace: WorkspaceClient, mailbox: Mailbox, timeout: float | None) -> None:
+        self._workspace = workspace
+        self._mailbox = mailbox
+        self._timeout = timeout
+
+    @property
+    def dropped(self) -> int:
+        return self._mailbox.dropped
+
+    async def next(self, timeout: float | None = DEFAULT_RUN_TIMEOUT) -> Event:  # noqa: ASYNC109
+        """The next event.
+
+        Raises:
+            Timeout: none arrived within ``timeout`` seconds.
+            Unreachable: the stream is gone for good (or the subscription ended).
+        """
+        event = await self._get(timeout)
+        if event is None:
+            raise self._workspace.stream_error or Unreachable(
+                f"the subscription to workspace {self._workspace.id} has ended"
+            )
+        return event
+
+    async def _get(self, timeout: float | None) -> Event | None:  # noqa: ASYNC109
+        with deadline_scope(
+            deadline_after(timeout),
+            lambda: f"no event of workspace {self._workspace.id} within {timeout:g} s",
+        ):
+            return await self._mailbox.get()
+
+    async def until(self, predicate: Any, timeout: float | None = DEFAULT_RUN_TIMEOUT) -> Event:  # noqa: ASYNC109
+        """The first event for which ``predicate(event)`` is true (others are skipped)."""
+        deadline = deadline_after(timeout)
+        while True:
+            remaining = None if timeout is None else max(0.0, deadline - trio.current_time())
+            event = await self.next(remaining)
+            if predicate(event):
+                return event
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Event:
+        event = await self._get(self._timeout)
+        if event is None:
+            if self._workspace.stream_error is not None:
+                raise self._workspace.stream_error
+            raise StopAsyncIteration
+        return event

@@ -1,0 +1,413 @@
+"""``crush-trio run``: send one prompt, print its reply, exit with a code that says how it went.
+
+It is built on :mod:`crush_trio.client` and follows PROTOCOL §8 (flags, exit codes); see
+``docs/cli.md`` for the user's view. The order of work:
+
+1. Parse and validate (usage errors exit 2 before anything is contacted).
+2. Connect to ``--server`` (or ``CRUSH_TRIO_SERVER``), or start an embedded server in this
+   process when none is named; open the workspace, whose event stream is open from then on.
+3. Pick the session (``-s`` prefix, ``-C`` the latest, or a new one) and print its id to stderr.
+4. Send the prompt with a new UUID ``run_id``; the run handle was subscribed before sending.
+5. Stream the run's own events: text mode prints the reply as it grows and finishes from
+   ``run_complete.text`` (:class:`~crush_trio.client.Transcript`); json mode prints each event
+   and then the final run record.
+
+Interrupts (SIGINT) and ``--timeout`` cancel the run on the server and wait at most
+:data:`CANCEL_WAIT` for its cancelled terminal before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+import attrs
+import orjson
+import trio
+
+from . import wire
+from .client import (
+    AuthError,
+    Client,
+    CrushError,
+    Event,
+    NotFound,
+    RunHandle,
+    ShuttingDown,
+    Timeout,
+    Transcript,
+    Unreachable,
+    WorkspaceClient,
+    connect,
+    embedded,
+)
+from .client.errors import BadRequest
+from .wire import AgentEvent, Message, RunComplete, Session
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_UNREACHABLE: Final = 3
+EXIT_INTERRUPTED: Final = 130
+
+ENV_SERVER: Final = "CRUSH_TRIO_SERVER"
+ENV_TOKEN: Final = "CRUSH_TRIO_TOKEN"
+
+#: After an interrupt or ``--timeout``: how long to wait for the run's cancelled terminal.
+CANCEL_WAIT: Final = 5.0
+#: After an error event of our run: how long to wait for its ``run_complete`` before exiting.
+ERROR_GRACE: Final = 5.0
+#: Bound on reading the final run record for ``--format json`` (seconds).
+RECORD_TIMEOUT: Final = 10.0
+#: Spinner frame interval (seconds).
+SPINNER_INTERVAL: Final = 0.1
+SPINNER_FRAMES: Final = "|/-\\"
+
+
+class UsageError(Exception):
+    """A usage error: exit 2 with this message."""
+
+
+@attrs.define
+class RunOptions:
+    """The validated flags of ``crush-trio run``."""
+
+    prompt: str
+    server: str | None = None
+    token: str | None = None
+    workspace: Path = attrs.field(factory=Path.cwd)
+    session: str | None = None
+    continue_last: bool = False
+    model: str | None = None
+    yolo: bool = False
+    quiet: bool = False
+    format: str = "text"
+    timeout: float | None = None
+
+
+def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``run`` command to the ``crush-trio`` argument parser."""
+    p = sub.add_parser(
+        "run",
+        help="send one prompt and print the reply",
+        description=(
+            "Send one prompt and print the reply. Without --server (or CRUSH_TRIO_SERVER) an "
+            "embedded server is started for the one run. Exit codes: 0 completed (or cancelled "
+            "by someone else), 1 the run failed, 2 usage error, 3 server unreachable or "
+            "authentication failed, 130 interrupted."
+        ),
+    )
+    p.add_argument("prompt", nargs="*", help="the prompt (stdin, when piped, is put before it)")
+    p.add_argument("--server", default=None, help=f"server URL (default: ${ENV_SERVER})")
+    p.add_argument("--token", default=None, help=f"server token (default: ${ENV_TOKEN})")
+    p.add_argument("--workspace", type=Path, default=None, help="project directory (default: .)")
+    p.add_argument("-s", "--session", default=None, help="session id, or a unique prefix of one")
+    p.add_argument(
+        "-C", "--continue", dest="continue_last", action="store_true", help="most recent session"
+    )
+    p.add_argument("-m", "--model", default=None, help="provider/model the workspace must be using")
+    p.add_argument("--yolo", action="store_true", help="approve this run's own permission requests")
+    p.add_argument("-q", "--quiet", action="store_true", help="no spinner")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
+    p.add_argument("--timeout", type=float, default=None, help="overall bound in seconds")
+    p.set_defaults(run=run_command)
+
+
+def build_options(
+    args: argparse.Namespace, stdin: TextIO | None, env: dict[str, str] | None = None
+) -> RunOptions:
+    """Validate the parsed flags and assemble the prompt (stdin first, then the arguments).
+
+    Raises:
+        UsageError: empty prompt, conflicting flags, bad ``--model`` or ``--timeout``, or a
+            workspace that is not a directory.
+    """
+    env = dict(os.environ) if env is None else env
+    piped = ""
+    if stdin is not None and not stdin.isatty():
+        piped = stdin.read().rstrip("\n")
+    words = " ".join(args.prompt or [])
+    prompt = "\n\n".join(part for part in (piped, words) if part.strip())
+    if not prompt.strip():
+        raise UsageError("no prompt: give it as arguments or pipe it on stdin")
+    if args.session and args.continue_last:
+        raise UsageError("--session and --continue both pick a session; give one of them")
+    if args.model is not None:
+        provider, _, model = args.model.partition("/")
+        if not provider or not model:
+            raise UsageError(f"--model {args.model!r} must be provider/model, e.g. echo/echo")
+    if args.timeout is not None and not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise UsageError("--timeout must be a positive number of seconds")
+    server = args.server or env.get(ENV_SERVER) or None
+    token = args.token if args.token is not None else env.get(ENV_TOKEN)
+    if args.token is not None and server is None:
+        raise UsageError(f"--token needs --server (or {ENV_SERVER})")
+    workspace = (args.workspace or Path.cwd()).absolute()
+    if not workspace.is_dir():
+        raise UsageError(f"--workspace {workspace} is not a directory")
+    return RunOptions(
+        prompt=prompt,
+        server=server,
+        token=token if server is not None else None,
+        workspace=workspace,
+        session=args.session,
+        continue_last=args.continue_last,
+        model=args.model,
+        yolo=args.yolo,
+        quiet=args.quiet,
+        format=args.format,
+        timeout=args.timeout,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The ``run`` command (``args.run`` of the CLI); returns the exit code."""
+    try:
+        options = build_options(args, sys.stdin)
+    except UsageError as exc:
+        print(f"crush-trio run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    runner = Runner(options, sys.stdout, sys.stderr)
+    try:
+        return trio.run(runner.main)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+class Runner:
+    """One ``crush-trio run``: its options, its output streams and its cancel scopes."""
+
+    def __init__(self, options: RunOptions, stdout: TextIO, stderr: TextIO) -> None:
+        self.options = options
+        self.stdout = stdout
+        self.stderr = stderr
+        self.interrupted = False
+        self.timed_out = False
+        self.handle: RunHandle | None = None
+        self.transcript = Transcript()
+        self.outer: trio.CancelScope | None = None
+        self.waiting: trio.CancelScope | None = None
+        self.first_output = trio.Event()
+        self.spinning = False
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def out(self, text: str) -> None:
+        if text:
+            self._clear_spinner()
+            self.stdout.write(text)
+            self.stdout.flush()
+            self.first_output.set()
+
+    def json_line(self, data: Any) -> None:
+        self.out(orjson.dumps(data).decode() + "\n")
+
+    def err(self, text: str) -> None:
+        self._clear_spinner()
+        print(text, file=self.stderr, flush=True)
+
+    def _clear_spinner(self) -> None:
+        if self.spinning:
+            self.stderr.write("\r\x1b[K")
+            self.stderr.flush()
+            self.spinning = False
+
+    async def _spinner(self) -> None:
+        """Show a spinner on stderr until the first output (only on a terminal, not with -q)."""
+        frame = 0
+        while not self.first_output.is_set():
+            self.stderr.write(f"\r{SPINNER_FRAMES[frame % len(SPINNER_FRAMES)]} Generating")
+            self.stderr.flush()
+            self.spinning = True
+            frame += 1
+            with trio.move_on_after(SPINNER_INTERVAL):
+                await self.first_output.wait()
+        self._clear_spinner()
+
+    def _wants_spinner(self) -> bool:
+        return not self.options.quiet and bool(getattr(self.stderr, "isatty", lambda: False)())
+
+    # -- the command -----------------------------------------------------------------------------
+
+    async def main(self) -> int:
+        """Run the command; returns the exit code."""
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_signals, signals)
+                if self._wants_spinner():
+                    nursery.start_soon(self._spinner)
+                try:
+                    code = await self._main()
+                finally:
+                    self.first_output.set()
+                    nursery.cancel_scope.cancel()
+        return code
+
+    async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
+        async for _ in signals:
+            if self.interrupted or self.waiting is None:
+                # Before the run exists (or a second Ctrl-C): stop everything now.
+                self.interrupted = True
+                if self.outer is not None:
+                    self.outer.cancel()
+            else:
+                self.interrupted = True
+                self.waiting.cancel()
+
+    async def _main(self) -> int:
+        opts = self.options
+        deadline = math.inf if opts.timeout is None else trio.current_time() + opts.timeout
+        with trio.CancelScope(deadline=deadline) as outer:
+            self.outer = outer
+            try:
+                async with self._client() as client, client.workspace(opts.workspace) as ws:
+                    return await self._in_workspace(ws, deadline)
+            except UsageError as exc:
+                self.err(f"crush-trio run: {exc}")
+                return EXIT_USAGE
+            except (Unreachable, AuthError, ShuttingDown, Timeout) as exc:
+                self.err(f"crush-trio run: {exc}")
+                return EXIT_UNREACHABLE
+            except CrushError as exc:
+                self.err(f"crush-trio run: {exc}")
+                return EXIT_FAILED
+            except ValueError as exc:  # a malformed --server address
+                self.err(f"crush-trio run: {exc}")
+                return EXIT_USAGE
+        if self.interrupted:
+            self.err("crush-trio run: interrupted")
+            return EXIT_INTERRUPTED
+        self.err(f"crush-trio run: no answer within --timeout {opts.timeout:g} s")
+        return EXIT_FAILED
+
+    @asynccontextmanager
+    async def _client(self) -> AsyncIterator[Client]:
+        opts = self.options
+        if opts.server is not None:
+            async with connect(opts.server, opts.token) as client:
+                yield client
+        else:
+            from .server.serve import ServeOptions
+
+            async with embedded(ServeOptions(access_log=False)) as client:
+                yield client
+
+    async def _pick_session(self, ws: WorkspaceClient) -> Session:
+        opts = self.options
+        if opts.session is not None:
+            try:
+                return await ws.resolve_session(opts.session)
+            except (NotFound, BadRequest) as exc:
+                raise UsageError(str(exc)) from None
+        if opts.continue_last:
+            latest = await ws.latest_session()
+            if latest is not None:
+                return latest
+        return await ws.create_session()
+
+    async def _check_model(self, ws: WorkspaceClient) -> None:
+        wanted = self.options.model
+        if wanted is None:
+            return
+        info = await ws.agent_info()
+        using = f"{info.model.get('provider', '')}/{info.model.get('model', '')}"
+        if using != wanted:
+            raise UsageError(
+                f"--model {wanted}: the workspace {ws.path} uses {using}; the model is chosen "
+                "by models.large in its crush.json (the protocol has no per-prompt model)"
+            )
+
+    async def _in_workspace(self, ws: WorkspaceClient, deadline: float) -> int:
+        opts = self.options
+        session = await self._pick_session(ws)
+        self.err(f"session: {session.id}")
+        await self._check_model(ws)
+        handle = await ws.prompt(session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo)
+        self.handle = handle
+        assert self.outer is not None
+        self.outer.deadline = math.inf  # from here the waiting scope carries the deadline
+        with trio.CancelScope(deadline=deadline) as waiting:
+            self.waiting = waiting
+            if self.interrupted:
+                waiting.cancel()
+            code = await self._follow(handle)
+        self.waiting = None
+        if not waiting.cancelled_caught:
+            return code
+        # Interrupted or out of time: cancel our run and wait briefly for its terminal.
+        self.timed_out = not self.interrupted
+        with trio.move_on_after(CANCEL_WAIT):
+            try:
+                await handle.cancel()
+                await handle.wait(CANCEL_WAIT)
+            except CrushError as exc:
+                self.err(f"crush-trio run: could not cancel run {handle.run_id}: {exc}")
+        await self._finish_output(handle)
+        if self.interrupted:
+            self.err("crush-trio run: interrupted; the run was cancelled")
+            return EXIT_INTERRUPTED
+        self.err(f"crush-trio run: no result within --timeout {opts.timeout:g} s; cancelled it")
+        return EXIT_FAILED
+
+    async def _follow(self, handle: RunHandle) -> int:
+        """Print the run's events until its end; returns the exit code."""
+        own_error: AgentEvent | None = None
+        json_mode = self.options.format == "json"
+        with trio.CancelScope() as grace:
+            async for event in handle.events(timeout=None):
+                if json_mode:
+                    self.json_line(event.to_json())
+                    if event.type == "message":
+                        self.first_output.set()
+                elif event.type == "message":
+                    assert isinstance(event.payload, Message)
+                    self.out(self.transcript.update(event.payload))
+                if _is_error(event) and own_error is None:
+                    assert isinstance(event.payload, AgentEvent)
+                    own_error = event.payload
+                    grace.deadline = trio.current_time() + ERROR_GRACE
+        complete = handle.complete
+        await self._finish_output(handle)
+        if complete is not None and complete.error and not complete.cancelled:
+            self.err(f"agent run failed: {complete.error}")
+            return EXIT_FAILED
+        if own_error is not None:
+            self.err(f"agent run failed: {own_error.message or own_error.error}")
+            return EXIT_FAILED
+        return EXIT_OK
+
+    async def _finish_output(self, handle: RunHandle) -> None:
+        """Text: the rest of the reply and the final newline. JSON: the final run record."""
+        complete: RunComplete | None = handle.complete
+        if self.options.format == "json":
+            record: Any
+            if handle.done:
+                try:
+                    record = await handle.result(RECORD_TIMEOUT, check=False)
+                except CrushError:
+                    record = None
+            else:
+                try:
+                    record = await handle.workspace.get_run(handle.run_id)
+                except CrushError:
+                    record = None
+            if record is not None:
+                self.json_line(wire.converter.unstructure(record))
+            return
+        if complete is not None:
+            self.out(self.transcript.finish(complete.message_id, complete.text))
+        self._clear_spinner()
+        self.stdout.write("\n")
+        self.stdout.flush()
+
+
+def _is_error(event: Event) -> bool:
+    return event.type == "agent_event" and getattr(event.payload, "type", "") == "error"

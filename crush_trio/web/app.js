@@ -1,0 +1,1023 @@
+// The crush_trio web client: one page driving a workspace's agent over the public protocol.
+//
+// Data flow (see docs/web.md):
+//   * POST /v1/workspaces opens the workspace for this tab's client_id; the websocket
+//     /v1/workspaces/{id}/ws carries every event and the page's commands.
+//   * State is read with websocket commands (sessions.list, messages.list, runs.get), whose replies
+//     arrive in order with the events, then kept current by events. Messages are keyed by id and
+//     each `message` event carries the whole message, so applying an event twice, or a snapshot
+//     after it, never duplicates text.
+//   * After a reconnect the server replays events after the last seq seen; a `gap` (or a new
+//     workspace id) makes the page re-read the open session over the socket.
+//   * Commands go over the socket when it is open and over HTTP otherwise.
+
+import { api, ApiError, httpCommand } from "./api.js";
+import { EventStream } from "./connection.js";
+import { clear, h, uuid } from "./dom.js";
+import { renderMessage } from "./render.js";
+
+/** localStorage key of the recently opened workspace paths. */
+const RECENT_KEY = "crush_trio.recent_workspaces";
+/** How many recent workspaces are remembered. */
+const RECENT_MAX = 8;
+/** Finished runs kept in the prompt status list (older ones are dropped on the next send). */
+const FINISHED_RUNS_SHOWN = 5;
+/** How long a delete button waits for its confirming second press (milliseconds). */
+const DELETE_CONFIRM_MS = 4000;
+/** How long a notice stays up (milliseconds). */
+const TOAST_MS = 6000;
+/** A conversation scrolled to within this many pixels of its end follows new text. */
+const STICK_TO_BOTTOM_PX = 80;
+/** Widest window (pixels) where the sessions panel is a drawer. */
+const NARROW_PX = 800;
+
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+const RUN_LABELS = {
+  sending: "sending",
+  queued: "queued",
+  running: "running",
+  completed: "completed",
+  failed: "failed",
+  cancelled: "cancelled",
+};
+
+const $ = (id) => document.getElementById(id);
+
+class App {
+  constructor() {
+    this.clientId = uuid();
+    this.path = null;
+    this.wid = null;
+    this.stream = null;
+    this.reopen = false;
+    this.lastSeq = null;
+    this.sessions = new Map();
+    this.current = null;
+    this.wantedSession = null;
+    this.messages = new Map();
+    this.messageEls = new Map();
+    this.results = new Map();
+    this.callOwner = new Map();
+    this.toggles = new Map();
+    this.runs = new Map();
+    this.permissions = new Map();
+    this.queued = [];
+    this.syncGen = 0;
+    this.loadGen = 0;
+    this.refreshing = { queue: null, runs: null };
+    // Counters shown nowhere; for debugging in the console and for the end-to-end tests.
+    this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0 };
+  }
+
+  // -- start-up ---------------------------------------------------------------------------------
+
+  init() {
+    $("workspace-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      this.openWorkspace($("workspace-path").value);
+    });
+    $("new-session").addEventListener("click", () => this.createSession());
+    $("prompt-form").addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      this.sendPrompt();
+    });
+    $("prompt").addEventListener("keydown", (ev) => {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && !ev.altKey) {
+        ev.preventDefault();
+        this.sendPrompt();
+      }
+    });
+    $("cancel-run").addEventListener("click", () => this.cancelRun());
+    $("clear-queue").addEventListener("click", () => this.clearQueue());
+    $("reconnect-now").addEventListener("click", () => this.stream?.reconnectNow());
+    $("toggle-sidebar").addEventListener("click", () => this.toggleSidebar());
+    document.addEventListener("keydown", (ev) => {
+      if (ev.key === "Escape" && document.body.classList.contains("sidebar-open")) {
+        this.toggleSidebar(false);
+        $("toggle-sidebar").focus();
+      }
+    });
+    window.addEventListener("online", () => this.stream?.reconnectNow());
+    window.addEventListener("hashchange", () => this.fromHash());
+    this.renderRecent();
+    this.fromHash();
+  }
+
+  /** Open the workspace and session named in the URL fragment (#path=...&session=...). */
+  fromHash() {
+    const params = new URLSearchParams(location.hash.slice(1));
+    const path = params.get("path");
+    const session = params.get("session");
+    if (path && path !== this.path) {
+      this.wantedSession = session;
+      this.openWorkspace(path);
+    } else if (path && session && session !== this.current && this.sessions.has(session)) {
+      this.selectSession(session);
+    }
+  }
+
+  writeHash() {
+    const params = new URLSearchParams();
+    if (this.path) params.set("path", this.path);
+    if (this.current) params.set("session", this.current);
+    const hash = params.toString();
+    if (location.hash.slice(1) !== hash) history.replaceState(null, "", `#${hash}`);
+  }
+
+  // -- recent workspaces ------------------------------------------------------------------------
+
+  recent() {
+    try {
+      const list = JSON.parse(localStorage.getItem(RECENT_KEY) || "[]");
+      return Array.isArray(list) ? list.filter((p) => typeof p === "string") : [];
+    } catch {
+      return [];
+    }
+  }
+
+  remember(path) {
+    const list = [path, ...this.recent().filter((p) => p !== path)].slice(0, RECENT_MAX);
+    try {
+      localStorage.setItem(RECENT_KEY, JSON.stringify(list));
+    } catch {
+      // Storage may be full or disabled; the list is a convenience only.
+    }
+    this.renderRecent();
+  }
+
+  forget(path) {
+    try {
+      localStorage.setItem(RECENT_KEY, JSON.stringify(this.recent().filter((p) => p !== path)));
+    } catch {
+      // as above
+    }
+    this.renderRecent();
+  }
+
+  renderRecent() {
+    const list = this.recent();
+    const ul = clear($("recent-list"));
+    const datalist = clear($("recent-workspaces"));
+    for (const path of list) {
+      datalist.append(h("option", { value: path }));
+      ul.append(
+        h(
+          "li",
+          { class: path === this.path ? "current" : "" },
+          h(
+            "button",
+            {
+              type: "button",
+              class: "recent-open",
+              title: path,
+              "aria-label": path,
+              "aria-current": path === this.path ? "true" : null,
+              onclick: () => this.openWorkspace(path),
+            },
+            h("span", { class: "recent-name", text: baseName(path) }),
+            h("span", { class: "recent-path", text: path }),
+          ),
+          h("button", {
+            type: "button",
+            class: "icon-button small",
+            "aria-label": `Forget ${path}`,
+            title: "Forget",
+            text: "×",
+            onclick: () => this.forget(path),
+          }),
+        ),
+      );
+    }
+    $("no-recent").hidden = list.length > 0;
+  }
+
+  // -- workspace and connection -----------------------------------------------------------------
+
+  async openWorkspace(rawPath) {
+    const path = String(rawPath || "").trim();
+    if (!path) return;
+    $("workspace-path").value = path;
+    if (path === this.path && this.stream) {
+      this.stream.reconnectNow();
+      return;
+    }
+    this.setConnection("connecting", "Opening workspace…");
+    let info;
+    try {
+      info = await this.openOnServer(path);
+    } catch (err) {
+      this.setConnection(this.stream?.open ? "open" : "idle", this.stream?.open ? "Connected" : "Not connected");
+      this.toast(`Cannot open ${path}: ${err.message}`, "error");
+      return;
+    }
+    if (this.stream) {
+      this.stream.stop();
+      this.stream = null;
+    }
+    if (this.wid && this.wid !== info.id) {
+      // Let the previous workspace go (it shuts down when no other client holds it).
+      api.releaseWorkspace(this.wid, this.clientId).catch(() => {});
+    }
+    const wantedSession = this.wantedSession;
+    this.resetWorkspaceView();
+    this.wantedSession = wantedSession;
+    this.wid = info.id;
+    this.path = info.path;
+    $("workspace-path").value = info.path;
+    document.title = `${baseName(info.path)} · crush_trio`;
+    this.remember(info.path);
+    this.writeHash();
+    this.setEnabled(true);
+    this.renderSessions();
+    this.renderSessionHead();
+    api
+      .agentInfo(info.id)
+      .then((agent) => {
+        const m = agent.model || {};
+        $("model-name").textContent = m.model ? `model: ${m.provider}/${m.model}` : "";
+      })
+      .catch(() => {});
+    this.reopen = false;
+    const stream = new EventStream({
+      prepare: () => this.prepareStream(),
+      onFrame: (frame) => {
+        if (this.stream === stream) this.onFrame(frame);
+      },
+      onState: (state, detail) => {
+        if (this.stream === stream) this.onStreamState(state, detail);
+      },
+    });
+    this.stream = stream;
+    stream.start();
+    $("prompt").focus();
+  }
+
+  async openOnServer(path) {
+    try {
+      return await api.openWorkspace(path, this.clientId);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 409 && /client/i.test(err.message)) {
+        // This tab's client id was retired: continue as a new client.
+        this.clientId = uuid();
+        return api.openWorkspace(path, this.clientId);
+      }
+      throw err;
+    }
+  }
+
+  /** Before each (re)connect: renew the hold and build the stream URL with the resume point. */
+  async prepareStream() {
+    if (this.reopen) {
+      const info = await this.openOnServer(this.path);
+      if (info.id !== this.wid) {
+        // A different workspace instance (the server restarted): nothing held is current.
+        this.wid = info.id;
+        this.lastSeq = null;
+      }
+    }
+    this.reopen = true;
+    const query = new URLSearchParams({ client_id: this.clientId });
+    if (this.lastSeq !== null) query.set("since", String(this.lastSeq));
+    return `/v1/workspaces/${encodeURIComponent(this.wid)}/ws?${query}`;
+  }
+
+  onStreamState(state, detail = {}) {
+    const button = $("reconnect-now");
+    button.hidden = state !== "reconnecting" || !detail.delay;
+    if (state === "open") this.setConnection("open", "Connected");
+    else if (state === "connecting") this.setConnection("connecting", "Connecting…");
+    else if (state === "reconnecting") {
+      const secs = detail.delay ? ` in ${Math.max(1, Math.round(detail.delay / 1000))}s` : "…";
+      this.setConnection("reconnecting", `Reconnecting${secs}`, detail.reason);
+    } else if (state === "unauthorized") {
+      this.setConnection("unauthorized", "Not logged in");
+      this.toast(
+        "Not logged in: open the URL printed by 'crush-trio serve' (it ends in ?token=...).",
+        "error",
+      );
+    } else this.setConnection("idle", "Not connected");
+  }
+
+  setConnection(state, text, why = "") {
+    const el = $("connection");
+    const previous = el.dataset.state;
+    el.dataset.state = state;
+    $("connection-text").textContent = text;
+    el.title = why ? `Last disconnect: ${why}` : "";
+    if (previous !== state && (state === "open" || state === "reconnecting")) {
+      document.body.dataset.connection = state;
+    }
+  }
+
+  /** Every frame of the stream except command replies. */
+  onFrame(frame) {
+    switch (frame.type) {
+      case "hello":
+        this.stats.connects += 1;
+        if (this.lastSeq === null) {
+          // A fresh stream: start from now and read the state.
+          this.lastSeq = frame.seq;
+          this.resync();
+        } else {
+          // Resuming: the missed events follow (or a gap frame when they are gone).
+          this.stats.resumes += 1;
+        }
+        return;
+      case "gap":
+        this.stats.gaps += 1;
+        this.lastSeq = Math.max(this.lastSeq ?? 0, frame.payload?.to_seq ?? 0);
+        this.resync();
+        return;
+      case "error":
+        console.warn("server:", frame.message);
+        return;
+      default:
+        break;
+    }
+    if (typeof frame.seq === "number") {
+      if (this.lastSeq !== null && frame.seq <= this.lastSeq) return; // already applied
+      this.lastSeq = frame.seq;
+    }
+    const envelope = frame.payload || {};
+    try {
+      this.applyEvent(frame.type, envelope.type, envelope.payload || {});
+    } catch (err) {
+      console.error("cannot apply event", frame, err);
+    }
+  }
+
+  /** Send a command: over the socket when it is open, else over HTTP. */
+  async call(method, params = {}) {
+    if (this.stream?.open) {
+      try {
+        return await this.stream.command(method, params);
+      } catch (err) {
+        if (!(err instanceof ApiError) || err.status !== 0) throw err;
+        // The socket closed before the reply: ask again over HTTP.
+      }
+    }
+    if (!this.wid) throw new ApiError(0, "no workspace is open");
+    return httpCommand(this.wid, method, params);
+  }
+
+  /** Re-read sessions and the open session's messages (after a fresh connect or a gap). */
+  async resync() {
+    const gen = ++this.syncGen;
+    this.stats.resyncs += 1;
+    try {
+      const sessions = await this.call("sessions.list");
+      if (gen !== this.syncGen) return;
+      this.sessions = new Map(sessions.map((s) => [s.id, s]));
+      this.renderSessions();
+      let target = this.current;
+      if (target && !this.sessions.has(target)) target = null;
+      if (!target && this.wantedSession && this.sessions.has(this.wantedSession)) {
+        target = this.wantedSession;
+      }
+      this.wantedSession = null;
+      if (!target) {
+        const newest = [...this.sessions.values()].sort(byNewest)[0];
+        target = newest ? newest.id : null;
+      }
+      if (target !== this.current) {
+        await this.selectSession(target);
+        return;
+      }
+      if (target) {
+        const messages = await this.call("messages.list", { session_id: target });
+        if (gen !== this.syncGen || target !== this.current) return;
+        this.replaceMessages(messages);
+      }
+      this.updateControls();
+      this.refreshQueue();
+      this.refreshRuns();
+    } catch (err) {
+      if (gen === this.syncGen) this.toast(`Cannot load the workspace: ${err.message}`, "error");
+    }
+  }
+
+  // -- events -----------------------------------------------------------------------------------
+
+  applyEvent(type, kind, obj) {
+    switch (type) {
+      case "session":
+        this.onSession(kind, obj);
+        break;
+      case "message":
+        if (obj.session_id !== this.current) return;
+        if (kind === "deleted") this.removeMessage(obj.id);
+        else {
+          const isNew = !this.messages.has(obj.id);
+          this.upsertMessage(obj);
+          if (isNew && obj.role === "user") {
+            // A queued prompt of this session started: statuses and the queue changed.
+            this.refreshQueue();
+            this.refreshRuns();
+          }
+        }
+        break;
+      case "run_complete":
+        this.onRunComplete(obj);
+        break;
+      case "agent_event":
+        if (obj.type === "error" && obj.session_id === this.current && !this.runs.has(obj.run_id)) {
+          this.toast(`A run failed: ${obj.message || obj.error}`, "error");
+        } else if (obj.type === "retry" && obj.session_id === this.current) {
+          this.announce(obj.message);
+        }
+        break;
+      case "permission_request":
+        this.permissions.set(obj.id, obj);
+        this.renderPermissions();
+        this.announce(`Permission requested: ${obj.tool_name}`);
+        break;
+      case "permission_notification":
+        for (const [id, req] of this.permissions) {
+          if (id === obj.id || (obj.tool_call_id && req.tool_call_id === obj.tool_call_id)) {
+            this.permissions.delete(id);
+          }
+        }
+        this.renderPermissions();
+        break;
+      default:
+        break;
+    }
+  }
+
+  onSession(kind, session) {
+    if (kind === "deleted") {
+      this.sessions.delete(session.id);
+      if (session.id === this.current) {
+        const next = [...this.sessions.values()].sort(byNewest)[0];
+        this.selectSession(next ? next.id : null);
+      }
+      this.renderSessions();
+      return;
+    }
+    const old = this.sessions.get(session.id);
+    const merged = { ...old, ...session };
+    if (session.is_busy === undefined && old) merged.is_busy = old.is_busy;
+    this.sessions.set(session.id, merged);
+    this.renderSessions();
+    if (session.id === this.current) {
+      this.renderSessionHead();
+      this.updateControls();
+      if (old && old.is_busy !== merged.is_busy) {
+        this.refreshQueue();
+        this.refreshRuns();
+      }
+    }
+  }
+
+  onRunComplete(done) {
+    const run = this.runs.get(done.run_id);
+    if (run) {
+      run.status = done.cancelled ? "cancelled" : done.error ? "failed" : "completed";
+      run.error = done.error || "";
+      this.renderRuns();
+      if (run.status === "completed") this.announce("Reply finished.");
+      if (run.status === "failed") this.announce(`Run failed: ${done.error}`);
+    }
+    if (done.session_id === this.current) this.refreshQueue();
+  }
+
+  // -- sessions ---------------------------------------------------------------------------------
+
+  async createSession() {
+    if (!this.wid) return;
+    try {
+      const session = await this.call("sessions.create", { title: "" });
+      this.onSession("created", session);
+      await this.selectSession(session.id);
+      $("prompt").focus();
+      return session;
+    } catch (err) {
+      this.toast(`Cannot create a session: ${err.message}`, "error");
+      return null;
+    }
+  }
+
+  async selectSession(sid) {
+    const gen = ++this.loadGen;
+    this.current = sid;
+    this.replaceMessages([]);
+    this.queued = [];
+    this.renderQueue();
+    this.renderSessions();
+    this.renderSessionHead();
+    this.renderRuns();
+    this.updateControls();
+    this.writeHash();
+    if (window.innerWidth < NARROW_PX) this.toggleSidebar(false);
+    if (!sid) return;
+    $("conversation").setAttribute("aria-busy", "true");
+    try {
+      const messages = await this.call("messages.list", { session_id: sid });
+      if (gen !== this.loadGen) return;
+      this.replaceMessages(messages);
+    } catch (err) {
+      if (gen === this.loadGen) this.toast(`Cannot load the session: ${err.message}`, "error");
+    } finally {
+      if (gen === this.loadGen) $("conversation").setAttribute("aria-busy", "false");
+    }
+    this.refreshQueue();
+    this.refreshRuns();
+  }
+
+  async deleteSession(sid, button) {
+    if (button.dataset.confirm !== "true") {
+      const title = sessionTitle(this.sessions.get(sid));
+      button.dataset.confirm = "true";
+      button.textContent = "Delete?";
+      button.setAttribute("aria-label", `Press again to delete session ${title}`);
+      setTimeout(() => {
+        if (button.isConnected) this.renderSessions();
+      }, DELETE_CONFIRM_MS);
+      return;
+    }
+    try {
+      await api.deleteSession(this.wid, sid);
+      this.onSession("deleted", { id: sid });
+    } catch (err) {
+      this.toast(`Cannot delete the session: ${err.message}`, "error");
+      this.renderSessions();
+    }
+  }
+
+  startRename(sid, li) {
+    const session = this.sessions.get(sid);
+    if (!session) return;
+    const input = h("input", {
+      type: "text",
+      class: "rename-input",
+      value: session.title || "",
+      "aria-label": "New session title",
+    });
+    const form = h("form", { class: "rename-form" }, input);
+    let done = false;
+    const finish = async (save) => {
+      if (done) return;
+      done = true;
+      const title = input.value.trim();
+      if (save && title && title !== session.title) {
+        try {
+          const updated = await api.renameSession(this.wid, sid, title);
+          this.onSession("updated", updated);
+        } catch (err) {
+          const unsupported = err.status === 404 || err.status === 405;
+          this.toast(
+            unsupported ? "This server cannot rename sessions." : `Cannot rename: ${err.message}`,
+            "error",
+          );
+        }
+      }
+      this.renderSessions();
+      li.isConnected && li.querySelector(".session-open")?.focus();
+    };
+    form.addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      finish(true);
+    });
+    input.addEventListener("keydown", (ev) => {
+      if (ev.key === "Escape") {
+        ev.preventDefault();
+        finish(false);
+      }
+    });
+    input.addEventListener("blur", () => finish(true));
+    clear(li).append(form);
+    input.focus();
+    input.select();
+  }
+
+  renderSessions() {
+    const ul = clear($("session-list"));
+    const sessions = [...this.sessions.values()].sort(byNewest);
+    for (const s of sessions) {
+      const title = sessionTitle(s);
+      const li = h("li", {
+        class: `session${s.id === this.current ? " current" : ""}`,
+        dataset: { sessionId: s.id, busy: s.is_busy ? "true" : "false" },
+      });
+      li.append(
+        h(
+          "button",
+          {
+            type: "button",
+            class: "session-open",
+            "aria-current": s.id === this.current ? "true" : null,
+            onclick: () => this.selectSession(s.id),
+          },
+          h("span", { class: "session-title", text: title }),
+          h("span", { class: "busy-badge", text: s.is_busy ? "busy" : "idle" }),
+        ),
+        h("button", {
+          type: "button",
+          class: "icon-button small session-rename",
+          "aria-label": `Rename session ${title}`,
+          title: "Rename",
+          text: "✎",
+          onclick: () => this.startRename(s.id, li),
+        }),
+        h("button", {
+          type: "button",
+          class: "icon-button small session-delete",
+          "aria-label": `Delete session ${title}`,
+          title: "Delete",
+          text: "✕",
+          onclick: (ev) => this.deleteSession(s.id, ev.currentTarget),
+        }),
+      );
+      ul.append(li);
+    }
+    $("no-sessions").hidden = sessions.length > 0 || !this.wid;
+  }
+
+  renderSessionHead() {
+    const s = this.current ? this.sessions.get(this.current) : null;
+    $("session-title").textContent = s ? sessionTitle(s) : this.wid ? "New conversation" : "No session";
+    const state = $("session-state");
+    state.dataset.busy = s?.is_busy ? "true" : "false";
+    state.textContent = s ? (s.is_busy ? "busy" : "idle") : "";
+  }
+
+  // -- messages ---------------------------------------------------------------------------------
+
+  get renderContext() {
+    return { results: this.results, calls: new Set(this.callOwner.keys()), toggles: this.toggles };
+  }
+
+  indexMessage(msg) {
+    for (const part of msg.parts || []) {
+      if (part.type === "tool_result") this.results.set(part.data.tool_call_id, part.data);
+      if (part.type === "tool_call") this.callOwner.set(part.data.id, msg.id);
+    }
+  }
+
+  replaceMessages(messages) {
+    const box = $("conversation");
+    const stick = this.nearBottom();
+    for (const el of this.messageEls.values()) el.remove();
+    this.messages = new Map();
+    this.messageEls = new Map();
+    this.results = new Map();
+    this.callOwner = new Map();
+    for (const msg of messages) {
+      this.messages.set(msg.id, msg);
+      this.indexMessage(msg);
+    }
+    const ctx = this.renderContext;
+    for (const msg of messages) {
+      const el = renderMessage(msg, ctx);
+      this.messageEls.set(msg.id, el);
+      box.append(el);
+    }
+    $("empty-state").hidden = messages.length > 0 || !!this.current;
+    if (stick || messages.length) this.scrollToBottom();
+  }
+
+  upsertMessage(msg) {
+    const stick = this.nearBottom();
+    this.messages.set(msg.id, msg);
+    this.indexMessage(msg);
+    this.renderOne(msg);
+    if (msg.role === "tool") {
+      // Results show under their calls: re-render the messages that hold those calls.
+      for (const part of msg.parts || []) {
+        if (part.type !== "tool_result") continue;
+        const owner = this.messages.get(this.callOwner.get(part.data.tool_call_id));
+        if (owner) this.renderOne(owner);
+      }
+    }
+    $("empty-state").hidden = true;
+    if (stick) this.scrollToBottom();
+  }
+
+  renderOne(msg) {
+    const el = renderMessage(msg, this.renderContext);
+    const old = this.messageEls.get(msg.id);
+    if (old) old.replaceWith(el);
+    else $("conversation").append(el);
+    this.messageEls.set(msg.id, el);
+  }
+
+  removeMessage(id) {
+    this.messageEls.get(id)?.remove();
+    this.messageEls.delete(id);
+    this.messages.delete(id);
+  }
+
+  nearBottom() {
+    const box = $("conversation");
+    return box.scrollHeight - box.scrollTop - box.clientHeight < STICK_TO_BOTTOM_PX;
+  }
+
+  scrollToBottom() {
+    const box = $("conversation");
+    box.scrollTop = box.scrollHeight;
+  }
+
+  // -- prompting --------------------------------------------------------------------------------
+
+  async sendPrompt() {
+    const box = $("prompt");
+    const text = box.value;
+    if (!text.trim()) return;
+    if (!this.wid) {
+      this.toast("Open a workspace first.", "error");
+      $("workspace-path").focus();
+      return;
+    }
+    box.value = "";
+    let sid = this.current;
+    if (!sid) {
+      const session = await this.createSession();
+      if (!session) {
+        box.value = text;
+        return;
+      }
+      sid = session.id;
+    }
+    this.pruneRuns();
+    const run = { run_id: uuid(), session_id: sid, prompt: text, status: "sending", error: "" };
+    this.runs.set(run.run_id, run);
+    this.renderRuns();
+    try {
+      const accepted = await this.call("agent.prompt", {
+        session_id: sid,
+        prompt: text,
+        run_id: run.run_id,
+      });
+      if (!TERMINAL.has(run.status)) run.status = accepted.status;
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 400 && /already used/.test(err.message)) {
+        // The first try reached the server before the socket closed: the run exists.
+        this.refreshRun(run);
+      } else {
+        run.status = "failed";
+        run.error = err.message;
+        if (!box.value) box.value = text;
+        this.toast(`Prompt not sent: ${err.message}`, "error");
+      }
+    }
+    this.renderRuns();
+    this.refreshQueue();
+  }
+
+  async cancelRun() {
+    if (!this.current) return;
+    try {
+      await this.call("agent.cancel", { session_id: this.current });
+      this.announce("Cancelling the run.");
+    } catch (err) {
+      this.toast(`Cannot cancel: ${err.message}`, "error");
+    }
+  }
+
+  async clearQueue() {
+    if (!this.current) return;
+    try {
+      await this.call("agent.clear_queue", { session_id: this.current });
+    } catch (err) {
+      this.toast(`Cannot clear the queue: ${err.message}`, "error");
+    }
+    this.refreshQueue();
+  }
+
+  /** Re-read the open session's queued prompts (coalesced: one request at a time). */
+  refreshQueue() {
+    return this.coalesce("queue", async () => {
+      const sid = this.current;
+      if (!sid || !this.wid) {
+        this.queued = [];
+      } else {
+        try {
+          const list = await api.queuedPrompts(this.wid, sid);
+          if (sid !== this.current) return;
+          this.queued = Array.isArray(list) ? list : [];
+        } catch {
+          return;
+        }
+      }
+      this.renderQueue();
+    });
+  }
+
+  /** Re-read the status of this tab's unfinished runs in the open session. */
+  refreshRuns() {
+    return this.coalesce("runs", async () => {
+      const pending = [...this.runs.values()].filter(
+        (r) => r.session_id === this.current && !TERMINAL.has(r.status) && r.status !== "sending",
+      );
+      await Promise.all(pending.map((r) => this.refreshRun(r)));
+    });
+  }
+
+  async refreshRun(run) {
+    try {
+      const record = await this.call("runs.get", { run_id: run.run_id });
+      // A run_complete may have arrived meanwhile; it is authoritative.
+      if (!TERMINAL.has(run.status)) {
+        run.status = record.status;
+        run.error = record.error || "";
+      }
+      this.renderRuns();
+    } catch {
+      // Unknown yet, or not reachable: the next event brings it.
+    }
+  }
+
+  /** Run `fn` now, or once more after the run in flight when called meanwhile. */
+  async coalesce(key, fn) {
+    const slot = this.refreshing;
+    if (slot[key]) {
+      slot[key].again = true;
+      return slot[key].promise;
+    }
+    const entry = { again: false, promise: null };
+    slot[key] = entry;
+    entry.promise = (async () => {
+      try {
+        do {
+          entry.again = false;
+          await fn();
+        } while (entry.again);
+      } finally {
+        slot[key] = null;
+      }
+    })();
+    return entry.promise;
+  }
+
+  pruneRuns() {
+    const finished = [...this.runs.values()].filter((r) => TERMINAL.has(r.status));
+    for (const run of finished.slice(0, Math.max(0, finished.length - FINISHED_RUNS_SHOWN + 1))) {
+      this.runs.delete(run.run_id);
+    }
+  }
+
+  renderRuns() {
+    const ul = clear($("run-list"));
+    for (const run of this.runs.values()) {
+      if (run.session_id !== this.current) continue;
+      const excerpt = run.prompt.length > 80 ? `${run.prompt.slice(0, 77)}…` : run.prompt;
+      ul.append(
+        h(
+          "li",
+          { class: `run status-${run.status}`, dataset: { runId: run.run_id, status: run.status } },
+          h("span", { class: `badge badge-${run.status}`, text: RUN_LABELS[run.status] || run.status }),
+          h("span", { class: "run-prompt", text: excerpt }),
+          run.error ? h("span", { class: "run-error", text: run.error }) : null,
+        ),
+      );
+    }
+    this.updateControls();
+  }
+
+  renderQueue() {
+    const n = this.queued.length;
+    $("queue-bar").hidden = n === 0;
+    $("queue-bar").dataset.count = String(n);
+    $("queue-count").textContent = `${n} queued prompt${n === 1 ? "" : "s"}`;
+    const ol = clear($("queue-list"));
+    for (const text of this.queued) ol.append(h("li", { text }));
+  }
+
+  updateControls() {
+    const open = !!this.wid;
+    const s = this.current ? this.sessions.get(this.current) : null;
+    const busy = !!s?.is_busy;
+    const mine = [...this.runs.values()].some(
+      (r) => r.session_id === this.current && (r.status === "running" || r.status === "queued"),
+    );
+    $("cancel-run").disabled = !open || !(busy || mine);
+  }
+
+  setEnabled(on) {
+    for (const id of ["prompt", "send", "new-session"]) $(id).disabled = !on;
+  }
+
+  // -- permissions ------------------------------------------------------------------------------
+
+  renderPermissions() {
+    const box = clear($("permissions"));
+    for (const req of this.permissions.values()) {
+      const titleId = `perm-title-${req.id}`;
+      const session = this.sessions.get(req.session_id);
+      const card = h("div", {
+        class: "permission",
+        role: "group",
+        "aria-labelledby": titleId,
+        dataset: { permissionId: req.id, toolCallId: req.tool_call_id },
+      });
+      const facts = h("dl", { class: "permission-facts" });
+      const fact = (label, value) => {
+        if (value) facts.append(h("dt", { text: label }), h("dd", { text: value }));
+      };
+      fact("Action", req.action);
+      fact("Path", req.path);
+      fact("Session", session ? sessionTitle(session) : req.session_id);
+      const params = req.params && Object.keys(req.params).length ? JSON.stringify(req.params, null, 2) : "";
+      const answer = (action) => this.grant(req.id, action, card);
+      card.append(
+        h("h3", { id: titleId, text: `Allow ${req.tool_name}?` }),
+        req.description ? h("p", { class: "permission-description", text: req.description }) : null,
+        facts,
+        params ? h("pre", { class: "permission-params", tabindex: "0", text: params }) : null,
+        h(
+          "div",
+          { class: "permission-actions" },
+          h("button", { type: "button", class: "primary", dataset: { action: "allow" }, text: "Allow", onclick: () => answer("allow") }),
+          h("button", { type: "button", dataset: { action: "allow_session" }, text: "Allow for session", onclick: () => answer("allow_session") }),
+          h("button", { type: "button", class: "danger", dataset: { action: "deny" }, text: "Deny", onclick: () => answer("deny") }),
+        ),
+      );
+      box.append(card);
+    }
+    box.hidden = this.permissions.size === 0;
+  }
+
+  async grant(id, action, card) {
+    for (const b of card.querySelectorAll("button")) b.disabled = true;
+    try {
+      const result = await this.call("permissions.grant", { permission: { id }, action });
+      if (!result?.resolved) this.announce("That request was already answered.");
+      this.permissions.delete(id);
+      this.renderPermissions();
+    } catch (err) {
+      for (const b of card.querySelectorAll("button")) b.disabled = false;
+      this.toast(`Cannot answer the request: ${err.message}`, "error");
+    }
+  }
+
+  // -- page chrome ------------------------------------------------------------------------------
+
+  resetWorkspaceView() {
+    this.lastSeq = null;
+    this.toggles = new Map();
+    this.sessions = new Map();
+    this.current = null;
+    this.runs = new Map();
+    this.permissions = new Map();
+    this.queued = [];
+    this.syncGen++;
+    this.loadGen++;
+    this.replaceMessages([]);
+    $("empty-state").hidden = false;
+    $("model-name").textContent = "";
+    this.renderSessions();
+    this.renderSessionHead();
+    this.renderRuns();
+    this.renderQueue();
+    this.renderPermissions();
+    this.setEnabled(false);
+  }
+
+  toggleSidebar(force) {
+    const open = force ?? !document.body.classList.contains("sidebar-open");
+    document.body.classList.toggle("sidebar-open", open);
+    $("toggle-sidebar").setAttribute("aria-expanded", String(open));
+    $("toggle-sidebar").setAttribute("aria-label", open ? "Hide sessions" : "Show sessions");
+  }
+
+  toast(text, kind = "info") {
+    const el = h("div", { class: `toast toast-${kind}` }, h("span", { text }));
+    const close = h("button", {
+      type: "button",
+      class: "icon-button small",
+      "aria-label": "Dismiss",
+      text: "×",
+      onclick: () => el.remove(),
+    });
+    el.append(close);
+    $("toasts").append(el);
+    setTimeout(() => el.remove(), TOAST_MS);
+  }
+
+  announce(text) {
+    const el = $("announcer");
+    el.textContent = "";
+    // A separate task so that repeating the same text is announced again.
+    setTimeout(() => {
+      el.textContent = text;
+    }, 50);
+  }
+}
+
+function sessionTitle(session) {
+  return (session && session.title) || "New session";
+}
+
+function byNewest(a, b) {
+  return (b.created_at || 0) - (a.created_at || 0) || String(b.id).localeCompare(String(a.id));
+}
+
+function baseName(path) {
+  const parts = String(path).split("/").filter(Boolean);
+  return parts[parts.length - 1] || path;
+}
+
+const app = new App();
+app.init();
+// For tests and debugging in the console; holds no secret (the token is an HttpOnly cookie).
+window.crushTrio = app;

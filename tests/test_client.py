@@ -1,0 +1,540 @@
+"""The client library against a real server (the plugin's fixtures), plus its plain logic.
+
+Rules: every wait is bounded by the client's own timeouts or ``trio.fail_after``; order comes
+from gates of the scripted model and from events, never from sleeping. Streams are dropped from
+the server's side (``ClientStream.kill``, what a too-slow client gets) or the client's
+(``WorkspaceClient.drop_stream``).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from trio.testing import MockClock
+from trio_websocket import WebSocketConnection
+
+from crush_trio.client import (
+    AuthError,
+    BadRequest,
+    Client,
+    Event,
+    Gap,
+    NotFound,
+    RunFailed,
+    RunStatus,
+    Timeout,
+    Transcript,
+    Unreachable,
+    WorkspaceClient,
+    connect,
+    embedded,
+    latest_session,
+    parse_server_url,
+    resolve_session_prefix,
+)
+from crush_trio.client.events import Mailbox
+from crush_trio.errors import ProviderError
+from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.server.serve import ServeOptions
+from crush_trio.testing import CrushServer
+from crush_trio.wire import (
+    AgentEvent,
+    EventKind,
+    Message,
+    PermissionRequest,
+    Role,
+    Session,
+    TextPart,
+)
+
+#: Cap on every test's waits (seconds).
+CAP = 20
+
+
+def kill_streams(server: CrushServer, workspace_id: str, client_id: str) -> int:
+    """Disconnect a client's event streams from the server's side (close code 1013)."""
+    broker = server.backend.get(workspace_id).broker
+    killed = 0
+    for stream in list(broker.clients):
+        if stream.client_id == client_id:
+            stream.kill("dropped by the test")
+            killed += 1
+    return killed
+
+
+async def collect(handle: Any, timeout: float = CAP) -> list[Event]:
+    return [event async for event in handle.events(timeout=timeout)]
+
+
+def printed(events: list[Event]) -> str:
+    """What a terminal shows for these events (the way ``crush-trio run`` prints them)."""
+    transcript = Transcript()
+    out = ""
+    for event in events:
+        if event.type == "message":
+            out += transcript.update(event.payload)
+        elif event.type == "run_complete":
+            out += transcript.finish(event.payload.message_id, event.payload.text)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# A full run
+
+
+async def test_full_run_events_result_and_history(crush_workspace: WorkspaceClient) -> None:
+    ws = crush_workspace
+    session = await ws.create_session("first")
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "hello there world")
+        assert handle.accepted is not None and handle.accepted.status == "running"
+        events = await collect(handle)
+        run = await handle.result(CAP)
+    assert events[-1].type == "run_complete"
+    assert events[-1].seq is not None
+    assert [e.seq for e in events] == sorted(e.seq for e in events if e.seq is not None)
+    assert {e.type for e in events} == {"message", "run_complete"}
+    assert printed(events) == "hello there world"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "hello there world"
+    assert run.run_id == handle.run_id
+    uuid.UUID(run.run_id)  # minted by the client
+    history = await ws.messages(session.id)
+    assert [m.role for m in history] == [Role.USER, Role.ASSISTANT]
+    assert run.message_id == history[1].id
+    assert handle.done and handle.text == "hello there world"
+    assert ws.stats.reconnects == 0 and ws.stats.gaps == 0
+
+
+async def test_run_convenience_and_sessions(crush_workspace: WorkspaceClient) -> None:
+    ws = crush_workspace
+    a = await ws.create_session("a")
+    b = await ws.create_session("b")
+    with trio.fail_after(CAP):
+        run = await ws.run(b.id, "second session")
+    assert run.text == "second session"
+    sessions = await ws.sessions()
+    assert {s.id for s in sessions} == {a.id, b.id}
+    assert (await ws.resolve_session(b.id[:12])).id == b.id
+    assert (await ws.session(a.id)).title == "a"
+    with pytest.raises(NotFound):
+        await ws.session(str(uuid.uuid4()))
+    with pytest.raises(BadRequest, match="session"):
+        await ws.prompt(str(uuid.uuid4()), "to nowhere")
+    info = await ws.agent_info()
+    assert info.is_ready
+
+
+async def test_queued_run_ignores_the_turn_before_it(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """A run queued behind another run of its session takes only its own turn's messages, and
+    the other run's run_complete does not end it."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("words of the first run", gate_mid=gate), Step("our own reply"))
+    with trio.fail_after(CAP):
+        first = await ws.prompt(session.id, "first")
+        await gate.reached.wait()
+        ours = await ws.prompt(session.id, "second")
+        assert ours.accepted is not None and ours.accepted.status == "queued"
+        gate.release()
+        events = await collect(ours)
+        assert (await first.result(CAP)).text == "words of the first run"
+    assert printed(events) == "our own reply"
+    assert events[-1].payload.run_id == ours.run_id
+    assert all("first" not in m.text() for m in ours.messages.values() if m.role is Role.ASSISTANT)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropped streams
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+async def test_reconnect_mid_run_loses_and_doubles_nothing(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    side: str,
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    reply = "one two three four five six seven eight"
+    gate = Gate()
+    scripted_model.add(Step(reply, gate_mid=gate))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "count")
+        await gate.reached.wait()
+        if side == "server":
+            assert kill_streams(crush_server, ws.id, ws.client.client_id) == 1
+        else:
+            await ws.drop_stream()
+        gate.release()
+        events = await collect(handle)
+        run = await handle.result(CAP)
+    assert ws.stats.reconnects == 1
+    assert ws.stats.drops == 1
+    assert printed(events) == reply
+    assert run.text == reply
+    seqs = [e.seq for e in events if e.seq is not None]
+    assert seqs == sorted(set(seqs))  # nothing delivered twice
+
+
+@asynccontextmanager
+async def held_reconnect(ws: WorkspaceClient) -> AsyncIterator[tuple[trio.Event, trio.Event]]:
+    """Make the next reconnect of ``ws`` wait: yields (reconnecting, allow)."""
+    reconnecting, allow = trio.Event(), trio.Event()
+    original = ws._open_socket
+
+    @asynccontextmanager
+    async def held(since: int | None) -> AsyncIterator[WebSocketConnection]:
+        reconnecting.set()
+        await allow.wait()
+        async with original(since) as conn:
+            yield conn
+
+    ws._open_socket = held  # type: ignore[method-assign]
+    try:
+        yield reconnecting, allow
+    finally:
+        ws._open_socket = original  # type: ignore[method-assign]
+        allow.set()
+
+
+@pytest.mark.parametrize("crush_config", [{"server": {"replay_buffer": 2}}])
+@pytest.mark.parametrize("ended_while_away", [True, False])
+async def test_replay_exhausted_state_is_refetched(
+    crush_server: CrushServer,
+    crush_client: Client,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    ended_while_away: bool,
+) -> None:
+    """The client is away while more events than the replay buffer holds are published: it gets
+    a gap and re-reads its run (and the session's messages) over HTTP."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    reply = "alpha beta gamma delta epsilon zeta"
+    gate = Gate()
+    scripted_model.add(Step(reply, gate_mid=gate))
+    with trio.fail_after(CAP):
+        async with connect(crush_server.url, crush_server.token) as other:
+            async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
+                handle = await ws.prompt(session.id, "greek")
+                await gate.reached.wait()
+                async with held_reconnect(ws) as (reconnecting, allow):
+                    kill_streams(crush_server, ws.id, ws.client.client_id)
+                    await reconnecting.wait()
+                    if ended_while_away:
+                        gate.release()
+                        await feed.until(
+                            lambda e: e.type == "run_complete" and e.payload.run_id == handle.run_id
+                        )
+                    for n in range(3):  # push everything of interest out of the replay buffer
+                        await watcher.create_session(f"filler {n}")
+                    allow.set()
+                    events = []
+                    stream = handle.events(CAP)
+                    if not ended_while_away:
+                        async for event in stream:  # back, and told about the gap
+                            events.append(event)
+                            if event.type == "gap":
+                                break
+                        gate.release()  # the rest of the run arrives live
+                    events += [event async for event in stream]
+                    run = await handle.result(CAP)
+    assert ws.stats.gaps == 1
+    assert ws.stats.refetches >= 1
+    assert any(e.type == "gap" for e in events)
+    assert run.status is RunStatus.COMPLETED and run.text == reply
+    assert printed(events) == reply
+    if ended_while_away:
+        assert events[-1].type == "run_complete" and events[-1].seq is None
+        assert handle.complete is not None and handle.complete.text == reply
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancelled and failed runs, timeouts
+
+
+async def test_cancelled_run_is_a_result(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("never said", gate_before=gate))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "stop me")
+        await gate.reached.wait()
+        await handle.cancel()
+        events = await collect(handle)
+        run = await handle.result(CAP)
+    assert run.status is RunStatus.CANCELLED
+    assert events[-1].type == "run_complete" and events[-1].payload.cancelled
+    assert handle.errors == []
+
+
+async def test_failed_run_raises_run_failed(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    scripted_model.add(Step("half a rep", error=ProviderError("the model fell over")))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "fail please")
+        with pytest.raises(RunFailed, match="the model fell over") as caught:
+            await handle.result(CAP)
+        record = await handle.result(CAP, check=False)
+    assert caught.value.run.status is RunStatus.FAILED
+    assert record.status is RunStatus.FAILED and record.error == "the model fell over"
+    assert [e.message for e in handle.errors] == ["the model fell over"]
+
+
+async def test_waits_raise_our_timeout(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel, autojump_clock: MockClock
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("held", gate_before=gate))
+    handle = await ws.prompt(session.id, "wait for me")
+    with trio.fail_after(CAP):
+        await gate.reached.wait()
+    start = trio.current_time()
+    with pytest.raises(Timeout, match="did not end within 30 s") as caught:
+        await handle.result(30)
+    assert isinstance(caught.value, TimeoutError)
+    assert trio.current_time() - start == pytest.approx(30)
+    with pytest.raises(Timeout):
+        await collect(handle, timeout=5)
+    async with ws.subscribe() as feed:
+        with pytest.raises(Timeout, match="no event"):
+            await feed.next(timeout=5)
+    gate.release()
+    with trio.fail_after(CAP):
+        assert (await handle.result(CAP)).text == "held"
+
+
+async def test_autojump_clock_runs_a_whole_conversation(
+    crush_workspace: WorkspaceClient, autojump_clock: MockClock
+) -> None:
+    """With the plugin's clock hold, database calls do not let virtual time leap."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    start = trio.current_time()
+    for n in range(5):
+        run = await ws.run(session.id, f"turn {n}", timeout=1)
+        assert run.text == f"turn {n}"
+    assert trio.current_time() - start < 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Permissions (answered from the client: per run, never workspace-wide)
+
+
+async def test_auto_approve_answers_only_its_own_runs_requests(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A permission request is this run's only when its tool call is in this run's turn: not a
+    request of the run before it in the same session, nor one of another session."""
+    ws = crush_workspace
+    ours = await ws.create_session()
+    other = await ws.create_session()
+    granted: list[str] = []
+    answered = trio.Event()
+
+    async def grant(permission_id: str, action: str = "allow") -> bool:
+        granted.append(f"{permission_id}:{action}")
+        answered.set()
+        return True
+
+    monkeypatch.setattr(ws, "grant", grant)
+    broker = crush_server.backend.get(ws.id).broker
+    gate_first, gate_tool = Gate(), Gate()
+    scripted_model.add(
+        Step("first", gate_mid=gate_first),
+        Step("let me look", tool_calls=[("bash", {"command": "ls"})]),
+        Step("done", gate_before=gate_tool),
+    )
+
+    def request(pid: str, session_id: str, call_id: str) -> PermissionRequest:
+        return PermissionRequest(pid, session_id, call_id, "bash", "run a command")
+
+    with trio.fail_after(CAP):
+        first = await ws.prompt(ours.id, "first run")  # not auto-approved
+        await gate_first.reached.wait()
+        handle = await ws.prompt(ours.id, "our run", auto_approve=True)
+        assert handle.accepted is not None and handle.accepted.status == "queued"
+        # While our run waits, a request in our session belongs to the first run.
+        await broker.publish_must_deliver(
+            request("p-first", ours.id, "call-of-first"), EventKind.CREATED
+        )
+        gate_first.release()
+        await first.result(CAP)
+        await gate_tool.reached.wait()  # our turn has made its tool call
+        history = await ws.messages(ours.id)
+        call_id = next(c.id for m in history for c in m.tool_calls())
+        await broker.publish_must_deliver(request("p-other", other.id, call_id), EventKind.CREATED)
+        await broker.publish_must_deliver(request("p-ours", ours.id, call_id), EventKind.CREATED)
+        await answered.wait()
+        gate_tool.release()
+        await handle.result(CAP)
+    assert granted == ["p-ours:allow"]
+    assert list(handle.permission_requests) == ["p-ours"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Connecting
+
+
+async def test_connect_errors(crush_server: CrushServer) -> None:
+    with trio.fail_after(CAP):
+        with pytest.raises(AuthError, match="refused the token"):
+            async with connect(crush_server.url, "wrong-token"):
+                pass  # pragma: no cover
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.close()  # nothing listens there now
+        with pytest.raises(Unreachable, match="cannot reach"):
+            async with connect(f"http://127.0.0.1:{port}", "t"):
+                pass  # pragma: no cover
+        with pytest.raises(ValueError, match="not an http"):
+            async with connect("ftp://example", "t"):
+                pass  # pragma: no cover
+        # The URL the server prints carries the token.
+        async with connect(f"{crush_server.url}/?token={crush_server.token}") as client:
+            assert await client.version()
+
+
+async def test_missing_workspace_directory_is_bad_request(crush_client: Client) -> None:
+    with pytest.raises(BadRequest, match="does not exist"):
+        async with crush_client.workspace("/nonexistent/crush-trio-test"):
+            pass  # pragma: no cover
+
+
+async def test_workspace_hold_is_released_on_close(
+    crush_server: CrushServer, crush_client: Client
+) -> None:
+    project = crush_server.project()
+    with trio.fail_after(CAP):
+        async with crush_client.workspace(project) as ws:
+            server_ws = crush_server.backend.get(ws.id)
+            assert crush_client.client_id in server_ws.holds.clients
+        await server_ws.closed.wait()  # nothing else held it, so it shut down
+    assert [w for w in await crush_client.workspaces() if w.id == ws.id] == []
+
+
+async def test_embedded_server_starts_and_stops(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    options = ServeOptions(
+        data_dir=tmp_path / "data", user_config_dir=tmp_path / "config", access_log=False
+    )
+    with trio.fail_after(CAP):
+        async with embedded(options) as client:
+            assert client.server is not None
+            assert client.url.startswith("http://127.0.0.1:")
+            async with client.workspace(project) as ws:
+                session = await ws.create_session()
+                assert (await ws.run(session.id, "in process")).text == "in process"
+            backend = client.server.backend
+    assert backend.stopped.is_set()
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain logic
+
+
+def test_parse_server_url() -> None:
+    assert parse_server_url("http://127.0.0.1:7433") == ("http://127.0.0.1:7433", None, None)
+    assert parse_server_url("http://h:1/?token=abc") == ("http://h:1", "abc", None)
+    assert parse_server_url("http://h:1/?token=abc", "given") == ("http://h:1", "given", None)
+    assert parse_server_url("unix:/tmp/s.sock") == ("http://localhost", None, "/tmp/s.sock")
+    with pytest.raises(ValueError):
+        parse_server_url("127.0.0.1:7433")
+
+
+def test_session_prefix_resolution() -> None:
+    sessions = [
+        Session("aaaa-1111", updated_at=5),
+        Session("aaaa-2222", updated_at=9),
+        Session("bbbb-3333", updated_at=7),
+    ]
+    assert resolve_session_prefix(sessions, "b").id == "bbbb-3333"
+    assert resolve_session_prefix(sessions, "aaaa-2").id == "aaaa-2222"
+    assert resolve_session_prefix(sessions, "aaaa-1111").id == "aaaa-1111"
+    with pytest.raises(BadRequest, match="matches 2 sessions"):
+        resolve_session_prefix(sessions, "aaaa")
+    with pytest.raises(NotFound):
+        resolve_session_prefix(sessions, "c")
+    with pytest.raises(NotFound):
+        resolve_session_prefix(sessions, "")
+    latest = latest_session(sessions)
+    assert latest is not None and latest.id == "aaaa-2222"
+    assert latest_session([]) is None
+
+
+def _assistant(mid: str, text: str) -> Message:
+    return Message(mid, "s", Role.ASSISTANT, [TextPart(text)])
+
+
+def test_transcript_prints_each_character_once() -> None:
+    t = Transcript()
+    assert t.update(_assistant("m1", "Hel")) == "Hel"
+    assert t.update(_assistant("m1", "Hello")) == "lo"
+    assert t.update(_assistant("m1", "Hel")) == ""  # an older snapshot
+    assert t.update(Message("u", "s", Role.USER, [TextPart("prompt")])) == ""
+    assert t.update(_assistant("m2", "Next step")) == "\nNext step"  # a new step, new line
+    assert t.finish("m2", "Next step done") == " done"
+    assert t.output == "Hello\nNext step done"
+
+
+def test_transcript_finishes_from_run_complete_after_drops() -> None:
+    t = Transcript()
+    assert t.finish("m1", "all of it") == "all of it"  # no message event arrived at all
+    t = Transcript()
+    t.update(_assistant("m1", "retried"))
+    assert t.update(_assistant("m1", "other text")) == ""  # the reply restarted: stop streaming
+    assert t.finish("m1", "other text") == "\nother text"
+
+
+def test_mailbox_drops_lossy_events_and_reports_a_gap() -> None:
+    box = Mailbox(size=2)
+    for n in range(4):
+        box.put(Event("message", n, seq=n + 1))
+    box.put(Event("run_complete", "end", seq=5))  # must-deliver: never dropped
+    taken = [box.get_nowait() for _ in range(3)]
+    assert [e.seq for e in taken if e is not None] == [1, 2, 5]
+    box.put(Event("message", 9, seq=6))
+    gap = box.get_nowait()
+    assert gap is not None and gap.type == "gap" and gap.payload == Gap(2)
+    assert box.dropped == 2
+
+
+def test_own_agent_event_rule() -> None:
+    from crush_trio.client import is_own_agent_event
+
+    assert is_own_agent_event(AgentEvent("error", "s1", "r1"), "r1", "s1")
+    assert not is_own_agent_event(AgentEvent("error", "s1", "r2"), "r1", "s1")
+    assert is_own_agent_event(AgentEvent("error", "s1", None), "r1", "s1")
+    assert not is_own_agent_event(AgentEvent("error", "s2", None), "r1", "s1")
+    assert not is_own_agent_event(AgentEvent("error", None, None), "r1", "s1")
+
+
+def test_timeout_is_a_timeout_error() -> None:
+    assert issubclass(Timeout, TimeoutError)
+    assert str(Timeout("what was awaited")) == "what was awaited"
+    assert math.isfinite(CAP)
