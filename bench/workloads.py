@@ -43,8 +43,6 @@ W4_STALL_RSS_TARGET: Final = 20 * MB
 W4_STALL_DURATION_TARGET: Final = 0.10
 W4_SOAK_GROWTH_TARGET: Final = 0.10
 
-#: Generous bound on one measured phase (seconds); a hung phase fails the workload.
-PHASE_TIMEOUT: Final = 900.0
 #: Settling time before an idle RSS reading (seconds).
 SETTLE: Final = 2.0
 #: Server bounds of every benchmarked server: the creating client's hold never lapses, so the
@@ -78,6 +76,8 @@ class Sizes:
     w5_workers: int
     w5_sessions: int
     w5_actors: int
+    #: Bound on one measured phase (seconds); a hung phase fails the workload.
+    phase_timeout: float = 600.0
     smoke: bool = False
 
 
@@ -125,6 +125,7 @@ SMOKE: Final = Sizes(
     w5_workers=1,
     w5_sessions=2,
     w5_actors=3,
+    phase_timeout=60.0,
     smoke=True,
 )
 
@@ -340,8 +341,8 @@ async def run_rounds(
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
             cpu0, t0 = server.cpu(), time.time()
-            await broadcast(ws, {"cmd": "go", "prompt": prompt_text, "timeout": PHASE_TIMEOUT})
-            done = await all_events(ws, "done", PHASE_TIMEOUT + 30)
+            await broadcast(ws, {"cmd": "go", "prompt": prompt_text, "timeout": ctx.sizes.phase_timeout})
+            done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
             level.cpu += server.cpu() - cpu0
             level.wall += max(d["finished"] for d in done) - t0
             level.events += done[0]["frames"]
@@ -594,7 +595,7 @@ async def watch_until_done(
             raise RuntimeError(f"{name}: {failed} of {clients} websocket clients failed to connect")
         cpu0, t0 = measure(), time.time()
         await start()
-        done = await all_events(ws, "done", PHASE_TIMEOUT)
+        done = await all_events(ws, "done", ctx.sizes.phase_timeout)
         fan.cpu = measure() - cpu0
         fan.wall = max(d["last_end"] for d in done) - t0
         fan.deliveries = sum(d["frames"] for d in done)
@@ -797,7 +798,7 @@ async def stall_run(
         async with sampler.running():
             t0 = time.time()
             await prompt(http, wid, sid, text)
-            done = await reader.recv_event("done", PHASE_TIMEOUT)
+            done = await reader.recv_event("done", ctx.sizes.phase_timeout)
         out: dict[str, Any] = {
             "duration": done["last_end"] - t0,
             "rss_before": before,
