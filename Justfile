@@ -8,8 +8,9 @@ py := ".venv/bin/python"
 serve *ARGS:
     {{py}} -m crush_trio serve {{ARGS}}
 
-# Run the whole test suite (CI runs exactly this).
+# Run the whole test suite (CI runs exactly this). Installs Chromium for the browser tests first.
 test *ARGS:
+    if [ -f scripts/ensure-browser.sh ]; then bash scripts/ensure-browser.sh; fi
     {{py}} -m pytest -q {{ARGS}}
 
 # Lint (ruff, with the flake8-async rules) and check formatting of the package.
