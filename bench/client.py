@@ -55,6 +55,8 @@ HTTP_TIMEOUT: Final = 30.0
 #: The envelope of a ``run_complete`` / ``gap`` frame, as the server encodes it (no spaces).
 RUN_COMPLETE_MARK: Final = '"type":"run_complete"'
 GAP_MARK: Final = '"type":"gap"'
+#: Chaos: how long to keep listening after the last expected run_complete, for duplicates.
+LATE_DUPLICATES: Final = 0.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,16 +321,16 @@ async def soak(
     every = max(1, int(command["progress_every"]))
     timeout = float(command["timeout"])
     prompt = command["prompt"]
-    state = {"started": 0, "done": 0, "failed": 0, "missing": 0, "duplicates": 0}
+    state = {"submitted": 0, "done": 0, "failed": 0, "missing": 0, "duplicates": 0}
     latencies: list[float] = []
 
     async def loop() -> None:
-        while state["started"] < total:
+        while state["submitted"] < total:
             (sid,) = await create_sessions(http, wid, 1)
             for _ in range(per_session):
-                if state["started"] >= total:
+                if state["submitted"] >= total:
                     return
-                state["started"] += 1
+                state["submitted"] += 1
                 track = RunTrack(sid, str(uuid.uuid4()))
                 await submit(http, wid, track, prompt, tracker)
                 with trio.move_on_after(timeout):
@@ -408,7 +410,7 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                                 end_times.append(time.time())
                                 break
                     except ConnectionClosed as exc:
-                        closes[str(exc.reason.code)] += 1
+                        closes[str(exc.reason.code if exc.reason else None)] += 1
                     stats["frames"] += frames
                     frames_per_conn.append(frames)
                     stats["ended"] += 1
@@ -445,8 +447,7 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 waiter.start_soon(wait_for, all_ended)
                 waiter.start_soon(wait_for, finish)
             if record_path:
-                with open(record_path, "wb") as f:
-                    f.write(orjson.dumps(recorded))
+                _write_json(record_path, recorded)
             await io.send(
                 "done",
                 frames=stats["frames"],
@@ -469,6 +470,11 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # stall: a client that stops reading
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "wb") as f:
+        f.write(orjson.dumps(data))
 
 
 async def role_stall(io: Io, cfg: dict[str, Any]) -> None:
@@ -496,7 +502,8 @@ async def role_stall(io: Io, cfg: dict[str, Any]) -> None:
                         got_complete = True
                         break
         except ConnectionClosed as exc:
-            close_code, close_reason = exc.reason.code, exc.reason.reason or ""
+            if exc.reason is not None:
+                close_code, close_reason = exc.reason.code, exc.reason.reason or ""
         await io.send(
             "done",
             frames=frames,
@@ -517,8 +524,8 @@ CHAOS_WEIGHTS: Final = {
     "prompt_fold": 15,  # HTTP, without a run_id (folded into the active turn when busy)
     "prompt_ws": 10,  # the websocket command agent.prompt
     "prompt_abort": 5,  # HTTP with a run_id, the client gives up after a few milliseconds
-    "cancel": 12,
-    "clear": 5,
+    "cancel": 6,
+    "clear": 3,
     "disconnect": 5,
     "read": 8,
 }
@@ -547,13 +554,14 @@ class Chaos:
         self.conn_scope: trio.CancelScope | None = None
         self.replies: dict[str, tuple[trio.Event, list[dict[str, Any]]]] = {}
         self.stop_ws = False
+        #: Set (and replaced) whenever a run_complete arrives.
+        self.completed = trio.Event()
 
     # -- the websocket ---------------------------------------------------------------------------
 
     def ws_url(self) -> str:
         url = (
-            f"{self.cfg['ws']}/v1/workspaces/{self.wid}/ws?client_id={self.client_id}"
-            f"&token={TOKEN}"
+            f"{self.cfg['ws']}/v1/workspaces/{self.wid}/ws?client_id={self.client_id}&token={TOKEN}"
         )
         if self.last_seq is not None:
             url += f"&since={self.last_seq}"
@@ -586,6 +594,8 @@ class Chaos:
         if kind == "run_complete":
             complete = envelope["payload"]["payload"]
             self.completes[complete["run_id"]] += 1
+            self.completed.set()
+            self.completed = trio.Event()
             if complete.get("cancelled"):
                 self.outcomes["cancelled"] += 1
             elif complete.get("error"):
@@ -674,7 +684,7 @@ class Chaos:
                 return
             run_id, request_id = str(uuid.uuid4()), str(uuid.uuid4())
             self.uncertain.add(run_id)
-            event, box = trio.Event(), []
+            event, box = trio.Event(), list[dict[str, Any]]()
             self.replies[request_id] = (event, box)
             params = {"session_id": sid, "run_id": run_id, "prompt": self.prompt_text(rng)}
             try:
@@ -736,12 +746,12 @@ class Chaos:
                 found += 1
         return found
 
-    async def settle(self, timeout: float) -> None:
-        """Wait (bounded) until every accepted run has its run_complete."""
-        with trio.move_on_after(timeout):
+    async def settle(self, within: float) -> None:
+        """Wait (at most ``within`` seconds) until every accepted run has its run_complete."""
+        with trio.move_on_after(within):
             while any(self.completes[r] == 0 for r in self.accepted):
-                await trio.sleep(0.05)
-        await trio.sleep(0.5)  # late duplicates, if any, arrive now
+                await self.completed.wait()
+        await trio.sleep(LATE_DUPLICATES)
 
     async def missing_report(self) -> list[dict[str, Any]]:
         out = []
@@ -780,9 +790,7 @@ async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
             duplicated=sum(1 for r in chaos.accepted if chaos.completes[r] > 1),
             uncertain_found=found,
             uncertain_absent=len(chaos.uncertain) - found,
-            foreign_completes=sum(
-                n for r, n in chaos.completes.items() if r not in chaos.accepted
-            ),
+            foreign_completes=sum(n for r, n in chaos.completes.items() if r not in chaos.accepted),
             outcomes=dict(chaos.outcomes),
             ops=dict(chaos.ops),
             rejected=dict(chaos.rejected),

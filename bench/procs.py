@@ -189,7 +189,7 @@ class Child:
     ) -> Child:
         """Start ``argv`` (relative to the repository root); stderr goes to ``log_dir/name.log``."""
         log_path = log_dir / f"{name}.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - closed by stop()
+        log_file = _open_log(log_path)
         process = await trio.lowlevel.open_process(
             list(argv),
             stdin=subprocess.PIPE,
@@ -200,26 +200,27 @@ class Child:
         )
         return cls(name, process, log_path, log_file)
 
-    async def readline(self, timeout: float) -> str:
-        """The next line of stdout; raises :class:`ChildError` at EOF or after ``timeout``."""
-        with trio.move_on_after(timeout):
+    async def readline(self, within: float) -> str:
+        """The next line of stdout; raises :class:`ChildError` at EOF or after ``within``
+        seconds."""
+        with trio.move_on_after(within):
             line = await self._reader.readline()
             if line is None:
                 raise ChildError(f"{self.name} exited; see {self.log_path}\n{self.log_tail()}")
             return line.decode()
-        raise ChildError(f"{self.name} said nothing for {timeout:.0f} s; see {self.log_path}")
+        raise ChildError(f"{self.name} said nothing for {within:.0f} s; see {self.log_path}")
 
-    async def expect(self, prefix: str, timeout: float = STARTUP_TIMEOUT) -> str:
+    async def expect(self, prefix: str, within: float = STARTUP_TIMEOUT) -> str:
         """Read lines until one starts with ``prefix``; returns it."""
-        with trio.fail_after(timeout):
+        with trio.fail_after(within):
             while True:
-                line = await self.readline(timeout)
+                line = await self.readline(within)
                 if line.startswith(prefix):
                     return line
 
-    async def recv(self, timeout: float) -> dict[str, Any]:
+    async def recv(self, within: float) -> dict[str, Any]:
         """The next JSON event from the child (see :mod:`bench.client`)."""
-        line = await self.readline(timeout)
+        line = await self.readline(within)
         try:
             event: dict[str, Any] = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
@@ -228,11 +229,11 @@ class Child:
             raise ChildError(f"{self.name} failed: {event.get('message')}")
         return event
 
-    async def recv_event(self, name: str, timeout: float) -> dict[str, Any]:
+    async def recv_event(self, name: str, within: float) -> dict[str, Any]:
         """Skip events until one named ``name`` arrives."""
-        with trio.fail_after(timeout):
+        with trio.fail_after(within):
             while True:
-                event = await self.recv(timeout)
+                event = await self.recv(within)
                 if event.get("event") == name:
                     return event
 
@@ -270,6 +271,17 @@ class Child:
                     await stream.aclose()
         self._log_file.close()
         return self.process.returncode
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    return open(path, "ab")
+
+
+def _write_config(workdir: Path, name: str, config: dict[str, Any]) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"{name}.crush.json"
+    path.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))
+    return path
 
 
 def python(*args: str) -> list[str]:
@@ -326,9 +338,7 @@ async def server_process(
     The server gets SIGTERM on exit (a graceful shutdown) and is killed if it does not exit
     within :data:`STOP_TIMEOUT`.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    config_path = workdir / f"{name}.crush.json"
-    config_path.write_bytes(orjson.dumps(config, option=orjson.OPT_INDENT_2))
+    config_path = _write_config(workdir, name, config)
     data_dir = workdir / f"{name}-data"
     argv = python(
         "-m",

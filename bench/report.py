@@ -197,9 +197,7 @@ def write_results(
                 "machine": info,
                 "command": command,
                 "workloads": {r.key: r.raw for r in results},
-                "targets": [
-                    {"workload": r.key, **t.__dict__} for r in results for t in r.targets
-                ],
+                "targets": [{"workload": r.key, **t.__dict__} for r in results for t in r.targets],
             },
             option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
         )

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,6 +28,8 @@ from .procs import (
     RssSampler,
     ServerProcess,
     child_process,
+    cpu_seconds,
+    memory,
     python,
     server_process,
 )
@@ -43,8 +46,6 @@ W4_STALL_RSS_TARGET: Final = 20 * MB
 W4_STALL_DURATION_TARGET: Final = 0.10
 W4_SOAK_GROWTH_TARGET: Final = 0.10
 
-#: Settling time before an idle RSS reading (seconds).
-SETTLE: Final = 2.0
 #: Server bounds of every benchmarked server: the creating client's hold never lapses, so the
 #: workspace lives for the whole measurement whatever the clients do.
 BASE_SERVER: Final = {"create_grace": 86400.0}
@@ -78,6 +79,10 @@ class Sizes:
     w5_actors: int
     #: Bound on one measured phase (seconds); a hung phase fails the workload.
     phase_timeout: float = 600.0
+    #: Settling time before an idle RSS reading (seconds).
+    settle: float = 2.0
+    #: W4: a warm-up run before the measured ones.
+    w4_warmup: bool = True
     smoke: bool = False
 
 
@@ -105,7 +110,7 @@ FULL: Final = Sizes(
 )
 
 SMOKE: Final = Sizes(
-    w1_levels=[1, 3],
+    w1_levels=[2],
     w1_min_runs=2,
     w1_tokens=20,
     w1_modes=["fake", "echo"],
@@ -126,6 +131,8 @@ SMOKE: Final = Sizes(
     w5_sessions=2,
     w5_actors=3,
     phase_timeout=60.0,
+    settle=0.3,
+    w4_warmup=False,
     smoke=True,
 )
 
@@ -212,7 +219,7 @@ def http_client(server: ServerProcess) -> httpx.AsyncClient:
 
 
 async def open_workspace(http: httpx.AsyncClient, project: Path) -> str:
-    project.mkdir(parents=True, exist_ok=True)
+    _mkdir(project)
     response = await http.post(
         "/v1/workspaces", json={"path": str(project), "client_id": str(uuid.uuid4())}
     )
@@ -255,9 +262,13 @@ async def workers(
         yield children
 
 
-async def all_events(children: Sequence[Child], name: str, timeout: float) -> list[dict[str, Any]]:
-    """The next ``name`` event of every child, in order."""
-    return [await child.recv_event(name, timeout) for child in children]
+async def all_events(children: Sequence[Child], name: str, within: float) -> list[dict[str, Any]]:
+    """The next ``name`` event of every child, in order (each within ``within`` seconds)."""
+    return [await child.recv_event(name, within) for child in children]
+
+
+def _mkdir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
 
 
 async def broadcast(children: Sequence[Child], command: dict[str, Any]) -> None:
@@ -276,6 +287,14 @@ def ws_template(server: ServerProcess, wid: str) -> str:
 
 def processes_for(clients: int) -> int:
     return max(1, math.ceil(clients / CLIENTS_PER_PROCESS))
+
+
+def rate(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:,.0f}"
+
+
+def share(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.0%}"
 
 
 def pct(x: float) -> str:
@@ -341,7 +360,9 @@ async def run_rounds(
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
             cpu0, t0 = server.cpu(), time.time()
-            await broadcast(ws, {"cmd": "go", "prompt": prompt_text, "timeout": ctx.sizes.phase_timeout})
+            await broadcast(
+                ws, {"cmd": "go", "prompt": prompt_text, "timeout": ctx.sizes.phase_timeout}
+            )
             done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
             level.cpu += server.cpu() - cpu0
             level.wall += max(d["finished"] for d in done) - t0
@@ -487,6 +508,8 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         http_client(server) as http,
     ):
         wid = await open_workspace(http, ctx.dir("w2") / "project")
+        # A first round warms the server up (provider client, connection pool, code paths).
+        await run_rounds(ctx, server, wid, LevelResult("warm-up", s.w2_runs), "Warm up.", rounds=1)
         token_latency = await run_rounds(
             ctx, server, wid, level, "Reply with your tokens.", rounds=1, stamp=True
         )
@@ -568,6 +591,7 @@ class FanOut:
 
     @property
     def per_cpu(self) -> float:
+        """NaN when the CPU time was too short to measure (under one clock tick)."""
         return self.deliveries / self.cpu if self.cpu > 0 else float("nan")
 
 
@@ -649,10 +673,8 @@ async def w3(ctx: Ctx) -> WorkloadResult:
                 ctx, f"w3-{n}-watch", ws_template(server, wid), n, start, server.cpu, record
             )
         frames = record.read_text()
-        real.updates = frames.count('"payload":{"type":"updated","payload":{"id"')
-        ctx.log(
-            f"  {real.deliveries:,} deliveries, {real.per_cpu:,.0f} msgs/CPU-s; bare ceiling"
-        )
+        real.updates = frames.count('"type":"message","payload":{"type":"updated"')
+        ctx.log(f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s; bare ceiling")
         async with child_process(
             f"w3-{n}-bare",
             python("-m", "bench.bare", "--port", "0", "--frames", str(record)),
@@ -666,21 +688,21 @@ async def w3(ctx: Ctx) -> WorkloadResult:
                 await bare.process.stdin.send_all(b"go\n")
 
             ceiling = await watch_until_done(
-                ctx, f"w3-{n}-bare-watch", url, n, go, lambda b=bare: cpu_of(b)
+                ctx, f"w3-{n}-bare-watch", url, n, go, partial(cpu_seconds, bare.pid)
             )
         ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
-        ctx.log(f"  bare {ceiling.per_cpu:,.0f} msgs/CPU-s, ratio {ratio:.0%}")
+        ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
         table.add(
             n,
             processes_for(n),
             f"{real.updates:,}",
             f"{real.deliveries:,}",
-            f"{real.per_cpu:,.0f}",
+            rate(real.per_cpu),
             f"{real.wall:.2f} s",
             real.gaps,
-            f"{ceiling.per_cpu:,.0f}",
+            rate(ceiling.per_cpu),
             f"{ceiling.wall:.2f} s",
-            f"{ratio:.0%}",
+            share(ratio),
         )
         rows.append(
             {
@@ -703,7 +725,7 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         result.targets.append(
             Target(
                 f"msgs per CPU-second vs bare ceiling, {n} clients",
-                f"{ratio:.0%}",
+                share(ratio),
                 "≥ 50%",
                 ratio >= W3_RATIO_TARGET,
             )
@@ -733,12 +755,6 @@ async def w3(ctx: Ctx) -> WorkloadResult:
     return result
 
 
-def cpu_of(child: Child) -> float:
-    from .procs import cpu_seconds
-
-    return cpu_seconds(child.pid)
-
-
 # ---------------------------------------------------------------------------------------------
 # W4: memory
 
@@ -747,15 +763,13 @@ async def idle_rss(
     ctx: Ctx, name: str, pid: int, template: str, clients: int
 ) -> tuple[int, int, int]:
     """RSS before and with ``clients`` idle websocket clients; returns (before, with, failed)."""
-    from .procs import memory
-
-    await trio.sleep(SETTLE)
+    await trio.sleep(ctx.sizes.settle)
     before = memory(pid).rss
     procs = processes_for(clients)
     configs = [{"url": template, "count": share} for share in split(clients, procs)]
     async with workers(ctx, "watch", configs, name) as ws:
         ready = await all_events(ws, "ready", 300)
-        await trio.sleep(SETTLE)
+        await trio.sleep(ctx.sizes.settle)
         after = memory(pid).rss
         await broadcast(ws, {"cmd": "quit"})
         await all_events(ws, "done", 60)
@@ -835,9 +849,7 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     if failed:
         result.notes.append(f"{failed} idle clients failed to connect to the server")
     added = after - before
-    idle.add(
-        "crush-trio", mb(before), mb(after), mb(added), f"{added / s.w4_idle / 1024:.1f} KB"
-    )
+    idle.add("crush-trio", mb(before), mb(after), mb(added), f"{added / s.w4_idle / 1024:.1f} KB")
     raw["idle"] = {"clients": s.w4_idle, "before": before, "after": after, "added": added}
     async with child_process(
         "w4-bare", python("-m", "bench.bare", "--port", "0"), work, "bare-ws listening on "
@@ -866,7 +878,9 @@ async def w4(ctx: Ctx) -> WorkloadResult:
 
     # -- a stalled client -----------------------------------------------------------------------
     ctx.log(f"[W4] a stalled client during a {s.w4_updates}-update run")
-    server_opts = {"must_deliver_timeout": 2.0, "tcp_user_timeout_ms": 2000}
+    # The defaults of the server (must-deliver 2 s, TCP_USER_TIMEOUT 2 s); shorter in smoke mode.
+    scale = 0.25 if s.smoke else 1.0
+    server_opts = {"must_deliver_timeout": 2.0 * scale, "tcp_user_timeout_ms": int(2000 * scale)}
     config = echo_config(s.w4_delay_ms, options={"debounce_ms": 0}, server=server_opts)
     text = words(s.w4_updates, "x")
     drain_after = server_opts["must_deliver_timeout"] + server_opts["tcp_user_timeout_ms"] / 1000
@@ -874,7 +888,10 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     async with server_process(config, work) as server, http_client(server) as http:
         wid = await open_workspace(http, work / "project")
         runs = {}
-        for label, stalled in (("warm-up", False), ("A", False), ("B", True), ("A2", False)):
+        plan = [("A", False), ("B", True), ("A2", False)]
+        if s.w4_warmup:
+            plan.insert(0, ("warm-up", False))
+        for label, stalled in plan:
             ctx.log(f"  run {label}" + (" (with a stalled client)" if stalled else ""))
             runs[label] = await stall_run(
                 ctx,
@@ -884,7 +901,7 @@ async def w4(ctx: Ctx) -> WorkloadResult:
                 text,
                 f"w4-{label}",
                 stalled=stalled,
-                drain_after=drain_after + 3,
+                drain_after=drain_after + ctx.sizes.settle,
             )
         stall_warnings = [line for line in server.warning_lines() if "too slow" in line]
     base = mean([runs["A"]["duration"], runs["A2"]["duration"]])
@@ -918,8 +935,12 @@ async def w4(ctx: Ctx) -> WorkloadResult:
         f"then {ending}. Server log: {len(stall_warnings)} 'too slow' disconnect(s)."
     )
     result.targets += [
-        Target("stalled client adds (peak RSS, B − A)", mb(stall_rss), "≤ 20 MB",
-               stall_rss <= W4_STALL_RSS_TARGET),
+        Target(
+            "stalled client adds (peak RSS, B - A)",
+            mb(stall_rss),
+            "≤ 20 MB",
+            stall_rss <= W4_STALL_RSS_TARGET,
+        ),
         Target(
             "stalled client changes the run's duration",
             pct(change),
@@ -1003,7 +1024,9 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     )
     result.tables.append(soak)
     result.targets += [
-        Target("soak RSS growth after warm-up", pct(growth), "≤ 10%", growth <= W4_SOAK_GROWTH_TARGET),
+        Target(
+            "soak RSS growth after warm-up", pct(growth), "≤ 10%", growth <= W4_SOAK_GROWTH_TARGET
+        ),
         Target(
             "soak: every run completed",
             f"{soak_done['done'] - soak_done['failed'] - soak_done['missing']}/{s.soak_runs}",
@@ -1072,16 +1095,27 @@ async def w5(ctx: Ctx) -> WorkloadResult:
     rejected: dict[str, int] = {}
     wsstats: dict[str, int] = {}
     for d in done:
-        for target, src in ((ops, d["ops"]), (outcomes, d["outcomes"]),
-                            (rejected, d["rejected"]), (wsstats, d["ws"])):
+        for target, src in (
+            (ops, d["ops"]),
+            (outcomes, d["outcomes"]),
+            (rejected, d["rejected"]),
+            (wsstats, d["ws"]),
+        ):
             for k, v in src.items():
                 target[k] = target.get(k, 0) + v
     table = Table(
         f"{s.w5_seconds:g} s of random prompts, cancels, clears, disconnects and provider "
-        f"failures ({s.w5_workers} client processes × {s.w5_actors} actors, "
+        f"failures ({s.w5_workers} client processes x {s.w5_actors} actors, "
         f"{s.w5_sessions} sessions each)",
-        ["runs accepted", "exactly one run_complete", "none", "more than one",
-         "completed / failed / cancelled", "server errors logged", "server exit code"],
+        [
+            "runs accepted",
+            "exactly one run_complete",
+            "none",
+            "more than one",
+            "completed / failed / cancelled",
+            "server errors logged",
+            "server exit code",
+        ],
     )
     table.add(
         total["accepted"],

@@ -120,5 +120,4 @@ class RunBook:
 
 async def save_run(store: Store, run: Run) -> None:
     """Insert or update one run record."""
-    if not await store.update_run(run):
-        await store.create_run(run)
+    await store.save_run(run)

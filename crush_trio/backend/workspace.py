@@ -30,8 +30,10 @@ from ..agent.runs import RunBook, save_run
 from ..broker import Broker
 from ..config import Config, ServerOptions
 from ..errors import Conflict
+from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
+from ..tools import Toolbox
 from ..wire import (
     EventKind,
     FinishPart,
@@ -109,7 +111,11 @@ class Workspace:
         self.messages: MessageService
         self.runs: RunBook
         self.agent: Agent
-        self.permissions: Any = None
+        self.permissions = PermissionService(
+            self.broker,
+            allowed_tools=list(config.permissions.allowed_tools),
+            timeout=config.options.permission_timeout,
+        )
 
     @property
     def info(self) -> WorkspaceInfo:
@@ -216,8 +222,15 @@ class Workspace:
             self.closed.set()
             log.info("workspace %s closed", self.id)
 
-    def _make_tools(self) -> Any:
-        return None
+    def _make_tools(self) -> Toolbox:
+        options = self.config.options
+        return Toolbox(
+            workspace=self.path,
+            data_dir=self.data_dir,
+            permissions=self.permissions,
+            timeout=options.tool_timeout,
+            bash_output_limit=options.bash_output_limit,
+        )
 
     async def _watch_holds(self) -> None:
         while not self._stop.is_set():

@@ -104,19 +104,10 @@ async def serve_websocket(
 
 
 async def _wait_for_end(stream: Any, ws: Workspace) -> None:
-    """Return when the client must be disconnected (killed, or the workspace is closing)."""
-    async with trio.open_nursery() as nursery:
-
-        async def killed() -> None:
-            await stream.killed.wait()
-            nursery.cancel_scope.cancel()
-
-        async def closed() -> None:
-            await ws.closed.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(killed)
-        nursery.start_soon(closed)
+    """Return when the client must be cut off at once: the broker killed it (too slow, or
+    dropped). A closing workspace closes the channel instead, so the writer first drains what
+    is queued (the final run_complete events) and then ends the connection with 1001."""
+    await stream.killed.wait()
 
 
 _METHODS: Final = {

@@ -596,6 +596,24 @@ class Store:
 
         await self._call(f"creating run {run.run_id!r}", op)
 
+    async def save_run(self, run: Run) -> None:
+        """Insert or update a run record in one statement (safe for concurrent savers)."""
+        row = _run_row(run)
+
+        def op(conn: sqlite3.Connection) -> None:
+            _transaction(
+                conn,
+                lambda c: c.execute(
+                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
+                    "message_id = excluded.message_id, text = excluded.text, "
+                    "error = excluded.error, finished_at = excluded.finished_at",
+                    row,
+                ),
+            )
+
+        await self._call(f"saving run {run.run_id!r}", op)
+
     async def update_run(self, run: Run) -> bool:
         """Store a run's status, message id, text, error and finish time. False if unknown."""
         params = (

@@ -1,0 +1,147 @@
+"""Who may run a tool: pre-approvals, session grants, and asking every client of the workspace.
+
+Order of checks for one request (docs/tools.md):
+
+1. workspace-wide skip (``POST permissions/skip``) → allowed;
+2. ``permissions.allowed_tools`` contains the tool, or ``tool:action`` → allowed;
+3. an ``allow_session`` grant for (session, tool, path) → allowed;
+4. otherwise a must-deliver ``permission_request`` goes to every client and the tool waits until
+   one answers (``POST permissions/grant`` or the websocket ``permissions.grant``), the optional
+   ``options.permission_timeout`` passes (denied), or the run is cancelled. The first answer wins;
+   later ones get ``resolved: false``. Each outcome is reported by one ``permission_notification``.
+
+No lock is held while waiting, so other runs (and other requests) go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Final
+
+import attrs
+import trio
+
+from .broker import Broker
+from .wire import EventKind, PermissionNotification, PermissionRequest, new_id
+
+log = logging.getLogger(__name__)
+
+#: Bound on publishing a notification from a cleanup path (seconds).
+NOTIFY_TIMEOUT: Final = 5.0
+
+
+@attrs.define(eq=False)
+class _Pending:
+    request: PermissionRequest
+    done: trio.Event = attrs.field(factory=trio.Event)
+    resolved: bool = False
+    allowed: bool = False
+
+
+class PermissionService:
+    """The permission state of one workspace.
+
+    Args:
+        broker: where requests and notifications are published (must-deliver).
+        allowed_tools: ``permissions.allowed_tools`` from the config.
+        timeout: ``options.permission_timeout``: seconds before an unanswered request is denied
+            (None: wait until answered or cancelled).
+    """
+
+    def __init__(
+        self, broker: Broker, *, allowed_tools: list[str], timeout: float | None = None
+    ) -> None:
+        self.broker = broker
+        self.allowed_tools = frozenset(allowed_tools)
+        self.timeout = timeout
+        self.skip = False
+        self._grants: set[tuple[str, str, str]] = set()
+        self._pending: dict[str, _Pending] = {}
+
+    def set_skip(self, skip: bool) -> None:
+        self.skip = skip
+
+    @property
+    def pending(self) -> list[PermissionRequest]:
+        return [p.request for p in self._pending.values()]
+
+    def _pre_approved(self, session_id: str, tool_name: str, action: str, path: str) -> bool:
+        return (
+            self.skip
+            or tool_name in self.allowed_tools
+            or f"{tool_name}:{action}" in self.allowed_tools
+            or (session_id, tool_name, path) in self._grants
+        )
+
+    async def request(
+        self,
+        *,
+        session_id: str,
+        tool_call_id: str,
+        tool_name: str,
+        action: str,
+        description: str,
+        params: dict[str, Any],
+        path: str,
+    ) -> bool:
+        """Ask whether the tool call may run. True: allowed.
+
+        Cancellation: a cancelled run stops waiting; the request is withdrawn and reported as
+        denied so every client can drop it.
+        """
+        if self._pre_approved(session_id, tool_name, action, path):
+            return True
+        request = PermissionRequest(
+            id=new_id(),
+            session_id=session_id,
+            tool_call_id=tool_call_id,
+            tool_name=tool_name,
+            description=description,
+            action=action,
+            params=params,
+            path=path,
+        )
+        pending = _Pending(request)
+        self._pending[request.id] = pending
+        try:
+            await self.broker.publish_must_deliver(request, EventKind.CREATED)
+            limit = self.timeout if self.timeout is not None else math.inf
+            with trio.move_on_after(limit):
+                await pending.done.wait()
+            if not pending.resolved:
+                log.info("permission request %s timed out; denied", request.id)
+                pending.resolved = True
+                await self._notify(pending)
+            return pending.allowed
+        finally:
+            self._pending.pop(request.id, None)
+            if not pending.resolved:
+                pending.resolved = True
+                with trio.move_on_after(NOTIFY_TIMEOUT, shield=True):
+                    await self._notify(pending)
+
+    async def grant(self, permission_id: str, action: str) -> bool:
+        """Answer a request; returns False when it was already answered or is unknown."""
+        pending = self._pending.get(permission_id)
+        if pending is None or pending.resolved:
+            return False
+        pending.resolved = True
+        pending.allowed = action in ("allow", "allow_session")
+        if action == "allow_session":
+            req = pending.request
+            self._grants.add((req.session_id, req.tool_name, req.path))
+        pending.done.set()
+        await self._notify(pending)
+        return True
+
+    async def _notify(self, pending: _Pending) -> None:
+        await self.broker.publish_must_deliver(
+            PermissionNotification(
+                tool_call_id=pending.request.tool_call_id,
+                granted=pending.allowed,
+                denied=not pending.allowed,
+                id=pending.request.id,
+            ),
+            EventKind.CREATED,
+        )

@@ -1,0 +1,53 @@
+"""The load benchmarks at tiny sizes (``python -m bench --smoke``), so they cannot rot.
+
+One subprocess runs every workload against real server processes; the test checks that it exits
+0, printed every workload's tables and the targets, wrote a Markdown file and a chart per
+workload, and that the chaos workload found every accepted run ended by exactly one
+``run_complete`` (the one target that is a correctness guarantee rather than a speed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Final
+
+import orjson
+import pytest
+import trio
+
+REPO: Final = Path(__file__).resolve().parent.parent
+#: Bound on the whole smoke run; it takes under a minute on 2 cores.
+SMOKE_TIMEOUT: Final = 240.0
+WORKLOADS: Final = {
+    "W1": "Throughput",
+    "W2": "Latency",
+    "W3": "Fan-out",
+    "W4": "Memory",
+    "W5": "Chaos",
+}
+
+
+@pytest.mark.slow
+async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
+    with trio.fail_after(SMOKE_TIMEOUT):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path)],
+            cwd=REPO,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    out = result.stdout.decode()
+    assert result.returncode == 0, out[-4000:] + result.stderr.decode()[-4000:]
+    for key, title in WORKLOADS.items():
+        assert f"## {key}: {title}" in out, f"{key} printed no table"
+        assert (tmp_path / f"{key}.md").read_text().count("|---") >= 2
+        assert (tmp_path / f"{key}.png").stat().st_size > 0
+    assert "| workload | target | measured | limit | verdict |" in out
+    raw = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert set(raw["workloads"]) == set(WORKLOADS)
+    assert raw["targets"] and all(isinstance(t["met"], bool) for t in raw["targets"])
+    chaos = raw["workloads"]["W5"]["totals"]
+    assert chaos["accepted"] > 0
+    assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos
