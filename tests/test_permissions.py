@@ -191,3 +191,29 @@ async def test_cancel_inside_a_tool_call_leaves_a_valid_history(tmp_path: Path) 
         assert [c.id for c in calls] == [r.tool_call_id for r in results]
         assert all(c.finished and orjson.loads(c.input) is not None for c in calls)
         assert results[0].is_error and "cancelled" in results[0].content
+
+
+async def test_workspace_shutdown_with_a_pending_permission_request(tmp_path: Path) -> None:
+    model = ScriptedModel([Step(tool_calls=[("write", {"path": "s.txt", "content": "z"})])])
+    async with harness(tmp_path, model) as (server, wid, sid, events):
+        await server.prompt(wid, sid, "go", run_id="sd")
+        await events.wait_for(lambda _: bool(_requests(events)))
+        workspace = server.backend.get(wid)
+        data_dir = workspace.data_dir
+        workspace.request_shutdown()
+        complete = await events.complete("sd")
+        assert complete["cancelled"] is True and complete["error"] is None
+        with trio.fail_after(10):
+            await workspace.closed.wait()
+    from crush_trio.store import Store
+
+    store = await Store.open(data_dir)
+    try:
+        run = await store.get_run("sd")
+        assert run is not None and run.status.value == "cancelled"
+        msgs = await store.list_messages(sid)
+        assert msgs[-2].finish() is not None and msgs[-2].finish().reason.value == "canceled"  # type: ignore[union-attr]
+        assert msgs[-1].role is Role.TOOL
+        assert msgs[-1].parts[0].content == "Error: user cancelled assistant tool calling"  # type: ignore[union-attr]
+    finally:
+        await store.aclose()

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import trio
 import trio.lowlevel
-from trio_websocket import open_websocket_url
+from trio_websocket import ConnectionClosed, open_websocket_url
 
 from crush_trio.errors import ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
@@ -30,12 +30,16 @@ class Collector:
     def __init__(self) -> None:
         self.frames: list[dict[str, Any]] = []
         self._changed = trio.Event()
+        self.closed: Any = None
 
     async def pump(self, conn: Any) -> None:
-        while True:
-            self.frames.append(orjson.loads(await conn.get_message()))
-            self._changed.set()
-            self._changed = trio.Event()
+        try:
+            while True:
+                self.frames.append(orjson.loads(await conn.get_message()))
+                self._changed.set()
+                self._changed = trio.Event()
+        except ConnectionClosed as exc:
+            self.closed = exc.reason
 
     async def wait_for(
         self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 10

@@ -316,13 +316,13 @@ class Agent:
                 await self.messages.create(msg)
                 progress.assistant = msg
             _repair_tool_calls(msg, progress.results, cancelled=cancelled)
-            if msg.finish() is None:
-                if cancelled:
-                    msg.parts.append(FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE))
-                else:
-                    msg.parts.append(
-                        FinishPart(FinishReason.ERROR, message=error_text or "", details="")
-                    )
+            # The turn ended here: whatever finish the step had (tool_use while its tools ran)
+            # gives way to the one that says how the turn ended.
+            msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
+            if cancelled:
+                msg.parts.append(FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE))
+            else:
+                msg.parts.append(FinishPart(FinishReason.ERROR, message=error_text or ""))
             msg.updated_at = now()
             await self.messages.update(msg)
             await self._write_missing_results(progress, cancelled=cancelled)
@@ -438,7 +438,11 @@ class Agent:
                 try:
                     await self._run_tools(msg, calls, progress)
                 except _StopTurn:
-                    return  # a denied permission ends the turn; the result says why
+                    # A denied permission ends the turn; the tool result says why.
+                    msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
+                    msg.parts.append(FinishPart(FinishReason.END_TURN))
+                    await self.messages.update(msg)
+                    return
                 continue
             if any(not p.explicit for p in self.state.queued(sid)):
                 continue  # fold the prompts that arrived during this step into a next step
