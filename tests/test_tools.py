@@ -715,7 +715,7 @@ async def wait_process_gone(pid: int) -> None:
     child. The tool has already signalled the process; this waits only for the kernel to finish.
     """
     with trio.fail_after(5):
-        while process_alive(pid):  # noqa: ASYNC110
+        while process_alive(pid):
             await trio.sleep(0.02)
 
 

@@ -38,6 +38,7 @@ from ..wire import (
     EventKind,
     FinishPart,
     FinishReason,
+    Message,
     Role,
     RunStatus,
     Session,
@@ -174,7 +175,7 @@ class Workspace:
         try:
             self.messages = MessageService(
                 self.store,
-                self.broker.publish,
+                self._publish_message,
                 debounce=self.config.options.debounce_ms / 1000,
             )
             self.runs = RunBook(self.store)
@@ -221,6 +222,9 @@ class Workspace:
             self._move(WorkspaceState.CLOSED)
             self.closed.set()
             log.info("workspace %s closed", self.id)
+
+    def _publish_message(self, message: Message, kind: EventKind) -> None:
+        self.broker.publish(message, kind)
 
     def _make_tools(self) -> Toolbox:
         options = self.config.options

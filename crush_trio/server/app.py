@@ -358,12 +358,12 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     # -- the browser client ---------------------------------------------------------------------
 
     @app.get("/")
-    async def index() -> Response:
+    async def index() -> Any:
         if "token" in request.args:
             # The token is valid (checked above): trade it for a cookie and drop it from the URL.
             rest = [(k, v) for k, v in parse_qsl(request.query_string.decode()) if k != "token"]
             target = "/" + ("?" + urlencode(rest) if rest else "")
-            response = redirect(target, 303)
+            response: Any = redirect(target, 303)
             response.set_cookie(
                 TOKEN_COOKIE, settings.token, httponly=True, samesite="Strict", path="/"
             )
