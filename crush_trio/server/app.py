@@ -90,7 +90,7 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     Args:
         on_shutdown: called (synchronously) by ``POST /v1/control`` to stop the server.
     """
-    app = QuartTrio("crush_trio")
+    app = QuartTrio("crush_trio", static_folder=None)  # our own /static route serves web/
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
