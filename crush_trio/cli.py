@@ -11,12 +11,19 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from . import __version__
 from .errors import ConfigError
-from .server.serve import DEFAULT_HOST, DEFAULT_PORT, ServeOptions, ServerHandle, serve
+
+if TYPE_CHECKING:
+    from .server.serve import ServeOptions, ServerHandle
+
+#: Defaults of ``serve`` (repeated here so ``crush-trio run`` need not import the server).
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7433
 
 EXIT_USAGE = 2
 
@@ -56,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _serve_main(options: ServeOptions) -> None:
+    from .server.serve import serve
+
     async with trio.open_nursery() as nursery:
 
         async def run_server(*, task_status: trio.TaskStatus[ServerHandle]) -> None:
@@ -81,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        from .server.serve import ServeOptions
+
         logging.basicConfig(
             level=getattr(logging, str(args.log_level).upper(), logging.INFO),
             stream=sys.stderr,

@@ -48,6 +48,7 @@ from .client import (
     WorkspaceClient,
     connect,
     embedded,
+    parse_server_url,
 )
 from .client.errors import BadRequest
 from .wire import AgentEvent, Message, RunComplete, Session
@@ -150,6 +151,11 @@ def build_options(
     token = args.token if args.token is not None else env.get(ENV_TOKEN)
     if args.token is not None and server is None:
         raise UsageError(f"--token needs --server (or {ENV_SERVER})")
+    if server is not None:
+        try:
+            parse_server_url(server)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     workspace = (args.workspace or Path.cwd()).absolute()
     if not workspace.is_dir():
         raise UsageError(f"--workspace {workspace} is not a directory")
@@ -190,11 +196,11 @@ class Runner:
         self.stdout = stdout
         self.stderr = stderr
         self.interrupted = False
-        self.timed_out = False
         self.handle: RunHandle | None = None
         self.transcript = Transcript()
         self.outer: trio.CancelScope | None = None
         self.waiting: trio.CancelScope | None = None
+        self.sending = False
         self.first_output = trio.Event()
         self.spinning = False
 
@@ -253,14 +259,15 @@ class Runner:
 
     async def _watch_signals(self, signals: AsyncIterator[int]) -> None:
         async for _ in signals:
-            if self.interrupted or self.waiting is None:
-                # Before the run exists (or a second Ctrl-C): stop everything now.
-                self.interrupted = True
+            again = self.interrupted
+            self.interrupted = True
+            if again or (self.waiting is None and not self.sending):
+                # Before the prompt was sent, or a second Ctrl-C: stop everything now.
                 if self.outer is not None:
                     self.outer.cancel()
-            else:
-                self.interrupted = True
+            elif self.waiting is not None:
                 self.waiting.cancel()
+            # While the prompt is being sent, _in_workspace cancels the run once it is accepted.
 
     async def _main(self) -> int:
         opts = self.options
@@ -279,9 +286,6 @@ class Runner:
             except CrushError as exc:
                 self.err(f"crush-trio run: {exc}")
                 return EXIT_FAILED
-            except ValueError as exc:  # a malformed --server address
-                self.err(f"crush-trio run: {exc}")
-                return EXIT_USAGE
         if self.interrupted:
             self.err("crush-trio run: interrupted")
             return EXIT_INTERRUPTED
@@ -330,35 +334,53 @@ class Runner:
         session = await self._pick_session(ws)
         self.err(f"session: {session.id}")
         await self._check_model(ws)
-        handle = await ws.prompt(session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo)
+        self.sending = True
+        try:
+            handle = await ws.prompt(
+                session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo
+            )
+        finally:
+            self.sending = False
         self.handle = handle
         assert self.outer is not None
         self.outer.deadline = math.inf  # from here the waiting scope carries the deadline
+        own_error: AgentEvent | None = None
         with trio.CancelScope(deadline=deadline) as waiting:
             self.waiting = waiting
             if self.interrupted:
                 waiting.cancel()
-            code = await self._follow(handle)
+            own_error = await self._follow(handle)
         self.waiting = None
-        if not waiting.cancelled_caught:
-            return code
-        # Interrupted or out of time: cancel our run and wait briefly for its terminal.
-        self.timed_out = not self.interrupted
-        with trio.move_on_after(CANCEL_WAIT):
-            try:
-                await handle.cancel()
-                await handle.wait(CANCEL_WAIT)
-            except CrushError as exc:
-                self.err(f"crush-trio run: could not cancel run {handle.run_id}: {exc}")
+        if waiting.cancelled_caught and not handle.done:
+            # Interrupted or out of time: cancel our run and wait briefly for its terminal.
+            with trio.move_on_after(CANCEL_WAIT):
+                try:
+                    await handle.cancel()
+                    await handle.wait(CANCEL_WAIT)
+                except CrushError as exc:
+                    self.err(f"crush-trio run: could not cancel run {handle.run_id}: {exc}")
         await self._finish_output(handle)
-        if self.interrupted:
-            self.err("crush-trio run: interrupted; the run was cancelled")
-            return EXIT_INTERRUPTED
-        self.err(f"crush-trio run: no result within --timeout {opts.timeout:g} s; cancelled it")
-        return EXIT_FAILED
+        if waiting.cancelled_caught:
+            if self.interrupted:
+                self.err("crush-trio run: interrupted; the run was cancelled")
+                return EXIT_INTERRUPTED
+            self.err(f"crush-trio run: no result within --timeout {opts.timeout:g} s; cancelled it")
+            return EXIT_FAILED
+        complete = handle.complete
+        if complete is not None and complete.error and not complete.cancelled:
+            self.err(f"agent run failed: {complete.error}")
+            return EXIT_FAILED
+        if own_error is not None:
+            self.err(f"agent run failed: {own_error.message or own_error.error}")
+            return EXIT_FAILED
+        return EXIT_OK
 
-    async def _follow(self, handle: RunHandle) -> int:
-        """Print the run's events until its end; returns the exit code."""
+    async def _follow(self, handle: RunHandle) -> AgentEvent | None:
+        """Print the run's events until its end; returns its first error event, if any.
+
+        After an error event of the run, its ``run_complete`` is awaited at most
+        :data:`ERROR_GRACE` seconds.
+        """
         own_error: AgentEvent | None = None
         json_mode = self.options.format == "json"
         with trio.CancelScope() as grace:
@@ -374,15 +396,7 @@ class Runner:
                     assert isinstance(event.payload, AgentEvent)
                     own_error = event.payload
                     grace.deadline = trio.current_time() + ERROR_GRACE
-        complete = handle.complete
-        await self._finish_output(handle)
-        if complete is not None and complete.error and not complete.cancelled:
-            self.err(f"agent run failed: {complete.error}")
-            return EXIT_FAILED
-        if own_error is not None:
-            self.err(f"agent run failed: {own_error.message or own_error.error}")
-            return EXIT_FAILED
-        return EXIT_OK
+        return own_error
 
     async def _finish_output(self, handle: RunHandle) -> None:
         """Text: the rest of the reply and the final newline. JSON: the final run record."""

@@ -43,7 +43,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
@@ -53,9 +53,18 @@ from trio.testing import MockClock
 
 from .client import Client, Timeout, WorkspaceClient, connect
 from .providers.scripted import Gate, ScriptedModel, Step
-from .server.serve import ServeOptions, ServerHandle, serve
 
-__all__ = ["CrushServer", "crush_client", "crush_config", "crush_server", "scripted_model"]
+if TYPE_CHECKING:
+    from .server.serve import ServerHandle
+
+__all__ = [
+    "CrushServer",
+    "crush_client",
+    "crush_config",
+    "crush_server",
+    "crush_workspace",
+    "scripted_model",
+]
 
 #: Token of the test server.
 TEST_TOKEN: Final = "crush-trio-test-token"
@@ -157,6 +166,9 @@ async def crush_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[CrushServer]:
     """A real server in the test's trio run on ``127.0.0.1:0`` with ``scripted_model``."""
+    # Imported here so that merely installing the plugin does not load the server's code.
+    from .server.serve import ServeOptions, serve
+
     clock = trio.lowlevel.current_clock()
     if isinstance(clock, MockClock):
         hold = _ClockHold(clock)

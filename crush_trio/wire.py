@@ -267,6 +267,11 @@ class CreateSessionRequest:
 
 
 @attrs.define
+class UpdateSessionRequest:
+    title: str
+
+
+@attrs.define
 class AgentMessage:
     session_id: str
     prompt: str

@@ -9,6 +9,10 @@ the server's side (``ClientStream.kill``, what a too-slow client gets) or the cl
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -176,7 +180,7 @@ async def test_reconnect_mid_run_loses_and_doubles_nothing(
         if side == "server":
             assert kill_streams(crush_server, ws.id, ws.client.client_id) == 1
         else:
-            await ws.drop_stream()
+            ws.drop_stream()
         gate.release()
         events = await collect(handle)
         run = await handle.result(CAP)
@@ -281,6 +285,25 @@ async def test_cancelled_run_is_a_result(
     assert run.status is RunStatus.CANCELLED
     assert events[-1].type == "run_complete" and events[-1].payload.cancelled
     assert handle.errors == []
+
+
+async def test_cancelling_a_queued_run_leaves_the_running_one_alone(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("the running run's words", gate_mid=gate))
+    with trio.fail_after(CAP):
+        running = await ws.prompt(session.id, "first")
+        await gate.reached.wait()
+        queued = await ws.prompt(session.id, "second")
+        await queued.cancel()
+        assert (await queued.result(CAP)).status is RunStatus.CANCELLED
+        assert not running.done
+        gate.release()
+        run = await running.result(CAP)
+    assert run.status is RunStatus.COMPLETED and run.text == "the running run's words"
 
 
 async def test_failed_run_raises_run_failed(
@@ -452,6 +475,73 @@ async def test_embedded_server_starts_and_stops(tmp_path: Path) -> None:
                 assert (await ws.run(session.id, "in process")).text == "in process"
             backend = client.server.backend
     assert backend.stopped.is_set()
+
+
+async def test_unix_socket_server(tmp_path: Path) -> None:
+    """``unix:/path`` addresses: HTTP and the event stream over a Unix socket (no token)."""
+    from functools import partial
+
+    from crush_trio.server.serve import serve
+
+    sock = Path(tempfile.mkdtemp(prefix="ct-")) / "s.sock"  # short: AF_UNIX paths are limited
+    project = tmp_path / "project"
+    project.mkdir()
+    options = ServeOptions(
+        host=f"unix:{sock}",
+        data_dir=tmp_path / "data",
+        user_config_dir=tmp_path / "config",
+        access_log=False,
+    )
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            handle = await nursery.start(partial(serve, options))
+            async with connect(handle.url) as client, client.workspace(project) as ws:
+                session = await ws.create_session()
+                assert (await ws.run(session.id, "over a unix socket")).text == "over a unix socket"
+                ws.drop_stream()
+                assert (await ws.run(session.id, "and again")).text == "and again"
+                assert ws.stats.reconnects == 1
+            handle.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# The documentation's examples
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def python_blocks(markdown: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown.read_text(), re.S)
+
+
+@pytest.mark.slow
+async def test_docs_examples_run(crush_server: CrushServer, tmp_path: Path) -> None:
+    """Every Python block of docs/client.md is a complete program; run each one."""
+    blocks = python_blocks(DOCS / "client.md")
+    assert len(blocks) >= 3
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CRUSH_TRIO_")}
+    env |= {
+        "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
+        "CRUSH_TRIO_SERVER": crush_server.url,
+        "CRUSH_TRIO_TOKEN": crush_server.token,
+    }
+    outputs = []
+    for number, code in enumerate(blocks, 1):
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, "-c", code],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env=env,
+                cwd=tmp_path,
+            )
+        assert done.returncode == 0, f"example {number} of docs/client.md failed:\n" + (
+            done.stderr.decode()
+        )
+        outputs.append(done.stdout.decode())
+    assert outputs[0].splitlines()[-1] == "completed hello from the client"
+    assert outputs[1].splitlines()[0] == "one prompt, one answer"
 
 
 # ---------------------------------------------------------------------------------------------

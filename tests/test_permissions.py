@@ -56,6 +56,8 @@ async def test_two_clients_first_answer_wins(tmp_path: Path) -> None:
             await second.wait_for(lambda _: bool(_requests(second)))
             req = _requests(events)[0]
             assert req == _requests(second)[0]
+            pending = (await server.http.get(f"/v1/workspaces/{wid}/permissions")).json()
+            assert pending == [req]  # a tab opened later can still show it
             assert (
                 req["tool_name"] == "write"
                 and req["session_id"] == sid

@@ -472,3 +472,20 @@ async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
     assert r.status_code == 200
     with trio.fail_after(10):
         await server.backend.stopped.wait()
+
+
+async def test_rename_session_publishes_an_update(server: Server) -> None:
+    ws = await server.open_workspace()
+    wid = ws["id"]
+    session = await server.create_session(wid, "old")
+    with trio.fail_after(10):
+        async with server.websocket(wid) as sock:
+            await sock.recv()
+            r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": "new name"})
+            assert r.status_code == 200 and r.json()["title"] == "new name" and r.json()["is_busy"] is False
+            frames = await sock.until(lambda f: f["type"] == "session")
+    assert frames[-1]["payload"]["type"] == "updated" and _payload(frames[-1])["title"] == "new name"
+    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": " "})
+    assert r.status_code == 400
+    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/nope", json={"title": "x"})
+    assert r.status_code == 404

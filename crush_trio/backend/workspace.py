@@ -172,18 +172,19 @@ class Workspace:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
         self.store = await Store.open(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout
+        self.messages = MessageService(
+            self.store,
+            self._publish_message,
+            debounce=self.config.options.debounce_ms / 1000,
+        )
+        self.runs = RunBook(self.store)
+        agent: Agent | None = None
         try:
-            self.messages = MessageService(
-                self.store,
-                self._publish_message,
-                debounce=self.config.options.debounce_ms / 1000,
-            )
-            self.runs = RunBook(self.store)
             async with trio.open_nursery() as background:
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
                 async with trio.open_nursery() as runs:
-                    self.agent = Agent(
+                    self.agent = agent = Agent(
                         store=self.store,
                         messages=self.messages,
                         broker=self.broker,
@@ -214,12 +215,13 @@ class Workspace:
                 await self.messages.flush_all()
             with trio.move_on_after(save_timeout, shield=True):
                 await self.runs.save_now()
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.agent.aclose()
+            if agent is not None:
+                with trio.move_on_after(save_timeout, shield=True):
+                    await agent.aclose()
             self.broker.close()
             with trio.move_on_after(save_timeout, shield=True):
                 await self.store.aclose()
-            self._move(WorkspaceState.CLOSED)
+            self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
 
@@ -272,6 +274,17 @@ class Workspace:
         session = Session(new_id(), title=title)
         await self.store.create_session(session)
         self.broker.publish(session, EventKind.CREATED)
+        return session
+
+    async def rename_session(self, session_id: str, title: str) -> Session | None:
+        session = await self.store.get_session(session_id)
+        if session is None:
+            return None
+        session.title = title
+        session.updated_at = now()
+        await self.store.update_session(session)
+        self.decorate(session)
+        self.broker.publish(session, EventKind.UPDATED)
         return session
 
     def decorate(self, session: Session) -> Session:

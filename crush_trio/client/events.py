@@ -138,7 +138,7 @@ class Mailbox:
         """Queue ``event`` (dropping it when it is lossy and the mailbox is full)."""
         if self.closed:
             return
-        if not event.must_deliver:
+        if not event.must_deliver and event.type != "gap":
             if self._lossy >= self.size:
                 self.dropped += 1
                 self._pending_drops += 1

@@ -390,13 +390,23 @@ class RunHandle:
         return run
 
     async def cancel(self) -> None:
-        """Ask the server to cancel this run.
+        """Ask the server to cancel this run (it then ends with a cancelled ``run_complete``).
 
-        The protocol cancels per session: this ends the session's active turn and drops its
-        queued prompts (each gets a cancelled ``run_complete``), so use it on sessions this
-        client drives.
+        The protocol cancels per session, not per run, so this does the least it can: while the
+        run is not known to have started it first clears the session's queue (which drops the
+        other queued prompts of the session too) and asks for the run's status; only a run that
+        is running gets the session cancel (which ends the session's active turn, i.e. this
+        run's, and also drops the queue). A run that already ended is left alone.
         """
-        await self.workspace.cancel(self.session_id)
+        if self.done:
+            return
+        ws = self.workspace
+        if not self.started:
+            await ws.clear_queue(self.session_id)
+            run = await ws.get_run(self.run_id)
+            if run.status is not RunStatus.RUNNING:
+                return
+        await ws.cancel(self.session_id)
 
 
 def _newer(old: Message, new: Message) -> bool:

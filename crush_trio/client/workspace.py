@@ -96,10 +96,6 @@ class StreamStats:
     last_seq: int = 0
 
 
-class _Stalled(Exception):
-    """The stream's keep-alive ping got no answer."""
-
-
 def resolve_session_prefix(sessions: list[Session], prefix: str) -> Session:
     """The session whose id is ``prefix`` or starts with it (a unique prefix is enough).
 
@@ -158,7 +154,8 @@ class WorkspaceClient:
         self._resync: dict[RunHandle, bool] = {}
         self._resync_wakeup = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._conn: WebSocketConnection | None = None
+        self._conn_scope: trio.CancelScope | None = None
+        self._stream_done = trio.Event()
         self.stream_error: CrushError | None = None
         self.closed = False
 
@@ -376,7 +373,7 @@ class WorkspaceClient:
             try:
                 yield conn
             finally:
-                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                with trio.move_on_after(CLOSE_TIMEOUT):
                     await conn.aclose()
                 nursery.cancel_scope.cancel()
 
@@ -387,14 +384,20 @@ class WorkspaceClient:
 
         Raises (before started): Unreachable, AuthError, NotFound, Timeout for the first connect.
         """
+        try:
+            await self._stream_loop(task_status)
+        finally:
+            self._stream_done.set()
+
+    async def _stream_loop(self, task_status: trio.TaskStatus[None]) -> None:
         first = True
         lost_at: float | None = None
         delay = RECONNECT_FIRST_DELAY
-        while True:
+        while not self.closed:
+            since = None if first else self.stats.last_seq
+            why: BaseException | str
             try:
-                since = None if first else self.stats.last_seq
                 async with self._open_socket(since) as conn:
-                    self._conn = conn
                     with trio.fail_after(HELLO_TIMEOUT):
                         hello = orjson.loads(await conn.get_message())
                     if not isinstance(hello, dict) or hello.get("type") != "hello":
@@ -409,45 +412,46 @@ class WorkspaceClient:
                         task_status.started()
                     else:
                         self.stats.reconnects += 1
+                        # A server whose sequence restarted sends a gap; follow its numbering.
+                        self.stats.last_seq = min(self.stats.last_seq, int(hello.get("seq", 0)))
                     lost_at, delay = None, RECONNECT_FIRST_DELAY
-                    await self._read(conn)
+                    with trio.CancelScope() as scope:
+                        self._conn_scope = scope
+                        why = await self._read(conn)
+                    self._conn_scope = None
+                    if scope.cancelled_caught:
+                        why = "dropped by this client"
             except (
                 ConnectionClosed,
                 HandshakeError,
                 OSError,
                 trio.BrokenResourceError,
                 trio.TooSlowError,
-                _Stalled,
                 orjson.JSONDecodeError,
                 CrushError,
             ) as exc:
-                self._conn = None
-                error = exc if isinstance(exc, CrushError) else self._stream_failure(exc)
+                self._conn_scope = None
                 if first:
+                    error = exc if isinstance(exc, CrushError) else self._stream_failure(exc)
                     raise error from exc
-                if self.closed:
-                    return
-                self.stats.drops += 1
-                now = trio.current_time()
-                if lost_at is None:
-                    lost_at = now
-                    log.info(
-                        "event stream of workspace %s dropped (%s); reconnecting",
-                        self.id,
-                        exc.__class__.__name__,
-                    )
-                permanent = isinstance(exc, ConnectionRejected) and (
-                    exc.status_code in _PERMANENT_STATUSES
-                )
-                if permanent or now - lost_at >= self.reconnect_timeout:
-                    self._fail_stream(error)
-                    return
-                await trio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_MAX_DELAY)
-            finally:
-                self._conn = None
+                why = exc
+            if self.closed:
+                return
+            self.stats.drops += 1
+            now = trio.current_time()
+            if lost_at is None:
+                lost_at = now
+                log.info("event stream of workspace %s lost (%s); reconnecting", self.id, why)
+            permanent = isinstance(why, ConnectionRejected) and (
+                why.status_code in _PERMANENT_STATUSES
+            )
+            if permanent or now - lost_at >= self.reconnect_timeout:
+                self._fail_stream(why if isinstance(why, CrushError) else self._stream_failure(why))
+                return
+            await trio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX_DELAY)
 
-    def _stream_failure(self, exc: BaseException) -> CrushError:
+    def _stream_failure(self, exc: BaseException | str) -> CrushError:
         where = f"the event stream of workspace {self.id} at {self.client.url}"
         if isinstance(exc, ConnectionRejected):
             body = exc.body or b""
@@ -466,27 +470,33 @@ class WorkspaceClient:
             return Unreachable(f"{where} refused the connection: {message}")
         if isinstance(exc, trio.TooSlowError):
             return Timeout(f"{where} did not answer within {HELLO_TIMEOUT:g} s")
+        what = exc if isinstance(exc, str) else f"{exc.__class__.__name__}: {exc}"
         return Unreachable(
-            f"lost {where} ({exc.__class__.__name__}: {exc}) and could not re-open it within "
+            f"lost {where} ({what}) and could not re-open it within "
             f"{self.reconnect_timeout:g} s; check that the server is running"
         )
 
-    async def _read(self, conn: WebSocketConnection) -> None:
-        """Read frames until the connection ends.
+    async def _read(self, conn: WebSocketConnection) -> str:
+        """Read frames until the connection ends; returns why it ended.
 
-        Raises:
-            ConnectionClosed: the connection ended.
-            _Stalled: the keep-alive ping was not answered.
+        The connection's end is handled here, inside its ``async with`` block, so that the
+        websocket library closes it cleanly.
         """
         while True:
-            with trio.move_on_after(KEEPALIVE_INTERVAL) as idle:
-                raw = await conn.get_message()
-            if idle.cancelled_caught:
-                with trio.move_on_after(PING_TIMEOUT) as ping:
-                    await conn.ping()
-                if ping.cancelled_caught:
-                    raise _Stalled()
-                continue
+            try:
+                with trio.move_on_after(KEEPALIVE_INTERVAL) as idle:
+                    raw = await conn.get_message()
+                if idle.cancelled_caught:
+                    with trio.move_on_after(PING_TIMEOUT) as ping:
+                        await conn.ping()
+                    if ping.cancelled_caught:
+                        return f"no answer to a keep-alive ping within {PING_TIMEOUT:g} s"
+                    continue
+            except ConnectionClosed as exc:
+                reason = exc.reason
+                if reason is None:
+                    return "connection closed"
+                return f"closed with code {reason.code} {reason.reason or reason.name}"
             try:
                 frame = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -524,15 +534,13 @@ class WorkspaceClient:
         for mailbox in self._feeds:
             mailbox.close()
 
-    async def drop_stream(self) -> None:
+    def drop_stream(self) -> None:
         """Close the current event-stream connection; the reader re-opens it with ``since``.
 
         Meant for tests and for a caller that suspects a stale connection.
         """
-        conn = self._conn
-        if conn is not None:
-            with trio.move_on_after(CLOSE_TIMEOUT):
-                await conn.aclose()
+        if self._conn_scope is not None:
+            self._conn_scope.cancel()
 
     # -- work the run handles ask for ------------------------------------------------------------
 
@@ -582,6 +590,13 @@ class WorkspaceClient:
             if failed:
                 await trio.sleep(RESYNC_RETRY_DELAY)
                 self._resync_wakeup.set()
+
+    async def _close_stream(self) -> None:
+        """Close the event stream politely (a websocket close handshake), bounded."""
+        self.closed = True
+        self.drop_stream()
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            await self._stream_done.wait()
 
     def _close(self) -> None:
         self.closed = True

@@ -51,6 +51,14 @@ class Api:
             )
         return ws.decorate(session)
 
+    async def rename_session(self, ws: Workspace, session_id: str, title: str) -> Session:
+        if not title.strip():
+            raise BadRequest("title is empty; send the new title in 'title'")
+        session = await ws.rename_session(session_id, title.strip())
+        if session is None:
+            raise NotFound(f"session {session_id!r} not found in workspace {ws.id}")
+        return session
+
     async def delete_session(self, ws: Workspace, session_id: str) -> dict[str, Any]:
         if not await ws.delete_session(session_id):
             raise NotFound(f"session {session_id!r} not found in workspace {ws.id}")
@@ -98,12 +106,12 @@ class Api:
     # -- permissions ----------------------------------------------------------------------------
 
     async def grant(self, ws: Workspace, body: GrantRequest) -> dict[str, Any]:
-        if ws.permissions is None:
-            return {"resolved": False}
         resolved = await ws.permissions.grant(body.permission.id, body.action)
         return {"resolved": resolved}
 
+    def pending_permissions(self, ws: Workspace) -> list[Any]:
+        return ws.permissions.pending
+
     async def skip(self, ws: Workspace, body: SkipRequest) -> dict[str, Any]:
-        if ws.permissions is not None:
-            ws.permissions.set_skip(body.skip)
+        ws.permissions.set_skip(body.skip)
         return {}

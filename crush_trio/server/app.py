@@ -40,6 +40,7 @@ from ..wire import (
     CreateWorkspaceRequest,
     GrantRequest,
     SkipRequest,
+    UpdateSessionRequest,
 )
 from .api import Api
 from .streams import serve_sse, serve_websocket
@@ -263,6 +264,11 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     async def get_session(wid: str, sid: str) -> Response:
         return json_response(await api.get_session(api.workspace(wid), sid))
 
+    @app.patch("/v1/workspaces/<wid>/sessions/<sid>")
+    async def rename_session(wid: str, sid: str) -> Response:
+        req = await body(UpdateSessionRequest)
+        return json_response(await api.rename_session(api.workspace(wid), sid, req.title))
+
     @app.delete("/v1/workspaces/<wid>/sessions/<sid>")
     async def delete_session(wid: str, sid: str) -> Response:
         return json_response(await api.delete_session(api.workspace(wid), sid))
@@ -315,6 +321,10 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     async def grant(wid: str) -> Response:
         ws = api.workspace(wid)
         return json_response(await api.grant(ws, await body(GrantRequest)))
+
+    @app.get("/v1/workspaces/<wid>/permissions")
+    async def pending_permissions(wid: str) -> Response:
+        return json_response(api.pending_permissions(api.workspace(wid)))
 
     @app.post("/v1/workspaces/<wid>/permissions/skip")
     async def skip(wid: str) -> Response:

@@ -62,6 +62,7 @@ class App {
     this.runs = new Map();
     this.permissions = new Map();
     this.queued = [];
+    this.renaming = null;
     this.syncGen = 0;
     this.loadGen = 0;
     this.refreshing = { queue: null, runs: null };
@@ -206,7 +207,8 @@ class App {
     try {
       info = await this.openOnServer(path);
     } catch (err) {
-      this.setConnection(this.stream?.open ? "open" : "idle", this.stream?.open ? "Connected" : "Not connected");
+      if (this.stream?.open) this.setConnection("open", "Connected");
+      else this.setConnection("idle", "Not connected");
       this.toast(`Cannot open ${path}: ${err.message}`, "error");
       return;
     }
@@ -256,7 +258,7 @@ class App {
     try {
       return await api.openWorkspace(path, this.clientId);
     } catch (err) {
-      if (err instanceof ApiError && err.status === 409 && /client/i.test(err.message)) {
+      if (err instanceof ApiError && err.status === 409 && /retired/i.test(err.message)) {
         // This tab's client id was retired: continue as a new client.
         this.clientId = uuid();
         return api.openWorkspace(path, this.clientId);
@@ -300,13 +302,9 @@ class App {
 
   setConnection(state, text, why = "") {
     const el = $("connection");
-    const previous = el.dataset.state;
     el.dataset.state = state;
     $("connection-text").textContent = text;
     el.title = why ? `Last disconnect: ${why}` : "";
-    if (previous !== state && (state === "open" || state === "reconnecting")) {
-      document.body.dataset.connection = state;
-    }
   }
 
   /** Every frame of the stream except command replies. */
@@ -558,6 +556,7 @@ class App {
     const finish = async (save) => {
       if (done) return;
       done = true;
+      this.renaming = null;
       const title = input.value.trim();
       if (save && title && title !== session.title) {
         try {
@@ -572,7 +571,10 @@ class App {
         }
       }
       this.renderSessions();
-      li.isConnected && li.querySelector(".session-open")?.focus();
+      const again = [...$("session-list").querySelectorAll(".session")].find(
+        (item) => item.dataset.sessionId === sid,
+      );
+      again?.querySelector(".session-open")?.focus();
     };
     form.addEventListener("submit", (ev) => {
       ev.preventDefault();
@@ -585,13 +587,22 @@ class App {
       }
     });
     input.addEventListener("blur", () => finish(true));
+    this.renaming = sid;
     clear(li).append(form);
     input.focus();
     input.select();
   }
 
   renderSessions() {
-    const ul = clear($("session-list"));
+    // A rename in progress keeps its input; the list is redrawn when it ends.
+    if (this.renaming) return;
+    const ul = $("session-list");
+    // Keep keyboard focus on the same control across the redraw.
+    const active = ul.contains(document.activeElement) ? document.activeElement : null;
+    const focusKey = active
+      ? [active.closest(".session")?.dataset.sessionId, active.className.split(" ").pop()]
+      : null;
+    clear(ul);
     const sessions = [...this.sessions.values()].sort(byNewest);
     for (const s of sessions) {
       const title = sessionTitle(s);
@@ -631,6 +642,11 @@ class App {
       ul.append(li);
     }
     $("no-sessions").hidden = sessions.length > 0 || !this.wid;
+    if (focusKey) {
+      const [sid, cls] = focusKey;
+      const target = [...ul.querySelectorAll(".session")].find((li) => li.dataset.sessionId === sid);
+      (target?.querySelector(`.${cls}`) || target?.querySelector(".session-open"))?.focus();
+    }
   }
 
   renderSessionHead() {

@@ -1,0 +1,659 @@
+"""End-to-end tests of the browser client in real headless Chromium.
+
+The browser is Debian's ``chromium`` (``/usr/bin/chromium``, installed by
+``scripts/ensure-browser.sh``) driven by Playwright's sync API. The server runs in its own thread
+with its own Trio loop (:class:`ThreadServer`), so the browser side stays plain synchronous code
+and a test can give the server a scripted model; the login test starts the real
+``python -m crush_trio serve`` and reads the URL it prints.
+
+Every wait in the page is bounded (``WAIT_MS``); nothing sleeps. The slow echo model
+(``delay_ms`` per word) makes streaming visible and leaves time to cancel, queue and reconnect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+import trio
+from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_playwright
+
+from crush_trio.providers.scripted import ScriptedModel, Step
+from crush_trio.server.serve import ServeOptions, ServerHandle, serve
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM: Path = Path("/usr/bin/chromium")
+CHROMIUM_ARGS: list[str] = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ROOT: Path = Path(__file__).resolve().parents[1]
+ARTIFACTS: Path = ROOT / "test-artifacts"
+TOKEN = "web-test-token"
+#: Bound on each wait for the page (milliseconds).
+WAIT_MS = 8000
+#: Bound on starting or stopping a server (seconds).
+SERVER_START_TIMEOUT = 15.0
+#: Milliseconds the echo model waits between words: slow enough to watch, cancel and reconnect.
+ECHO_DELAY_MS = 30
+ECHO_CONFIG: dict[str, Any] = {
+    "providers": {"echo": {"type": "echo", "delay_ms": ECHO_DELAY_MS}},
+    "models": {"large": {"provider": "echo", "model": "echo"}},
+}
+
+expect.set_options(timeout=WAIT_MS)
+
+
+def words(n: int, tag: str) -> str:
+    """``n`` distinct words, so a duplicated or missing piece of text is visible."""
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# The server, in a thread
+
+
+class ThreadServer:
+    """A crush_trio server on 127.0.0.1:0, running ``serve`` in a Trio loop of its own thread."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self.handle: ServerHandle
+        self._token: trio.lowlevel.TrioToken
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        ready: queue.Queue[Any] = queue.Queue()
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                handle = await nursery.start(partial(serve, self.options))
+                ready.put((handle, trio.lowlevel.current_trio_token()))
+
+        def run() -> None:
+            try:
+                trio.run(main)
+            except BaseException as exc:
+                ready.put(exc)
+                raise
+
+        self._thread = threading.Thread(target=run, name="crush-trio-server", daemon=True)
+        self._thread.start()
+        item = ready.get(timeout=SERVER_START_TIMEOUT)
+        if isinstance(item, BaseException):
+            raise item
+        self.handle, self._token = item
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        try:
+            trio.from_thread.run_sync(self.handle.stop, trio_token=self._token)
+        except trio.RunFinishedError:
+            pass
+        self._thread.join(timeout=SERVER_START_TIMEOUT)
+        assert not self._thread.is_alive(), "the server did not stop in time"
+
+    @property
+    def url(self) -> str:
+        return self.handle.url
+
+    @property
+    def login_url(self) -> str:
+        return f"{self.handle.url}/?token={self.handle.token}"
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+        )
+
+    def workspace(self, wid: str) -> Any:
+        return self.handle.backend.get(wid)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not CHROMIUM.exists():
+        pytest.skip(
+            f"{CHROMIUM} not found: run 'bash scripts/ensure-browser.sh' (installs Debian's "
+            "chromium) to run the browser tests"
+        )
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def _start_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config: dict[str, Any], **extra: Any
+) -> ThreadServer:
+    monkeypatch.setenv("CRUSH_TRIO_DEBUG_ROUTES", "1")
+    config_file = tmp_path / "crush.json"
+    config_file.write_text(json.dumps(config))
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        data_dir=tmp_path / "data",
+        config_file=config_file,
+        token=TOKEN,
+        user_config_dir=tmp_path / "user-config",
+        access_log=False,
+        **extra,
+    )
+    server = ThreadServer(options)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ThreadServer]:
+    srv = _start_server(tmp_path, monkeypatch, ECHO_CONFIG)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    path = tmp_path / "project"
+    path.mkdir()
+    return path
+
+
+class Pages:
+    """Opens logged-in pages; fails the test on an uncaught error or a CSP violation in a page."""
+
+    def __init__(self, browser: Browser) -> None:
+        self.browser = browser
+        self.contexts: list[BrowserContext] = []
+        self.errors: list[str] = []
+
+    def open(
+        self,
+        server: ThreadServer,
+        *,
+        hash: str = "",
+        context: BrowserContext | None = None,
+        **context_args: Any,
+    ) -> Page:
+        if context is None:
+            context = self.browser.new_context(
+                viewport=context_args.pop("viewport", {"width": 1200, "height": 800}),
+                **context_args,
+            )
+            self.contexts.append(context)
+        page = context.new_page()
+        page.on("pageerror", lambda exc: self.errors.append(f"{page.url}: {exc}"))
+        page.on(
+            "console",
+            lambda msg: (
+                self.errors.append(msg.text) if "Content Security Policy" in msg.text else None
+            ),
+        )
+        page.goto(server.login_url + hash)
+        expect(page.locator("h1.brand")).to_have_text("crush_trio")
+        return page
+
+    def close(self) -> None:
+        for context in self.contexts:
+            context.close()
+
+
+@pytest.fixture
+def pages(browser: Browser) -> Iterator[Pages]:
+    opened = Pages(browser)
+    try:
+        yield opened
+    finally:
+        opened.close()
+    assert not opened.errors, f"uncaught errors in the page: {opened.errors}"
+
+
+def open_workspace(page: Page, path: Path) -> None:
+    page.fill("#workspace-path", str(path))
+    page.press("#workspace-path", "Enter")
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator("#prompt")).to_be_enabled()
+
+
+def send(page: Page, text: str) -> None:
+    page.fill("#prompt", text)
+    page.press("#prompt", "Enter")
+
+
+def assistant_texts(page: Page) -> list[str]:
+    return list(page.locator(".message.role-assistant .markdown").all_text_contents())
+
+
+def wait_for_run(page: Page, status: str, count: int = 1) -> None:
+    expect(page.locator(f'#run-list .run[data-status="{status}"]')).to_have_count(count)
+
+
+def screenshot(page: Page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    target = ARTIFACTS / name
+    page.screenshot(path=str(target))
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+
+
+def test_login_through_the_printed_token_url(browser: Browser, tmp_path: Path) -> None:
+    """The URL that ``crush-trio serve`` prints logs the browser in with an HttpOnly cookie."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "crush_trio",
+            "serve",
+            "--port",
+            "0",
+            "--no-access-log",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--token",
+            TOKEN,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")},
+    )
+    context = None
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        match = re.fullmatch(r"crush-trio listening on (http://\S+)/\?token=(\S+)", line)
+        assert match, f"unexpected first line {line!r}"
+        base, token = match.groups()
+        context = browser.new_context()
+        page = context.new_page()
+        denied = page.goto(base + "/")
+        assert denied is not None and denied.status == 401
+
+        page.goto(f"{base}/?token={token}")
+        assert page.url == base + "/", "the token stays out of the address bar"
+        expect(page.locator("#connection")).to_be_visible()
+        cookies = {c["name"]: c for c in context.cookies()}
+        cookie = cookies["crush_trio_token"]
+        assert cookie["httpOnly"] is True
+        assert cookie["sameSite"] == "Strict"
+        assert token not in page.evaluate("document.cookie")
+        # The cookie alone authenticates later requests, the websocket included.
+        project = tmp_path / "project"
+        project.mkdir()
+        open_workspace(page, project)
+    finally:
+        if context is not None:
+            context.close()
+        proc.terminate()
+        proc.wait(timeout=SERVER_START_TIMEOUT)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_prompt_streams_the_reply(server: ThreadServer, pages: Pages, project: Path) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    prompt = "Streaming " + words(40, "w") + " **bold** and `code`"
+    send(page, prompt)
+
+    # While it streams: part of the reply is visible and the message is marked busy.
+    page.wait_for_function(
+        """() => {
+            const m = document.querySelector('.message.role-assistant.streaming .markdown');
+            return m && m.textContent.length > 0 && m.textContent.includes('w3')
+                && !m.textContent.includes('w39');
+        }""",
+        timeout=WAIT_MS,
+    )
+    expect(page.locator(".session[data-busy='true']")).to_have_count(1)
+    expect(page.locator("#cancel-run")).to_be_enabled()
+
+    wait_for_run(page, "completed")
+    expected = prompt.replace("**bold**", "bold").replace("`code`", "code")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text(expected)
+    expect(page.locator(".message.role-assistant strong")).to_have_text("bold")
+    expect(page.locator(".message.role-assistant .finish")).to_have_attribute(
+        "data-reason", "end_turn"
+    )
+    expect(page.locator(".message.role-user .user-text")).to_have_text(prompt)
+    expect(page.locator(".session[data-busy='false']")).to_have_count(1)
+    expect(page.locator("#cancel-run")).to_be_disabled()
+    assert page.input_value("#prompt") == ""
+
+    # The workspace is remembered, and a reload finds the same session again.
+    expect(page.locator("#recent-list .recent-open")).to_have_count(1)
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text(expected)
+    expect(page.locator("#recent-list .recent-open")).to_have_attribute("title", str(project))
+    screenshot(page, "web-main.png")
+
+
+def test_shift_enter_adds_a_line_and_enter_sends(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    page.click("#prompt")
+    page.keyboard.type("first line")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.type("second line")
+    assert page.input_value("#prompt") == "first line\nsecond line"
+    expect(page.locator(".message")).to_have_count(0)
+    page.keyboard.press("Enter")
+    wait_for_run(page, "completed")
+    expect(page.locator(".message.role-user .user-text")).to_have_text("first line\nsecond line")
+
+
+def test_queue_two_prompts_then_clear(server: ThreadServer, pages: Pages, project: Path) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    send(page, words(150, "long"))
+    wait_for_run(page, "running")
+    send(page, "second prompt")
+    send(page, "third prompt")
+    queue_bar = page.locator("#queue-bar")
+    expect(queue_bar).to_be_visible()
+    expect(page.locator("#queue-count")).to_have_text("2 queued prompts")
+    expect(page.locator("#queue-list li")).to_have_text(["second prompt", "third prompt"])
+    wait_for_run(page, "queued", 2)
+
+    page.click("#clear-queue")
+    expect(queue_bar).to_be_hidden()
+    wait_for_run(page, "cancelled", 2)
+    wait_for_run(page, "running", 1)
+
+    page.click("#cancel-run")
+    wait_for_run(page, "cancelled", 3)
+    # The cleared prompts never ran: one user message, one (cancelled) reply.
+    expect(page.locator(".message.role-user")).to_have_count(1)
+    expect(page.locator(".message.role-assistant")).to_have_count(1)
+
+
+def test_cancel_a_long_run(server: ThreadServer, pages: Pages, project: Path) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    prompt = words(200, "c")
+    send(page, prompt)
+    page.wait_for_function(
+        "() => document.querySelector('.message.role-assistant .markdown')"
+        "?.textContent.includes('c5')",
+        timeout=WAIT_MS,
+    )
+    page.click("#cancel-run")
+    wait_for_run(page, "cancelled")
+    finish = page.locator(".message.role-assistant .finish")
+    expect(finish).to_have_attribute("data-reason", "canceled")
+    expect(finish).to_contain_text("Cancelled")
+    expect(page.locator(".session[data-busy='false']")).to_have_count(1)
+    (text,) = assistant_texts(page)
+    assert prompt.startswith(text) and 0 < len(text) < len(prompt)
+
+
+def _reconnect_mid_run(server: ThreadServer, page: Page, project: Path, tag: str) -> str:
+    """Send a prompt, drop the socket mid-run, and check the reply arrives whole, once."""
+    open_workspace(page, project)
+    prompt = words(120, tag)
+    send(page, prompt)
+    page.wait_for_function(
+        f"() => document.querySelector('.message.role-assistant .markdown')"
+        f"?.textContent.includes('{tag}3 ')",
+        timeout=WAIT_MS,
+    )
+    wid = page.evaluate("window.crushTrio.wid")
+    with server.http() as http:
+        r = http.post(f"/v1/workspaces/{wid}/debug/drop-streams")
+    assert r.status_code == 200, r.text
+    assert r.json()["dropped"] >= 1
+    page.wait_for_function("() => window.crushTrio.stats.connects >= 2", timeout=WAIT_MS)
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+
+    wait_for_run(page, "completed")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text(prompt)
+    assert assistant_texts(page) == [prompt]
+    expect(page.locator(".message.role-user")).to_have_count(1)
+    return prompt
+
+
+def test_reconnect_resumes_after_the_server_drops_the_socket(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    page = pages.open(server)
+    _reconnect_mid_run(server, page, project, "r")
+    stats = page.evaluate("window.crushTrio.stats")
+    assert stats["resumes"] >= 1, stats
+    assert stats["gaps"] == 0, f"the replay buffer covered the outage: {stats}"
+
+
+def test_reconnect_after_a_lost_replay_refetches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pages: Pages, project: Path
+) -> None:
+    """With a one-event replay buffer the resume finds events gone: a gap, then a refetch."""
+    config = {**ECHO_CONFIG, "server": {"replay_buffer": 1}}
+    server = _start_server(tmp_path, monkeypatch, config)
+    try:
+        page = pages.open(server)
+        _reconnect_mid_run(server, page, project, "g")
+        stats = page.evaluate("window.crushTrio.stats")
+        assert stats["gaps"] >= 1 and stats["resyncs"] >= 2, stats
+    finally:
+        server.stop()
+
+
+def test_model_output_with_markup_is_shown_as_text(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    payload = (
+        '<script>window.__pwned = 1</script> <img src=x onerror="window.__pwned = 2"> '
+        "[link](javascript:window.__pwned=3) <b>bold?</b>"
+    )
+    send(page, payload)
+    wait_for_run(page, "completed")
+    reply = page.locator(".message.role-assistant .markdown")
+    expect(reply).to_contain_text("<script>window.__pwned = 1</script>")
+    expect(reply).to_contain_text('<img src=x onerror="window.__pwned = 2">')
+    expect(reply).to_contain_text("<b>bold?</b>")
+    conversation = page.locator("#conversation")
+    assert conversation.locator("script, img, b, iframe").count() == 0
+    assert conversation.locator("a").count() == 0, "javascript: links are not made links"
+    assert page.evaluate("window.__pwned") is None
+
+
+def test_sessions_create_select_delete(server: ThreadServer, pages: Pages, project: Path) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    send(page, "hello first session")
+    wait_for_run(page, "completed")
+    sessions = page.locator("#session-list .session")
+    expect(sessions).to_have_count(1)
+
+    page.click("#new-session")
+    expect(sessions).to_have_count(2)
+    expect(page.locator(".message")).to_have_count(0)
+    expect(page.locator(".session.current .session-title")).to_have_text("New session")
+    send(page, "hello second session")
+    wait_for_run(page, "completed")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text("hello second session")
+
+    # Switch back: the first session's messages, and not the second's.
+    page.locator(".session:not(.current) .session-open").click()
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text("hello first session")
+
+    # Delete needs a second press.
+    delete = page.locator(".session.current .session-delete")
+    delete.click()
+    expect(sessions).to_have_count(2)
+    page.locator(".session.current .session-delete").click()
+    expect(sessions).to_have_count(1)
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text("hello second session")
+
+
+def test_rename_a_session(server: ThreadServer, pages: Pages, project: Path) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    page.click("#new-session")
+    expect(page.locator("#session-list .session")).to_have_count(1)
+    sid = page.evaluate("window.crushTrio.current")
+    wid = page.evaluate("window.crushTrio.wid")
+    with server.http() as http:
+        probe = http.patch(f"/v1/workspaces/{wid}/sessions/{sid}", json={"title": "probe"})
+    if probe.status_code in (404, 405):
+        pytest.skip("needs PATCH /v1/workspaces/{wid}/sessions/{sid} to rename sessions")
+    page.click(".session.current .session-rename")
+    page.fill(".rename-input", "Renamed here")
+    page.press(".rename-input", "Enter")
+    expect(page.locator(".session.current .session-title")).to_have_text("Renamed here")
+    expect(page.locator("#session-title")).to_have_text("Renamed here")
+
+
+def test_narrow_dark_window_is_usable_by_keyboard(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    page = pages.open(server, viewport={"width": 390, "height": 760}, color_scheme="dark")
+    sidebar = page.locator("#sidebar")
+    expect(sidebar).to_be_hidden()
+    toggle = page.locator("#toggle-sidebar")
+    expect(toggle).to_have_attribute("aria-expanded", "false")
+    page.fill("#workspace-path", str(project / "missing"))
+    page.press("#workspace-path", "Enter")
+    expect(page.locator("#toasts .toast")).to_contain_text("Cannot open")
+    open_workspace(page, project)
+    send(page, "narrow window reply")
+    wait_for_run(page, "completed")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, "nothing overflows a phone-sized window"
+
+    toggle.focus()
+    page.keyboard.press("Enter")
+    expect(sidebar).to_be_visible()
+    expect(toggle).to_have_attribute("aria-expanded", "true")
+    page.keyboard.press("Escape")
+    expect(sidebar).to_be_hidden()
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert background == "rgb(21, 22, 27)", "the dark theme follows the system"
+    # Every control has a name a screen reader can announce.
+    unnamed = page.evaluate(
+        """() => [...document.querySelectorAll('button, input, textarea')]
+            .filter((el) => el.offsetParent !== null)
+            .filter((el) => !(el.labels && el.labels.length) && !el.getAttribute('aria-label')
+                && !el.textContent.trim())
+            .map((el) => el.outerHTML)"""
+    )
+    assert unnamed == []
+    screenshot(page, "web-narrow-dark.png")
+
+
+def test_permission_request_is_answered_in_one_tab_and_gone_from_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pages: Pages, project: Path
+) -> None:
+    model = ScriptedModel(
+        [Step(tool_calls=[("write", {"path": "hello.txt", "content": "hi"})]), Step(text="wrote")]
+    )
+    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    try:
+        first = pages.open(server)
+        open_workspace(first, project)
+        wid = first.evaluate("window.crushTrio.wid")
+        if server.workspace(wid).permissions is None:
+            pytest.skip("needs the tool permission flow")
+        second = pages.open(server, hash=f"#path={quote(str(project))}", context=first.context)
+        expect(second.locator("#connection")).to_have_attribute("data-state", "open")
+
+        send(first, "please write hello.txt")
+        for page in (first, second):
+            card = page.locator(".permission")
+            expect(card).to_have_count(1)
+            expect(card).to_contain_text("write")
+        second.locator('.permission button[data-action="allow"]').click()
+        for page in (first, second):
+            expect(page.locator(".permission")).to_have_count(0)
+        wait_for_run(first, "completed")
+        expect(first.locator('.tool-call[data-status="done"]')).to_have_count(1)
+        assert (project / "hello.txt").read_text() == "hi"
+    finally:
+        server.stop()
+
+
+MARKDOWN_CASES: list[tuple[str, str]] = [
+    (
+        "*em* **strong** `co*de*` ~~del~~ snake_case_name",
+        "<p><em>em</em> <strong>strong</strong> <code>co*de*</code> <del>del</del> "
+        "snake_case_name</p>",
+    ),
+    ("# Title\nline one\nline two", '<h3 class="md-h md-h1">Title</h3><p>line one<br>line two</p>'),
+    (
+        "```py\nif a < b:\n```",
+        '<div class="code-block"><span class="code-lang">py</span><pre tabindex="0">'
+        '<code class="language-py">if a &lt; b:</code></pre></div>',
+    ),
+    (
+        "```\nstill streaming <b>",
+        '<div class="code-block"><pre tabindex="0"><code>still streaming &lt;b&gt;</code></pre>'
+        "</div>",
+    ),
+    (
+        "- a\n  - nested\n- b\n\n3. three",
+        "<ul><li><p>a</p><ul><li>nested</li></ul></li><li>b</li></ul>"
+        '<ol start="3"><li>three</li></ol>',
+    ),
+    ("> quoted **b**", "<blockquote><p>quoted <strong>b</strong></p></blockquote>"),
+    (
+        "| a | b |\n|--|--:|\n| 1 | 2 |",
+        '<div class="table-wrap"><table><thead><tr><th>a</th><th data-align="right">b</th></tr>'
+        '</thead><tbody><tr><td>1</td><td data-align="right">2</td></tr></tbody></table></div>',
+    ),
+    (
+        "[ok](https://example.org/a_(b)) [bad](javascript:alert(1)) [rel](/v1/control)",
+        '<p><a href="https://example.org/a_(b)" target="_blank" '
+        'rel="noopener noreferrer nofollow">ok</a> bad rel</p>',
+    ),
+    (
+        '<script>alert(1)</script> <img src=x onerror="alert(1)">',
+        '<p>&lt;script&gt;alert(1)&lt;/script&gt; &lt;img src=x onerror="alert(1)"&gt;</p>',
+    ),
+    ("\\*literal\\* **unclosed", "<p>*literal* **unclosed</p>"),
+]
+
+
+def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
+    """The renderer the page uses, on the constructs models write (and on markup)."""
+    page = pages.open(server)
+    html = page.evaluate(
+        """async (sources) => {
+            const { renderMarkdown } = await import('/static/markdown.js');
+            return sources.map((source) => {
+                const box = document.createElement('div');
+                box.append(renderMarkdown(source));
+                return box.innerHTML;
+            });
+        }""",
+        [source for source, _ in MARKDOWN_CASES],
+    )
+    assert html == [expected for _, expected in MARKDOWN_CASES]
