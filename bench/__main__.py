@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from .procs import REPO_ROOT, raise_fd_limit
+from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import FULL, SMOKE, WORKLOADS, Ctx
 
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default="", help="comma-separated workloads, e.g. W1,W3")
     p.add_argument("--out", type=Path, default=None, help="results directory")
     p.add_argument("--keep-workdir", action="store_true", help="keep server logs and data")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record every server with py-spy into OUT/profiles/ (needs py-spy installed)",
+    )
     p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
     p.add_argument("--w2-runs", type=int, help="W2 concurrent runs")
@@ -88,6 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(tempfile.mkdtemp(prefix="crush-bench-smoke-")) if args.smoke else DEFAULT_OUT
     )
     command = "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.profile:
+        if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
+            print("--profile needs py-spy: pip install py-spy", file=sys.stderr)
+            return 2
+        PROFILING.directory = out / "profiles"
     info = machine()
     started = time.monotonic()
 
@@ -114,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(targets_table(results).markdown(), flush=True)
         paths = write_results(out, results, info, command)
         print(f"\nresults: {', '.join(str(p) for p in paths)}", flush=True)
+    if PROFILING.directory is not None:
+        print(f"profiles: {PROFILING.directory} (summarize with python -m bench.profile FILE)")
     if args.keep_workdir or failed:
         print(f"work directory (server logs, data): {workdir}", flush=True)
     else:

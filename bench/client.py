@@ -131,6 +131,13 @@ class RunTracker:
         self.gaps = 0
         self.token_latencies: list[float] = []
         self.closed_reason = ""
+        #: Set (and replaced) whenever one of the tracked runs ends.
+        self.changed = trio.Event()
+
+    def _ended(self, track: RunTrack) -> None:
+        track.done.set()
+        self.changed.set()
+        self.changed = trio.Event()
 
     def add(self, track: RunTrack) -> None:
         if self.closed_reason:
@@ -149,7 +156,7 @@ class RunTracker:
         for track in self.by_run.values():
             if not track.done.is_set():
                 track.error = why
-                track.done.set()
+                self._ended(track)
 
     def on_frame(self, raw: str) -> None:
         now = time.time()
@@ -183,7 +190,7 @@ class RunTracker:
                 track.error = complete.get("error")
                 track.cancelled = bool(complete.get("cancelled"))
                 track.text = complete.get("text") or ""
-                track.done.set()
+                self._ended(track)
         elif kind == "gap":
             self.gaps += 1
 
@@ -289,22 +296,28 @@ async def go(
 ) -> None:
     """One prompt per session, all at once; report when every run has its run_complete."""
     tracks = [RunTrack(sid, str(uuid.uuid4())) for sid in sessions]
-    frames0 = tracker.frames
+    frames0, gaps0 = tracker.frames, tracker.gaps
     tracker.token_latencies = []
     prompt = command["prompt"]
+    stall = float(command.get("stall", command["timeout"]))
     with trio.move_on_after(float(command["timeout"])):
         async with trio.open_nursery() as nursery:
             for track in tracks:
                 nursery.start_soon(submit, http, wid, track, prompt, tracker)
-        for track in tracks:
-            await track.done.wait()
+        # Give up early when no run ends for ``stall`` seconds: a run that lost its
+        # run_complete would otherwise hold the whole phase until its timeout.
+        while not all(track.done.is_set() for track in tracks):
+            with trio.move_on_after(stall) as idle:
+                await tracker.changed.wait()
+            if idle.cancelled_caught:
+                break
     summary = run_summary(tracks)
     for track in tracks:
         tracker.forget(track)
     await io.send(
         "done",
         frames=tracker.frames - frames0,
-        gaps=tracker.gaps,
+        gaps=tracker.gaps - gaps0,
         token_latency=tracker.token_latencies,
         **summary,
     )
@@ -543,7 +556,7 @@ class Chaos:
         self.accepted: set[str] = set()
         self.uncertain: set[str] = set()
         self.completes: collections.Counter[str] = collections.Counter()
-        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.outcome_of: dict[str, str] = {}
         self.ops: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
         self.ws_stats: collections.Counter[str] = collections.Counter()
@@ -593,15 +606,16 @@ class Chaos:
             self.last_seq = seq
         if kind == "run_complete":
             complete = envelope["payload"]["payload"]
-            self.completes[complete["run_id"]] += 1
+            run_id = complete["run_id"]
+            self.completes[run_id] += 1
+            if complete.get("cancelled"):
+                self.outcome_of[run_id] = "cancelled"
+            elif complete.get("error"):
+                self.outcome_of[run_id] = "failed"
+            else:
+                self.outcome_of[run_id] = "completed"
             self.completed.set()
             self.completed = trio.Event()
-            if complete.get("cancelled"):
-                self.outcomes["cancelled"] += 1
-            elif complete.get("error"):
-                self.outcomes["failed"] += 1
-            else:
-                self.outcomes["completed"] += 1
 
     async def keep_connected(self) -> None:
         """Hold a websocket open, reconnecting (with ``since``) whenever it goes away."""
@@ -791,7 +805,11 @@ async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
             uncertain_found=found,
             uncertain_absent=len(chaos.uncertain) - found,
             foreign_completes=sum(n for r, n in chaos.completes.items() if r not in chaos.accepted),
-            outcomes=dict(chaos.outcomes),
+            outcomes=dict(
+                collections.Counter(
+                    chaos.outcome_of[r] for r in chaos.accepted if r in chaos.outcome_of
+                )
+            ),
             ops=dict(chaos.ops),
             rejected=dict(chaos.rejected),
             ws=dict(chaos.ws_stats),

@@ -1,6 +1,7 @@
 """The model of the benchmarks: the project's fake OpenAI-compatible server, as a process.
 
-Every chat-completions request gets ``--tokens`` streamed tokens (``t0 ``, ``t1 ``, ...), with
+Every chat-completions request gets ``--tokens`` streamed tokens (``t0 ``, ``t1 ``, ..., or
+``--token-text`` repeated), with
 ``--delay-ms`` between them and, with ``--stamp``, each token prefixed by its send time
 (``time.time()``) so clients can measure token-to-client latency. For the chaos workload a
 fraction of requests fail: ``--fail-rate`` of them get HTTP 500 before any token, ``--drop-rate``
@@ -32,9 +33,10 @@ def make_default(
     fail_rate: float = 0.0,
     drop_rate: float = 0.0,
     seed: int = 0,
+    token_text: str = "",
 ) -> ReplySource:
     """The fake's default reply: always the same one, or a function choosing per request."""
-    text = [f"t{i} " for i in range(tokens)]
+    text = [token_text or f"t{i} " for i in range(tokens)]
     ok = Reply(text=text, token_delay=delay_ms / 1000, stamp=stamp)
     if fail_rate <= 0 and drop_rate <= 0:
         return ok
@@ -66,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--stamp", action="store_true")
+    parser.add_argument("--token-text", default="", help="every token is this text")
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--drop-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -77,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail_rate=args.fail_rate,
         drop_rate=args.drop_rate,
         seed=args.seed,
+        token_text=args.token_text,
     )
     fake = FakeLLM(default=default, record=False)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,19 @@ TOKEN: Final = "bench-token"
 READ_SIZE: Final = 64 * 1024
 #: Interval of the RSS sampler (seconds).
 RSS_SAMPLE_INTERVAL: Final = 0.05
+#: py-spy samples per second when profiling (``python -m bench --profile``).
+PROFILE_RATE: Final = 100
+
+
+@dataclass
+class Profiling:
+    """Where py-spy profiles of the servers go; ``directory`` None means no profiling."""
+
+    directory: Path | None = None
+
+
+#: Set by ``python -m bench --profile``: every server process is recorded by py-spy.
+PROFILING: Final = Profiling()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,12 +369,27 @@ async def server_process(
         "--no-access-log",
     )
     child = await Child.start(name, argv, log_dir=workdir)
+    spy: Child | None = None
     try:
         line = await child.expect("crush-trio listening on ")
         url = line.split(" on ", 1)[1].split("/?", 1)[0]
+        if PROFILING.directory is not None:
+            spy = await start_profiler(child.pid, PROFILING.directory / f"{workdir.name}.txt")
         yield ServerProcess(child, url, workdir)
     finally:
+        if spy is not None:
+            await spy.stop(signal.SIGINT)  # py-spy writes its file on SIGINT
         await child.stop()
+
+
+async def start_profiler(pid: int, out: Path) -> Child:
+    """Record ``pid`` with py-spy (collapsed stacks, ``--nonblocking`` so the server is never
+    paused); summarize the file with ``python -m bench.profile``."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", str(PROFILE_RATE)]
+    argv += ["--nonblocking", "--output", str(out)]
+    return await Child.start(f"py-spy-{out.stem}", argv, log_dir=out.parent)
 
 
 @asynccontextmanager

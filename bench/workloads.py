@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import orjson
 import trio
 
 from . import charts
@@ -49,6 +50,10 @@ W4_SOAK_GROWTH_TARGET: Final = 0.10
 #: Server bounds of every benchmarked server: the creating client's hold never lapses, so the
 #: workspace lives for the whole measurement whatever the clients do.
 BASE_SERVER: Final = {"create_grace": 86400.0}
+#: How a recorded ``message``/``updated`` envelope continues after its ``seq`` field.
+UPDATED_MESSAGE: Final = ',"type":"message","payload":{"type":"updated"'
+#: A phase of runs gives up when no run has ended for this long (seconds).
+STALL_AFTER: Final = 30.0
 #: Websocket clients per client process in the fan-out and idle workloads.
 CLIENTS_PER_PROCESS: Final = 250
 
@@ -78,7 +83,7 @@ class Sizes:
     w5_sessions: int
     w5_actors: int
     #: Bound on one measured phase (seconds); a hung phase fails the workload.
-    phase_timeout: float = 600.0
+    phase_timeout: float = 180.0
     #: Settling time before an idle RSS reading (seconds).
     settle: float = 2.0
     #: W4: a warm-up run before the measured ones.
@@ -88,7 +93,7 @@ class Sizes:
 
 FULL: Final = Sizes(
     w1_levels=[1, 10, 50, 200],
-    w1_min_runs=50,
+    w1_min_runs=100,
     w1_tokens=200,
     w1_modes=["fake", "echo"],
     w2_runs=50,
@@ -318,6 +323,7 @@ class LevelResult:
     tokens: int = 0
     events: int = 0
     hwm: int = 0
+    gaps: int = 0
     first_text: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -361,7 +367,13 @@ async def run_rounds(
             await all_events(ws, "sessions", 120)
             cpu0, t0 = server.cpu(), time.time()
             await broadcast(
-                ws, {"cmd": "go", "prompt": prompt_text, "timeout": ctx.sizes.phase_timeout}
+                ws,
+                {
+                    "cmd": "go",
+                    "prompt": prompt_text,
+                    "timeout": ctx.sizes.phase_timeout,
+                    "stall": STALL_AFTER,
+                },
             )
             done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
             level.cpu += server.cpu() - cpu0
@@ -373,6 +385,7 @@ async def run_rounds(
                 level.failed += d["failed"]
                 level.missing += d["missing"]
                 level.tokens += d["tokens"]
+                level.gaps += d["gaps"]
                 level.first_text += d["first_text"]
                 level.latency += d["latency"]
                 level.errors += d["errors"]
@@ -558,7 +571,8 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         "latency of a token when the first `message` event containing it arrives. Streamed "
         "message updates are coalesced for up to `options.debounce_ms` (33 ms by default), "
         "which bounds how fresh a token can be.",
-        f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}.",
+        f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}; "
+        f"gap frames (lossy events dropped for a full client queue): {level.gaps}.",
     ]
     result.raw = {
         "first_text": first,
@@ -636,9 +650,9 @@ async def w3(ctx: Ctx) -> WorkloadResult:
     s = ctx.sizes
     result = WorkloadResult("W3", "Fan-out")
     table = Table(
-        f"One run streaming up to {s.w3_updates:,} updates (echo model, {s.w3_delay_ms:g} ms per "
-        "token, debounce off) to N websocket clients, against a bare trio-websocket server "
-        "pushing the same recorded frames to the same clients",
+        f"One run streaming {s.w3_updates:,} tokens (fake model, {s.w3_delay_ms:g} ms per token, "
+        "debounce off, so up to one update per token) to N websocket clients, against a bare "
+        "trio-websocket server pushing the same recorded frames to the same clients",
         [
             "clients",
             "client procs",
@@ -653,106 +667,120 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         ],
     )
     rows: list[dict[str, Any]] = []
-    config = echo_config(s.w3_delay_ms, options={"debounce_ms": 0})
-    text = words(s.w3_updates, "x")
-    for n in s.w3_clients:
-        ctx.log(f"[W3] {n} clients: server")
-        work = ctx.dir(f"w3-{n}")
-        record = work / "frames.json"
-        async with (
-            server_process(config, work) as server,
-            http_client(server) as http,
-        ):
-            wid = await open_workspace(http, work / "project")
-            sid = await create_session(http, wid)
-
-            async def start(http: httpx.AsyncClient = http, wid: str = wid, sid: str = sid) -> None:
-                await prompt(http, wid, sid, text)
-
-            real = await watch_until_done(
-                ctx, f"w3-{n}-watch", ws_template(server, wid), n, start, server.cpu, record
-            )
-        frames = record.read_text()
-        real.updates = frames.count('"type":"message","payload":{"type":"updated"')
-        ctx.log(f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s; bare ceiling")
-        async with child_process(
-            f"w3-{n}-bare",
-            python("-m", "bench.bare", "--port", "0", "--frames", str(record)),
-            work,
-            "bare-ws listening on ",
-        ) as (bare, line):
-            url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
-
-            async def go(bare: Child = bare) -> None:
-                assert bare.process.stdin is not None
-                await bare.process.stdin.send_all(b"go\n")
-
-            ceiling = await watch_until_done(
-                ctx, f"w3-{n}-bare-watch", url, n, go, partial(cpu_seconds, bare.pid)
-            )
-        ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
-        ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
-        table.add(
-            n,
-            processes_for(n),
-            f"{real.updates:,}",
-            f"{real.deliveries:,}",
-            rate(real.per_cpu),
-            f"{real.wall:.2f} s",
-            real.gaps,
-            rate(ceiling.per_cpu),
-            f"{ceiling.wall:.2f} s",
-            share(ratio),
-        )
-        rows.append(
-            {
-                "clients": n,
-                "updates": real.updates,
-                "deliveries": real.deliveries,
-                "server_cpu": real.cpu,
-                "server_per_cpu": real.per_cpu,
-                "server_wall": real.wall,
-                "gaps": real.gaps,
-                "closes": real.closes,
-                "run_complete": real.complete,
-                "bare_deliveries": ceiling.deliveries,
-                "bare_cpu": ceiling.cpu,
-                "bare_per_cpu": ceiling.per_cpu,
-                "bare_wall": ceiling.wall,
-                "ratio": ratio,
-            }
-        )
-        result.targets.append(
-            Target(
-                f"msgs per CPU-second vs bare ceiling, {n} clients",
-                share(ratio),
-                "≥ 50%",
-                ratio >= W3_RATIO_TARGET,
-            )
-        )
-        result.targets.append(
-            Target(
-                f"every client got run_complete, {n} clients",
-                f"{real.complete}/{n}",
-                "all",
-                real.complete == n,
-            )
-        )
+    stream = fast_stream(ctx, "w3-fake", s.w3_updates, s.w3_delay_ms)
+    async with stream as fake_url:
+        for n in s.w3_clients:
+            rows.append(await w3_level(ctx, n, fake_url, result, table))
     result.tables.append(table)
     result.notes += [
         "Deliveries are websocket frames received by all clients from the prompt to the last "
         "client's `run_complete`; msgs/CPU-s divides them by the server process's CPU seconds "
-        "over that interval (the run's own work — model, store writes, encoding — included).",
+        "over that interval (the run's own work: reading the model's stream, store writes, "
+        "encoding, is included).",
         "The bare server replays exactly the frames the first client received from the real "
         "server (same count, same bytes) to the same number of clients from the same client "
-        "processes. The model paces at most one token per "
-        f"{s.w3_delay_ms:g} ms; with many clients the server coalesces updates (each "
-        "`message` event carries the whole message), so fewer updates are published.",
+        "processes. Each `message` event carries the whole message so far (here up to "
+        f"{2 * s.w3_updates:,} characters of text); when the server falls behind the model it "
+        "coalesces tokens into fewer updates, so the update count drops as clients grow.",
         f"Clients are spread over one process per {CLIENTS_PER_PROCESS} clients.",
     ]
     result.raw = {"levels": rows}
     result.chart = lambda path: charts.w3(path, result.raw)
     return result
+
+
+def fast_stream(ctx: Ctx, name: str, tokens: int, delay_ms: float) -> Any:
+    """A fake model streaming ``tokens`` tokens of ``x `` (the smallest growth of a message per
+    update) with ``delay_ms`` between them."""
+    return fake_model(
+        ctx, name, "--tokens", str(tokens), "--delay-ms", f"{delay_ms:g}", "--token-text", "x "
+    )
+
+
+async def w3_level(
+    ctx: Ctx, n: int, fake_url: str, result: WorkloadResult, table: Table
+) -> dict[str, Any]:
+    """One client count: the real server, then the bare ceiling with the recorded frames."""
+    ctx.log(f"[W3] {n} clients: server")
+    config = fake_config(fake_url, options={"debounce_ms": 0})
+    work = ctx.dir(f"w3-{n}")
+    record = work / "frames.json"
+    async with server_process(config, work) as server, http_client(server) as http:
+        wid = await open_workspace(http, work / "project")
+        sid = await create_session(http, wid)
+
+        async def start() -> None:
+            await prompt(http, wid, sid, "Stream your tokens.")
+
+        real = await watch_until_done(
+            ctx, f"w3-{n}-watch", ws_template(server, wid), n, start, server.cpu, record
+        )
+    real.updates = sum(
+        1 for frame in _read_frames(record) if frame.startswith(UPDATED_MESSAGE, frame.find(","))
+    )
+    ctx.log(f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s; bare ceiling")
+    argv = python("-m", "bench.bare", "--port", "0", "--frames", str(record))
+    async with child_process(f"w3-{n}-bare", argv, work, "bare-ws listening on ") as (bare, line):
+        url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
+
+        async def go() -> None:
+            assert bare.process.stdin is not None
+            await bare.process.stdin.send_all(b"go\n")
+
+        ceiling = await watch_until_done(
+            ctx, f"w3-{n}-bare-watch", url, n, go, partial(cpu_seconds, bare.pid)
+        )
+    ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
+    ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
+    table.add(
+        n,
+        processes_for(n),
+        f"{real.updates:,}",
+        f"{real.deliveries:,}",
+        rate(real.per_cpu),
+        f"{real.wall:.2f} s",
+        real.gaps,
+        rate(ceiling.per_cpu),
+        f"{ceiling.wall:.2f} s",
+        share(ratio),
+    )
+    result.targets.append(
+        Target(
+            f"msgs per CPU-second vs bare ceiling, {n} clients",
+            share(ratio),
+            "≥ 50%",
+            ratio >= W3_RATIO_TARGET,
+        )
+    )
+    result.targets.append(
+        Target(
+            f"every client got run_complete, {n} clients",
+            f"{real.complete}/{n}",
+            "all",
+            real.complete == n,
+        )
+    )
+    return {
+        "clients": n,
+        "updates": real.updates,
+        "deliveries": real.deliveries,
+        "server_cpu": real.cpu,
+        "server_per_cpu": real.per_cpu,
+        "server_wall": real.wall,
+        "gaps": real.gaps,
+        "closes": real.closes,
+        "run_complete": real.complete,
+        "bare_deliveries": ceiling.deliveries,
+        "bare_cpu": ceiling.cpu,
+        "bare_per_cpu": ceiling.per_cpu,
+        "bare_wall": ceiling.wall,
+        "ratio": ratio,
+    }
+
+
+def _read_frames(path: Path) -> list[str]:
+    frames: list[str] = orjson.loads(path.read_bytes())
+    return frames
 
 
 # ---------------------------------------------------------------------------------------------
@@ -877,17 +905,21 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     )
 
     # -- a stalled client -----------------------------------------------------------------------
-    ctx.log(f"[W4] a stalled client during a {s.w4_updates}-update run")
+    ctx.log(f"[W4] a stalled client during a {s.w4_updates}-token run")
     # The defaults of the server (must-deliver 2 s, TCP_USER_TIMEOUT 2 s); shorter in smoke mode.
     scale = 0.25 if s.smoke else 1.0
     server_opts = {"must_deliver_timeout": 2.0 * scale, "tcp_user_timeout_ms": int(2000 * scale)}
-    config = echo_config(s.w4_delay_ms, options={"debounce_ms": 0}, server=server_opts)
-    text = words(s.w4_updates, "x")
     drain_after = server_opts["must_deliver_timeout"] + server_opts["tcp_user_timeout_ms"] / 1000
     work = ctx.dir("w4-stall")
-    async with server_process(config, work) as server, http_client(server) as http:
+    runs = {}
+    async with (
+        fast_stream(ctx, "w4-fake", s.w4_updates, s.w4_delay_ms) as fake_url,
+        server_process(
+            fake_config(fake_url, options={"debounce_ms": 0}, server=server_opts), work
+        ) as server,
+        http_client(server) as http,
+    ):
         wid = await open_workspace(http, work / "project")
-        runs = {}
         plan = [("A", False), ("B", True), ("A2", False)]
         if s.w4_warmup:
             plan.insert(0, ("warm-up", False))
@@ -898,7 +930,7 @@ async def w4(ctx: Ctx) -> WorkloadResult:
                 server,
                 http,
                 wid,
-                text,
+                "Stream your tokens.",
                 f"w4-{label}",
                 stalled=stalled,
                 drain_after=drain_after + ctx.sizes.settle,
@@ -1072,7 +1104,7 @@ async def w5(ctx: Ctx) -> WorkloadResult:
                     "seed": 1 + i,
                     "sessions": s.w5_sessions,
                     "actors": s.w5_actors,
-                    "think_max": 0.05,
+                    "think_max": 0.2,
                     "reconnect_max": 0.3,
                     "settle_timeout": 60,
                 }
