@@ -357,3 +357,28 @@ async def test_prompt_to_closing_workspace_gets_409(tmp_path: Path) -> None:
             assert "closing" in r.json()["message"]
         complete = await events.complete("z")
         assert complete["cancelled"] is True
+
+
+async def test_cancel_one_run_leaves_the_others(tmp_path: Path) -> None:
+    gate = Gate()
+    model = ScriptedModel([Step(text="first reply", gate_mid=gate)])
+    async with harness(tmp_path, model) as (server, wid, sid, events):
+        await server.prompt(wid, sid, "first", run_id="r1")
+        with trio.fail_after(5):
+            await gate.reached.wait()
+        await server.prompt(wid, sid, "second", run_id="r2")
+        await server.prompt(wid, sid, "third", run_id="r3")
+        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r2/cancel")
+        assert r.status_code == 200 and r.json() == {"cancelled": True}
+        assert (await events.complete("r2"))["cancelled"] is True
+        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r1/cancel")  # the running one
+        assert r.json() == {"cancelled": True}
+        r1 = await events.complete("r1")
+        assert r1["cancelled"] is True and r1["text"] == "first"
+        r3 = await events.complete("r3")  # the queue goes on
+        assert r3["cancelled"] is False and r3["text"] == "third"
+        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r3/cancel")
+        assert r.json() == {"cancelled": False}  # already finished: nothing to do
+        r = await server.http.post(f"/v1/workspaces/{wid}/runs/nope/cancel")
+        assert r.status_code == 404
+        assert [c["run_id"] for c in events.completes()] == ["r2", "r1", "r3"]

@@ -43,7 +43,7 @@ from ..wire import (
     now,
 )
 from .runs import RunBook
-from .state import Admission, AgentState, Prompt, Turn
+from .state import Admission, AgentState, CancelOutcome, Prompt, Turn
 
 if TYPE_CHECKING:
     from ..broker import Broker
@@ -180,7 +180,17 @@ class Agent:
 
     def cancel(self, session_id: str) -> None:
         """Cancel the session's active turn and drop its queue; a no-op when idle."""
-        outcome = self.state.cancel(session_id)
+        self._apply(self.state.cancel(session_id))
+
+    def cancel_run(self, run_id: str) -> bool:
+        """Cancel one live run (see :meth:`AgentState.cancel_run`); False when it is not live."""
+        outcome = self.state.cancel_run(run_id)
+        if outcome is None:
+            return False
+        self._apply(outcome)
+        return True
+
+    def _apply(self, outcome: CancelOutcome) -> None:
         if outcome.turn is not None:
             scope = self._scopes.get(id(outcome.turn))
             if scope is not None:

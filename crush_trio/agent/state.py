@@ -173,6 +173,20 @@ class AgentState:
         state.queue.clear()
         return CancelOutcome(turn, dropped)
 
+    def cancel_run(self, run_id: str) -> CancelOutcome | None:
+        """Cancel one run: drop it from its queue, or cancel the turn it belongs to (that turn's
+        folded prompts end with it). Other queued prompts are untouched. None: not live."""
+        for state in self._sessions.values():
+            for prompt in state.queue:
+                if prompt.run_id == run_id:
+                    state.queue.remove(prompt)
+                    return CancelOutcome(None, [prompt])
+            turn = state.active
+            if turn is not None and any(p.run_id == run_id for p in turn.prompts):
+                turn.cancelled = True
+                return CancelOutcome(turn, [])
+        return None
+
     def clear_queue(self, session_id: str) -> list[Prompt]:
         """Drop every queued prompt of the session (the active turn goes on)."""
         state = self._sessions.get(session_id)

@@ -392,21 +392,13 @@ class RunHandle:
     async def cancel(self) -> None:
         """Ask the server to cancel this run (it then ends with a cancelled ``run_complete``).
 
-        The protocol cancels per session, not per run, so this does the least it can: while the
-        run is not known to have started it first clears the session's queue (which drops the
-        other queued prompts of the session too) and asks for the run's status; only a run that
-        is running gets the session cancel (which ends the session's active turn, i.e. this
-        run's, and also drops the queue). A run that already ended is left alone.
+        Only this run is cancelled (``POST runs/{run_id}/cancel``): dropped from the queue if it
+        is waiting, or its turn stopped if it runs; other prompts of the session go on. A run that
+        already ended is left alone.
         """
         if self.done:
             return
-        ws = self.workspace
-        if not self.started:
-            await ws.clear_queue(self.session_id)
-            run = await ws.get_run(self.run_id)
-            if run.status is not RunStatus.RUNNING:
-                return
-        await ws.cancel(self.session_id)
+        await self.workspace.cancel_run(self.run_id)
 
 
 def _newer(old: Message, new: Message) -> bool:

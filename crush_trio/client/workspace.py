@@ -276,6 +276,12 @@ class WorkspaceClient:
         """Cancel the session's active turn and drop its queued prompts (idempotent)."""
         await self.client.request("POST", self._url(f"/agent/sessions/{session_id}/cancel"))
 
+    async def cancel_run(self, run_id: str) -> bool:
+        """Cancel one run: drop it from its queue or stop the turn it belongs to; the session's
+        other queued prompts go on. False when the run had already ended."""
+        data = await self.client.request("POST", self._url(f"/runs/{run_id}/cancel"))
+        return bool(data["cancelled"])
+
     async def clear_queue(self, session_id: str) -> None:
         """Drop the session's queued prompts (each gets a cancelled ``run_complete``)."""
         await self.client.request("POST", self._url(f"/agent/sessions/{session_id}/prompts/clear"))

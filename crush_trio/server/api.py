@@ -103,6 +103,12 @@ class Api:
             raise error(f"run {run_id!r} not found in workspace {ws.id}")
         return run
 
+    async def cancel_run(
+        self, ws: Workspace, run_id: str, *, in_body: bool = False
+    ) -> dict[str, Any]:
+        await self.get_run(ws, run_id, in_body=in_body)
+        return {"cancelled": ws.agent.cancel_run(run_id)}
+
     # -- permissions ----------------------------------------------------------------------------
 
     async def grant(self, ws: Workspace, body: GrantRequest) -> dict[str, Any]:

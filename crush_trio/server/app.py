@@ -315,6 +315,10 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     async def get_run(wid: str, run_id: str) -> Response:
         return json_response(await api.get_run(api.workspace(wid), run_id))
 
+    @app.post("/v1/workspaces/<wid>/runs/<run_id>/cancel")
+    async def cancel_run(wid: str, run_id: str) -> Response:
+        return json_response(await api.cancel_run(api.workspace(wid), run_id))
+
     # -- permissions ----------------------------------------------------------------------------
 
     @app.post("/v1/workspaces/<wid>/permissions/grant")

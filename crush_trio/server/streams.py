@@ -118,6 +118,7 @@ _METHODS: Final = {
     "sessions.list",
     "messages.list",
     "runs.get",
+    "runs.cancel",
     "permissions.grant",
 }
 
@@ -182,6 +183,9 @@ async def _dispatch(method: str, params: dict[str, Any], ws: Workspace, api: Api
     if method == "messages.list":
         ref = wire.structure(params, SessionRef, what=what)
         return await api.list_messages(ws, ref.session_id, in_body=True)
+    if method == "runs.cancel":
+        ref_cancel = wire.structure(params, RunRef, what=what)
+        return await api.cancel_run(ws, ref_cancel.run_id, in_body=True)
     if method == "runs.get":
         ref_run = wire.structure(params, RunRef, what=what)
         return await api.get_run(ws, ref_run.run_id, in_body=True)
