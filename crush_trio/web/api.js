@@ -87,4 +87,5 @@ export const api = {
   queuedPrompts: (wid, sid) =>
     request("GET", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/prompts/list`),
   agentInfo: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/agent`),
+  pendingPermissions: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/permissions`),
 };

@@ -366,6 +366,11 @@ class App {
       const sessions = await this.call("sessions.list");
       if (gen !== this.syncGen) return;
       this.sessions = new Map(sessions.map((s) => [s.id, s]));
+      // Requests asked before this page connected (or during a gap) are still answerable.
+      const pending = await api.pendingPermissions(this.wid);
+      if (gen !== this.syncGen) return;
+      this.permissions = new Map(pending.map((p) => [p.id, p]));
+      this.renderPermissions();
       this.renderSessions();
       let target = this.current;
       if (target && !this.sessions.has(target)) target = null;
