@@ -66,29 +66,29 @@ async def serve_websocket(
     ws.attach(client_id)
     close_code, close_reason = 1000, ""
     try:
+        # Two tasks per connection: the writer (below) and this one, which reads commands.
         async with trio.open_nursery() as nursery:
 
             async def writer() -> None:
                 await websocket.send(hello.text)
                 for frame in first:
                     await websocket.send(frame.text)
+                first.clear()
                 async for event in stream.receive:
+                    if stream.killed.is_set():
+                        break  # disconnected by the broker: close now, skip what is queued
                     await websocket.send(event.text)
                     stream.after_receive()
-                # The channel closed: the client was killed or the workspace closed.
+                # The channel closed: the client was killed, or the workspace closed (in which
+                # case everything queued, the final run_complete events included, was sent).
                 nursery.cancel_scope.cancel()
 
-            async def reader() -> None:
-                while True:
-                    raw = await websocket.receive()
-                    reply = await _run_command(raw, ws, api)
-                    if reply is not None:
-                        await stream.send_reply(_reply_frame(reply))
-
             nursery.start_soon(writer)
-            nursery.start_soon(reader)
-            await _wait_for_end(stream, ws)
-            nursery.cancel_scope.cancel()
+            while True:
+                raw = await websocket.receive()
+                reply = await _run_command(raw, ws, api)
+                if reply is not None:
+                    await stream.send_reply(_reply_frame(reply))
     finally:
         stream.close()
         ws.detach(client_id)
@@ -101,13 +101,6 @@ async def serve_websocket(
             await websocket.close(close_code, close_reason)
         except Exception:  # already closed by the peer or the server
             pass
-
-
-async def _wait_for_end(stream: Any, ws: Workspace) -> None:
-    """Return when the client must be cut off at once: the broker killed it (too slow, or
-    dropped). A closing workspace closes the channel instead, so the writer first drains what
-    is queued (the final run_complete events) and then ends the connection with 1001."""
-    await stream.killed.wait()
 
 
 _METHODS: Final = {
