@@ -1,27 +1,124 @@
-"""Shared fixtures: a real server on an ephemeral loopback port inside the test's nursery."""
+"""Shared test helpers.
+
+Tests of what a client does (open a workspace, create sessions, prompt, wait for a run, read its
+events, answer permissions) use the project's own client, :mod:`crush_trio.client`, and its
+pytest plugin, :mod:`crush_trio.testing` (``crush_server``, ``crush_client``,
+``crush_workspace``, ``scripted_model``). When a test needs a server the plugin cannot give (a
+real provider configuration, a provider factory that fails), it starts one with
+``crush_trio.client.embedded(serve_options(tmp_path, ...))``.
+
+What else is here exists for tests that check the wire itself, which a client library
+deliberately hides: exact frames and their seq numbers, gap frames, close codes, refusals,
+websocket commands and malformed frames, SSE parity, exact HTTP status codes.
+:func:`running_server` and :class:`Server` give those tests a server and raw HTTP calls that
+assert the status code; :class:`EventSocket` is a raw websocket that keeps every frame.
+"""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
+import attrs
 import httpx
 import orjson
 import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from crush_trio.client import Event, Subscription
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
 
-TOKEN = "test-token"
+TOKEN: Final = "test-token"
+#: Bound on each wait of a test on a run or an event (seconds).
+WAIT: Final = 10.0
+#: Largest frame the raw websocket accepts (a message event carries a whole message).
+MAX_FRAME: Final = 64 * 1024 * 1024
+
+
+def serve_options(tmp_path: Path, **overrides: Any) -> ServeOptions:
+    """Options of a test server: loopback port 0, data and user config under ``tmp_path``."""
+    options = ServeOptions(
+        host="127.0.0.1",
+        port=0,
+        data_dir=tmp_path / "data",
+        token=TOKEN,
+        user_config_dir=tmp_path / "user-config",
+        access_log=False,
+    )
+    return attrs.evolve(options, **overrides)
+
+
+# -- client-side helpers ----------------------------------------------------------------------
+
+
+async def events_until(
+    feed: Subscription, done: Callable[[Event], bool], timeout: float = WAIT
+) -> list[Event]:
+    """The events of ``feed`` up to and including the first for which ``done`` is true.
+
+    ``Subscription.until`` returns only the matching event; tests that assert over everything a
+    client saw before it (no duplicate ``run_complete``, the order of terminals, which errors)
+    keep the rest with this.
+
+    Raises:
+        crush_trio.client.Timeout: no matching event within ``timeout`` seconds.
+    """
+    seen: list[Event] = []
+
+    def keep(event: Event) -> bool:
+        seen.append(event)
+        return done(event)
+
+    await feed.until(keep, timeout)
+    return seen
+
+
+def completes_run(run_id: str) -> Callable[[Event], bool]:
+    """A predicate: the ``run_complete`` event of run ``run_id``."""
+    return lambda e: e.type == "run_complete" and e.payload.run_id == run_id
+
+
+def payloads(events: list[Event], event_type: str) -> list[Any]:
+    """The payloads of the events of one type, in order."""
+    return [e.payload for e in events if e.type == event_type]
+
+
+# -- raw protocol helpers ---------------------------------------------------------------------
+
+
+def ws_url(
+    base_url: str,
+    wid: str,
+    client_id: str,
+    since: int | None = None,
+    token: str | None = TOKEN,
+) -> str:
+    """The event-stream URL of a workspace, with the token in the query unless ``None``."""
+    url = base_url.replace("http://", "ws://") + f"/v1/workspaces/{wid}/ws?client_id={client_id}"
+    if token is not None:
+        url += f"&token={token}"
+    if since is not None:
+        url += f"&since={since}"
+    return url
+
+
+@asynccontextmanager
+async def event_socket(url: str) -> AsyncIterator[EventSocket]:
+    """A raw websocket on ``url`` (see :func:`ws_url`)."""
+    async with open_websocket_url(url, max_message_size=MAX_FRAME) as conn:
+        yield EventSocket(conn)
 
 
 class Server:
-    """A running test server with small helpers for its HTTP API and streams."""
+    """A running server with raw HTTP helpers that assert the exact status of each answer.
+
+    For wire-level tests only; tests of client behaviour use :mod:`crush_trio.client`.
+    """
 
     def __init__(self, handle: ServerHandle, tmp: Path) -> None:
         self.handle = handle
@@ -39,14 +136,7 @@ class Server:
         return self.handle.backend
 
     def ws_url(self, wid: str, client_id: str, since: int | None = None, token: bool = True) -> str:
-        url = (
-            self.url.replace("http://", "ws://") + f"/v1/workspaces/{wid}/ws?client_id={client_id}"
-        )
-        if token:
-            url += f"&token={self.token}"
-        if since is not None:
-            url += f"&since={since}"
-        return url
+        return ws_url(self.url, wid, client_id, since, self.token if token else None)
 
     async def open_workspace(
         self, path: Path | None = None, client_id: str | None = None
@@ -85,19 +175,19 @@ class Server:
         assert r.status_code == 200, r.text
         return list(r.json())
 
-    @asynccontextmanager
-    async def websocket(
+    def websocket(
         self, wid: str, client_id: str | None = None, since: int | None = None
-    ) -> AsyncIterator[EventSocket]:
-        async with open_websocket_url(
-            self.ws_url(wid, client_id or str(uuid.uuid4()), since),
-            max_message_size=64 * 1024 * 1024,
-        ) as conn:
-            yield EventSocket(conn)
+    ) -> AbstractAsyncContextManager[EventSocket]:
+        """A raw :class:`EventSocket` on the workspace's stream (an async context manager)."""
+        return event_socket(self.ws_url(wid, client_id or str(uuid.uuid4()), since))
 
 
 class EventSocket:
-    """A websocket client that separates events from command replies."""
+    """A raw websocket that keeps every frame and tells events from command replies.
+
+    For wire-level tests only (frames, seqs, commands); a client follows runs with
+    :class:`crush_trio.client.RunHandle`.
+    """
 
     def __init__(self, conn: WebSocketConnection) -> None:
         self.conn = conn
@@ -139,18 +229,11 @@ class EventSocket:
 
 @asynccontextmanager
 async def running_server(tmp_path: Path, **overrides: Any) -> AsyncIterator[Server]:
-    options = ServeOptions(
-        host="127.0.0.1",
-        port=0,
-        data_dir=tmp_path / "data",
-        token=TOKEN,
-        user_config_dir=tmp_path / "user-config",
-        access_log=False,
-    )
-    for key, value in overrides.items():
-        setattr(options, key, value)
+    """A server in the caller's trio run for wire-level tests (see the module docstring)."""
     async with trio.open_nursery() as nursery:
-        handle: ServerHandle = await nursery.start(partial(serve, options))
+        handle: ServerHandle = await nursery.start(
+            partial(serve, serve_options(tmp_path, **overrides))
+        )
         server = Server(handle, tmp_path)
         try:
             yield server

@@ -1,131 +1,111 @@
 """Run semantics through the real server: exactly one run_complete per run, queue, fold, cancel.
 
-The model is a :class:`ScriptedModel` whose gates hold a run at a chosen phase (before streaming,
-mid-stream) until the test releases it, so every interleaving here is deterministic.
+The server and client come from the pytest plugin (``crush_server``, ``crush_workspace``); its
+``scripted_model`` holds a run at a chosen phase (before streaming, mid-stream) with gates until
+the test releases it, so every interleaving here is deterministic. A workspace subscription sees
+every event, so a test can check what no run handle would show: duplicates, order, foreign runs.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import trio
 import trio.lowlevel
-from trio_websocket import ConnectionClosed, open_websocket_url
 
+from crush_trio.client import (
+    Conflict,
+    NotFound,
+    RunComplete,
+    RunFailed,
+    RunStatus,
+    WorkspaceClient,
+    embedded,
+)
 from crush_trio.errors import ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.wire import Role, TextPart
+from crush_trio.testing import CrushServer
+from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, TextPart
 
-from .conftest import Server, running_server
-
-
-class Collector:
-    """Every frame of one websocket, gathered by a background task."""
-
-    def __init__(self) -> None:
-        self.frames: list[dict[str, Any]] = []
-        self._changed = trio.Event()
-        self.closed: Any = None
-
-    async def pump(self, conn: Any) -> None:
-        try:
-            while True:
-                self.frames.append(orjson.loads(await conn.get_message()))
-                self._changed.set()
-                self._changed = trio.Event()
-        except ConnectionClosed as exc:
-            self.closed = exc.reason
-
-    async def wait_for(
-        self, pred: Callable[[list[dict[str, Any]]], bool], timeout: float = 10
-    ) -> None:
-        with trio.fail_after(timeout):
-            while not pred(self.frames):
-                await self._changed.wait()
-
-    def completes(self, run_id: str | None = None) -> list[dict[str, Any]]:
-        return [
-            f["payload"]["payload"]
-            for f in self.frames
-            if f["type"] == "run_complete"
-            and (run_id is None or f["payload"]["payload"]["run_id"] == run_id)
-        ]
-
-    async def complete(self, run_id: str) -> dict[str, Any]:
-        await self.wait_for(lambda _: bool(self.completes(run_id)))
-        return self.completes(run_id)[0]
-
-    def errors(self) -> list[dict[str, Any]]:
-        return [
-            f["payload"]["payload"]
-            for f in self.frames
-            if f["type"] == "agent_event" and f["payload"]["payload"]["type"] == "error"
-        ]
+from .conftest import (
+    WAIT,
+    completes_run,
+    event_socket,
+    events_until,
+    payloads,
+    serve_options,
+    ws_url,
+)
 
 
-@asynccontextmanager
-async def harness(
-    tmp_path: Path, model: ScriptedModel | Any
-) -> AsyncIterator[tuple[Server, str, str, Collector]]:
-    """A server with ``model``, one workspace, one session and a collecting websocket."""
-    async with running_server(tmp_path, provider_factory=model) as server:
-        ws = await server.open_workspace()
-        session = await server.create_session(ws["id"])
-        collector = Collector()
-        url = server.ws_url(ws["id"], str(uuid.uuid4()))
-        async with open_websocket_url(url) as conn, trio.open_nursery() as nursery:
-            nursery.start_soon(collector.pump, conn)
-            await collector.wait_for(lambda f: bool(f))  # hello
-            yield server, ws["id"], session["id"], collector
-            nursery.cancel_scope.cancel()
+def errors_of(events: list[Any]) -> list[AgentEvent]:
+    return [e for e in payloads(events, "agent_event") if e.type == "error"]
 
 
-async def test_provider_error_carries_run_and_session(tmp_path: Path) -> None:
-    model = ScriptedModel([Step(text="partial words", error=ProviderError("upstream exploded"))])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "go", run_id="bad")
-        complete = await events.complete("bad")
-        assert complete["error"] == "upstream exploded" and complete["cancelled"] is False
-        assert complete["text"] == "partial words"
-        errors = events.errors()
-        assert errors == [
-            {
-                "type": "error",
-                "session_id": sid,
-                "run_id": "bad",
-                "message": "upstream exploded",
-                "error": "upstream exploded",
-            }
-        ]
-        run = await server.run(wid, "bad")
-        assert run["status"] == "failed" and run["error"] == "upstream exploded"
-        msgs = await server.messages(wid, sid)
-        finish = msgs[-1]["parts"][-1]
-        assert finish["type"] == "finish" and finish["data"]["reason"] == "error"
+async def test_provider_error_carries_run_and_session(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    scripted_model.add(Step(text="partial words", error=ProviderError("upstream exploded")))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        handle = await ws.prompt(sid, "go", run_id="bad")
+        with pytest.raises(RunFailed, match="upstream exploded"):
+            await handle.result(WAIT)
+        seen = await events_until(feed, completes_run("bad"))
+    assert handle.complete is not None
+    assert handle.complete.error == "upstream exploded" and handle.complete.cancelled is False
+    assert handle.complete.text == "partial words"
+    # The error event, exactly as it went over the wire, and the run's own view of it.
+    wire_errors = [
+        e.to_json()["payload"]["payload"]
+        for e in seen
+        if e.type == "agent_event" and e.payload.type == "error"
+    ]
+    assert wire_errors == [
+        {
+            "type": "error",
+            "session_id": sid,
+            "run_id": "bad",
+            "message": "upstream exploded",
+            "error": "upstream exploded",
+        }
+    ]
+    assert handle.errors == errors_of(seen)
+    run = await ws.get_run("bad")
+    assert run.status is RunStatus.FAILED and run.error == "upstream exploded"
+    finish = (await ws.messages(sid))[-1].parts[-1]
+    assert isinstance(finish, FinishPart) and finish.reason is FinishReason.ERROR
 
 
-async def test_foreign_run_failure_does_not_touch_ours(tmp_path: Path) -> None:
+async def test_foreign_run_failure_does_not_touch_ours(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel(
-        [Step(text="ours continues", gate_mid=gate), Step(error=ProviderError("theirs failed"))]
+    scripted_model.add(
+        Step(text="ours continues", gate_mid=gate), Step(error=ProviderError("theirs failed"))
     )
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        other = await server.create_session(wid)
-        await server.prompt(wid, sid, "ours", run_id="ours")
-        with trio.fail_after(5):
+    sid = (await ws.create_session()).id
+    other = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        ours = await ws.prompt(sid, "ours", run_id="ours")
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        await server.prompt(wid, other["id"], "theirs", run_id="theirs")
-        theirs = await events.complete("theirs")
-        assert theirs["error"] == "theirs failed"
+        theirs = await ws.prompt(other, "theirs", run_id="theirs")
+        with pytest.raises(RunFailed, match="theirs failed"):
+            await theirs.result(WAIT)
+        assert not ours.done
         gate.release()
-        ours = await events.complete("ours")
-        assert ours["error"] is None and ours["text"] == "ours continues"
-        assert [e["run_id"] for e in events.errors()] == ["theirs"]
+        run = await ours.result(WAIT)
+        seen = await events_until(feed, completes_run("ours"))
+    assert run.error is None and run.text == "ours continues"
+    assert [e.run_id for e in errors_of(seen)] == ["theirs"]
+    assert ours.errors == [] and [e.run_id for e in theirs.errors] == ["theirs"]
 
 
 async def test_early_failure_gets_exactly_one_errored_terminal(tmp_path: Path) -> None:
@@ -136,249 +116,317 @@ async def test_early_failure_gets_exactly_one_errored_terminal(tmp_path: Path) -
         calls += 1
         raise ConfigError("provider 'echo' could not be set up: missing api_key")
 
-    async with harness(tmp_path, broken_factory) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "first", run_id="early")
-        complete = await events.complete("early")
-        assert "could not be set up" in complete["error"]
-        assert complete["message_id"] is not None  # an errored assistant record exists
+    project = tmp_path / "project"
+    project.mkdir()
+    options = serve_options(tmp_path, provider_factory=broken_factory)
+    async with (
+        embedded(options) as client,
+        client.workspace(project) as ws,
+        ws.subscribe(timeout=WAIT) as feed,
+    ):
+        sid = (await ws.create_session()).id
+        first = await ws.prompt(sid, "first", run_id="early")
+        with pytest.raises(RunFailed, match="could not be set up"):
+            await first.result(WAIT)
+        assert first.complete is not None
+        assert first.complete.message_id is not None  # an errored assistant record exists
         # A second run proves the first got no late duplicate.
-        await server.prompt(wid, sid, "second", run_id="early2")
-        await events.complete("early2")
-        assert len(events.completes("early")) == 1
-        assert (await server.run(wid, "early"))["status"] == "failed"
-        assert calls >= 1
+        second = await ws.prompt(sid, "second", run_id="early2")
+        await second.wait(WAIT)
+        seen = await events_until(feed, completes_run("early2"))
+        assert [c.run_id for c in payloads(seen, "run_complete")].count("early") == 1
+        assert (await ws.get_run("early")).status is RunStatus.FAILED
+    assert calls >= 1
 
 
-async def test_session_deleted_before_queued_run_starts(tmp_path: Path) -> None:
+async def test_session_deleted_before_queued_run_starts(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="a", gate_before=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "one", run_id="d1")
-        with trio.fail_after(5):
+    scripted_model.add(Step(text="a", gate_before=gate))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        handle = await ws.prompt(sid, "one", run_id="d1")
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        r = await server.http.delete(f"/v1/workspaces/{wid}/sessions/{sid}")
-        assert r.status_code == 200
+        await ws.delete_session(sid)
         gate.release()
-        complete = await events.complete("d1")
-        assert complete["cancelled"] is True and complete["error"] is None
-        assert len(events.completes("d1")) == 1
+        assert (await handle.result(WAIT)).status is RunStatus.CANCELLED
+        seen = await events_until(feed, completes_run("d1"))
+    assert handle.complete is not None
+    assert handle.complete.cancelled is True and handle.complete.error is None
+    assert [c.run_id for c in payloads(seen, "run_complete")] == ["d1"]
 
 
-async def test_cancel_mid_stream_saves_partial_reply(tmp_path: Path) -> None:
+async def test_cancel_mid_stream_saves_partial_reply(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="one two three four five six", gate_mid=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "go", run_id="c1")
-        with trio.fail_after(5):
+    scripted_model.add(Step(text="one two three four five six", gate_mid=gate))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        handle = await ws.prompt(sid, "go", run_id="c1")
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        r = await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel")
-        assert r.status_code == 200
-        complete = await events.complete("c1")
-        assert complete == {
-            "session_id": sid,
-            "run_id": "c1",
-            "message_id": complete["message_id"],
-            "text": "one two three",
-            "error": None,
-            "cancelled": True,
-        }
-        assert events.errors() == []
-        msgs = await server.messages(wid, sid)
-        assistant = msgs[-1]
-        assert assistant["parts"][0]["data"]["text"] == "one two three"
-        assert assistant["parts"][-1]["data"] == {
-            "reason": "canceled",
-            "time": assistant["parts"][-1]["data"]["time"],
-            "message": "User canceled request",
-            "details": "",
-        }
-        run = await server.run(wid, "c1")
-        assert run["status"] == "cancelled" and run["text"] == "one two three"
-        assert model.streams_open == 0
-        session = (await server.http.get(f"/v1/workspaces/{wid}/sessions/{sid}")).json()
-        assert session["is_busy"] is False
+        await ws.cancel(sid)
+        events = [event async for event in handle.events(WAIT)]
+        seen = await events_until(feed, completes_run("c1"))
+    terminal = events[-1]
+    assert terminal.raw is not None
+    assert terminal.raw["payload"]["payload"] == {
+        "session_id": sid,
+        "run_id": "c1",
+        "message_id": terminal.payload.message_id,
+        "text": "one two three",
+        "error": None,
+        "cancelled": True,
+    }
+    assert terminal.payload.message_id is not None
+    assert errors_of(seen) == []
+    assistant = (await ws.messages(sid))[-1]
+    assert assistant.parts[0] == TextPart("one two three")
+    finish = assistant.parts[-1]
+    assert isinstance(finish, FinishPart)
+    assert finish == FinishPart(
+        FinishReason.CANCELED, finish.time, "User canceled request", details=""
+    )
+    run = await ws.get_run("c1")
+    assert run.status is RunStatus.CANCELLED and run.text == "one two three"
+    assert scripted_model.streams_open == 0
+    assert (await ws.session(sid)).is_busy is False
 
 
-async def test_cancel_before_the_run_starts_streaming(tmp_path: Path) -> None:
+async def test_cancel_before_the_run_starts_streaming(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="never", gate_before=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "go", run_id="c0")
-        with trio.fail_after(5):
-            await gate.reached.wait()
-        await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel")
-        complete = await events.complete("c0")
-        assert complete["cancelled"] is True and complete["text"] == ""
-        msgs = await server.messages(wid, sid)
-        assert [m["role"] for m in msgs] == ["user", "assistant"]
-        assert msgs[-1]["parts"][-1]["data"]["reason"] == "canceled"
+    scripted_model.add(Step(text="never", gate_before=gate))
+    sid = (await ws.create_session()).id
+    handle = await ws.prompt(sid, "go", run_id="c0")
+    with trio.fail_after(WAIT):
+        await gate.reached.wait()
+    await ws.cancel(sid)
+    run = await handle.result(WAIT)
+    assert run.status is RunStatus.CANCELLED and run.text == ""
+    assert handle.complete is not None and handle.complete.cancelled is True
+    msgs = await ws.messages(sid)
+    assert [m.role for m in msgs] == [Role.USER, Role.ASSISTANT]
+    finish = msgs[-1].finish()
+    assert finish is not None and finish.reason is FinishReason.CANCELED
 
 
-async def test_cancel_during_dispatch_over_websocket(tmp_path: Path) -> None:
-    model = ScriptedModel()
-    async with running_server(tmp_path, provider_factory=model) as server:
-        ws = await server.open_workspace()
-        session = await server.create_session(ws["id"])
-        async with server.websocket(ws["id"]) as sock:
-            await sock.recv()
+async def test_cancel_during_dispatch_over_websocket(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Two websocket commands sent back to back (a wire-level test: the socket stays raw)."""
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    url = ws_url(crush_server.url, ws.id, str(uuid.uuid4()), token=crush_server.token)
+    with trio.fail_after(WAIT):
+        async with event_socket(url) as sock:
+            await sock.recv()  # hello
             # Both commands go out back to back: the cancel arrives before the turn can run.
             await sock.conn.send_message(
                 orjson.dumps(
                     {
                         "id": 1,
                         "method": "agent.prompt",
-                        "params": {"session_id": session["id"], "prompt": "x", "run_id": "disp"},
+                        "params": {"session_id": sid, "prompt": "x", "run_id": "disp"},
                     }
                 ).decode()
             )
             await sock.conn.send_message(
                 orjson.dumps(
-                    {"id": 2, "method": "agent.cancel", "params": {"session_id": session["id"]}}
+                    {"id": 2, "method": "agent.cancel", "params": {"session_id": sid}}
                 ).decode()
             )
-            with trio.fail_after(10):
-                complete, _ = await sock.run_complete("disp")
-        assert complete["cancelled"] is True
-        assert model.requests == []  # the model never saw it
-        assert (await server.run(ws["id"], "disp"))["status"] == "cancelled"
+            complete, _ = await sock.run_complete("disp")
+    assert complete["cancelled"] is True
+    assert scripted_model.requests == []  # the model never saw it
+    assert (await ws.get_run("disp")).status is RunStatus.CANCELLED
 
 
-async def test_idle_cancel_does_not_affect_the_next_prompt(tmp_path: Path) -> None:
-    async with harness(tmp_path, ScriptedModel()) as (server, wid, sid, events):
-        for _ in range(2):
-            r = await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel")
-            assert r.status_code == 200
-        await server.prompt(wid, sid, "after idle cancel", run_id="ok")
-        complete = await events.complete("ok")
-        assert complete["cancelled"] is False and complete["text"] == "after idle cancel"
+async def test_idle_cancel_does_not_affect_the_next_prompt(
+    crush_workspace: WorkspaceClient,
+) -> None:
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    for _ in range(2):
+        await ws.cancel(sid)
+    run = await ws.run(sid, "after idle cancel", timeout=WAIT)
+    assert run.status is RunStatus.COMPLETED and run.text == "after idle cancel"
 
 
-async def test_queued_run_id_prompts_run_as_their_own_turns_in_order(tmp_path: Path) -> None:
+async def test_queued_run_id_prompts_run_as_their_own_turns_in_order(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="first reply", gate_mid=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        assert (await server.prompt(wid, sid, "first", run_id="q1"))["status"] == "running"
-        with trio.fail_after(5):
+    scripted_model.add(Step(text="first reply", gate_mid=gate))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        q1 = await ws.prompt(sid, "first", run_id="q1")
+        assert q1.accepted is not None and q1.accepted.status == "running"
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        assert (await server.prompt(wid, sid, "second", run_id="q2"))["status"] == "queued"
-        assert (await server.prompt(wid, sid, "third", run_id="q3"))["status"] == "queued"
-        base = f"/v1/workspaces/{wid}/agent/sessions/{sid}/prompts"
-        assert (await server.http.get(f"{base}/queued")).json() == 2
-        assert (await server.http.get(f"{base}/list")).json() == ["second", "third"]
+        q2 = await ws.prompt(sid, "second", run_id="q2")
+        q3 = await ws.prompt(sid, "third", run_id="q3")
+        assert q2.accepted is not None and q2.accepted.status == "queued"
+        assert q3.accepted is not None and q3.accepted.status == "queued"
+        count = f"/v1/workspaces/{ws.id}/agent/sessions/{sid}/prompts/queued"
+        assert await ws.client.request("GET", count) == 2
+        assert await ws.queued(sid) == ["second", "third"]
         gate.release()
-        await events.wait_for(lambda _: len(events.completes()) == 3)
-        completes = events.completes()
-        assert [c["run_id"] for c in completes] == ["q1", "q2", "q3"]
-        assert [c["text"] for c in completes] == ["first reply", "second", "third"]
-        assert len({c["message_id"] for c in completes}) == 3
-        # Each queued prompt reached the model as its own turn.
-        assert len(model.requests) == 3
+        runs = [await handle.result(WAIT) for handle in (q1, q2, q3)]
+        seen = await events_until(feed, completes_run("q3"))
+    completes: list[RunComplete] = payloads(seen, "run_complete")
+    assert [c.run_id for c in completes] == ["q1", "q2", "q3"]
+    assert [c.text for c in completes] == ["first reply", "second", "third"]
+    assert [r.text for r in runs] == ["first reply", "second", "third"]
+    assert len({c.message_id for c in completes}) == 3
+    # Each queued prompt reached the model as its own turn.
+    assert len(scripted_model.requests) == 3
 
 
-async def test_prompt_without_run_id_is_folded_into_the_active_turn(tmp_path: Path) -> None:
+async def test_prompt_without_run_id_is_folded_into_the_active_turn(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """The client always sends a run_id; folding is what a prompt without one gets, so that
+    prompt is sent with a plain HTTP request."""
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="working on it", gate_mid=gate), Step(text="folded answer")])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "main task", run_id="main")
-        with trio.fail_after(5):
+    scripted_model.add(Step(text="working on it", gate_mid=gate), Step(text="folded answer"))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        main = await ws.prompt(sid, "main task", run_id="main")
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        folded = await server.prompt(wid, sid, "also this")
+        r = await ws.client.http.post(
+            f"/v1/workspaces/{ws.id}/agent", json={"session_id": sid, "prompt": "also this"}
+        )
+        assert r.status_code == 202, r.text
+        folded = r.json()
         assert folded["status"] == "queued" and folded["run_id"]
         gate.release()
-        main = await events.complete("main")
-        extra = await events.complete(folded["run_id"])
-        assert extra["message_id"] == main["message_id"] and extra["text"] == main["text"]
-        assert main["text"] == "folded answer"
-        # The folded prompt is a user message inside the turn's next model request.
-        second = model.requests[1]
-        users = [
-            "".join(p.text for p in m.parts if isinstance(p, TextPart))
-            for m in second.messages
-            if m.role is Role.USER
-        ]
-        assert users == ["main task", "also this"]
-        assert len(model.requests) == 2
-        assert (await server.run(wid, folded["run_id"]))["status"] == "completed"
+        main_run = await main.result(WAIT)
+        extra = (await feed.until(completes_run(folded["run_id"]), WAIT)).payload
+    assert extra.message_id == main_run.message_id and extra.text == main_run.text
+    assert main_run.text == "folded answer"
+    # The folded prompt is a user message inside the turn's next model request.
+    second = scripted_model.requests[1]
+    users = [m.text() for m in second.messages if m.role is Role.USER]
+    assert users == ["main task", "also this"]
+    assert len(scripted_model.requests) == 2
+    assert (await ws.get_run(folded["run_id"])).status is RunStatus.COMPLETED
 
 
 async def test_cancel_and_clear_drop_queued_prompts_with_cancelled_terminals(
-    tmp_path: Path,
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
 ) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="long", gate_mid=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "first", run_id="a")
-        with trio.fail_after(5):
-            await gate.reached.wait()
-        await server.prompt(wid, sid, "to clear", run_id="b")
-        r = await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/prompts/clear")
-        assert r.status_code == 200
-        b = await events.complete("b")
-        assert b["cancelled"] is True and b["error"] is None
-        assert (
-            await server.http.get(f"/v1/workspaces/{wid}/agent/sessions/{sid}/prompts/queued")
-        ).json() == 0
-        await server.prompt(wid, sid, "to cancel", run_id="c")
-        await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel")
-        a = await events.complete("a")
-        c = await events.complete("c")
-        assert a["cancelled"] and c["cancelled"]
-        # Prompts accepted after the cancel run normally.
-        await server.prompt(wid, sid, "after cancel", run_id="d")
-        d = await events.complete("d")
-        assert d["cancelled"] is False and d["text"] == "after cancel"
-        assert len(model.requests) == 2  # b and c never reached the model
-        for run_id, status in [
-            ("a", "cancelled"),
-            ("b", "cancelled"),
-            ("c", "cancelled"),
-            ("d", "completed"),
-        ]:
-            assert (await server.run(wid, run_id))["status"] == status
+    scripted_model.add(Step(text="long", gate_mid=gate))
+    sid = (await ws.create_session()).id
+    a = await ws.prompt(sid, "first", run_id="a")
+    with trio.fail_after(WAIT):
+        await gate.reached.wait()
+    b = await ws.prompt(sid, "to clear", run_id="b")
+    await ws.clear_queue(sid)
+    assert (await b.result(WAIT)).status is RunStatus.CANCELLED
+    assert b.complete is not None and b.complete.error is None
+    assert await ws.queued(sid) == []
+    c = await ws.prompt(sid, "to cancel", run_id="c")
+    await ws.cancel(sid)
+    for handle in (a, c):
+        await handle.wait(WAIT)
+        assert handle.complete is not None and handle.complete.cancelled is True
+    # Prompts accepted after the cancel run normally.
+    d = await ws.run(sid, "after cancel", timeout=WAIT)
+    assert d.status is RunStatus.COMPLETED and d.text == "after cancel"
+    assert len(scripted_model.requests) == 2  # b and c never reached the model
+    for run_id, status in [
+        ("a", RunStatus.CANCELLED),
+        ("b", RunStatus.CANCELLED),
+        ("c", RunStatus.CANCELLED),
+        (d.run_id, RunStatus.COMPLETED),
+    ]:
+        assert (await ws.get_run(run_id)).status is status
 
 
-async def test_prompt_to_closing_workspace_gets_409(tmp_path: Path) -> None:
+async def test_prompt_to_closing_workspace_gets_409(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="slow", gate_before=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "x", run_id="z")
-        with trio.fail_after(5):
-            await gate.reached.wait()
-        ws = server.backend.get(wid)
-        ws.request_shutdown()
-        with trio.fail_after(5):
-            while not ws.closing:
-                await trio.lowlevel.checkpoint()
-        r = await server.http.post(
-            f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "prompt": "late"}
+    scripted_model.add(Step(text="slow", gate_before=gate))
+    sid = (await ws.create_session()).id
+    handle = await ws.prompt(sid, "x", run_id="z")
+    with trio.fail_after(WAIT):
+        await gate.reached.wait()
+    workspace = crush_server.backend.get(ws.id)
+    workspace.request_shutdown()
+    with trio.fail_after(WAIT):
+        while not workspace.closing:
+            await trio.lowlevel.checkpoint()
+    # Straight to the server (WorkspaceClient.prompt may already know the stream is gone).
+    with pytest.raises((Conflict, NotFound)) as refused:
+        await ws.client.request(
+            "POST", f"/v1/workspaces/{ws.id}/agent", json={"session_id": sid, "prompt": "late"}
         )
-        assert r.status_code in (404, 409)
-        if r.status_code == 409:
-            assert "closing" in r.json()["message"]
-        complete = await events.complete("z")
-        assert complete["cancelled"] is True
+    if isinstance(refused.value, Conflict):
+        assert "closing" in str(refused.value)
+    assert (await handle.result(WAIT)).status is RunStatus.CANCELLED
 
 
-async def test_cancel_one_run_leaves_the_others(tmp_path: Path) -> None:
+async def test_cancel_one_run_leaves_the_others(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
     gate = Gate()
-    model = ScriptedModel([Step(text="first reply", gate_mid=gate)])
-    async with harness(tmp_path, model) as (server, wid, sid, events):
-        await server.prompt(wid, sid, "first", run_id="r1")
-        with trio.fail_after(5):
+    scripted_model.add(Step(text="first reply", gate_mid=gate))
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        r1 = await ws.prompt(sid, "first", run_id="r1")
+        with trio.fail_after(WAIT):
             await gate.reached.wait()
-        await server.prompt(wid, sid, "second", run_id="r2")
-        await server.prompt(wid, sid, "third", run_id="r3")
-        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r2/cancel")
-        assert r.status_code == 200 and r.json() == {"cancelled": True}
-        assert (await events.complete("r2"))["cancelled"] is True
-        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r1/cancel")  # the running one
-        assert r.json() == {"cancelled": True}
-        r1 = await events.complete("r1")
-        assert r1["cancelled"] is True and r1["text"] == "first"
-        r3 = await events.complete("r3")  # the queue goes on
-        assert r3["cancelled"] is False and r3["text"] == "third"
-        r = await server.http.post(f"/v1/workspaces/{wid}/runs/r3/cancel")
-        assert r.json() == {"cancelled": False}  # already finished: nothing to do
-        r = await server.http.post(f"/v1/workspaces/{wid}/runs/nope/cancel")
-        assert r.status_code == 404
-        assert [c["run_id"] for c in events.completes()] == ["r2", "r1", "r3"]
+        r2 = await ws.prompt(sid, "second", run_id="r2")
+        r3 = await ws.prompt(sid, "third", run_id="r3")
+        assert await ws.cancel_run("r2") is True
+        assert (await r2.result(WAIT)).status is RunStatus.CANCELLED
+        assert await ws.cancel_run("r1") is True  # the running one
+        first = await r1.result(WAIT)
+        assert first.status is RunStatus.CANCELLED and first.text == "first"
+        third = await r3.result(WAIT)  # the queue goes on
+        assert third.status is RunStatus.COMPLETED and third.text == "third"
+        assert await ws.cancel_run("r3") is False  # already finished: nothing to do
+        with pytest.raises(NotFound):
+            await ws.cancel_run("nope")
+        seen = await events_until(feed, completes_run("r3"))
+    assert [c.run_id for c in payloads(seen, "run_complete")] == ["r2", "r1", "r3"]
+
+
+async def test_a_failing_store_cannot_lose_a_run_complete(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    """Regression: the final save used to build the terminal events, so a store that failed (or
+    took longer than the save timeout) at the end of a run lost its run_complete."""
+    from crush_trio.errors import StoreError
+
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    workspace = crush_server.backend.get(ws.id)
+
+    async def broken_save(run: Any) -> None:
+        raise StoreError("disk on fire")
+
+    workspace.store.save_run = broken_save  # type: ignore[method-assign]
+    handle = await ws.prompt(sid, "still ends", run_id="s1")
+    run = await handle.result(WAIT)
+    assert run.status is RunStatus.COMPLETED and handle.complete is not None
+    assert handle.complete.text == "still ends"
+    # The workspace survived and keeps serving.
+    handle2 = await ws.prompt(sid, "again", run_id="s2")
+    assert (await handle2.result(WAIT)).text == "again"

@@ -2,6 +2,13 @@
 failures, then a workspace shutdown; every accepted run ends exactly once and agrees with its
 record.
 
+The operations go through the project's client (``WorkspaceClient.prompt``, ``cancel``,
+``clear_queue``), and every run handle must end with its run's own terminal. The
+events are also read on a raw websocket, which checks the wire itself: seqs without holes across
+reconnects with ``since``, no gap, one ``run_complete`` per accepted run. A prompt without a
+``run_id`` (folded into the active turn) is something the client never sends, so it goes out as
+a plain HTTP request.
+
 CI runs a fixed number of examples with a fixed seed (derandomized); set
 ``CRUSH_TRIO_PROPERTY_EXAMPLES`` for more on demand.
 """
@@ -21,12 +28,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from crush_trio import wire
+from crush_trio.client import RunComplete, RunHandle, embedded
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.store import Store
 from crush_trio.wire import Role
 
-from .conftest import running_server
+from .conftest import MAX_FRAME, serve_options, ws_url
 
 EXAMPLES = int(os.environ.get("CRUSH_TRIO_PROPERTY_EXAMPLES", "12"))
 
@@ -58,22 +67,26 @@ async def test_every_accepted_run_ends_exactly_once(
     tmp_path_factory: Any, script: list[Any]
 ) -> None:
     tmp_path: Path = tmp_path_factory.mktemp("prop")
+    project = tmp_path / "project"
+    project.mkdir()
     model = ScriptedModel()
     accepted: list[str] = []
+    handles: list[RunHandle] = []
     frames: list[dict[str, Any]] = []
-    async with running_server(tmp_path, provider_factory=model) as server:
-        ws = await server.open_workspace()
-        wid = ws["id"]
-        sessions = [(await server.create_session(wid))["id"] for _ in range(2)]
+    options = serve_options(tmp_path, provider_factory=model)
+    async with embedded(options) as client, client.workspace(project) as ws:
+        assert client.server is not None
+        wid = ws.id
+        sessions = [(await ws.create_session()).id for _ in range(2)]
         cid = str(uuid.uuid4())
         last_seq = 0
-        workspace = server.backend.get(wid)
+        workspace = client.server.backend.get(wid)
 
         async def pump(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             nonlocal last_seq
-            url = server.ws_url(wid, cid, since=last_seq)
+            url = ws_url(client.base_url, wid, cid, since=last_seq, token=client.token)
             try:
-                async with open_websocket_url(url) as conn:
+                async with open_websocket_url(url, max_message_size=MAX_FRAME) as conn:
                     task_status.started()
                     while True:
                         frame = orjson.loads(await conn.get_message())
@@ -99,23 +112,22 @@ async def test_every_accepted_run_ends_exactly_once(
                     kind = op[0]
                     if kind == "prompt":
                         _, s, with_id, words = op
-                        body: dict[str, Any] = {
-                            "session_id": sessions[s],
-                            "prompt": " ".join(f"w{i}" for i in range(words)),
-                        }
+                        text = " ".join(f"w{i}" for i in range(words))
                         if with_id:
-                            body["run_id"] = f"run-{len(accepted)}"
-                        r = await server.http.post(f"/v1/workspaces/{wid}/agent", json=body)
-                        assert r.status_code == 202, r.text
-                        accepted.append(r.json()["run_id"])
+                            handle = await ws.prompt(sessions[s], text, f"run-{len(accepted)}")
+                            handles.append(handle)
+                            accepted.append(handle.run_id)
+                        else:
+                            r = await client.http.post(
+                                f"/v1/workspaces/{wid}/agent",
+                                json={"session_id": sessions[s], "prompt": text},
+                            )
+                            assert r.status_code == 202, r.text
+                            accepted.append(r.json()["run_id"])
                     elif kind == "cancel":
-                        await server.http.post(
-                            f"/v1/workspaces/{wid}/agent/sessions/{sessions[op[1]]}/cancel"
-                        )
+                        await ws.cancel(sessions[op[1]])
                     elif kind == "clear":
-                        await server.http.post(
-                            f"/v1/workspaces/{wid}/agent/sessions/{sessions[op[1]]}/prompts/clear"
-                        )
+                        await ws.clear_queue(sessions[op[1]])
                     elif kind == "fail_next":
                         model.add(
                             Step(
@@ -142,7 +154,13 @@ async def test_every_accepted_run_ends_exactly_once(
         assert set(completes) == set(accepted)
         assert all(len(v) == 1 for v in completes.values()), completes
 
-        store = await Store.open(Path(ws["data_dir"]))
+        # The client's view: each run handle ended with its own run's terminal, as sent.
+        for handle in handles:
+            await handle.wait(10)
+            wired = wire.converter.structure(completes[handle.run_id][0], RunComplete)
+            assert handle.complete == wired, handle
+
+        store = await Store.open(Path(ws.info.data_dir))
         try:
             for run_id in accepted:
                 run = await store.get_run(run_id)

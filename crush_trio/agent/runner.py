@@ -85,6 +85,7 @@ class _TurnProgress:
     results: set[str] = attrs.field(factory=set)  # tool_call ids that have a result
     model: str = ""
     provider: str = ""
+    assistant_unsaved: bool = False
 
 
 ProviderFactory = Callable[[str, Any], pb.Provider]
@@ -231,31 +232,37 @@ class Agent:
             next_turn, dropped = self.state.finish_turn(turn)
             if next_turn is None:
                 self._publish_busy(turn.session_id)
-            with trio.move_on_after(self.save_timeout, shield=True):
+            bound = self.save_timeout + self.broker.must_deliver_timeout * len(completes)
+            with trio.move_on_after(bound, shield=True):
                 for complete in completes:
                     await self._publish_complete(complete)
-                if dropped:
-                    await self._complete_dropped(dropped)
+            if dropped:
+                await self._complete_dropped(dropped)
             turn = next_turn
             if turn is None and not self.state.busy_sessions():
                 self._on_idle()
 
     async def _complete_dropped(self, dropped: list[Prompt]) -> None:
         """Queued prompts dropped by a cancel, a clear or shutdown: cancelled terminals."""
+        completes = []
+        for prompt in dropped:
+            run = self.runs.get(prompt.run_id)
+            if run is not None and not run.status.terminal:
+                self.runs.set_status(run, RunStatus.CANCELLED)
+            completes.append(
+                RunComplete(prompt.session_id, prompt.run_id, None, "", None, cancelled=True)
+            )
         with trio.move_on_after(self.save_timeout, shield=True):
-            completes = []
-            for prompt in dropped:
-                run = self.runs.get(prompt.run_id)
-                if run is not None and not run.status.terminal:
-                    self.runs.set_status(run, RunStatus.CANCELLED)
-                completes.append(
-                    RunComplete(prompt.session_id, prompt.run_id, None, "", None, cancelled=True)
-                )
-            await self.runs.save_now()
+            try:
+                await self.runs.save_now()
+            except Exception:
+                log.exception("saving %d dropped runs failed", len(dropped))
+        bound = self.save_timeout + self.broker.must_deliver_timeout * len(completes)
+        with trio.move_on_after(bound, shield=True):
             for complete in completes:
                 await self._publish_complete(complete)
-            if not self.state.busy_sessions():
-                self._on_idle()
+        if not self.state.busy_sessions():
+            self._on_idle()
 
     async def _publish_complete(self, complete: RunComplete) -> None:
         if complete.run_id in self._completed:
@@ -303,49 +310,37 @@ class Agent:
                 log.exception("turn of run %s failed with a bug", turn.primary.run_id)
         finally:
             self._scopes.pop(id(turn), None)
-            completes: list[RunComplete] = []
+            # The terminals are decided in memory first, so that a slow or failing store can
+            # delay or lose a save but never a run's run_complete.
+            completes = self._decide(progress, error=error, cancelled=cancelled)
             with trio.move_on_after(self.save_timeout, shield=True):
-                completes = await self._finish(progress, error=error, cancelled=cancelled)
+                try:
+                    await self._save_final(progress, error=error, cancelled=cancelled)
+                except Exception:
+                    log.exception("saving the end of run %s failed", turn.primary.run_id)
         return completes
 
-    async def _finish(
+    def _decide(
         self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
     ) -> list[RunComplete]:
-        """The shielded final save of a turn: repair the history, save runs, build terminals."""
+        """How the turn ended, in memory: run records move to their final status and the
+        terminal events are built. A failed or cancelled turn gets an assistant message (created
+        here, saved by :meth:`_save_final`) so every run_complete names one."""
         turn = progress.turn
-        session_alive = await self.store.get_session(turn.session_id) is not None
-        error_text = _error_text(error) if error is not None else None
-        if session_alive and (cancelled or error is not None):
-            for prompt in turn.prompts:
-                if prompt.run_id not in progress.user_written:
-                    await self._write_user_message(progress, prompt)
-            msg = progress.assistant
-            if msg is None:
-                msg = Message(new_id(), turn.session_id, Role.ASSISTANT)
-                msg.model, msg.provider = progress.model, progress.provider
-                await self.messages.create(msg)
-                progress.assistant = msg
-            _repair_tool_calls(msg, progress.results, cancelled=cancelled)
-            # The turn ended here: whatever finish the step had (tool_use while its tools ran)
-            # gives way to the one that says how the turn ended.
-            msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
-            if cancelled:
-                msg.parts.append(FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE))
-            else:
-                msg.parts.append(FinishPart(FinishReason.ERROR, message=error_text or ""))
-            msg.updated_at = now()
-            await self.messages.update(msg)
-            await self._write_missing_results(progress, cancelled=cancelled)
-        await self.messages.flush_all()
-
-        message_id = progress.assistant.id if progress.assistant else None
-        text = progress.assistant.text() if progress.assistant else ""
+        error_text = _error_text(error) if error is not None and not cancelled else None
+        if (cancelled or error is not None) and progress.assistant is None:
+            msg = Message(new_id(), turn.session_id, Role.ASSISTANT)
+            msg.model, msg.provider = progress.model, progress.provider
+            progress.assistant = msg
+            progress.assistant_unsaved = True
         if cancelled:
-            status, error_text = RunStatus.CANCELLED, None
+            status = RunStatus.CANCELLED
         elif error is not None:
             status = RunStatus.FAILED
         else:
             status = RunStatus.COMPLETED
+        message_id = progress.assistant.id if progress.assistant else None
+        text = progress.assistant.text() if progress.assistant else ""
         completes = []
         for prompt in turn.prompts:
             run = self.runs.get(prompt.run_id)
@@ -356,7 +351,6 @@ class Agent:
             completes.append(
                 RunComplete(turn.session_id, prompt.run_id, message_id, text, error_text, cancelled)
             )
-        await self.runs.save_now()
         if error_text is not None:
             for prompt in turn.prompts:
                 self.broker.publish(
@@ -370,6 +364,37 @@ class Agent:
                     EventKind.CREATED,
                 )
         return completes
+
+    async def _save_final(
+        self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
+    ) -> None:
+        """The shielded final save of a turn: repair the history, flush, save run records."""
+        turn = progress.turn
+        session_alive = await self.store.get_session(turn.session_id) is not None
+        if session_alive and (cancelled or error is not None):
+            for prompt in turn.prompts:
+                if prompt.run_id not in progress.user_written:
+                    await self._write_user_message(progress, prompt)
+            msg = progress.assistant
+            assert msg is not None  # made by _decide
+            if progress.assistant_unsaved:
+                await self.messages.create(msg)
+                progress.assistant_unsaved = False
+            _repair_tool_calls(msg, progress.results, cancelled=cancelled)
+            # The turn ended here: whatever finish the step had (tool_use while its tools ran)
+            # gives way to the one that says how the turn ended.
+            msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
+            if cancelled:
+                msg.parts.append(FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE))
+            else:
+                msg.parts.append(
+                    FinishPart(FinishReason.ERROR, message=_error_text(error) if error else "")
+                )
+            msg.updated_at = now()
+            await self.messages.update(msg)
+            await self._write_missing_results(progress, cancelled=cancelled)
+        await self.messages.flush_all()
+        await self.runs.save_now()
 
     async def _write_user_message(self, progress: _TurnProgress, prompt: Prompt) -> None:
         msg = Message(new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text)])
