@@ -86,6 +86,7 @@ class _TurnProgress:
     model: str = ""
     provider: str = ""
     assistant_unsaved: bool = False
+    history: list[Message] = attrs.field(factory=list)  # what the next model step is sent
 
 
 ProviderFactory = Callable[[str, Any], pb.Provider]
@@ -158,7 +159,7 @@ class Agent:
         if not text.strip():
             raise BadRequest("prompt is empty; send the text for the agent in 'prompt'")
         wire.validate_run_id(run_id)
-        if await self.store.get_session(session_id) is None:
+        if not self.store.session_exists(session_id):
             raise BadRequest(
                 f"session {session_id!r} does not exist in this workspace; create it with "
                 "POST /v1/workspaces/{id}/sessions"
@@ -370,7 +371,7 @@ class Agent:
     ) -> None:
         """The shielded final save of a turn: repair the history, flush, save run records."""
         turn = progress.turn
-        session_alive = await self.store.get_session(turn.session_id) is not None
+        session_alive = self.store.session_exists(turn.session_id)
         if session_alive and (cancelled or error is not None):
             for prompt in turn.prompts:
                 if prompt.run_id not in progress.user_written:
@@ -399,6 +400,7 @@ class Agent:
     async def _write_user_message(self, progress: _TurnProgress, prompt: Prompt) -> None:
         msg = Message(new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text)])
         await self.messages.create(msg)
+        progress.history.append(msg)
         progress.user_written.add(prompt.run_id)
 
     async def _write_missing_results(self, progress: _TurnProgress, *, cancelled: bool) -> None:
@@ -426,8 +428,10 @@ class Agent:
         provider_name, provider_cfg, model_entry = self.config.resolve_model("large")
         provider = self._provider(provider_name, provider_cfg)
         progress.model, progress.provider = model_entry.id, provider_name
-        history = await self.messages_for(sid)
-        first_prompt = not any(m.role is Role.USER for m in history)
+        # The history is read once; this turn's own messages are appended as they are made (no
+        # other turn runs on this session meanwhile), so later steps need no database round trip.
+        progress.history = await self.messages_for(sid)
+        first_prompt = not any(m.role is Role.USER for m in progress.history)
         await self._write_user_message(progress, turn.primary)
         if first_prompt and not session.title:
             self._bg.start_soon(self._generate_title, sid, turn.primary.text)
@@ -439,7 +443,6 @@ class Agent:
             for prompt in self.state.take_foldable(sid):
                 self._mark_running(prompt)
                 await self._write_user_message(progress, prompt)
-            history = await self.messages_for(sid)
             request = pb.ModelRequest(
                 model=pb.ModelInfo(
                     model_entry.id,
@@ -448,13 +451,14 @@ class Agent:
                     model_entry.default_max_tokens,
                 ),
                 system=SYSTEM_PROMPT,
-                messages=history,
+                messages=list(progress.history),
                 tools=self.tools.specs() if self.tools is not None else [],
                 max_tokens=max_tokens,
             )
             msg = Message(new_id(), sid, Role.ASSISTANT, model=model_entry.id)
             msg.provider = provider_name
             await self.messages.create(msg)
+            progress.history.append(msg)
             progress.assistant = msg
             progress.results = set()
             reason = await self._stream_step(provider, request, msg, progress)
@@ -608,6 +612,7 @@ class Agent:
             if results:
                 with trio.move_on_after(self.save_timeout, shield=True):
                     await self.messages.create(tool_msg)
+                progress.history.append(tool_msg)
         if stop:
             raise _StopTurn()
 

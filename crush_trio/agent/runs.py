@@ -81,8 +81,7 @@ class RunBook:
             self._dirty.clear()
             self._writes_in_flight += 1
             try:
-                for run in batch:
-                    await save_run(self._store, run)
+                await self._store.save_runs(batch)
             except BaseException:
                 for run in batch:
                     self._dirty.setdefault(run.run_id, run)

@@ -326,6 +326,9 @@ class Store:
         self._conn: sqlite3.Connection | None = conn
         self._path = path
         self._limiter = trio.CapacityLimiter(1)
+        #: Ids of the sessions that exist, kept in memory so the hot existence checks of the
+        #: agent need no thread hop (every session write goes through this object).
+        self._session_ids: set[str] = set()
 
     @classmethod
     async def open(cls, data_dir: Path) -> Store:
@@ -337,7 +340,16 @@ class Store:
         """
         path = Path(data_dir) / DB_FILENAME
         conn = await trio.to_thread.run_sync(_open_in_thread, path)
-        return cls(conn, path)
+        store = cls(conn, path)
+        store._session_ids = await store._call(
+            "listing session ids",
+            lambda c: {row[0] for row in c.execute("SELECT id FROM sessions")},
+        )
+        return store
+
+    def session_exists(self, session_id: str) -> bool:
+        """Whether the session exists (answered from memory, no database call)."""
+        return session_id in self._session_ids
 
     @property
     def path(self) -> Path:
@@ -409,6 +421,7 @@ class Store:
             )
 
         await self._call(f"creating session {session.id!r}", op)
+        self._session_ids.add(session.id)
 
     async def get_session(self, session_id: str) -> Session | None:
         def op(conn: sqlite3.Connection) -> Session | None:
@@ -498,6 +511,7 @@ class Store:
             )
             return cur.rowcount > 0
 
+        self._session_ids.discard(session_id)
         return await self._call(f"deleting session {session_id!r}", op)
 
     # -- messages ------------------------------------------------------------------------------
@@ -595,6 +609,24 @@ class Store:
             )
 
         await self._call(f"creating run {run.run_id!r}", op)
+
+    async def save_runs(self, runs: list[Run]) -> None:
+        """Insert or update several run records in one transaction."""
+        rows = [_run_row(run) for run in runs]
+
+        def op(conn: sqlite3.Connection) -> None:
+            _transaction(
+                conn,
+                lambda c: c.executemany(
+                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
+                    "message_id = excluded.message_id, text = excluded.text, "
+                    "error = excluded.error, finished_at = excluded.finished_at",
+                    rows,
+                ),
+            )
+
+        await self._call(f"saving {len(rows)} run(s)", op)
 
     async def save_run(self, run: Run) -> None:
         """Insert or update a run record in one statement (safe for concurrent savers)."""
