@@ -266,19 +266,18 @@ async def test_update_after_finish_is_still_written_at_once() -> None:
 # flush / flush_all with the real store
 
 
-async def test_flush_writes_only_that_message(store: Store) -> None:
+async def test_flush_writes_pending_rows_in_creation_order(store: Store) -> None:
     await store.create_session(Session(id="s"))
     service = MessageService(store, Recorder(), debounce=NEVER)
-    await service.create(msg("a"))
     await service.create(msg("b"))
+    await service.create(msg("a"))
+    assert await store.get_message("a") is None  # creation is batched, not a round trip
     await service.update(msg("a", TextPart("A")))
-    await service.update(msg("b", TextPart("B")))
     await service.flush("a")
-    a, b = await store.get_message("a"), await store.get_message("b")
-    assert a is not None
-    assert b is not None
-    assert (a.text(), b.text()) == ("A", "")
-    assert service.pending_count == 1
+    assert [m.id for m in await store.list_messages("s")] == ["b", "a"]
+    a = await store.get_message("a")
+    assert a is not None and a.text() == "A"
+    assert service.pending_count == 0
 
 
 async def test_flush_all_persists_latest_state_after_flusher_cancelled_inside_shield(
@@ -477,13 +476,14 @@ async def test_forget_drops_pending_state(store: Store) -> None:
     await store.create_session(Session(id="s"))
     service = MessageService(store, Recorder(), debounce=NEVER)
     await service.create(msg("m", TextPart("created")))
+    await service.flush_all()
     await service.update(msg("m", TextPart("pending")))
     await service.forget("m")
     await service.flush_all()
     stored = await store.get_message("m")
     assert stored is not None
     assert stored.text() == "created"
-    assert service.flush_count == 0
+    assert service.flush_count == 1
 
 
 async def test_forget_waits_for_the_write_in_flight_and_suppresses_its_event() -> None:

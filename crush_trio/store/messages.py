@@ -169,9 +169,11 @@ class MessageService:
                 # Windows all have the same length, so the earliest deadline is the first entry.
                 await trio.sleep_until(next(iter(self._due.values())))
                 now = trio.current_time()
-                due = [mid for mid, deadline in self._due.items() if deadline <= now]
-                if not due:
+                if not any(deadline <= now for deadline in self._due.values()):
                     continue  # flushed by someone else while we slept
+                # One batch for everything pending, not one per message: with many streams the
+                # writes (one thread hop each) would otherwise queue up and delay every update.
+                due = list(self._pending)
                 try:
                     await self._write(due)
                 except StoreError as exc:
@@ -184,13 +186,18 @@ class MessageService:
     # -- the API -------------------------------------------------------------------------------
 
     async def create(self, message: Message) -> None:
-        """Insert a message now and publish ``created``.
+        """Publish ``created`` now; the row is inserted with the next batch (within the window,
+        or at once by the next terminal change, :meth:`flush` or :meth:`flush_all`).
 
-        Raises:
-            StoreError: the id exists, the session does not, or the database failed.
+        Batches keep creation order, so rows are inserted in the order messages were created.
+        Starting a turn therefore costs no database round trip of its own.
         """
-        await self._store.create_message(message)
+        shape = shape_of(message)
+        if not shape.finished:
+            self._shapes[message.id] = (message.session_id, shape)
+        self._add_pending(message)
         self._publish(message, EventKind.CREATED)
+        await trio.lowlevel.checkpoint()
 
     async def update(self, message: Message) -> None:
         """Record the latest state of a message; write and publish it within the window.
@@ -214,15 +221,21 @@ class MessageService:
             self._shapes[mid] = (message.session_id, shape)
         self._add_pending(message)
         if terminal:
-            await self._write([mid])
+            # Everything pending goes with it, so rows keep their creation order.
+            await self._write(None)
 
     async def flush(self, message_id: str) -> None:
-        """Write and publish one message's pending state now; wait for any write in flight.
+        """Write ``message_id`` now, with everything else pending (rows keep their creation
+        order, so a message is never inserted before one created earlier); wait for any write
+        in flight.
 
         Raises:
             StoreError: the write failed (the state stays pending).
         """
-        await self._write([message_id])
+        if message_id in self._pending:
+            await self._write(None)
+        else:
+            await self._wait_for_write()
 
     async def flush_all(self) -> None:
         """Write every pending message in one transaction and publish each; wait for any write
