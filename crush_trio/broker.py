@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
 #: Default number of events kept for resume by ``since`` / ``Last-Event-ID``.
 DEFAULT_REPLAY_BUFFER: Final = 4096
+#: Default bound on the bytes of encoded events in the replay buffer.
+DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 #: Default bound on how long a must-deliver publish waits for slow clients (seconds).
 DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 
@@ -189,6 +191,8 @@ class ClientStream:
             pass
         finally:
             self._md_waiting -= 1
+        if self._md_waiting == 0:
+            self._flush_gap_nowait()  # lossy events dropped while it waited
 
     async def send_reply(self, frame: Event) -> None:
         """Queue a command reply (waits for room: backpressure on the client's commands)."""
@@ -232,6 +236,7 @@ class Broker:
 
     Args:
         replay_size: events kept for resume.
+        replay_bytes: bytes of encoded events kept for resume (the older are evicted first).
         client_queue_size: capacity of each client's channel.
         must_deliver_timeout: total bound on one must-deliver publish (seconds).
     """
@@ -240,11 +245,15 @@ class Broker:
         self,
         *,
         replay_size: int = DEFAULT_REPLAY_BUFFER,
+        replay_bytes: int = DEFAULT_REPLAY_BYTES,
         client_queue_size: int = DEFAULT_CLIENT_QUEUE_SIZE,
         must_deliver_timeout: float = DEFAULT_MUST_DELIVER_TIMEOUT,
     ) -> None:
         self.seq = 0
-        self.replay: collections.deque[Event] = collections.deque(maxlen=replay_size)
+        self.replay: collections.deque[Event] = collections.deque()
+        self.replay_size = replay_size
+        self.replay_bytes = replay_bytes
+        self._replay_used = 0
         self.client_queue_size = client_queue_size
         self.must_deliver_timeout = must_deliver_timeout
         self.clients: set[ClientStream] = set()
@@ -263,6 +272,11 @@ class Broker:
         }
         event = Event(self.seq, ptype.value, orjson.dumps(envelope).decode(), ptype.must_deliver)
         self.replay.append(event)
+        self._replay_used += len(event.text)
+        while self.replay and (
+            len(self.replay) > self.replay_size or self._replay_used > self.replay_bytes
+        ):
+            self._replay_used -= len(self.replay.popleft().text)
         self.published += 1
         return event
 
@@ -356,6 +370,8 @@ class Broker:
         return {
             "seq": self.seq,
             "clients": len(self.clients),
+            "replay_events": len(self.replay),
+            "replay_bytes": self._replay_used,
             "published": self.published,
             "dropped": self.dropped,
             "killed": self.killed,

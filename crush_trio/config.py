@@ -108,6 +108,9 @@ DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
 #: Events kept per workspace for replay on reconnect.
 DEFAULT_REPLAY_BUFFER: Final = 4096
+#: Bytes of encoded events the replay buffer may hold (every message event carries the whole
+#: message, so a count alone would not bound memory).
+DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 #: Time a creating client has to open its first stream.
 DEFAULT_CREATE_GRACE: Final = 30.0
 #: Time a workspace stays after a client's last stream closes.
@@ -223,6 +226,7 @@ class ServerOptions:
     must_deliver_timeout: float = _positive(DEFAULT_MUST_DELIVER_TIMEOUT)
     client_queue_size: int = _positive(DEFAULT_CLIENT_QUEUE_SIZE)
     replay_buffer: int = DEFAULT_REPLAY_BUFFER
+    replay_bytes: int = _positive(DEFAULT_REPLAY_BYTES)
     create_grace: float = DEFAULT_CREATE_GRACE
     detach_grace: float = DEFAULT_DETACH_GRACE
     shutdown_save_timeout: float = _positive(DEFAULT_SHUTDOWN_SAVE_TIMEOUT)

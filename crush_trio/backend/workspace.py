@@ -102,6 +102,7 @@ class Workspace:
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
         self.broker = Broker(
             replay_size=server.replay_buffer,
+            replay_bytes=server.replay_bytes,
             client_queue_size=server.client_queue_size,
             must_deliver_timeout=server.must_deliver_timeout,
         )
