@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import attrs
@@ -122,6 +122,8 @@ class ClientStream:
         self.killed = trio.Event()
         self.kill_reason = ""
         self.kill_code = 1013
+        #: Called once when the client is killed (a transport cancels its writer with it).
+        self.on_kill: Callable[[], object] | None = None
         self.closed = False
 
     # -- producer side (the broker) ------------------------------------------------------------
@@ -207,6 +209,8 @@ class ClientStream:
         if not self.killed.is_set():
             self.kill_reason = reason
             self.kill_code = code
+            if self.on_kill is not None:
+                self.on_kill()
             log.warning(
                 "disconnecting client %s: %s (queue %d/%d)",
                 self.client_id or "?",

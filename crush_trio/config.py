@@ -227,6 +227,9 @@ class ServerOptions:
     client_queue_size: int = _positive(DEFAULT_CLIENT_QUEUE_SIZE)
     replay_buffer: int = DEFAULT_REPLAY_BUFFER
     replay_bytes: int = _positive(DEFAULT_REPLAY_BYTES)
+    #: Who serves the event websocket: trio-websocket directly (default; cheaper per message and
+    #: per connection, sends can be cut off) or the HTTP framework's own websocket route.
+    ws_transport: Literal["trio-websocket", "asgi"] = "trio-websocket"
     create_grace: float = DEFAULT_CREATE_GRACE
     detach_grace: float = DEFAULT_DETACH_GRACE
     shutdown_save_timeout: float = _positive(DEFAULT_SHUTDOWN_SAVE_TIMEOUT)

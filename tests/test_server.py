@@ -332,9 +332,8 @@ async def test_resume_replays_missed_events_in_order(server: Server) -> None:
             last_seen = hello["seq"]
         # Disconnected: a run happens meanwhile.
         await server.prompt(wid, session["id"], "while you were away", run_id="away")
-        while (await server.run(wid, "away"))["status"] != "completed":
-            async with server.websocket(wid) as watcher:
-                await watcher.run_complete("away")
+        async with server.websocket(wid, since=last_seen) as watcher:  # another client
+            await watcher.run_complete("away")
         async with server.websocket(wid, client_id=cid, since=last_seen) as sock:
             hello2 = await sock.recv()
             assert hello2["type"] == "hello"

@@ -457,10 +457,10 @@ class Agent:
             )
             msg = Message(new_id(), sid, Role.ASSISTANT, model=model_entry.id)
             msg.provider = provider_name
+            progress.assistant = msg  # before the create: a cancel in between still repairs it
+            progress.results = set()
             await self.messages.create(msg)
             progress.history.append(msg)
-            progress.assistant = msg
-            progress.results = set()
             reason = await self._stream_step(provider, request, msg, progress)
             calls = msg.tool_calls()
             if reason is FinishReason.TOOL_USE or calls:

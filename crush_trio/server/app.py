@@ -69,6 +69,46 @@ class Settings:
     sse_ping_interval: float = 15.0
 
 
+def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
+    """The token a request carries: bearer header, then ``?token=``, then the cookie."""
+    auth = headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return str(auth[7:].strip())
+    if "token" in args:
+        return str(args["token"])
+    cookie = cookies.get(TOKEN_COOKIE)
+    return str(cookie) if cookie is not None else None
+
+
+def check_request_token(settings: Settings, headers: Any, args: Any, cookies: Any) -> None:
+    """Raise :class:`Unauthorized` unless the request carries the server's token."""
+    if settings.unix or not settings.token:
+        return
+    given = presented_token(headers, args, cookies)
+    if given is None:
+        raise Unauthorized(
+            "missing token: send 'Authorization: Bearer TOKEN' or add ?token=TOKEN "
+            "(the token is printed by 'crush-trio serve')"
+        )
+    if not hmac.compare_digest(given.encode(), settings.token.encode()):
+        raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
+
+
+def check_request_origin(settings: Settings, headers: Any, scheme: str) -> None:
+    """Raise :class:`Forbidden` for an ``Origin`` that is neither ours nor allowed."""
+    origin = headers.get("Origin")
+    if origin is None:
+        return
+    host = headers.get("Host", "")
+    own = f"{'https' if scheme in ('https', 'wss') else 'http'}://{host}"
+    if origin == own or origin in settings.allow_origins:
+        return
+    raise Forbidden(
+        f"origin {origin!r} is not allowed; connect from {own} or start the server with "
+        f"--allow-origin {origin}"
+    )
+
+
 def json_response(data: Any, status: int = 200) -> Response:
     body = orjson.dumps(wire.converter.unstructure(data))
     return Response(body, status=status, content_type="application/json")
@@ -100,39 +140,11 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
 
     # -- auth, origin, logging ------------------------------------------------------------------
 
-    def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
-        auth = headers.get("Authorization", "")
-        if auth.lower().startswith("bearer "):
-            return str(auth[7:].strip())
-        if "token" in args:
-            return str(args["token"])
-        cookie = cookies.get(TOKEN_COOKIE)
-        return str(cookie) if cookie is not None else None
-
     def check_token(headers: Any, args: Any, cookies: Any) -> None:
-        if settings.unix or not settings.token:
-            return
-        given = presented_token(headers, args, cookies)
-        if given is None:
-            raise Unauthorized(
-                "missing token: send 'Authorization: Bearer TOKEN' or add ?token=TOKEN "
-                "(the token is printed by 'crush-trio serve')"
-            )
-        if not hmac.compare_digest(given.encode(), settings.token.encode()):
-            raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
+        check_request_token(settings, headers, args, cookies)
 
     def check_origin(headers: Any, scheme: str) -> None:
-        origin = headers.get("Origin")
-        if origin is None:
-            return
-        host = headers.get("Host", "")
-        own = f"{'https' if scheme in ('https', 'wss') else 'http'}://{host}"
-        if origin == own or origin in settings.allow_origins:
-            return
-        raise Forbidden(
-            f"origin {origin!r} is not allowed; connect from {own} or start the server with "
-            f"--allow-origin {origin}"
-        )
+        check_request_origin(settings, headers, scheme)
 
     @app.before_request
     async def _auth() -> Response | None:

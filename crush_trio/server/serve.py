@@ -33,6 +33,8 @@ from ..backend.registry import Backend
 from ..config import Config, load_config
 from ..errors import ConfigError
 from .app import Settings, create_app
+from .listener import PrefixedStream, serve_dispatching
+from .wsendpoint import serve_event_websocket
 
 log = logging.getLogger(__name__)
 
@@ -177,15 +179,33 @@ async def serve(
     try:
         async with backend.running(), trio.open_nursery() as nursery:
             http_stop = trio.Event()
-            await nursery.start(
-                partial(
-                    worker_serve,
-                    wrap_app(app, hconfig.wsgi_max_body_size, None),
-                    hconfig,
-                    sockets=Sockets([], [sock], []),
-                    shutdown_trigger=http_stop.wait,
+            wrapped = wrap_app(app, hconfig.wsgi_max_body_size, None)
+            if server_opts.ws_transport == "trio-websocket" and not unix:
+                api = app.extensions["crush_trio"]["api"]
+
+                async def ws_handler(stream: PrefixedStream) -> None:
+                    await serve_event_websocket(stream, api, settings, server_opts.ws_ping_interval)
+
+                await nursery.start(
+                    partial(
+                        serve_dispatching,
+                        wrapped,
+                        hconfig,
+                        sock,
+                        ws_handler,
+                        shutdown_trigger=http_stop.wait,
+                    )
                 )
-            )
+            else:
+                await nursery.start(
+                    partial(
+                        worker_serve,
+                        wrapped,
+                        hconfig,
+                        sockets=Sockets([], [sock], []),
+                        shutdown_trigger=http_stop.wait,
+                    )
+                )
             task_status.started(ServerHandle(url, token, backend, config, stop))
             await stop.wait()
             log.info("shutting down")

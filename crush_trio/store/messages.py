@@ -192,12 +192,14 @@ class MessageService:
         Batches keep creation order, so rows are inserted in the order messages were created.
         Starting a turn therefore costs no database round trip of its own.
         """
+        # The checkpoint comes first: a cancelled create must not leave a message behind that
+        # its caller never learned about.
+        await trio.lowlevel.checkpoint()
         shape = shape_of(message)
         if not shape.finished:
             self._shapes[message.id] = (message.session_id, shape)
         self._add_pending(message)
         self._publish(message, EventKind.CREATED)
-        await trio.lowlevel.checkpoint()
 
     async def update(self, message: Message) -> None:
         """Record the latest state of a message; write and publish it within the window.
