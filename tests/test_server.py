@@ -488,3 +488,20 @@ async def test_rename_session_publishes_an_update(server: Server) -> None:
     assert r.status_code == 400
     r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/nope", json={"title": "x"})
     assert r.status_code == 404
+
+
+async def test_framework_websocket_route_still_serves_events(tmp_path: Path) -> None:
+    """``server.ws_transport: "asgi"`` serves the same contract through the HTTP framework."""
+    config = tmp_path / "crush.json"
+    config.write_text('{"server": {"ws_transport": "asgi"}}')
+    async with running_server(tmp_path, config_file=config) as server:
+        ws = await server.open_workspace()
+        session = await server.create_session(ws["id"])
+        with trio.fail_after(10):
+            async with server.websocket(ws["id"]) as sock:
+                assert (await sock.recv())["type"] == "hello"
+                reply = await sock.command("sessions.list")
+                assert reply["ok"] and [s["id"] for s in reply["result"]] == [session["id"]]
+                await server.prompt(ws["id"], session["id"], "via the framework", run_id="asgi")
+                complete, _ = await sock.run_complete("asgi")
+        assert complete["text"] == "via the framework"
