@@ -132,7 +132,9 @@ class Agent:
         self._providers: dict[str, pb.Provider] = {}
         self.tools = tools
         self._scopes: dict[int, trio.CancelScope] = {}
-        self._completed: set[str] = set()
+        #: Runs accepted and not yet ended: a run_complete is published only for a run still in
+        #: here, and the run leaves it then (exactly once; memory bounded by the live runs).
+        self._live: set[str] = set()
         self._on_idle = on_idle
         self.closing = False
 
@@ -175,6 +177,7 @@ class Agent:
             session_id, run_id or new_id(), text, explicit=explicit
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)))
+        self._live.add(prompt.run_id)
         if turn is not None:
             self._publish_busy(session_id)
             self._runs_nursery.start_soon(self._drive, turn, name=f"session-{session_id}")
@@ -266,9 +269,9 @@ class Agent:
             self._on_idle()
 
     async def _publish_complete(self, complete: RunComplete) -> None:
-        if complete.run_id in self._completed:
+        if complete.run_id not in self._live:
             return
-        self._completed.add(complete.run_id)
+        self._live.discard(complete.run_id)
         await self.broker.publish_must_deliver(complete, EventKind.CREATED)
 
     def _publish_busy(self, session_id: str) -> None:
