@@ -27,6 +27,7 @@ LAYERS: Final = (
     ("HTTP routes", ("crush_trio/server/app.py", "crush_trio/server/api.py")),
     ("quart / hypercorn / wsproto", ("quart", "hypercorn/", "wsproto/", "werkzeug/")),
 )
+IDLE_LEAF: Final = "WorkerThread._work ("
 _LINE: Final = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME: Final = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
 
@@ -55,21 +56,25 @@ def layer_of(frames: list[str]) -> str:
 
 
 def summarize(path: Path, top: int = 40) -> str:
-    stacks = [(f, n) for f, n in parse(path) if f and "MainThread" in f[0]]
+    # A Trio worker thread waiting for its next job sits in a timed lock acquire, which py-spy
+    # counts as busy; it is idle time, so it is left out.
+    stacks = [(f, n) for f, n in parse(path) if f and not f[-1].startswith(IDLE_LEAF)]
+    if any(f[0].startswith("thread (") for f, _ in stacks):  # recorded with --threads
+        stacks = [(f[1:], n) for f, n in stacks if "MainThread" in f[0]]
     total = sum(n for _, n in stacks) or 1
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     layers: collections.Counter[str] = collections.Counter()
     for frames, n in stacks:
         seen = set()
-        for frame in frames[1:]:
+        for frame in frames:
             key = _key(frame)
             if key not in seen:
                 seen.add(key)
                 inclusive[key] += n
         own[_key(frames[-1])] += n
         layers[layer_of(frames)] += n
-    lines = [f"{path}: {total} samples of the main thread", "", "By layer (innermost):"]
+    lines = [f"{path}: {total} samples", "", "By layer (innermost):"]
     lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in layers.most_common()]
     lines += ["", "Inclusive:"]
     lines += [f"  {100 * n / total:5.1f}%  {name}" for name, n in inclusive.most_common(top)]

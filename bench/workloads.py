@@ -478,6 +478,14 @@ async def w1(ctx: Ctx) -> WorkloadResult:
         f"N≤10 uses one client process, larger N two; rounds of N runs repeat until at least "
         f"{s.w1_min_runs} runs were measured.",
     ]
+    result.notes.append(
+        "failed = runs refused or ended with an error, plus runs whose `run_complete` never "
+        f"arrived (the phase gives up {STALL_AFTER:g} s after the last run ended): "
+        + ", ".join(f"{lv.mode} N={lv.n}: {lv.missing} missing" for lv in levels if lv.missing)
+        if any(lv.missing for lv in levels)
+        else "failed = runs refused or ended with an error, plus runs whose `run_complete` "
+        "never arrived (none)."
+    )
     if any(lv.errors for lv in levels):
         result.notes.append(
             "errors: " + "; ".join(sorted({e for lv in levels for e in lv.errors})[:5])
@@ -489,6 +497,7 @@ async def w1(ctx: Ctx) -> WorkloadResult:
                 "n": lv.n,
                 "runs": lv.runs,
                 "completed": lv.completed,
+                "missing": lv.missing,
                 "wall": lv.wall,
                 "runs_per_s": lv.runs_per_s,
                 "tokens_per_s": lv.tokens / lv.wall if lv.wall else None,
