@@ -159,13 +159,22 @@ def crush_config() -> dict[str, Any]:
 
 
 @pytest.fixture
+def crush_provider_factory(scripted_model: ScriptedModel) -> Any:
+    """What builds the server's model providers: ``scripted_model`` by default. Override it with
+    ``None`` to use the providers configured in ``crush_config`` (real HTTP providers, echo)."""
+    return scripted_model
+
+
+@pytest.fixture
 async def crush_server(
     tmp_path: Path,
     scripted_model: ScriptedModel,
     crush_config: dict[str, Any],
+    crush_provider_factory: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[CrushServer]:
-    """A real server in the test's trio run on ``127.0.0.1:0`` with ``scripted_model``."""
+    """A real server in the test's trio run on ``127.0.0.1:0`` (models from
+    ``crush_provider_factory``: the scripted model unless overridden)."""
     # Imported here so that merely installing the plugin does not load the server's code.
     from .server.serve import ServeOptions, serve
 
@@ -187,7 +196,7 @@ async def crush_server(
         token=TEST_TOKEN,
         user_config_dir=root / "user-config",
         access_log=False,
-        provider_factory=scripted_model,
+        provider_factory=crush_provider_factory,
     )
     async with trio.open_nursery() as nursery:
         handle: ServerHandle = await nursery.start(partial(serve, options))
