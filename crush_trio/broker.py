@@ -54,7 +54,7 @@ class Event:
     first use and cached.
     """
 
-    __slots__ = ("_sse", "must_deliver", "seq", "text", "type")
+    __slots__ = ("_frame", "_sse", "must_deliver", "seq", "text", "type")
 
     def __init__(self, seq: int, type: str, text: str, must_deliver: bool) -> None:
         self.seq = seq
@@ -62,6 +62,14 @@ class Event:
         self.text = text
         self.must_deliver = must_deliver
         self._sse: bytes | None = None
+        self._frame: bytes | None = None
+
+    @property
+    def ws_frame(self) -> bytes:
+        """The websocket text frame (server to client: unmasked), built on first use."""
+        if self._frame is None:
+            self._frame = websocket_text_frame(self.text)
+        return self._frame
 
     @property
     def sse(self) -> bytes:
@@ -71,6 +79,19 @@ class Event:
 
     def __repr__(self) -> str:
         return f"<Event seq={self.seq} type={self.type}>"
+
+
+def websocket_text_frame(text: str) -> bytes:
+    """One final, unmasked text frame (RFC 6455 §5.2) carrying ``text``."""
+    payload = text.encode()
+    size = len(payload)
+    if size < 126:
+        header = bytes((0x81, size))
+    elif size < 1 << 16:
+        header = bytes((0x81, 126)) + size.to_bytes(2, "big")
+    else:
+        header = bytes((0x81, 127)) + size.to_bytes(8, "big")
+    return header + payload
 
 
 def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:

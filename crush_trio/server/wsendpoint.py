@@ -21,8 +21,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, wrap_server_stream
 from werkzeug.datastructures import Headers
+from wsproto.connection import ConnectionState
 
 from .. import __version__, wire
 from ..broker import Event
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 INBOUND_QUEUE: Final = 4
 #: How long a ping waits for its pong before the connection counts as dead (seconds).
 PONG_TIMEOUT: Final = 10.0
+#: Most queued events written to the socket in one write.
+MAX_FRAMES_PER_WRITE: Final = 64
 #: Bound on the upgrade handshake once the head has arrived (seconds).
 HANDSHAKE_TIMEOUT: Final = 10.0
 
@@ -162,9 +165,7 @@ async def _write(
     first: list[Event],
     ping_interval: float,
 ) -> None:
-    await conn.send_message(hello.text)
-    for frame in first:
-        await conn.send_message(frame.text)
+    await _send_frames(conn, b"".join([hello.ws_frame, *(f.ws_frame for f in first)]))
     first.clear()
     idle_limit = ping_interval if ping_interval > 0 else float("inf")
     while True:
@@ -183,5 +184,28 @@ async def _write(
             continue
         if stream.killed.is_set():
             return
-        await conn.send_message(event.text)
+        # Whatever else is already queued goes out in the same socket write.
+        frames = [event.ws_frame]
+        while len(frames) < MAX_FRAMES_PER_WRITE:
+            try:
+                frames.append(stream.receive.receive_nowait().ws_frame)
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        await _send_frames(conn, frames[0] if len(frames) == 1 else b"".join(frames))
         stream.after_receive()
+
+
+async def _send_frames(conn: WebSocketConnection, data: bytes) -> None:
+    """Write pre-encoded text frames (each event's frame is built once and shared by every
+    client), serialized with the connection's own sends (pings, pongs, close).
+
+    trio-websocket would encode the same frame again for every client; its frames carry no
+    extension (none is negotiated), so the shared bytes are exactly what it would send.
+    """
+    if conn._wsproto.state is not ConnectionState.OPEN:
+        raise ConnectionClosed(conn._close_reason or CloseReason(1006, "connection closed"))
+    async with conn._stream_lock:
+        try:
+            await conn._stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise ConnectionClosed(CloseReason(1006, "connection lost")) from None
