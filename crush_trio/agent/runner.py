@@ -425,8 +425,7 @@ class Agent:
         sid = turn.session_id
         for prompt in turn.prompts:
             self._mark_running(prompt)
-        session = await self.store.get_session(sid)
-        if session is None:
+        if not self.store.session_exists(sid):
             raise SessionGone(f"session {sid!r} was deleted before its run could start")
         provider_name, provider_cfg, model_entry = self.config.resolve_model("large")
         provider = self._provider(provider_name, provider_cfg)
@@ -436,7 +435,8 @@ class Agent:
         progress.history = await self.messages_for(sid)
         first_prompt = not any(m.role is Role.USER for m in progress.history)
         await self._write_user_message(progress, turn.primary)
-        if first_prompt and not session.title:
+        if first_prompt:
+            # _generate_title reads the session and keeps a title the client already set.
             self._bg.start_soon(self._generate_title, sid, turn.primary.text)
 
         options = self.config.options
@@ -620,7 +620,11 @@ class Agent:
             raise _StopTurn()
 
     async def _generate_title(self, session_id: str, prompt: str) -> None:
-        """Title a new session with the small model; always saves some title."""
+        """Title a new session with the small model; always saves some title (a title the
+        client already gave the session is kept, and no model call is made)."""
+        session = await self.store.get_session(session_id)
+        if session is None or session.title:
+            return
         title = ""
         try:
             with trio.move_on_after(TITLE_TIMEOUT):
