@@ -20,9 +20,7 @@ import argparse
 import random
 from collections.abc import Sequence
 
-import trio
-
-from tests.fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ReplySource
+from tests.fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ReplySource, run_standalone
 
 
 def make_default(
@@ -82,17 +80,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         token_text=args.token_text,
     )
-    fake = FakeLLM(default=default, record=False)
-
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(fake.serve, args.host, args.port)
-            print(f"fake-llm listening on {url}", flush=True)
-
-    try:
-        trio.run(run)
-    except KeyboardInterrupt:
-        pass
+    run_standalone(FakeLLM(default=default, record=False), args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -601,11 +601,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch=args.batch,
         stamp=args.stamp,
     )
-    fake = FakeLLM(default=reply, record=False)
+    run_standalone(FakeLLM(default=reply, record=False), args.host, args.port)
+
+
+def run_standalone(fake: FakeLLM, host: str, port: int) -> None:
+    """Serve ``fake`` in this process until interrupted, printing the listening line first."""
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            url = await nursery.start(fake.serve, args.host, args.port)
+            url = await nursery.start(fake.serve, host, port)
             print(f"fake-llm listening on {url}", flush=True)
 
     try:

@@ -156,7 +156,7 @@ async def test_many_updates_in_one_window_make_one_write(
             for i in range(30):  # 30 updates over 29 ms: all inside one 33 ms window
                 message.parts = [TextPart("x" * (i + 1))]
                 await service.update(message)
-                await trio.sleep(0.001)
+                await trio.sleep(0.001)  # virtual time (autojump_clock)
             assert fake.batches == []
             assert service.pending_count == 1
             await trio.sleep(DEBOUNCE_SECONDS)
@@ -186,7 +186,7 @@ async def test_steady_stream_is_written_once_per_window_not_starved(
             for i in range(100):  # one update every 2 ms for 200 ms
                 message.parts = [TextPart(str(i))]
                 await service.update(message)
-                await trio.sleep(0.002)
+                await trio.sleep(0.002)  # virtual time (autojump_clock)
             await trio.sleep(DEBOUNCE_SECONDS)
             nursery.cancel_scope.cancel()
 

@@ -711,12 +711,19 @@ def process_alive(pid: int) -> bool:
 async def wait_process_gone(pid: int) -> None:
     """Wait (bounded) for ``pid`` to be gone.
 
-    Polling is the only way: the OS gives no event for the exit of a process that is not our
-    child. The tool has already signalled the process; this waits only for the kernel to finish.
+    A pidfd (Linux) becomes readable when its process exits, also for a process that is not our
+    child, so this waits for the event rather than polling.
     """
-    with trio.fail_after(5):
-        while process_alive(pid):
-            await trio.sleep(0.02)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with trio.fail_after(5):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+    assert not process_alive(pid)
 
 
 @pytest.mark.slow
