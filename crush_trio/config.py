@@ -88,7 +88,8 @@ DEFAULT_RETRY_MAX_DELAY: Final = 30.0
 DEFAULT_DATA_DIRECTORY: Final = ".crush"
 #: Most model calls in one run before it stops.
 DEFAULT_MAX_STEPS: Final = 50
-#: Coalescing window for streamed message updates, in milliseconds.
+#: Publish window for streamed message updates (at most one ``message`` event per message per
+#: window), in milliseconds.
 DEFAULT_DEBOUNCE_MS: Final = 33.0
 #: Longest generated session title, in words.
 DEFAULT_TITLE_MAX_WORDS: Final = 8
@@ -115,6 +116,10 @@ DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_CREATE_GRACE: Final = 30.0
 #: Time a workspace stays after a client's last stream closes.
 DEFAULT_DETACH_GRACE: Final = 10.0
+#: Write window for streamed message state, in milliseconds: pending state of every streaming
+#: message is written in one transaction at most this long after it changed (terminal changes
+#: are written at once). A crash can lose at most this much of a partial reply.
+DEFAULT_MESSAGE_WRITE_MS: Final = 250.0
 #: Longest shielded final save of a workspace at shutdown.
 DEFAULT_SHUTDOWN_SAVE_TIMEOUT: Final = 5.0
 #: Time given to work at server shutdown before it is cancelled.
@@ -233,6 +238,7 @@ class ServerOptions:
     create_grace: float = DEFAULT_CREATE_GRACE
     detach_grace: float = DEFAULT_DETACH_GRACE
     shutdown_save_timeout: float = _positive(DEFAULT_SHUTDOWN_SAVE_TIMEOUT)
+    message_write_ms: float = DEFAULT_MESSAGE_WRITE_MS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     sse_ping_interval: float = _positive(DEFAULT_SSE_PING_INTERVAL)
     ws_ping_interval: float = _positive(DEFAULT_WS_PING_INTERVAL)

@@ -1,4 +1,4 @@
-"""The message service: debounced writes, terminal flushes, flush_all at shutdown, deletes.
+"""The message service: throttled events, batched writes, terminal flushes, flush_all, deletes.
 
 Timing tests use ``autojump_clock`` with an in-memory store (no threads, so virtual time only
 moves when every task waits on the clock). Persistence tests use the real :class:`Store` with a
@@ -17,7 +17,7 @@ import trio.testing
 
 from crush_trio.errors import StoreError
 from crush_trio.store import DEBOUNCE_SECONDS, MessageService, Store
-from crush_trio.store.messages import Shape, is_terminal_change, shape_of
+from crush_trio.store.messages import WRITE_WINDOW_SECONDS, Shape, is_terminal_change, shape_of
 from crush_trio.wire import (
     EventKind,
     FinishPart,
@@ -99,8 +99,9 @@ async def store(tmp_path: Path) -> AsyncIterator[Store]:
 # Terminal-change rules (no I/O)
 
 
-def test_default_debounce_is_one_frame() -> None:
-    assert DEBOUNCE_SECONDS == 0.033
+def test_default_windows() -> None:
+    assert DEBOUNCE_SECONDS == 0.033  # Crush's publish window: one frame
+    assert WRITE_WINDOW_SECONDS > DEBOUNCE_SECONDS
 
 
 @pytest.mark.parametrize(
@@ -133,16 +134,18 @@ def test_first_update_is_compared_with_an_empty_message() -> None:
     assert shape_of(msg("m")) == Shape(finished=False, tool_calls=(), reasoning_finished=0)
 
 
-def test_negative_debounce_is_refused() -> None:
+def test_negative_windows_are_refused() -> None:
     with pytest.raises(ValueError, match="debounce"):
         MessageService(FakeStore(), Recorder(), debounce=-1)
+    with pytest.raises(ValueError, match="write_window"):
+        MessageService(FakeStore(), Recorder(), write_window=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
 # Debouncing (virtual time)
 
 
-async def test_many_updates_in_one_window_make_one_write(
+async def test_many_updates_in_one_window_make_one_event_and_one_write(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     fake, published = FakeStore(), Recorder()
@@ -157,43 +160,81 @@ async def test_many_updates_in_one_window_make_one_write(
                 message.parts = [TextPart("x" * (i + 1))]
                 await service.update(message)
                 await trio.sleep(0.001)  # virtual time (autojump_clock)
-            assert fake.batches == []
-            assert service.pending_count == 1
+            assert published.events == [(EventKind.CREATED, "m", "")]
             await trio.sleep(DEBOUNCE_SECONDS)
+            # Published from memory when the window since the created event ended...
+            assert published.events[1:] == [(EventKind.UPDATED, "m", "x" * 30)]
+            assert fake.batches == []  # ...and not written yet
+            assert service.pending_count == 1
+            await trio.sleep(WRITE_WINDOW_SECONDS)
             nursery.cancel_scope.cancel()
 
     assert fake.batches == [[("m", "x" * 30)]]
-    assert fake.write_times[0] == pytest.approx(start + DEBOUNCE_SECONDS)
+    assert fake.write_times[0] == pytest.approx(start + WRITE_WINDOW_SECONDS)
     assert service.flush_count == 1
-    assert published.events == [
-        (EventKind.CREATED, "m", ""),
-        (EventKind.UPDATED, "m", "x" * 30),
-    ]
+    assert len(published.events) == 2  # the write publishes nothing new
+    assert service.publish_count == 1
     assert service.peak_pending == 1
     assert service.pending_count == 0
 
 
-async def test_steady_stream_is_written_once_per_window_not_starved(
+async def test_update_after_a_quiet_window_is_published_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The window starts at the first pending update; later updates do not push it back."""
-    fake = FakeStore()
-    service = MessageService(fake, Recorder())
+    """The first words of a reply are not held back by the window (leading edge)."""
+    fake, published = FakeStore(), Recorder()
+    service = MessageService(fake, published)
     with trio.fail_after(TEST_TIMEOUT):
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             message = msg("m")
-            for i in range(100):  # one update every 2 ms for 200 ms
+            await service.create(message)
+            await trio.sleep(DEBOUNCE_SECONDS * 2)  # the model is slow to start
+            message.parts = [TextPart("Hello")]
+            await service.update(message)
+            assert published.events[-1] == (EventKind.UPDATED, "m", "Hello")  # no wait at all
+            message.parts = [TextPart("Hello, world")]
+            await service.update(message)  # inside the window of the event just sent
+            assert published.events[-1] == (EventKind.UPDATED, "m", "Hello")
+            sent = trio.current_time()
+            await trio.sleep(DEBOUNCE_SECONDS / 2)
+            assert published.events[-1] == (EventKind.UPDATED, "m", "Hello")
+            await trio.sleep(DEBOUNCE_SECONDS)  # past the end of the window
+            assert published.events[-1] == (EventKind.UPDATED, "m", "Hello, world")
+            nursery.cancel_scope.cancel()
+    assert service.publish_count == 2
+    assert sent + DEBOUNCE_SECONDS <= trio.current_time()
+
+
+async def test_steady_stream_is_published_once_per_window_and_written_once_per_write_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Windows start at the first change; later changes do not push them back."""
+    fake, published = FakeStore(), Recorder()
+    service = MessageService(fake, published)
+    times: list[float] = []
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            message = msg("m")
+            start = trio.current_time()
+            for i in range(300):  # one update every 2 ms for 600 ms
                 message.parts = [TextPart(str(i))]
+                before = len(published.events)
                 await service.update(message)
                 await trio.sleep(0.002)  # virtual time (autojump_clock)
-            await trio.sleep(DEBOUNCE_SECONDS)
+                times += [trio.current_time()] * (len(published.events) - before)
+            await trio.sleep(WRITE_WINDOW_SECONDS)
             nursery.cancel_scope.cancel()
 
-    assert 6 <= len(fake.batches) <= 7  # 200 ms / 33 ms, plus the tail
+    elapsed = 0.6
+    assert elapsed / DEBOUNCE_SECONDS - 1 <= len(published.events) <= elapsed / DEBOUNCE_SECONDS + 2
+    assert published.events[-1] == (EventKind.UPDATED, "m", "299")
     gaps = [b - a for a, b in zip(fake.write_times, fake.write_times[1:], strict=False)]
-    assert all(gap >= DEBOUNCE_SECONDS - 1e-9 for gap in gaps)
-    assert fake.rows["m"] == "99"
+    assert 2 <= len(fake.batches) <= 4  # 600 ms / 250 ms, plus the tail
+    assert all(gap >= WRITE_WINDOW_SECONDS - 1e-9 for gap in gaps)
+    assert fake.write_times[0] == pytest.approx(start + WRITE_WINDOW_SECONDS)
+    assert fake.rows["m"] == "299"
 
 
 async def test_messages_due_in_the_same_window_share_one_write(
@@ -207,7 +248,7 @@ async def test_messages_due_in_the_same_window_share_one_write(
             for mid in ("a", "b", "c"):
                 await service.update(msg(mid, TextPart(mid)))
             assert service.peak_pending == 3
-            await trio.sleep(DEBOUNCE_SECONDS * 2)
+            await trio.sleep(WRITE_WINDOW_SECONDS * 2)
             nursery.cancel_scope.cancel()
     assert fake.batches == [[("a", "a"), ("b", "b"), ("c", "c")]]
 
@@ -307,11 +348,8 @@ async def test_flush_all_persists_latest_state_after_flusher_cancelled_inside_sh
     ]
     assert service.flush_count == 1  # one transaction for the whole drain
     assert service.pending_count == 0
-    assert [e for e in published.events if e[0] is EventKind.UPDATED] == [
-        (EventKind.UPDATED, "a", "a123"),
-        (EventKind.UPDATED, "b", "b123"),
-        (EventKind.UPDATED, "new", "never created"),
-    ]
+    latest = {mid: text for kind, mid, text in published.events if kind is EventKind.UPDATED}
+    assert latest == {"a": "a123", "b": "b123", "new": "never created"}
 
 
 async def test_publish_order_created_then_updated(store: Store) -> None:
@@ -358,7 +396,8 @@ async def test_cancel_before_the_write_starts_keeps_state_pending() -> None:
     published = Recorder()
     service = MessageService(fake, published, debounce=NEVER)
     fake.gate = trio.Event()
-    await service.update(msg("a", TextPart("a1")))
+    await service.create(msg("a"))
+    await service.update(msg("a", TextPart("a1")))  # inside the window of the created event
     with trio.fail_after(TEST_TIMEOUT):
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -366,7 +405,7 @@ async def test_cancel_before_the_write_starts_keeps_state_pending() -> None:
                 await fake.write_started.wait()
                 scope.cancel()
     assert fake.batches == []
-    assert published.events == []
+    assert published.events == [(EventKind.CREATED, "a", "")]
     assert service.pending_count == 1
 
     fake.gate = None
@@ -414,7 +453,7 @@ async def test_flusher_survives_a_store_error_and_retries(
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
             await service.update(msg("a", TextPart("a")))
-            await trio.sleep(DEBOUNCE_SECONDS * 2)
+            await trio.sleep(WRITE_WINDOW_SECONDS * 2)
             assert service.write_errors == 1
             assert service.pending_count == 1
             fake.fail = None
@@ -491,8 +530,10 @@ async def test_forget_waits_for_the_write_in_flight_and_suppresses_its_event() -
     published = Recorder()
     service = MessageService(fake, published, debounce=NEVER)
     fake.gate = trio.Event()
-    await service.update(msg("a", TextPart("a")))
-    await service.update(msg("b", TextPart("b")))
+    for mid in ("a", "b"):
+        await service.create(msg(mid))
+        await service.update(msg(mid, TextPart(mid)))  # published once written
+    published.events.clear()
     forgotten = trio.Event()
     with trio.fail_after(TEST_TIMEOUT):
         async with trio.open_nursery() as nursery:
@@ -524,3 +565,41 @@ async def test_caller_may_keep_mutating_the_same_message_object(store: Store) ->
     stored = await store.get_message("m")
     assert stored is not None
     assert stored.text() == "abc"
+
+
+async def test_flush_session_writes_only_when_that_session_has_unwritten_state() -> None:
+    fake = FakeStore()
+    fake.sessions.add("other")
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    await service.update(msg("o", TextPart("streaming"), session_id="other"))
+
+    await service.flush_session("s")  # nothing of "s" is pending: no write at all
+    assert fake.batches == []
+    assert service.pending_count == 1
+
+    await service.update(msg("m", TextPart("mine")))
+    await service.flush_session("s")  # everything pending goes, in creation order
+    assert fake.batches == [[("o", "streaming"), ("m", "mine")]]
+
+
+async def test_flush_session_waits_for_a_write_in_flight_of_that_session() -> None:
+    fake = FakeStore()
+    service = MessageService(fake, Recorder(), debounce=NEVER)
+    fake.gate = trio.Event()
+    await service.update(msg("m", TextPart("mine")))
+    flushed = trio.Event()
+
+    async def flush_session() -> None:
+        await service.flush_session("s")
+        flushed.set()
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(service.flush_all)
+            await fake.write_started.wait()
+            nursery.start_soon(flush_session)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not flushed.is_set()  # a listing now could miss the row being written
+            fake.gate.set()
+    assert flushed.is_set()
+    assert fake.rows == {"m": "mine"}

@@ -228,7 +228,9 @@ async def test_cancel_during_dispatch_over_websocket(
     with trio.fail_after(WAIT):
         async with event_socket(url) as sock:
             await sock.recv()  # hello
-            # Both commands go out back to back: the cancel arrives before the turn can run.
+            # Both commands go out back to back: the cancel lands before the turn starts or
+            # while it opens the model stream (starting a turn makes no store round trip, so
+            # which one is up to the scheduler); either way the run ends cancelled.
             await sock.conn.send_message(
                 orjson.dumps(
                     {
@@ -245,7 +247,7 @@ async def test_cancel_during_dispatch_over_websocket(
             )
             complete, _ = await sock.run_complete("disp")
     assert complete["cancelled"] is True
-    assert scripted_model.requests == []  # the model never saw it
+    assert len(scripted_model.requests) <= 1
     assert (await ws.get_run("disp")).status is RunStatus.CANCELLED
 
 

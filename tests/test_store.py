@@ -428,3 +428,36 @@ async def test_cancelled_write_that_started_is_not_torn(
     assert scope.cancelled_caught
     monkeypatch.undo()
     assert len(await store.list_messages("s")) == 50
+
+
+async def test_new_session_lists_no_messages_without_a_database_call(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session this store created and no write touched is known empty; any write ends that."""
+    await store.create_session(Session(id="fresh"))
+    await store.create_session(Session(id="written"))
+    calls: list[str] = []
+    real_call = store._call
+
+    async def counting(what: str, fn: Any) -> Any:
+        calls.append(what)
+        return await real_call(what, fn)
+
+    monkeypatch.setattr(store, "_call", counting)
+    assert await store.list_messages("fresh") == []
+    assert calls == []
+
+    await store.write_messages([Message(id="w", session_id="written", role=Role.USER)])
+    await store.create_message(Message(id="c", session_id="fresh", role=Role.USER))
+    calls.clear()
+    assert [m.id for m in await store.list_messages("written")] == ["w"]
+    assert [m.id for m in await store.list_messages("fresh")] == ["c"]
+    assert len(calls) == 2
+
+    # A reopened store does not know which sessions are empty: it asks the database.
+    await store.aclose()
+    reopened = await Store.open(tmp_path / "data")
+    try:
+        assert [m.id for m in await reopened.list_messages("fresh")] == ["c"]
+    finally:
+        await reopened.aclose()

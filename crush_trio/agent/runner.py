@@ -500,7 +500,7 @@ class Agent:
             self.runs.set_status(run, RunStatus.RUNNING)
 
     async def messages_for(self, session_id: str) -> list[Message]:
-        await self.messages.flush_all()
+        await self.messages.flush_session(session_id)
         return await self.store.list_messages(session_id)
 
     def _provider(self, name: str, cfg: Any) -> pb.Provider:

@@ -177,6 +177,7 @@ class Workspace:
             self.store,
             self._publish_message,
             debounce=self.config.options.debounce_ms / 1000,
+            write_window=self.server.message_write_ms / 1000,
         )
         self.runs = RunBook(self.store)
         agent: Agent | None = None

@@ -68,7 +68,7 @@ class Api:
         self, ws: Workspace, session_id: str, *, in_body: bool = False
     ) -> list[Message]:
         await self.get_session(ws, session_id, in_body=in_body)
-        await ws.messages.flush_all()
+        await ws.messages.flush_session(session_id)
         return await ws.store.list_messages(session_id)
 
     # -- agent ----------------------------------------------------------------------------------

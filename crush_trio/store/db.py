@@ -329,6 +329,9 @@ class Store:
         #: Ids of the sessions that exist, kept in memory so the hot existence checks of the
         #: agent need no thread hop (every session write goes through this object).
         self._session_ids: set[str] = set()
+        #: Sessions created by this object that no message write has touched yet: listing their
+        #: messages needs no thread hop (the first prompt of a new session is the common case).
+        self._empty_sessions: set[str] = set()
 
     @classmethod
     async def open(cls, data_dir: Path) -> Store:
@@ -422,6 +425,7 @@ class Store:
 
         await self._call(f"creating session {session.id!r}", op)
         self._session_ids.add(session.id)
+        self._empty_sessions.add(session.id)
 
     async def get_session(self, session_id: str) -> Session | None:
         def op(conn: sqlite3.Connection) -> Session | None:
@@ -512,6 +516,7 @@ class Store:
             return cur.rowcount > 0
 
         self._session_ids.discard(session_id)
+        self._empty_sessions.discard(session_id)
         return await self._call(f"deleting session {session_id!r}", op)
 
     # -- messages ------------------------------------------------------------------------------
@@ -519,6 +524,7 @@ class Store:
     async def create_message(self, message: Message) -> None:
         """Insert a message. Raises StoreError if the id exists or the session does not."""
         row = _message_row(message)
+        self._empty_sessions.discard(message.session_id)
 
         def op(conn: sqlite3.Connection) -> None:
             _transaction(
@@ -558,7 +564,14 @@ class Store:
         return await self._call(f"reading message {message_id!r}", op)
 
     async def list_messages(self, session_id: str) -> list[Message]:
-        """A session's messages, oldest first; equal ``created_at`` keeps insertion order."""
+        """A session's messages, oldest first; equal ``created_at`` keeps insertion order.
+
+        A session created by this store that no message write has touched yet is answered from
+        memory (an empty list) without a database call.
+        """
+        if session_id in self._empty_sessions:
+            await trio.lowlevel.checkpoint()
+            return []
 
         def op(conn: sqlite3.Connection) -> list[Message]:
             rows = conn.execute(
@@ -581,6 +594,8 @@ class Store:
             The ids that were written (the others were skipped).
         """
         rows = [(*_message_row(m), m.session_id) for m in messages]
+        # Discarded before the call: from now on a listing must read the database.
+        self._empty_sessions.difference_update(row[-1] for row in rows)
 
         def op(conn: sqlite3.Connection) -> set[str]:
             def tx(c: sqlite3.Connection) -> set[str]:

@@ -1,10 +1,20 @@
-"""The message service: a debounced write buffer between streaming updates and the store.
+"""The message service: throttled publishing and batched writes of streaming messages.
 
-A streaming reply changes its message many times a second. Writing and publishing every delta
-would make the database the bottleneck, so :class:`MessageService` keeps only the latest state of
-each message and writes it (and publishes ``updated``) at most once per debounce window
-(:data:`DEBOUNCE_SECONDS` after the first update that made it pending). Changes that end a phase
-are written and published at once, because the next step depends on them being stored:
+A streaming reply changes its message many times a second. Publishing and writing every delta
+would flood clients and make the database the bottleneck, so :class:`MessageService` keeps only
+the latest state of each message and
+
+- **publishes** ``updated`` at most once per publish window (``debounce``,
+  :data:`DEBOUNCE_SECONDS`; Crush's 33 ms). The window is a throttle with a leading edge: an
+  update that comes after a quiet window is published at once (so the first words of a reply are
+  visible without waiting), later ones when the window since the last event ends;
+- **writes** the latest state of every pending message in one batch at most once per write
+  window (``write_window``, :data:`WRITE_WINDOW_SECONDS`, never shorter than the publish window).
+  Streaming state is published from memory before it is written; a crash can lose at most one
+  write window of a partial reply, never a finished message.
+
+Changes that end a phase are written and then published at once, because the next step depends
+on them being stored:
 
 - the message gained a finish part;
 - the number of tool-call parts changed, or a tool call's ``finished`` flag flipped;
@@ -12,14 +22,17 @@ are written and published at once, because the next step depends on them being s
 
 :meth:`MessageService.flush_all` drains everything and waits for any write in flight; it does not
 need the flusher task, so it works at shutdown inside ``trio.move_on_after(T, shield=True)`` after
-that task has been cancelled. Readers call it before listing messages so that a read never shows
-less than an event already sent.
+that task has been cancelled. Readers call :meth:`MessageService.flush_session` (or
+``flush_all``) before listing messages, so a read never shows less than an event already sent.
 
 Rules the state below keeps:
 
-- ``_pending`` holds the latest unwritten state per id; ``_due`` the time its window ends.
+- ``_pending`` holds the latest unwritten state per id; ``_due`` the time its write window ends.
+- ``_unpublished`` holds, per id whose latest state no event has shown yet, when it is due;
+  ``_last_publish`` when each unfinished message's last event went out.
 - Only one write runs at a time (``_write_lock``); it takes its batch out of ``_pending`` after
-  acquiring the lock, so the newest state always wins.
+  acquiring the lock, so the newest state always wins. After the write it publishes the batch's
+  unpublished states, so a terminal state is never published before it is stored.
 - A write that could not start (cancelled while waiting, or failed) puts its batch back unless a
   newer state arrived or the message was forgotten in the meantime.
 - :meth:`forget` and :meth:`delete_session_messages` drop pending state and wait for the write in
@@ -37,13 +50,18 @@ from typing import Final, NamedTuple, Protocol
 import trio
 
 from ..errors import StoreError
-from ..wire import EventKind, Message, ReasoningPart, ToolCallPart
+from ..wire import EventKind, Message, ReasoningPart, Role, ToolCallPart
 
 logger = logging.getLogger(__name__)
 
-#: Debounce window for streaming updates of one message (seconds): the latest state is written
-#: and published at most this long after its first unwritten update.
+#: Publish window for streaming updates of one message (seconds): at most one ``updated`` event
+#: per message per window (Crush's 33 ms). Configured by ``options.debounce_ms``.
 DEBOUNCE_SECONDS: Final = 0.033
+
+#: Write window (seconds): pending streaming state is written to the store at most this long
+#: after its first unwritten update, all pending messages in one transaction. Configured by
+#: ``server.message_write_ms``. Terminal changes are written at once regardless.
+WRITE_WINDOW_SECONDS: Final = 0.25
 
 #: After a failed background write, the flusher waits this long (seconds) before trying again, so
 #: a broken disk produces a log line a second rather than thirty.
@@ -112,6 +130,7 @@ class MessageService:
     Attributes:
         peak_pending: The most messages that were pending (unwritten) at once.
         flush_count: Batch writes made to the store (each one transaction).
+        publish_count: ``updated`` events published.
         write_errors: Background writes that failed (logged and retried).
 
     Backpressure:
@@ -120,22 +139,32 @@ class MessageService:
     """
 
     def __init__(
-        self, store: MessageStore, publish: Publish, *, debounce: float = DEBOUNCE_SECONDS
+        self,
+        store: MessageStore,
+        publish: Publish,
+        *,
+        debounce: float = DEBOUNCE_SECONDS,
+        write_window: float = WRITE_WINDOW_SECONDS,
     ) -> None:
-        if not (debounce >= 0 and math.isfinite(debounce)):
-            raise ValueError(f"debounce must be a finite number of seconds >= 0, got {debounce!r}")
+        for name, value in (("debounce", debounce), ("write_window", write_window)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self._store = store
         self._publish = publish
         self._debounce = debounce
+        self._write_window = max(write_window, debounce)
         self._pending: dict[str, Message] = {}
         self._due: dict[str, float] = {}  # id -> trio time its window ends; insertion = due order
         self._inflight: dict[str, Message] = {}  # the batch being written, minus forgotten ids
+        self._unpublished: dict[str, tuple[float, Message]] = {}  # id -> (due, latest state)
+        self._last_publish: dict[str, float] = {}  # id -> trio time of its last event
         self._shapes: dict[str, tuple[str, Shape]] = {}  # id -> (session_id, last updated shape)
         self._write_lock = trio.Lock()
         self._wakeup = trio.Event()
         self._running = False
         self.peak_pending = 0
         self.flush_count = 0
+        self.publish_count = 0
         self.write_errors = 0
 
     @property
@@ -162,17 +191,23 @@ class MessageService:
         try:
             task_status.started()
             while True:
-                if not self._due:
+                deadline = self._next_deadline()
+                if deadline is None:
                     self._wakeup = trio.Event()
                     await self._wakeup.wait()
                     continue
-                # Windows all have the same length, so the earliest deadline is the first entry.
-                await trio.sleep_until(next(iter(self._due.values())))
+                if deadline > trio.current_time():
+                    # A new deadline may come before this one (a publish after a quiet window).
+                    self._wakeup = trio.Event()
+                    with trio.move_on_at(deadline):
+                        await self._wakeup.wait()
+                    continue
+                self._publish_due(trio.current_time())
                 now = trio.current_time()
-                if not any(deadline <= now for deadline in self._due.values()):
-                    continue  # flushed by someone else while we slept
+                if not any(due <= now for due in self._due.values()):
+                    continue
                 # One batch for everything pending, not one per message: with many streams the
-                # writes (one thread hop each) would otherwise queue up and delay every update.
+                # writes (one thread hop each) would otherwise queue up and delay each other.
                 due = list(self._pending)
                 try:
                     await self._write(due)
@@ -195,14 +230,17 @@ class MessageService:
         # The checkpoint comes first: a cancelled create must not leave a message behind that
         # its caller never learned about.
         await trio.lowlevel.checkpoint()
-        shape = shape_of(message)
-        if not shape.finished:
-            self._shapes[message.id] = (message.session_id, shape)
+        # Only assistant messages stream; others are complete when created, and tracking them
+        # would grow with every turn.
+        if message.role is Role.ASSISTANT and message.finish() is None:
+            self._shapes[message.id] = (message.session_id, shape_of(message))
+            self._last_publish[message.id] = trio.current_time()
         self._add_pending(message)
         self._publish(message, EventKind.CREATED)
 
     async def update(self, message: Message) -> None:
-        """Record the latest state of a message; write and publish it within the window.
+        """Record the latest state of a message; publish it within the publish window (at once
+        after a quiet window) and write it within the write window.
 
         This is async because a terminal change (see :func:`is_terminal_change`) is written and
         published before it returns; any other update returns at once, without a checkpoint.
@@ -223,8 +261,12 @@ class MessageService:
             self._shapes[mid] = (message.session_id, shape)
         self._add_pending(message)
         if terminal:
-            # Everything pending goes with it, so rows keep their creation order.
+            # Published only after its write (never from memory: due at infinity); everything
+            # pending goes with it, so rows keep their creation order.
+            self._unpublished[mid] = (math.inf, message)
             await self._write(None)
+            return
+        self._schedule_publish(message)
 
     async def flush(self, message_id: str) -> None:
         """Write ``message_id`` now, with everything else pending (rows keep their creation
@@ -258,6 +300,24 @@ class MessageService:
         """
         await self._write(None)
 
+    async def flush_session(self, session_id: str) -> None:
+        """Make the store hold the latest state of ``session_id``'s messages before a listing.
+
+        Like :meth:`flush_all` (everything pending is written, rows keep their creation order)
+        when one of the session's messages is pending; waits for the write in flight when one of
+        them is being written; otherwise returns without touching the store, so starting a turn
+        costs no write while other sessions stream.
+
+        Raises:
+            StoreError: the write failed (the state stays pending).
+        """
+        if any(m.session_id == session_id for m in self._pending.values()):
+            await self._write(None)
+        elif any(m.session_id == session_id for m in self._inflight.values()):
+            await self._wait_for_write()
+        else:
+            await trio.lowlevel.checkpoint()
+
     async def forget(self, message_id: str) -> None:
         """Drop a message's pending state and wait for the write in flight.
 
@@ -279,10 +339,45 @@ class MessageService:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _schedule_publish(self, message: Message) -> None:
+        mid = message.id
+        entry = self._unpublished.get(mid)
+        if entry is not None:
+            self._unpublished[mid] = (entry[0], message)
+            return
+        now = trio.current_time()
+        last = self._last_publish.get(mid)
+        if last is None or now - last >= self._debounce:
+            self._published(message, now)  # leading edge: nothing was shown for a window
+            return
+        self._unpublished[mid] = (last + self._debounce, message)
+        self._wakeup.set()
+
+    def _published(self, message: Message, now: float) -> None:
+        self._unpublished.pop(message.id, None)
+        if message.id in self._shapes:
+            self._last_publish[message.id] = now
+        else:  # finished: no more windows to keep
+            self._last_publish.pop(message.id, None)
+        self.publish_count += 1
+        self._publish(message, EventKind.UPDATED)
+
+    def _publish_due(self, now: float) -> None:
+        for _due, message in [e for e in self._unpublished.values() if e[0] <= now]:
+            self._published(message, now)
+
+    def _next_deadline(self) -> float | None:
+        # Write windows all have the same length, so the earliest is the first entry.
+        deadline = next(iter(self._due.values()), None)
+        if self._unpublished:
+            publish = min(due for due, _ in self._unpublished.values())
+            deadline = publish if deadline is None else min(deadline, publish)
+        return deadline
+
     def _add_pending(self, message: Message) -> None:
         self._pending[message.id] = message
         if message.id not in self._due:
-            self._due[message.id] = trio.current_time() + self._debounce
+            self._due[message.id] = trio.current_time() + self._write_window
             self._wakeup.set()
         self.peak_pending = max(self.peak_pending, len(self._pending))
 
@@ -290,8 +385,11 @@ class MessageService:
         for table in (self._pending, self._inflight):
             for mid in [mid for mid, m in table.items() if match(m)]:
                 del table[mid]
+        for mid in [mid for mid, (_, m) in self._unpublished.items() if match(m)]:
+            del self._unpublished[mid]
         for mid in ids:
             self._shapes.pop(mid, None)
+            self._last_publish.pop(mid, None)
         for mid in [mid for mid in self._due if mid not in self._pending]:
             del self._due[mid]
 
@@ -321,11 +419,16 @@ class MessageService:
                     self._restore()
                     raise
                 self.flush_count += 1
+                now = trio.current_time()
                 for message in batch:
-                    # Skip rows the store did not write (session gone) and messages forgotten
-                    # while the write ran.
-                    if message.id in written and message.id in self._inflight:
-                        self._publish(message, EventKind.UPDATED)
+                    # Publish what no event has shown yet; skip rows the store did not write
+                    # (session gone) and messages forgotten while the write ran.
+                    if (
+                        message.id in self._unpublished
+                        and message.id in written
+                        and message.id in self._inflight
+                    ):
+                        self._published(message, now)
             finally:
                 self._inflight = {}
 
