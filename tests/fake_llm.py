@@ -32,6 +32,7 @@ import collections
 import enum
 import re
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Literal
 
@@ -104,6 +105,8 @@ class Reply:
         retry_after: a ``Retry-After`` header value in seconds (with a non-200 status).
         error: the error message of a non-200 reply.
         fault: a scripted failure, applied after ``fault_after`` frames.
+        gzip: compress the stream (``content-encoding: gzip``, flushed after every frame) even
+            though the client asked for ``identity``, as some proxies do.
     """
 
     text: str | Sequence[str] = ""
@@ -120,6 +123,7 @@ class Reply:
     error: str = "scripted error"
     fault: Fault | None = None
     fault_after: int = 0
+    gzip: bool = False
 
     def tokens(self) -> list[str]:
         if isinstance(self.text, str):
@@ -376,6 +380,9 @@ class FakeLLM:
         if fault is Fault.HANG_BEFORE_HEADERS:
             await trio.sleep_forever()
         head = [("content-type", "text/event-stream"), ("cache-control", "no-cache")]
+        compressor = zlib.compressobj(wbits=31) if reply.gzip else None  # 31: gzip framing
+        if compressor is not None:
+            head.append(("content-encoding", "gzip"))
         await stream.send_all(conn.send(h11.Response(status_code=200, headers=head)))
         pending = bytearray()
         writes = 0
@@ -401,7 +408,13 @@ class FakeLLM:
                     return False
                 if fault is Fault.MALFORMED:
                     pending += conn.send(h11.Data(data=b'data: {"oops": [1, 2\n\n'))
-            pending += conn.send(h11.Data(data=frame() if callable(frame) else frame))
+            data = frame() if callable(frame) else frame
+            if compressor is not None:
+                last = index == len(frames) - 1
+                data = compressor.compress(data) + compressor.flush(
+                    zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH
+                )
+            pending += conn.send(h11.Data(data=data))
             if index == len(frames) - 1:
                 pending += conn.send(h11.EndOfMessage())
                 state["complete"] = True

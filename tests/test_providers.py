@@ -399,6 +399,22 @@ async def test_batched_frames_stream_the_same_reply(provider_type: str) -> None:
 
 
 @both_apis
+async def test_compressed_stream_is_decoded_although_identity_was_asked(
+    provider_type: str,
+) -> None:
+    """The body is read raw only when it is not encoded; a proxy that gzips it still works."""
+    tokens = [f"w{i} " for i in range(30)]
+    fake = FakeLLM([Reply(text=tokens, gzip=True), Reply(text=tokens)])
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(fake, provider_type) as provider:
+            compressed = await collect(provider, request(user("x")))
+            plain = await collect(provider, request(user("x")))
+    assert text_of(compressed) == text_of(plain) == "".join(tokens)
+    assert compressed[-1] == plain[-1] == Finished(FinishReason.END_TURN)
+    assert [r.headers.get("accept-encoding") for r in fake.requests] == ["identity"] * 2
+
+
+@both_apis
 async def test_sequential_requests_reuse_one_connection(provider_type: str) -> None:
     fake = FakeLLM(default=Reply(text="again"))
     with trio.fail_after(TEST_TIMEOUT):

@@ -325,7 +325,14 @@ class HttpStreamer:
     ) -> None:
         self.provider = provider
         self.settings = settings
-        merged = {"accept": "text/event-stream", **headers, **dict(settings.extra_headers)}
+        # An event stream is not worth compressing, and an uncompressed body can be read as it
+        # arrives on the socket, without httpx's decoder and re-chunker layers (see _open).
+        merged = {
+            "accept": "text/event-stream",
+            "accept-encoding": "identity",
+            **headers,
+            **dict(settings.extra_headers),
+        }
         # Only connect uses httpx's own timeout; first byte and chunk gaps are timed on Trio's
         # clock below, which also covers writing the request and waiting for the pool.
         timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
@@ -413,7 +420,11 @@ class HttpStreamer:
                         f"({detail}); check that base_url {self.settings.base_url!r} points at "
                         "an API that supports streaming"
                     )
-                chunks = response.aiter_bytes()
+                encoded = response.headers.get("content-encoding", "identity").lower()
+                if encoded in ("", "identity"):
+                    chunks = response.aiter_raw()
+                else:  # the server compressed it anyway
+                    chunks = response.aiter_bytes()
                 try:
                     first: bytes | None = await anext(chunks)
                 except StopAsyncIteration:
