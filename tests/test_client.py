@@ -58,6 +58,8 @@ from crush_trio.wire import (
     TextPart,
 )
 
+from .conftest import completes_run
+
 #: Cap on every test's waits (seconds).
 CAP = 20
 
@@ -156,6 +158,29 @@ async def test_queued_run_ignores_the_turn_before_it(
     assert printed(events) == "our own reply"
     assert events[-1].payload.run_id == ours.run_id
     assert all("first" not in m.text() for m in ours.messages.values() if m.role is Role.ASSISTANT)
+
+
+async def test_collect_until_keeps_every_event_before_the_match(
+    crush_workspace: WorkspaceClient,
+) -> None:
+    """Events that do not match are kept, in order; the ones after the match stay queued."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    async with ws.subscribe(timeout=CAP) as feed:
+        first = await ws.prompt(session.id, "one two three")
+        await first.wait(CAP)
+        second = await ws.prompt(session.id, "four five")
+        seen = await feed.collect_until(completes_run(first.run_id), CAP)
+        rest = await feed.collect_until(completes_run(second.run_id), CAP)
+    assert seen[-1].type == "run_complete" and seen[-1].payload.run_id == first.run_id
+    assert [e.type for e in seen].count("run_complete") == 1
+    assert "message" in {e.type for e in seen}
+    assert printed(seen) == "one two three" and printed(rest) == "four five"
+    seqs = [e.seq for e in seen + rest]
+    assert None not in seqs
+    first_seq = seqs[0]
+    assert first_seq is not None
+    assert seqs == list(range(first_seq, first_seq + len(seqs)))  # none skipped, none twice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +367,14 @@ async def test_waits_raise_our_timeout(
     async with ws.subscribe() as feed:
         with pytest.raises(Timeout, match="no event"):
             await feed.next(timeout=5)
+
+        def never(event: Event) -> bool:
+            return False
+
+        with pytest.raises(Timeout, match=r"matched test_waits_raise.*never within 5 s"):
+            await feed.collect_until(never, timeout=5)
+        with pytest.raises(Timeout, match=r"matched the predicate at .*test_client.py:\d+"):
+            await feed.until(lambda e: False, timeout=5)
     gate.release()
     with trio.fail_after(CAP):
         assert (await handle.result(CAP)).text == "held"

@@ -27,7 +27,7 @@ from crush_trio.wire import (
     ToolResultPart,
 )
 
-from .conftest import WAIT, completes_run, events_until, payloads
+from .conftest import WAIT, completes_run, payloads
 
 
 def is_type(event_type: str) -> Callable[[Event], bool]:
@@ -66,7 +66,7 @@ async def test_two_clients_first_answer_wins(
         assert await ws.grant(req.id, "allow") is True
         assert await other.grant(req.id, "deny") is False  # late answer
         run = await handle.result(WAIT)
-        seen = await events_until(first, completes_run("w"))
+        seen = await first.collect_until(completes_run("w"), WAIT)
         note = (await second.until(is_type("permission_notification"), WAIT)).payload
     assert list(handle.permission_requests) == [req.id]
     assert run.text == "written" and run.error is None
@@ -144,7 +144,7 @@ async def test_skip_approves_everything_in_the_workspace(
     async with ws.subscribe(timeout=WAIT) as feed:
         handle = await ws.prompt(sid, "go", run_id="k")
         assert (await handle.result(WAIT)).text == "ok"
-        seen = await events_until(feed, completes_run("k"))
+        seen = await feed.collect_until(completes_run("k"), WAIT)
     assert payloads(seen, "permission_request") == []
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, Literal
 from urllib.parse import urlencode
@@ -81,6 +81,9 @@ WS_QUEUE_SIZE: Final = 64
 _PERMANENT_STATUSES: Final = frozenset({400, 401, 403, 404, 409, 503})
 
 GrantAction = Literal["allow", "allow_session", "deny"]
+
+#: What :meth:`Subscription.until` and :meth:`Subscription.collect_until` test each event with.
+EventPredicate = Callable[[Event], object]
 
 
 @attrs.define
@@ -634,10 +637,13 @@ class Subscription:
         """
         event = await self._get(timeout)
         if event is None:
-            raise self._workspace.stream_error or Unreachable(
-                f"the subscription to workspace {self._workspace.id} has ended"
-            )
+            raise self._ended()
         return event
+
+    def _ended(self) -> CrushError:
+        return self._workspace.stream_error or Unreachable(
+            f"the subscription to workspace {self._workspace.id} has ended"
+        )
 
     async def _get(self, timeout: float | None) -> Event | None:  # noqa: ASYNC109
         with deadline_scope(
@@ -646,14 +652,62 @@ class Subscription:
         ):
             return await self._mailbox.get()
 
-    async def until(self, predicate: Any, timeout: float | None = DEFAULT_RUN_TIMEOUT) -> Event:  # noqa: ASYNC109
-        """The first event for which ``predicate(event)`` is true (others are skipped)."""
-        deadline = deadline_after(timeout)
-        while True:
-            remaining = None if timeout is None else max(0.0, deadline - trio.current_time())
-            event = await self.next(remaining)
-            if predicate(event):
-                return event
+    async def until(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> Event:
+        """The first event for which ``predicate(event)`` is true; the events before it are
+        consumed and dropped (:meth:`collect_until` keeps them).
+
+        Raises:
+            Timeout: no event matched within ``timeout`` seconds (for the whole wait).
+            Unreachable: the stream is gone for good (or the subscription ended).
+        """
+        return (await self._collect(predicate, timeout, keep=False))[-1]
+
+    async def collect_until(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> list[Event]:
+        """Every event up to and including the first for which ``predicate(event)`` is true, in
+        the order received (the events that do not match are kept, not skipped).
+
+        Raises:
+            Timeout: no event matched within ``timeout`` seconds (for the whole wait); the events
+                received until then are consumed.
+            Unreachable: the stream is gone for good (or the subscription ended).
+        """
+        return await self._collect(predicate, timeout, keep=True)
+
+    async def _collect(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None,  # noqa: ASYNC109
+        *,
+        keep: bool,
+    ) -> list[Event]:
+        seen: list[Event] = []
+        others = 0
+
+        def describe() -> str:
+            return (
+                f"no event of workspace {self._workspace.id} matched {_describe(predicate)} "
+                f"within {timeout:g} s ({others} other event(s) received)"
+            )
+
+        with deadline_scope(deadline_after(timeout), describe):
+            while True:
+                event = await self._mailbox.get()
+                if event is None:
+                    raise self._ended()
+                matched = predicate(event)
+                if keep or matched:
+                    seen.append(event)
+                if matched:
+                    return seen
+                others += 1
 
     def __aiter__(self) -> Subscription:
         return self
@@ -665,3 +719,12 @@ class Subscription:
                 raise self._workspace.stream_error
             raise StopAsyncIteration
         return event
+
+
+def _describe(predicate: EventPredicate) -> str:
+    """How a Timeout names the predicate that was awaited: its name, or where a lambda is."""
+    name = getattr(predicate, "__qualname__", None) or repr(predicate)
+    code = getattr(predicate, "__code__", None)
+    if name.endswith("<lambda>") and code is not None:
+        return f"the predicate at {code.co_filename}:{code.co_firstlineno}"
+    return name
