@@ -202,11 +202,13 @@ async def test_reconnect_mid_run_loses_and_doubles_nothing(
     with trio.fail_after(CAP):
         handle = await ws.prompt(session.id, "count")
         await gate.reached.wait()
+        before = ws.stats.reconnects
         if side == "server":
             assert kill_streams(crush_server, ws.id, ws.client.client_id) == 1
         else:
             ws.drop_stream()
-        gate.release()
+        assert await ws.wait_reconnected(before, timeout=CAP) == 1
+        gate.release()  # the rest of the run arrives on the new connection
         events = await collect(handle)
         run = await handle.result(CAP)
     assert ws.stats.reconnects == 1
@@ -375,6 +377,8 @@ async def test_waits_raise_our_timeout(
             await feed.collect_until(never, timeout=5)
         with pytest.raises(Timeout, match=r"matched the predicate at .*test_client.py:\d+"):
             await feed.until(lambda e: False, timeout=5)
+    with pytest.raises(Timeout, match="was not re-opened within 5 s"):
+        await ws.wait_reconnected(timeout=5)  # nothing dropped it
     gate.release()
     with trio.fail_after(CAP):
         assert (await handle.result(CAP)).text == "held"
@@ -532,8 +536,9 @@ async def test_unix_socket_server(tmp_path: Path) -> None:
                 session = await ws.create_session()
                 assert (await ws.run(session.id, "over a unix socket")).text == "over a unix socket"
                 ws.drop_stream()
+                assert await ws.wait_reconnected(timeout=CAP) == 1
                 assert (await ws.run(session.id, "and again")).text == "and again"
-                assert ws.stats.reconnects == 1
+                assert ws.stats.drops == 1
             handle.stop()
 
 

@@ -159,6 +159,7 @@ class WorkspaceClient:
         self._nursery: trio.Nursery | None = None
         self._conn_scope: trio.CancelScope | None = None
         self._stream_done = trio.Event()
+        self._stream_changed = trio.Event()
         self.stream_error: CrushError | None = None
         self.closed = False
 
@@ -397,6 +398,7 @@ class WorkspaceClient:
             await self._stream_loop(task_status)
         finally:
             self._stream_done.set()
+            self._stream_news()
 
     async def _stream_loop(self, task_status: trio.TaskStatus[None]) -> None:
         first = True
@@ -423,6 +425,7 @@ class WorkspaceClient:
                         self.stats.reconnects += 1
                         # A server whose sequence restarted sends a gap; follow its numbering.
                         self.stats.last_seq = min(self.stats.last_seq, int(hello.get("seq", 0)))
+                        self._stream_news()
                     lost_at, delay = None, RECONNECT_FIRST_DELAY
                     with trio.CancelScope() as scope:
                         self._conn_scope = scope
@@ -535,6 +538,11 @@ class WorkspaceClient:
         for handle in list(self._runs.values()):
             handle.offer(event)
 
+    def _stream_news(self) -> None:
+        """Wake :meth:`wait_reconnected`: the stream was re-opened, or is gone for good."""
+        self._stream_changed.set()
+        self._stream_changed = trio.Event()
+
     def _fail_stream(self, error: CrushError) -> None:
         self.stream_error = error
         log.warning("%s", error)
@@ -542,6 +550,45 @@ class WorkspaceClient:
             handle.fail(error)
         for mailbox in self._feeds:
             mailbox.close()
+        self._stream_news()
+
+    async def wait_reconnected(
+        self,
+        after: int | None = None,
+        *,
+        timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,  # noqa: ASYNC109
+    ) -> int:
+        """Wait until the event stream has been re-opened after a drop.
+
+        Returns once ``stats.reconnects`` is greater than ``after`` (default: its value when
+        called), i.e. the server has answered a reconnect with its ``hello``; the events it
+        replays follow. To be sure not to miss a reconnect that completes before the wait begins
+        (a drop from the server's side), read ``ws.stats.reconnects`` before causing the drop and
+        pass it as ``after``.
+
+        Returns:
+            ``stats.reconnects``, to pass as ``after`` to the next wait.
+
+        Raises:
+            Timeout: the stream was not re-opened within ``timeout`` seconds.
+            Unreachable, NotFound, Conflict, AuthError: the stream is gone for good (the
+                server refused it or stayed unreachable); the error is ``stream_error``.
+            Conflict: the workspace client was closed.
+        """
+        target = self.stats.reconnects if after is None else after
+
+        def describe() -> str:
+            return (
+                f"the event stream of workspace {self.id} was not re-opened within {timeout:g} s "
+                f"({self.stats.reconnects} reconnect(s) and {self.stats.drops} drop(s) so far, "
+                f"last seq {self.stats.last_seq}); is the server at {self.client.url} up?"
+            )
+
+        with deadline_scope(deadline_after(timeout), describe):
+            while self.stats.reconnects <= target:
+                self._check_open()
+                await self._stream_changed.wait()
+        return self.stats.reconnects
 
     def drop_stream(self) -> None:
         """Close the current event-stream connection; the reader re-opens it with ``since``.
@@ -614,6 +661,7 @@ class WorkspaceClient:
             handle.fail(error)
         for mailbox in self._feeds:
             mailbox.close()
+        self._stream_news()
 
 
 class Subscription:
