@@ -28,6 +28,7 @@ from crush_trio.client import (
     AuthError,
     BadRequest,
     Client,
+    Conflict,
     Event,
     Gap,
     NotFound,
@@ -290,6 +291,85 @@ async def test_replay_exhausted_state_is_refetched(
     if ended_while_away:
         assert events[-1].type == "run_complete" and events[-1].seq is None
         assert handle.complete is not None and handle.complete.text == reply
+
+
+def refuse_streams(server: CrushServer, workspace_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the server refuse new event streams of a workspace with its real 409 ("workspace
+    closing"), while its HTTP routes (``GET runs/{id}``) keep answering."""
+
+    def closing() -> None:
+        raise Conflict("workspace closing: refused by the test")
+
+    monkeypatch.setattr(server.backend.get(workspace_id), "check_open", closing)
+
+
+@pytest.mark.parametrize("ended_while_away", [True, False])
+async def test_refused_reconnect_follows_pending_runs_by_their_records(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    ended_while_away: bool,
+) -> None:
+    """A reconnect refused for good (409) ends the stream, not the pending runs: each is followed
+    with ``GET runs/{id}`` and ends with its real outcome (it used to fail with the 409)."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    reply = "finished without a stream"
+    gate = Gate()
+    scripted_model.add(Step(reply, gate_mid=gate))
+    with trio.fail_after(CAP):
+        async with connect(crush_server.url, crush_server.token) as other:
+            async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
+                handle = await ws.prompt(session.id, "keep going")
+                await gate.reached.wait()
+                async with held_reconnect(ws) as (reconnecting, allow):
+                    ws.drop_stream()
+                    await reconnecting.wait()
+                    refuse_streams(crush_server, ws.id, monkeypatch)
+                    if ended_while_away:
+                        gate.release()
+                        await feed.until(completes_run(handle.run_id))
+                    allow.set()
+                    with pytest.raises(Conflict, match="workspace closing"):
+                        await ws.wait_reconnected(timeout=CAP)
+                assert ws.stream_error is not None
+                with pytest.raises(Conflict, match="workspace closing"):
+                    await ws.prompt(session.id, "no stream, no new runs")
+                if not ended_while_away:
+                    assert not handle.done  # still followed, not failed
+                    gate.release()
+                events = await collect(handle)
+                run = await handle.result(CAP)
+    assert run.status is RunStatus.COMPLETED and run.text == reply
+    assert events[-1].type == "run_complete" and events[-1].seq is None
+    assert printed(events) == reply
+    assert ws.stats.refetches >= 1 and ws.stats.reconnects == 0
+
+
+async def test_refused_reconnect_fails_runs_whose_record_is_gone(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """When the workspace is gone on the server, the reconnect gets 404 and so does the run's
+    record: the run fails with NotFound at once, naming the run, rather than waiting."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("never finished", gate_before=gate))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "doomed")
+        await gate.reached.wait()
+        server_ws = crush_server.backend.get(ws.id)
+        async with held_reconnect(ws) as (reconnecting, allow):
+            ws.drop_stream()
+            await reconnecting.wait()
+            server_ws.request_shutdown()  # the run is cancelled while the client is away
+            await server_ws.closed.wait()
+            allow.set()
+            with pytest.raises(NotFound, match="is gone"):
+                await ws.wait_reconnected(timeout=CAP)
+        with pytest.raises(NotFound, match=f"run '{handle.run_id}' could not be followed"):
+            await handle.result(CAP)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ that lives as long as its ``async with`` block and holds
   server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
   to re-read state over HTTP.
 * the **resync** task: re-reads ``GET runs/{id}`` (and the session's messages) for run handles
-  that may have missed events, so a run that ended while the client was away still ends.
+  that may have missed events, so a run that ended while the client was away still ends. When
+  the stream cannot be re-opened at all (the server refuses it, or stays unreachable), the runs
+  still pending are followed by their records alone: each ends with the outcome its record
+  shows, and fails only when its record cannot be read either.
 * short **grant** tasks that answer permission requests of runs sent with ``auto_approve``.
 
 Leaving the block cancels those tasks, fails the runs still pending with :class:`Conflict`
@@ -70,6 +73,10 @@ RECONNECT_FIRST_DELAY: Final = 0.05
 RECONNECT_MAX_DELAY: Final = 2.0
 #: Pause before retrying a refetch that failed (seconds).
 RESYNC_RETRY_DELAY: Final = 0.5
+#: With no event stream, pending runs are followed by reading their records: first after this
+#: pause, then doubling up to :data:`RUN_POLL_MAX_DELAY` (seconds).
+RUN_POLL_FIRST_DELAY: Final = 0.1
+RUN_POLL_MAX_DELAY: Final = 2.0
 #: Bound on each cleanup step when the workspace block ends (seconds).
 CLOSE_TIMEOUT: Final = 5.0
 #: Largest event frame accepted (a message event carries a whole message).
@@ -544,13 +551,24 @@ class WorkspaceClient:
         self._stream_changed = trio.Event()
 
     def _fail_stream(self, error: CrushError) -> None:
+        """The stream is gone for good. Subscriptions end with ``error``; runs still pending do
+        not: the resync task follows them by their records (``GET runs/{id}``), so a run that
+        ended, or ends later, still gets its outcome."""
         self.stream_error = error
-        log.warning("%s", error)
-        for handle in list(self._runs.values()):
-            handle.fail(error)
+        log.warning("%s; following the pending runs over HTTP", error)
         for mailbox in self._feeds:
             mailbox.close()
+        for handle in list(self._runs.values()):
+            self._schedule_resync(handle, messages=True)
         self._stream_news()
+
+    def _record_lost(self, handle: RunHandle, exc: CrushError) -> CrushError:
+        """The error of a pending run whose stream is gone and whose record cannot be read."""
+        assert self.stream_error is not None
+        return type(self.stream_error)(
+            f"{self.stream_error.message}; run {handle.run_id!r} could not be followed over "
+            f"HTTP either ({exc.message})"
+        )
 
     async def wait_reconnected(
         self,
@@ -622,7 +640,13 @@ class WorkspaceClient:
             log.warning("could not answer permission request %s: %s", permission_id, exc)
 
     async def _resync_worker(self) -> None:
-        """Re-read runs (and messages) of handles that may have missed events."""
+        """Re-read runs (and messages) of handles that may have missed events.
+
+        With no event stream left (:meth:`_fail_stream`), every pending run is re-read at a
+        growing interval (:data:`RUN_POLL_FIRST_DELAY` to :data:`RUN_POLL_MAX_DELAY`) until its
+        record shows its end; a record that cannot be read then fails the run.
+        """
+        poll_delay = RUN_POLL_FIRST_DELAY
         while True:
             await self._resync_wakeup.wait()
             self._resync_wakeup = trio.Event()
@@ -637,13 +661,21 @@ class WorkspaceClient:
                     handle.refetched_run(run)
                     if with_messages and not handle.done:
                         handle.refetched_messages(await self.messages(handle.session_id))
-                except NotFound:
-                    pass  # the run is not known (yet): its events will tell
                 except CrushError as exc:
-                    log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
-                    self._resync[handle] = self._resync.get(handle, False) or with_messages
-                    failed = True
-            if failed:
+                    if self.stream_error is not None:
+                        handle.fail(self._record_lost(handle, exc))
+                    elif not isinstance(exc, NotFound):  # not known yet: its events will tell
+                        log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
+                        self._resync[handle] = self._resync.get(handle, False) or with_messages
+                        failed = True
+            if self.stream_error is not None:
+                for handle in list(self._runs.values()):
+                    self._resync.setdefault(handle, False)
+                if self._resync:
+                    await trio.sleep(poll_delay)
+                    poll_delay = min(poll_delay * 2, RUN_POLL_MAX_DELAY)
+                    self._resync_wakeup.set()
+            elif failed:
                 await trio.sleep(RESYNC_RETRY_DELAY)
                 self._resync_wakeup.set()
 
