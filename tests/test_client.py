@@ -457,6 +457,8 @@ async def test_waits_raise_our_timeout(
             await feed.collect_until(never, timeout=5)
         with pytest.raises(Timeout, match=r"matched the predicate at .*test_client.py:\d+"):
             await feed.until(lambda e: False, timeout=5)
+    with pytest.raises(Timeout, match="did not ask for permission or end within 5 s"):
+        await handle.next_permission_request(timeout=5)
     with pytest.raises(Timeout, match="was not re-opened within 5 s"):
         await ws.wait_reconnected(timeout=5)  # nothing dropped it
     gate.release()
@@ -533,6 +535,41 @@ async def test_auto_approve_answers_only_its_own_runs_requests(
         await handle.result(CAP)
     assert granted == ["p-ours:allow"]
     assert list(handle.permission_requests) == ["p-ours"]
+
+
+async def test_next_permission_request_returns_only_its_own_runs_requests(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Two runs ask at the same time; each handle gives its own request to answer, and None once
+    its run has ended."""
+    ws = crush_workspace
+    first = await ws.create_session()
+    second = await ws.create_session()
+    scripted_model.add(
+        Step(tool_calls=[("write", {"path": "a.txt", "content": "a"})]),
+        Step(tool_calls=[("write", {"path": "b.txt", "content": "b"})]),
+        Step("a written"),
+        Step("b written"),
+    )
+    with trio.fail_after(CAP):
+        a = await ws.prompt(first.id, "write a")
+        asked_a = await a.next_permission_request(CAP)
+        b = await ws.prompt(second.id, "write b")
+        asked_b = await b.next_permission_request(CAP)
+        assert asked_a is not None and asked_b is not None
+        assert asked_a.session_id == first.id and asked_a.path.endswith("a.txt")
+        assert asked_b.session_id == second.id and asked_b.path.endswith("b.txt")
+        assert await ws.grant(asked_a.id) is True
+        assert (await a.result(CAP)).text == "a written"
+        assert await a.next_permission_request(CAP) is None  # never b's request
+        assert not b.done
+        assert await ws.grant(asked_b.id, "deny") is True
+        assert (await b.result(CAP)).status is RunStatus.COMPLETED
+        assert await b.next_permission_request(CAP) is None
+    assert list(a.permission_requests) == [asked_a.id]
+    assert list(b.permission_requests) == [asked_b.id]
+    assert (Path(ws.path) / "a.txt").read_text() == "a"
+    assert not (Path(ws.path) / "b.txt").exists()
 
 
 # ---------------------------------------------------------------------------------------------

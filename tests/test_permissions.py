@@ -2,7 +2,7 @@
 deny ends the turn, session grants, skip, and cancels while waiting or inside a tool.
 
 The server, client and model come from the pytest plugin; permission requests are read from run
-handles (``RunHandle.events``) or workspace subscriptions and answered with
+handles (``RunHandle.next_permission_request``) or workspace subscriptions and answered with
 ``WorkspaceClient.grant``.
 """
 
@@ -86,12 +86,10 @@ async def test_deny_ends_the_turn_with_a_clear_result(
     )
     sid = (await ws.create_session()).id
     handle = await ws.prompt(sid, "run it", run_id="d")
-    denied = 0
-    async for event in handle.events(WAIT):
-        if event.type == "permission_request":
-            assert await ws.grant(event.payload.id, "deny") is True
-            denied += 1
-    assert denied == 1
+    asked = await handle.next_permission_request(WAIT)
+    assert asked is not None and asked.tool_name == "bash"
+    assert await ws.grant(asked.id, "deny") is True
+    assert await handle.next_permission_request(WAIT) is None  # asked once, then ended
     run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED and run.error is None
     assert len(scripted_model.requests) == 1  # the turn ended at the denial
@@ -212,9 +210,7 @@ async def test_workspace_shutdown_with_a_pending_permission_request(
     scripted_model.add(Step(tool_calls=[("write", {"path": "s.txt", "content": "z"})]))
     sid = (await ws.create_session()).id
     handle = await ws.prompt(sid, "go", run_id="sd")
-    async for event in handle.events(WAIT):
-        if event.type == "permission_request":
-            break
+    assert await handle.next_permission_request(WAIT) is not None
     workspace = crush_server.backend.get(ws.id)
     workspace.request_shutdown()
     await handle.wait(WAIT)
