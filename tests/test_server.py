@@ -13,7 +13,9 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from .conftest import TOKEN, Server, running_server
+from crush_trio.client import BadRequest, NotFound, WorkspaceClient
+
+from .conftest import TOKEN, WAIT, Server, running_server
 
 # trio-websocket leaves the socket of a connection the server closed to the garbage collector;
 # collect it inside the test that caused it, where the warning is expected.
@@ -473,21 +475,20 @@ async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
         await server.backend.stopped.wait()
 
 
-async def test_rename_session_publishes_an_update(server: Server) -> None:
-    ws = await server.open_workspace()
-    wid = ws["id"]
-    session = await server.create_session(wid, "old")
-    with trio.fail_after(10):
-        async with server.websocket(wid) as sock:
-            await sock.recv()
-            r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": "new name"})
-            assert r.status_code == 200 and r.json()["title"] == "new name" and r.json()["is_busy"] is False
-            frames = await sock.until(lambda f: f["type"] == "session")
-    assert frames[-1]["payload"]["type"] == "updated" and _payload(frames[-1])["title"] == "new name"
-    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": " "})
-    assert r.status_code == 400
-    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/nope", json={"title": "x"})
-    assert r.status_code == 404
+async def test_rename_session_publishes_an_update(crush_workspace: WorkspaceClient) -> None:
+    ws = crush_workspace
+    session = await ws.create_session("old")
+    async with ws.subscribe(timeout=WAIT) as feed:
+        renamed = await ws.rename_session(session.id, "new name")
+        update = await feed.until(lambda e: e.type == "session", WAIT)
+    assert renamed.id == session.id and renamed.title == "new name" and renamed.is_busy is False
+    assert update.kind == "updated"
+    assert update.payload.id == session.id and update.payload.title == "new name"
+    assert (await ws.session(session.id)).title == "new name"  # stored
+    with pytest.raises(BadRequest, match="title"):
+        await ws.rename_session(session.id, " ")
+    with pytest.raises(NotFound):
+        await ws.rename_session("nope", "x")
 
 
 async def test_framework_websocket_route_still_serves_events(tmp_path: Path) -> None:

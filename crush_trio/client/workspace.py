@@ -198,6 +198,19 @@ class WorkspaceClient:
     async def delete_session(self, session_id: str) -> None:
         await self.client.request("DELETE", self._url(f"/sessions/{session_id}"))
 
+    async def rename_session(self, session_id: str, title: str) -> Session:
+        """Give a session a new title (``PATCH sessions/{id}``); every client of the workspace
+        gets a ``session`` ``updated`` event.
+
+        Raises:
+            BadRequest: the title is empty.
+            NotFound: no such session.
+        """
+        data = await self.client.request(
+            "PATCH", self._url(f"/sessions/{session_id}"), json={"title": title}
+        )
+        return wire.converter.structure(data, Session)
+
     async def resolve_session(self, prefix: str) -> Session:
         """The session with this id or unique id prefix (see :func:`resolve_session_prefix`)."""
         return resolve_session_prefix(await self.sessions(), prefix)
