@@ -673,7 +673,7 @@ def python_blocks(markdown: Path) -> list[str]:
 async def test_docs_examples_run(crush_server: CrushServer, tmp_path: Path) -> None:
     """Every Python block of docs/client.md is a complete program; run each one."""
     blocks = python_blocks(DOCS / "client.md")
-    assert len(blocks) >= 3
+    assert len(blocks) >= 4
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRUSH_TRIO_")}
     env |= {
         "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
@@ -697,6 +697,7 @@ async def test_docs_examples_run(crush_server: CrushServer, tmp_path: Path) -> N
         outputs.append(done.stdout.decode())
     assert outputs[0].splitlines()[-1] == "completed hello from the client"
     assert outputs[1].splitlines()[0] == "one prompt, one answer"
+    assert outputs[2].splitlines() == ["asked: write notes.txt", "written"]
 
 
 # ---------------------------------------------------------------------------------------------
