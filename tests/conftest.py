@@ -30,7 +30,7 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from crush_trio.client import Event, Subscription
+from crush_trio.client import Event
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
 
 TOKEN: Final = "test-token"
@@ -56,31 +56,15 @@ def serve_options(tmp_path: Path, **overrides: Any) -> ServeOptions:
 # -- client-side helpers ----------------------------------------------------------------------
 
 
-async def events_until(
-    feed: Subscription, done: Callable[[Event], bool], timeout: float = WAIT
-) -> list[Event]:
-    """The events of ``feed`` up to and including the first for which ``done`` is true.
-
-    ``Subscription.until`` returns only the matching event; tests that assert over everything a
-    client saw before it (no duplicate ``run_complete``, the order of terminals, which errors)
-    keep the rest with this.
-
-    Raises:
-        crush_trio.client.Timeout: no matching event within ``timeout`` seconds.
-    """
-    seen: list[Event] = []
-
-    def keep(event: Event) -> bool:
-        seen.append(event)
-        return done(event)
-
-    await feed.until(keep, timeout)
-    return seen
-
-
 def completes_run(run_id: str) -> Callable[[Event], bool]:
-    """A predicate: the ``run_complete`` event of run ``run_id``."""
-    return lambda e: e.type == "run_complete" and e.payload.run_id == run_id
+    """A predicate for ``Subscription.until``/``collect_until``: the ``run_complete`` event of
+    run ``run_id``."""
+
+    def run_complete_of(event: Event) -> bool:
+        return event.type == "run_complete" and event.payload.run_id == run_id
+
+    run_complete_of.__qualname__ = f"run_complete_of({run_id!r})"
+    return run_complete_of
 
 
 def payloads(events: list[Event], event_type: str) -> list[Any]:

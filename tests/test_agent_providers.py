@@ -20,7 +20,7 @@ import trio
 from crush_trio.client import RunStatus, WorkspaceClient, embedded
 from crush_trio.wire import Role, ToolResultPart
 
-from .conftest import WAIT, completes_run, events_until, payloads, serve_options
+from .conftest import WAIT, completes_run, payloads, serve_options
 from .fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ToolCall
 
 
@@ -138,11 +138,11 @@ async def test_500_exhausting_retries_ends_in_one_errored_run_complete(tmp_path:
         failed = await ws.run(sid, "hi", timeout=WAIT, check=False)
         assert failed.status is RunStatus.FAILED and failed.error is not None
         assert "500" in failed.error or "upstream down" in failed.error
-        seen = await events_until(feed, completes_run(failed.run_id))
+        seen = await feed.collect_until(completes_run(failed.run_id), WAIT)
         retries = [e for e in payloads(seen, "agent_event") if e.type == "retry"]
         assert len(retries) == 2
         after = await ws.run(sid, "again", timeout=WAIT, check=False)
-        seen += await events_until(feed, completes_run(after.run_id))
+        seen += await feed.collect_until(completes_run(after.run_id), WAIT)
         assert [c.run_id for c in payloads(seen, "run_complete")].count(failed.run_id) == 1
 
 

@@ -28,6 +28,7 @@ from crush_trio.client import (
     AuthError,
     BadRequest,
     Client,
+    Conflict,
     Event,
     Gap,
     NotFound,
@@ -57,6 +58,8 @@ from crush_trio.wire import (
     Session,
     TextPart,
 )
+
+from .conftest import completes_run
 
 #: Cap on every test's waits (seconds).
 CAP = 20
@@ -158,6 +161,29 @@ async def test_queued_run_ignores_the_turn_before_it(
     assert all("first" not in m.text() for m in ours.messages.values() if m.role is Role.ASSISTANT)
 
 
+async def test_collect_until_keeps_every_event_before_the_match(
+    crush_workspace: WorkspaceClient,
+) -> None:
+    """Events that do not match are kept, in order; the ones after the match stay queued."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    async with ws.subscribe(timeout=CAP) as feed:
+        first = await ws.prompt(session.id, "one two three")
+        await first.wait(CAP)
+        second = await ws.prompt(session.id, "four five")
+        seen = await feed.collect_until(completes_run(first.run_id), CAP)
+        rest = await feed.collect_until(completes_run(second.run_id), CAP)
+    assert seen[-1].type == "run_complete" and seen[-1].payload.run_id == first.run_id
+    assert [e.type for e in seen].count("run_complete") == 1
+    assert "message" in {e.type for e in seen}
+    assert printed(seen) == "one two three" and printed(rest) == "four five"
+    seqs = [e.seq for e in seen + rest]
+    assert None not in seqs
+    first_seq = seqs[0]
+    assert first_seq is not None
+    assert seqs == list(range(first_seq, first_seq + len(seqs)))  # none skipped, none twice
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropped streams
 
@@ -177,11 +203,13 @@ async def test_reconnect_mid_run_loses_and_doubles_nothing(
     with trio.fail_after(CAP):
         handle = await ws.prompt(session.id, "count")
         await gate.reached.wait()
+        before = ws.stats.reconnects
         if side == "server":
             assert kill_streams(crush_server, ws.id, ws.client.client_id) == 1
         else:
             ws.drop_stream()
-        gate.release()
+        assert await ws.wait_reconnected(before, timeout=CAP) == 1
+        gate.release()  # the rest of the run arrives on the new connection
         events = await collect(handle)
         run = await handle.result(CAP)
     assert ws.stats.reconnects == 1
@@ -265,6 +293,85 @@ async def test_replay_exhausted_state_is_refetched(
         assert handle.complete is not None and handle.complete.text == reply
 
 
+def refuse_streams(server: CrushServer, workspace_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the server refuse new event streams of a workspace with its real 409 ("workspace
+    closing"), while its HTTP routes (``GET runs/{id}``) keep answering."""
+
+    def closing() -> None:
+        raise Conflict("workspace closing: refused by the test")
+
+    monkeypatch.setattr(server.backend.get(workspace_id), "check_open", closing)
+
+
+@pytest.mark.parametrize("ended_while_away", [True, False])
+async def test_refused_reconnect_follows_pending_runs_by_their_records(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+    ended_while_away: bool,
+) -> None:
+    """A reconnect refused for good (409) ends the stream, not the pending runs: each is followed
+    with ``GET runs/{id}`` and ends with its real outcome (it used to fail with the 409)."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    reply = "finished without a stream"
+    gate = Gate()
+    scripted_model.add(Step(reply, gate_mid=gate))
+    with trio.fail_after(CAP):
+        async with connect(crush_server.url, crush_server.token) as other:
+            async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
+                handle = await ws.prompt(session.id, "keep going")
+                await gate.reached.wait()
+                async with held_reconnect(ws) as (reconnecting, allow):
+                    ws.drop_stream()
+                    await reconnecting.wait()
+                    refuse_streams(crush_server, ws.id, monkeypatch)
+                    if ended_while_away:
+                        gate.release()
+                        await feed.until(completes_run(handle.run_id))
+                    allow.set()
+                    with pytest.raises(Conflict, match="workspace closing"):
+                        await ws.wait_reconnected(timeout=CAP)
+                assert ws.stream_error is not None
+                with pytest.raises(Conflict, match="workspace closing"):
+                    await ws.prompt(session.id, "no stream, no new runs")
+                if not ended_while_away:
+                    assert not handle.done  # still followed, not failed
+                    gate.release()
+                events = await collect(handle)
+                run = await handle.result(CAP)
+    assert run.status is RunStatus.COMPLETED and run.text == reply
+    assert events[-1].type == "run_complete" and events[-1].seq is None
+    assert printed(events) == reply
+    assert ws.stats.refetches >= 1 and ws.stats.reconnects == 0
+
+
+async def test_refused_reconnect_fails_runs_whose_record_is_gone(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """When the workspace is gone on the server, the reconnect gets 404 and so does the run's
+    record: the run fails with NotFound at once, naming the run, rather than waiting."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("never finished", gate_before=gate))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "doomed")
+        await gate.reached.wait()
+        server_ws = crush_server.backend.get(ws.id)
+        async with held_reconnect(ws) as (reconnecting, allow):
+            ws.drop_stream()
+            await reconnecting.wait()
+            server_ws.request_shutdown()  # the run is cancelled while the client is away
+            await server_ws.closed.wait()
+            allow.set()
+            with pytest.raises(NotFound, match="is gone"):
+                await ws.wait_reconnected(timeout=CAP)
+        with pytest.raises(NotFound, match=f"run '{handle.run_id}' could not be followed"):
+            await handle.result(CAP)
+
+
 # ---------------------------------------------------------------------------------------------
 # Cancelled and failed runs, timeouts
 
@@ -342,6 +449,18 @@ async def test_waits_raise_our_timeout(
     async with ws.subscribe() as feed:
         with pytest.raises(Timeout, match="no event"):
             await feed.next(timeout=5)
+
+        def never(event: Event) -> bool:
+            return False
+
+        with pytest.raises(Timeout, match=r"matched test_waits_raise.*never within 5 s"):
+            await feed.collect_until(never, timeout=5)
+        with pytest.raises(Timeout, match=r"matched the predicate at .*test_client.py:\d+"):
+            await feed.until(lambda e: False, timeout=5)
+    with pytest.raises(Timeout, match="did not ask for permission or end within 5 s"):
+        await handle.next_permission_request(timeout=5)
+    with pytest.raises(Timeout, match="was not re-opened within 5 s"):
+        await ws.wait_reconnected(timeout=5)  # nothing dropped it
     gate.release()
     with trio.fail_after(CAP):
         assert (await handle.result(CAP)).text == "held"
@@ -416,6 +535,41 @@ async def test_auto_approve_answers_only_its_own_runs_requests(
         await handle.result(CAP)
     assert granted == ["p-ours:allow"]
     assert list(handle.permission_requests) == ["p-ours"]
+
+
+async def test_next_permission_request_returns_only_its_own_runs_requests(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Two runs ask at the same time; each handle gives its own request to answer, and None once
+    its run has ended."""
+    ws = crush_workspace
+    first = await ws.create_session()
+    second = await ws.create_session()
+    scripted_model.add(
+        Step(tool_calls=[("write", {"path": "a.txt", "content": "a"})]),
+        Step(tool_calls=[("write", {"path": "b.txt", "content": "b"})]),
+        Step("a written"),
+        Step("b written"),
+    )
+    with trio.fail_after(CAP):
+        a = await ws.prompt(first.id, "write a")
+        asked_a = await a.next_permission_request(CAP)
+        b = await ws.prompt(second.id, "write b")
+        asked_b = await b.next_permission_request(CAP)
+        assert asked_a is not None and asked_b is not None
+        assert asked_a.session_id == first.id and asked_a.path.endswith("a.txt")
+        assert asked_b.session_id == second.id and asked_b.path.endswith("b.txt")
+        assert await ws.grant(asked_a.id) is True
+        assert (await a.result(CAP)).text == "a written"
+        assert await a.next_permission_request(CAP) is None  # never b's request
+        assert not b.done
+        assert await ws.grant(asked_b.id, "deny") is True
+        assert (await b.result(CAP)).status is RunStatus.COMPLETED
+        assert await b.next_permission_request(CAP) is None
+    assert list(a.permission_requests) == [asked_a.id]
+    assert list(b.permission_requests) == [asked_b.id]
+    assert (Path(ws.path) / "a.txt").read_text() == "a"
+    assert not (Path(ws.path) / "b.txt").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,8 +653,9 @@ async def test_unix_socket_server(tmp_path: Path) -> None:
                 session = await ws.create_session()
                 assert (await ws.run(session.id, "over a unix socket")).text == "over a unix socket"
                 ws.drop_stream()
+                assert await ws.wait_reconnected(timeout=CAP) == 1
                 assert (await ws.run(session.id, "and again")).text == "and again"
-                assert ws.stats.reconnects == 1
+                assert ws.stats.drops == 1
             handle.stop()
 
 
@@ -518,7 +673,7 @@ def python_blocks(markdown: Path) -> list[str]:
 async def test_docs_examples_run(crush_server: CrushServer, tmp_path: Path) -> None:
     """Every Python block of docs/client.md is a complete program; run each one."""
     blocks = python_blocks(DOCS / "client.md")
-    assert len(blocks) >= 3
+    assert len(blocks) >= 4
     env = {k: v for k, v in os.environ.items() if not k.startswith("CRUSH_TRIO_")}
     env |= {
         "XDG_CONFIG_HOME": str(tmp_path / "xdg"),
@@ -542,6 +697,7 @@ async def test_docs_examples_run(crush_server: CrushServer, tmp_path: Path) -> N
         outputs.append(done.stdout.decode())
     assert outputs[0].splitlines()[-1] == "completed hello from the client"
     assert outputs[1].splitlines()[0] == "one prompt, one answer"
+    assert outputs[2].splitlines() == ["asked: write notes.txt", "written"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""Lifetimes: client holds and graces, slow clients, SIGTERM, restart and crash recovery."""
+"""Lifetimes: client holds and graces, slow clients, SIGTERM, restart and crash recovery.
+
+What a client is told and reads back (a run cancelled by SIGTERM, records after a restart) goes
+through the client library. The slow-client tests stay raw: they are about what the server does
+with one socket that never reads, which a client library (it reconnects) would hide.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +26,17 @@ import trio.testing
 from crush_trio.agent.runs import save_run
 from crush_trio.backend.holds import Holds, HoldState
 from crush_trio.backend.registry import Backend
+from crush_trio.client import Event, connect, embedded
 from crush_trio.config import ServerOptions
 from crush_trio.store import Store
-from crush_trio.wire import Message, Role, Run, RunStatus, Session, TextPart
+from crush_trio.wire import FinishReason, Message, Role, Run, RunStatus, Session, TextPart
 
-from .conftest import running_server
+from .conftest import running_server, serve_options
 
 #: Bound on a graceful shutdown with a stalled websocket client (docs/protocol.md "Bounds").
 STALLED_SHUTDOWN_BOUND = 15.0
+#: Bound on each wait of a test on a server subprocess: streaming, SIGTERM, exit (seconds).
+SIGNAL_WAIT = 20.0
 
 
 # -- holds as plain logic ---------------------------------------------------------------------
@@ -210,6 +218,13 @@ class ServerProcess:
         return await self.proc.wait()
 
 
+def streamed_text(event: Event) -> int:
+    """How much assistant text a ``message`` event carries (0 for any other event)."""
+    if event.type != "message" or event.payload.role is not Role.ASSISTANT:
+        return 0
+    return len(event.payload.text())
+
+
 async def _open(client: httpx.AsyncClient, project: Path) -> tuple[str, str]:
     r = await client.post(
         "/v1/workspaces", json={"path": str(project), "client_id": str(uuid.uuid4())}
@@ -232,47 +247,31 @@ async def test_sigterm_during_run_exits_0_and_restart_finds_the_partial_reply(
     async with trio.open_nursery() as nursery:
         server = ServerProcess(tmp_path, config)
         await server.start(nursery)
-        async with server.client() as client:
-            wid, cid = await _open(client, project)
-            sid = (await client.post(f"/v1/workspaces/{wid}/sessions", json={})).json()["id"]
-            ws_url = (
-                server.url.replace("http://", "ws://")
-                + f"/v1/workspaces/{wid}/ws?client_id={cid}&token=tok"
-            )
-            from trio_websocket import open_websocket_url
-
-            async with open_websocket_url(ws_url) as conn:
-                r = await client.post(
-                    f"/v1/workspaces/{wid}/agent",
-                    json={"session_id": sid, "prompt": words, "run_id": "sig"},
-                )
-                assert r.status_code == 202
-                with trio.fail_after(10):  # wait until some text has streamed
-                    while True:
-                        frame = orjson.loads(await conn.get_message())
-                        if (
-                            frame["type"] == "message"
-                            and frame["payload"]["payload"]["role"] == "assistant"
-                        ):
-                            parts = frame["payload"]["payload"]["parts"]
-                            if parts and len(parts[0]["data"].get("text", "")) > 30:
-                                break
-                with trio.fail_after(20):
-                    assert await server.stop() == 0
+        async with connect(server.url, "tok") as client, client.workspace(project) as ws:
+            sid = (await ws.create_session()).id
+            handle = await ws.prompt(sid, words, run_id="sig")
+            async for event in handle.events(SIGNAL_WAIT):  # until some text has streamed
+                if streamed_text(event) > 30:
+                    break
+            else:
+                raise AssertionError("run sig ended before any text streamed")
+            with trio.fail_after(SIGNAL_WAIT):
+                assert await server.stop() == 0
+            # The server told this client that the run was cancelled before it went away.
+            await handle.wait(SIGNAL_WAIT)
+            assert handle.complete is not None and handle.complete.cancelled is True
         restarted = ServerProcess(tmp_path, config)
         await restarted.start(nursery)
-        async with restarted.client() as client:
-            wid, _ = await _open(client, project)
-            run = (await client.get(f"/v1/workspaces/{wid}/runs/sig")).json()
-            assert run["status"] == "cancelled"
-            msgs = (await client.get(f"/v1/workspaces/{wid}/sessions/{sid}/messages")).json()
-            assistant = msgs[-1]
-            text = assistant["parts"][0]["data"]["text"]
+        async with connect(restarted.url, "tok") as client, client.workspace(project) as ws:
+            run = await ws.get_run("sig")
+            assert run.status is RunStatus.CANCELLED
+            assistant = (await ws.messages(sid))[-1]
+            text = assistant.text()
             assert len(text) > 30 and words.startswith(text) and text != words
-            assert run["text"] == text
-            finish = assistant["parts"][-1]
-            assert finish["type"] == "finish" and finish["data"]["reason"] == "canceled"
-            with trio.fail_after(20):
+            assert run.text == text
+            finish = assistant.finish()
+            assert finish is not None and finish.reason is FinishReason.CANCELED
+            with trio.fail_after(SIGNAL_WAIT):
                 assert await restarted.stop() == 0
 
 
@@ -313,9 +312,8 @@ async def test_runs_left_running_by_a_killed_server_are_marked_failed(tmp_path: 
     project = tmp_path / "project"
     project.mkdir()
     # Leave behind what a killed process would: a running run and an unfinished reply.
-    async with running_server(tmp_path) as server:
-        ws = await server.open_workspace(project)
-        data_dir = Path(ws["data_dir"])
+    async with embedded(serve_options(tmp_path)) as client, client.workspace(project) as ws:
+        data_dir = Path(ws.info.data_dir)
     store = await Store.open(data_dir)
     session = Session("s-crash", title="t")
     await store.create_session(session)
@@ -326,13 +324,12 @@ async def test_runs_left_running_by_a_killed_server_are_marked_failed(tmp_path: 
     await save_run(store, Run("crashed", "s-crash", RunStatus.RUNNING))
     await save_run(store, Run("waiting", "s-crash", RunStatus.QUEUED))
     await store.aclose()
-    async with running_server(tmp_path) as server:
-        ws = await server.open_workspace(project)
+    async with embedded(serve_options(tmp_path)) as client, client.workspace(project) as ws:
         for run_id in ("crashed", "waiting"):
-            run = await server.run(ws["id"], run_id)
-            assert run["status"] == "failed"
-            assert run["error"] == "server stopped before the run finished"
-        msgs = await server.messages(ws["id"], "s-crash")
-        finish = msgs[-1]["parts"][-1]
-        assert finish["type"] == "finish" and finish["data"]["reason"] == "error"
-        assert msgs[-1]["parts"][0]["data"]["text"] == "half a rep"
+            run = await ws.get_run(run_id)
+            assert run.status is RunStatus.FAILED
+            assert run.error == "server stopped before the run finished"
+        msgs = await ws.messages("s-crash")
+    finish = msgs[-1].finish()
+    assert finish is not None and finish.reason is FinishReason.ERROR
+    assert msgs[-1].parts[0] == TextPart("half a rep")

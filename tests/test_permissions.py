@@ -2,7 +2,7 @@
 deny ends the turn, session grants, skip, and cancels while waiting or inside a tool.
 
 The server, client and model come from the pytest plugin; permission requests are read from run
-handles (``RunHandle.events``) or workspace subscriptions and answered with
+handles (``RunHandle.next_permission_request``) or workspace subscriptions and answered with
 ``WorkspaceClient.grant``.
 """
 
@@ -27,7 +27,7 @@ from crush_trio.wire import (
     ToolResultPart,
 )
 
-from .conftest import WAIT, completes_run, events_until, payloads
+from .conftest import WAIT, completes_run, payloads
 
 
 def is_type(event_type: str) -> Callable[[Event], bool]:
@@ -66,7 +66,7 @@ async def test_two_clients_first_answer_wins(
         assert await ws.grant(req.id, "allow") is True
         assert await other.grant(req.id, "deny") is False  # late answer
         run = await handle.result(WAIT)
-        seen = await events_until(first, completes_run("w"))
+        seen = await first.collect_until(completes_run("w"), WAIT)
         note = (await second.until(is_type("permission_notification"), WAIT)).payload
     assert list(handle.permission_requests) == [req.id]
     assert run.text == "written" and run.error is None
@@ -86,12 +86,10 @@ async def test_deny_ends_the_turn_with_a_clear_result(
     )
     sid = (await ws.create_session()).id
     handle = await ws.prompt(sid, "run it", run_id="d")
-    denied = 0
-    async for event in handle.events(WAIT):
-        if event.type == "permission_request":
-            assert await ws.grant(event.payload.id, "deny") is True
-            denied += 1
-    assert denied == 1
+    asked = await handle.next_permission_request(WAIT)
+    assert asked is not None and asked.tool_name == "bash"
+    assert await ws.grant(asked.id, "deny") is True
+    assert await handle.next_permission_request(WAIT) is None  # asked once, then ended
     run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED and run.error is None
     assert len(scripted_model.requests) == 1  # the turn ended at the denial
@@ -144,7 +142,7 @@ async def test_skip_approves_everything_in_the_workspace(
     async with ws.subscribe(timeout=WAIT) as feed:
         handle = await ws.prompt(sid, "go", run_id="k")
         assert (await handle.result(WAIT)).text == "ok"
-        seen = await events_until(feed, completes_run("k"))
+        seen = await feed.collect_until(completes_run("k"), WAIT)
     assert payloads(seen, "permission_request") == []
 
 
@@ -212,9 +210,7 @@ async def test_workspace_shutdown_with_a_pending_permission_request(
     scripted_model.add(Step(tool_calls=[("write", {"path": "s.txt", "content": "z"})]))
     sid = (await ws.create_session()).id
     handle = await ws.prompt(sid, "go", run_id="sd")
-    async for event in handle.events(WAIT):
-        if event.type == "permission_request":
-            break
+    assert await handle.next_permission_request(WAIT) is not None
     workspace = crush_server.backend.get(ws.id)
     workspace.request_shutdown()
     await handle.wait(WAIT)

@@ -35,7 +35,6 @@ from .conftest import (
     WAIT,
     completes_run,
     event_socket,
-    events_until,
     payloads,
     serve_options,
     ws_url,
@@ -56,7 +55,7 @@ async def test_provider_error_carries_run_and_session(
         handle = await ws.prompt(sid, "go", run_id="bad")
         with pytest.raises(RunFailed, match="upstream exploded"):
             await handle.result(WAIT)
-        seen = await events_until(feed, completes_run("bad"))
+        seen = await feed.collect_until(completes_run("bad"), WAIT)
     assert handle.complete is not None
     assert handle.complete.error == "upstream exploded" and handle.complete.cancelled is False
     assert handle.complete.text == "partial words"
@@ -102,7 +101,7 @@ async def test_foreign_run_failure_does_not_touch_ours(
         assert not ours.done
         gate.release()
         run = await ours.result(WAIT)
-        seen = await events_until(feed, completes_run("ours"))
+        seen = await feed.collect_until(completes_run("ours"), WAIT)
     assert run.error is None and run.text == "ours continues"
     assert [e.run_id for e in errors_of(seen)] == ["theirs"]
     assert ours.errors == [] and [e.run_id for e in theirs.errors] == ["theirs"]
@@ -133,7 +132,7 @@ async def test_early_failure_gets_exactly_one_errored_terminal(tmp_path: Path) -
         # A second run proves the first got no late duplicate.
         second = await ws.prompt(sid, "second", run_id="early2")
         await second.wait(WAIT)
-        seen = await events_until(feed, completes_run("early2"))
+        seen = await feed.collect_until(completes_run("early2"), WAIT)
         assert [c.run_id for c in payloads(seen, "run_complete")].count("early") == 1
         assert (await ws.get_run("early")).status is RunStatus.FAILED
     assert calls >= 1
@@ -153,7 +152,7 @@ async def test_session_deleted_before_queued_run_starts(
         await ws.delete_session(sid)
         gate.release()
         assert (await handle.result(WAIT)).status is RunStatus.CANCELLED
-        seen = await events_until(feed, completes_run("d1"))
+        seen = await feed.collect_until(completes_run("d1"), WAIT)
     assert handle.complete is not None
     assert handle.complete.cancelled is True and handle.complete.error is None
     assert [c.run_id for c in payloads(seen, "run_complete")] == ["d1"]
@@ -172,7 +171,7 @@ async def test_cancel_mid_stream_saves_partial_reply(
             await gate.reached.wait()
         await ws.cancel(sid)
         events = [event async for event in handle.events(WAIT)]
-        seen = await events_until(feed, completes_run("c1"))
+        seen = await feed.collect_until(completes_run("c1"), WAIT)
     terminal = events[-1]
     assert terminal.raw is not None
     assert terminal.raw["payload"]["payload"] == {
@@ -283,7 +282,7 @@ async def test_queued_run_id_prompts_run_as_their_own_turns_in_order(
         assert await ws.queued(sid) == ["second", "third"]
         gate.release()
         runs = [await handle.result(WAIT) for handle in (q1, q2, q3)]
-        seen = await events_until(feed, completes_run("q3"))
+        seen = await feed.collect_until(completes_run("q3"), WAIT)
     completes: list[RunComplete] = payloads(seen, "run_complete")
     assert [c.run_id for c in completes] == ["q1", "q2", "q3"]
     assert [c.text for c in completes] == ["first reply", "second", "third"]
@@ -406,7 +405,7 @@ async def test_cancel_one_run_leaves_the_others(
         assert await ws.cancel_run("r3") is False  # already finished: nothing to do
         with pytest.raises(NotFound):
             await ws.cancel_run("nope")
-        seen = await events_until(feed, completes_run("r3"))
+        seen = await feed.collect_until(completes_run("r3"), WAIT)
     assert [c.run_id for c in payloads(seen, "run_complete")] == ["r2", "r1", "r3"]
 
 

@@ -1,4 +1,10 @@
-"""HTTP, SSE and websocket behaviour of the real server on an ephemeral port (PROTOCOL §1–§5)."""
+"""HTTP, SSE and websocket behaviour of the real server on an ephemeral port (PROTOCOL §1–§5).
+
+What a client sees (run records, messages, several clients, workspace dedup, renames) is tested
+with the project's client library and the plugin's fixtures (``crush_server``,
+``crush_workspace``). Exact status codes, frames and their seqs, refusals, close codes,
+websocket commands and SSE parity are tested with the raw helpers of ``conftest``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,20 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from .conftest import TOKEN, Server, running_server
+import crush_trio
+from crush_trio.client import (
+    BadRequest,
+    Client,
+    NotFound,
+    RunStatus,
+    WorkspaceClient,
+    connect,
+)
+from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.testing import CrushServer
+from crush_trio.wire import FinishPart, FinishReason, TextPart
+
+from .conftest import TOKEN, WAIT, Server, completes_run, running_server
 
 # trio-websocket leaves the socket of a connection the server closed to the garbage collector;
 # collect it inside the test that caused it, where the warning is expected.
@@ -148,20 +167,23 @@ async def test_websocket_refusals_name_the_problem(server: Server) -> None:
 # -- workspaces -------------------------------------------------------------------------------
 
 
-async def test_workspace_dedup_by_path_and_symlink(server: Server, tmp_path: Path) -> None:
-    project = tmp_path / "proj"
-    project.mkdir()
+async def test_workspace_dedup_by_path_and_symlink(
+    crush_server: CrushServer, crush_client: Client, tmp_path: Path
+) -> None:
+    project = crush_server.project("proj")
     link = tmp_path / "link"
     link.symlink_to(project)
-    a = await server.open_workspace(project)
-    b = await server.open_workspace(project)
-    c = await server.open_workspace(link)
-    assert a["id"] == b["id"] == c["id"]
-    assert a["path"] == str(project.resolve())
-    r = await server.http.get("/v1/workspaces")
-    assert [w["id"] for w in r.json()] == [a["id"]]
-    r = await server.http.get(f"/v1/workspaces/{a['id']}")
-    assert r.json() == a
+    async with (
+        crush_client.workspace(project) as a,
+        crush_client.workspace(project) as b,
+        crush_client.workspace(link) as c,
+    ):
+        assert a.id == b.id == c.id
+        assert a.info == b.info == c.info  # the path is the resolved one, also through the link
+        assert a.path == str(project.resolve())
+        assert [w.id for w in await crush_client.workspaces()] == [a.id]
+        one = await crush_client.request("GET", f"/v1/workspaces/{a.id}")
+        assert one == {"id": a.id, "path": a.path, "data_dir": a.info.data_dir}
 
 
 async def test_workspace_bad_paths(server: Server, tmp_path: Path) -> None:
@@ -217,64 +239,86 @@ async def test_websocket_and_sse_see_identical_event_sequences(server: Server) -
     assert types[-1] == "run_complete" and "message" in types
 
 
-async def test_run_record_and_messages(server: Server) -> None:
-    ws = await server.open_workspace()
-    wid = ws["id"]
-    session = await server.create_session(wid)
-    with trio.fail_after(10):
-        async with server.websocket(wid) as sock:
-            await server.prompt(wid, session["id"], "stored reply", run_id="rec")
-            complete, _ = await sock.run_complete("rec")
-    run = await server.run(wid, "rec")
-    assert run["run_id"] == "rec" and run["session_id"] == session["id"]
-    assert run["status"] == "completed" and run["text"] == "stored reply"
-    assert run["message_id"] == complete["message_id"] and run["error"] is None
-    assert run["finished_at"] >= run["created_at"]
-    msgs = await server.messages(wid, session["id"])
+async def test_run_record_and_messages(crush_workspace: WorkspaceClient) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    handle = await ws.prompt(session.id, "stored reply", run_id="rec")
+    await handle.wait(WAIT)
+    complete = handle.complete
+    assert complete is not None
+    run = await ws.get_run("rec")
+    assert run.run_id == "rec" and run.session_id == session.id
+    assert run.status is RunStatus.COMPLETED and run.text == "stored reply"
+    assert run.message_id == complete.message_id and run.error is None
+    assert run.finished_at is not None and run.finished_at >= run.created_at
+    msgs = await ws.messages(session.id)
     assistant = msgs[-1]
-    assert assistant["id"] == complete["message_id"]
-    assert assistant["parts"][0] == {"type": "text", "data": {"text": "stored reply"}}
-    assert assistant["parts"][-1]["type"] == "finish"
-    assert assistant["parts"][-1]["data"]["reason"] == "end_turn"
-    r = await server.http.get(f"/v1/workspaces/{wid}/runs/missing")
-    assert r.status_code == 404
-    r = await server.http.get(f"/v1/workspaces/{wid}/sessions/{session['id']}")
-    assert r.json()["message_count"] == 2 and r.json()["is_busy"] is False
+    assert assistant.id == complete.message_id
+    assert assistant.parts[0] == TextPart("stored reply")
+    finish = assistant.parts[-1]
+    assert isinstance(finish, FinishPart) and finish.reason is FinishReason.END_TURN
+    # The same answers as JSON: the shapes of PROTOCOL §4, which a shared converter would hide.
+    raw_run = await ws.client.request("GET", f"/v1/workspaces/{ws.id}/runs/rec")
+    assert raw_run["status"] == "completed" and raw_run["message_id"] == complete.message_id
+    raw_parts = (
+        await ws.client.request("GET", f"/v1/workspaces/{ws.id}/sessions/{session.id}/messages")
+    )[-1]["parts"]
+    assert raw_parts[0] == {"type": "text", "data": {"text": "stored reply"}}
+    assert raw_parts[-1]["type"] == "finish" and raw_parts[-1]["data"]["reason"] == "end_turn"
+    with pytest.raises(NotFound):
+        await ws.get_run("missing")
+    stored = await ws.session(session.id)
+    assert stored.message_count == 2 and stored.is_busy is False
 
 
-async def test_prompt_completes_after_its_http_connection_closes(server: Server) -> None:
-    ws = await server.open_workspace()
-    wid = ws["id"]
-    session = await server.create_session(wid)
-    async with httpx.AsyncClient(
-        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}
-    ) as one_shot:
-        r = await one_shot.post(
-            f"/v1/workspaces/{wid}/agent",
-            json={"session_id": session["id"], "prompt": "detached run"},
-        )
-        assert r.status_code == 202
-        run_id = r.json()["run_id"]
-    # That client is gone; a websocket opened later still sees the run finish (or it already has).
-    with trio.fail_after(10):
-        while (await server.run(wid, run_id))["status"] not in ("completed", "failed", "cancelled"):
-            async with server.websocket(wid, since=0) as sock:
-                await sock.until(lambda f: f["type"] == "run_complete" or f["type"] == "gap")
-    assert (await server.run(wid, run_id))["text"] == "detached run"
+async def test_prompt_completes_after_its_http_connection_closes(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """The run belongs to the workspace, not to the HTTP request that sent the prompt."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(Step("detached run", gate_mid=gate))
+    async with ws.subscribe(timeout=WAIT) as feed:
+        # A one-shot raw HTTP client: its connection is closed once the prompt is accepted.
+        async with httpx.AsyncClient(
+            base_url=crush_server.url, headers={"Authorization": f"Bearer {crush_server.token}"}
+        ) as one_shot:
+            r = await one_shot.post(
+                f"/v1/workspaces/{ws.id}/agent",
+                json={"session_id": session.id, "prompt": "go on without me"},
+            )
+            assert r.status_code == 202
+            run_id = r.json()["run_id"]  # made by the server
+        with trio.fail_after(WAIT):
+            await gate.reached.wait()  # parked mid-reply, its HTTP connection gone
+        assert (await ws.get_run(run_id)).status is RunStatus.RUNNING
+        gate.release()
+        done = await feed.until(completes_run(run_id), WAIT)
+    assert done.payload.text == "detached run" and done.payload.error is None
+    run = await ws.get_run(run_id)
+    assert run.status is RunStatus.COMPLETED and run.text == "detached run"
 
 
-async def test_two_clients_both_receive_run_complete(server: Server) -> None:
-    ws = await server.open_workspace()
-    wid = ws["id"]
-    session = await server.create_session(wid)
-    with trio.fail_after(10):
-        async with server.websocket(wid) as a, server.websocket(wid) as b:
-            await a.recv()
-            await b.recv()
-            await server.prompt(wid, session["id"], "for both", run_id="both")
-            ca, _ = await a.run_complete("both")
-            cb, _ = await b.run_complete("both")
-    assert ca == cb and ca["text"] == "for both"
+async def test_two_clients_both_receive_run_complete(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    async with (
+        connect(crush_server.url, crush_server.token) as second_client,
+        second_client.workspace(ws.path) as other,
+        ws.subscribe(timeout=WAIT) as a,
+        other.subscribe(timeout=WAIT) as b,
+    ):
+        assert other.id == ws.id and second_client.client_id != ws.client.client_id
+        handle = await ws.prompt(session.id, "for both", run_id="both")
+        seen_a = await a.collect_until(completes_run("both"), WAIT)
+        seen_b = await b.collect_until(completes_run("both"), WAIT)
+        assert (await handle.result(WAIT)).text == "for both"
+    assert seen_a[-1].payload.text == "for both"
+    assert [e.raw for e in seen_a] == [e.raw for e in seen_b]  # the same events, the same frames
+    assert [e.type for e in seen_a].count("run_complete") == 1
 
 
 async def test_websocket_commands(server: Server) -> None:
@@ -450,14 +494,13 @@ async def test_duplicate_run_id_is_refused(server: Server) -> None:
     assert r.status_code == 400 and "already used" in r.json()["message"]
 
 
-async def test_version_and_agent_info(server: Server) -> None:
-    r = await server.http.get("/v1/version")
-    assert r.status_code == 200 and r.json()["version"]
-    ws = await server.open_workspace()
-    r = await server.http.get(f"/v1/workspaces/{ws['id']}/agent")
-    info = r.json()
-    assert info["is_busy"] is False and info["is_ready"] is True
-    assert info["model"]["provider"] == "echo"
+async def test_version_and_agent_info(
+    crush_client: Client, crush_workspace: WorkspaceClient
+) -> None:
+    assert await crush_client.version() == crush_trio.__version__
+    info = await crush_workspace.agent_info()
+    assert info.is_busy is False and info.is_ready is True
+    assert info.model["provider"] == "echo"
 
 
 async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
@@ -473,21 +516,20 @@ async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
         await server.backend.stopped.wait()
 
 
-async def test_rename_session_publishes_an_update(server: Server) -> None:
-    ws = await server.open_workspace()
-    wid = ws["id"]
-    session = await server.create_session(wid, "old")
-    with trio.fail_after(10):
-        async with server.websocket(wid) as sock:
-            await sock.recv()
-            r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": "new name"})
-            assert r.status_code == 200 and r.json()["title"] == "new name" and r.json()["is_busy"] is False
-            frames = await sock.until(lambda f: f["type"] == "session")
-    assert frames[-1]["payload"]["type"] == "updated" and _payload(frames[-1])["title"] == "new name"
-    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/{session['id']}", json={"title": " "})
-    assert r.status_code == 400
-    r = await server.http.patch(f"/v1/workspaces/{wid}/sessions/nope", json={"title": "x"})
-    assert r.status_code == 404
+async def test_rename_session_publishes_an_update(crush_workspace: WorkspaceClient) -> None:
+    ws = crush_workspace
+    session = await ws.create_session("old")
+    async with ws.subscribe(timeout=WAIT) as feed:
+        renamed = await ws.rename_session(session.id, "new name")
+        update = await feed.until(lambda e: e.type == "session", WAIT)
+    assert renamed.id == session.id and renamed.title == "new name" and renamed.is_busy is False
+    assert update.kind == "updated"
+    assert update.payload.id == session.id and update.payload.title == "new name"
+    assert (await ws.session(session.id)).title == "new name"  # stored
+    with pytest.raises(BadRequest, match="title"):
+        await ws.rename_session(session.id, " ")
+    with pytest.raises(NotFound):
+        await ws.rename_session("nope", "x")
 
 
 async def test_framework_websocket_route_still_serves_events(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ Example::
 
 from __future__ import annotations
 
-from ..wire import Message, Run, RunComplete, RunStatus, Session, Workspace
+from ..wire import Message, PermissionRequest, Run, RunComplete, RunStatus, Session, Workspace
 from .connection import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
@@ -76,6 +76,7 @@ __all__ = [
     "Gap",
     "Message",
     "NotFound",
+    "PermissionRequest",
     "Run",
     "RunComplete",
     "RunEvents",

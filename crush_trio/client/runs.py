@@ -26,6 +26,7 @@ The logic here is synchronous; the workspace's tasks do the I/O it asks for (ref
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,6 +133,8 @@ class RunHandle:
         self.messages: dict[str, Message] = {}
         self.errors: list[AgentEvent] = []
         self.permission_requests: dict[str, PermissionRequest] = {}
+        self._asked: collections.deque[PermissionRequest] = collections.deque()
+        self._asked_wakeup = trio.Event()
         self.complete: RunComplete | None = None
         self.events_received = 0
         self._unconfirmed: list[Event] = []
@@ -256,6 +259,8 @@ class RunHandle:
 
     def _accept_permission(self, event: Event, request: PermissionRequest) -> None:
         self.permission_requests[request.id] = request
+        self._asked.append(request)
+        self._asked_wakeup.set()
         self._deliver(event)
         if self.auto_approve:
             self.workspace._schedule_grant(request.id, "allow")
@@ -279,6 +284,7 @@ class RunHandle:
         self.events_received += 1
         self._mailbox.close()
         self._done.set()
+        self._asked_wakeup.set()
         self.workspace._forget(self)
 
     # -- refetched state (called by the workspace's resync task) -------------------------------
@@ -319,6 +325,7 @@ class RunHandle:
         self._failure = error
         self._mailbox.close()
         self._done.set()
+        self._asked_wakeup.set()
         self.workspace._forget(self)
 
     # -- consumer API ----------------------------------------------------------------------------
@@ -349,6 +356,35 @@ class RunHandle:
         """
         with deadline_scope(deadline_after(timeout), lambda: self._describe_wait("end", timeout)):
             await self._done.wait()
+
+    async def next_permission_request(
+        self,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> PermissionRequest | None:
+        """The next permission request of this run, to answer with
+        :meth:`WorkspaceClient.grant`; ``None`` once the run has ended and every request it made
+        has been returned.
+
+        Only this run's own requests are returned (see the module docstring), each once, in the
+        order they were asked; :attr:`permission_requests` keeps all of them. This does not
+        consume :meth:`events`: a request is seen by both.
+
+        Raises:
+            Timeout: the run neither asked nor ended within ``timeout`` seconds.
+            Unreachable: the event stream was lost and the run could not be followed.
+        """
+        with deadline_scope(
+            deadline_after(timeout),
+            lambda: self._describe_wait("ask for permission or end", timeout),
+        ):
+            while not self._asked:
+                if self.done:
+                    if self._failure is not None:
+                        raise self._failure
+                    return None
+                self._asked_wakeup = trio.Event()
+                await self._asked_wakeup.wait()
+        return self._asked.popleft()
 
     async def result(
         self,

@@ -10,7 +10,10 @@ that lives as long as its ``async with`` block and holds
   server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
   to re-read state over HTTP.
 * the **resync** task: re-reads ``GET runs/{id}`` (and the session's messages) for run handles
-  that may have missed events, so a run that ended while the client was away still ends.
+  that may have missed events, so a run that ended while the client was away still ends. When
+  the stream cannot be re-opened at all (the server refuses it, or stays unreachable), the runs
+  still pending are followed by their records alone: each ends with the outcome its record
+  shows, and fails only when its record cannot be read either.
 * short **grant** tasks that answer permission requests of runs sent with ``auto_approve``.
 
 Leaving the block cancels those tasks, fails the runs still pending with :class:`Conflict`
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, Literal
 from urllib.parse import urlencode
@@ -70,6 +73,10 @@ RECONNECT_FIRST_DELAY: Final = 0.05
 RECONNECT_MAX_DELAY: Final = 2.0
 #: Pause before retrying a refetch that failed (seconds).
 RESYNC_RETRY_DELAY: Final = 0.5
+#: With no event stream, pending runs are followed by reading their records: first after this
+#: pause, then doubling up to :data:`RUN_POLL_MAX_DELAY` (seconds).
+RUN_POLL_FIRST_DELAY: Final = 0.1
+RUN_POLL_MAX_DELAY: Final = 2.0
 #: Bound on each cleanup step when the workspace block ends (seconds).
 CLOSE_TIMEOUT: Final = 5.0
 #: Largest event frame accepted (a message event carries a whole message).
@@ -81,6 +88,9 @@ WS_QUEUE_SIZE: Final = 64
 _PERMANENT_STATUSES: Final = frozenset({400, 401, 403, 404, 409, 503})
 
 GrantAction = Literal["allow", "allow_session", "deny"]
+
+#: What :meth:`Subscription.until` and :meth:`Subscription.collect_until` test each event with.
+EventPredicate = Callable[[Event], object]
 
 
 @attrs.define
@@ -156,6 +166,7 @@ class WorkspaceClient:
         self._nursery: trio.Nursery | None = None
         self._conn_scope: trio.CancelScope | None = None
         self._stream_done = trio.Event()
+        self._stream_changed = trio.Event()
         self.stream_error: CrushError | None = None
         self.closed = False
 
@@ -186,6 +197,19 @@ class WorkspaceClient:
 
     async def delete_session(self, session_id: str) -> None:
         await self.client.request("DELETE", self._url(f"/sessions/{session_id}"))
+
+    async def rename_session(self, session_id: str, title: str) -> Session:
+        """Give a session a new title (``PATCH sessions/{id}``); every client of the workspace
+        gets a ``session`` ``updated`` event.
+
+        Raises:
+            BadRequest: the title is empty.
+            NotFound: no such session.
+        """
+        data = await self.client.request(
+            "PATCH", self._url(f"/sessions/{session_id}"), json={"title": title}
+        )
+        return wire.converter.structure(data, Session)
 
     async def resolve_session(self, prefix: str) -> Session:
         """The session with this id or unique id prefix (see :func:`resolve_session_prefix`)."""
@@ -394,6 +418,7 @@ class WorkspaceClient:
             await self._stream_loop(task_status)
         finally:
             self._stream_done.set()
+            self._stream_news()
 
     async def _stream_loop(self, task_status: trio.TaskStatus[None]) -> None:
         first = True
@@ -420,6 +445,7 @@ class WorkspaceClient:
                         self.stats.reconnects += 1
                         # A server whose sequence restarted sends a gap; follow its numbering.
                         self.stats.last_seq = min(self.stats.last_seq, int(hello.get("seq", 0)))
+                        self._stream_news()
                     lost_at, delay = None, RECONNECT_FIRST_DELAY
                     with trio.CancelScope() as scope:
                         self._conn_scope = scope
@@ -532,13 +558,68 @@ class WorkspaceClient:
         for handle in list(self._runs.values()):
             handle.offer(event)
 
+    def _stream_news(self) -> None:
+        """Wake :meth:`wait_reconnected`: the stream was re-opened, or is gone for good."""
+        self._stream_changed.set()
+        self._stream_changed = trio.Event()
+
     def _fail_stream(self, error: CrushError) -> None:
+        """The stream is gone for good. Subscriptions end with ``error``; runs still pending do
+        not: the resync task follows them by their records (``GET runs/{id}``), so a run that
+        ended, or ends later, still gets its outcome."""
         self.stream_error = error
-        log.warning("%s", error)
-        for handle in list(self._runs.values()):
-            handle.fail(error)
+        log.warning("%s; following the pending runs over HTTP", error)
         for mailbox in self._feeds:
             mailbox.close()
+        for handle in list(self._runs.values()):
+            self._schedule_resync(handle, messages=True)
+        self._stream_news()
+
+    def _record_lost(self, handle: RunHandle, exc: CrushError) -> CrushError:
+        """The error of a pending run whose stream is gone and whose record cannot be read."""
+        assert self.stream_error is not None
+        return type(self.stream_error)(
+            f"{self.stream_error.message}; run {handle.run_id!r} could not be followed over "
+            f"HTTP either ({exc.message})"
+        )
+
+    async def wait_reconnected(
+        self,
+        after: int | None = None,
+        *,
+        timeout: float | None = DEFAULT_RECONNECT_TIMEOUT,  # noqa: ASYNC109
+    ) -> int:
+        """Wait until the event stream has been re-opened after a drop.
+
+        Returns once ``stats.reconnects`` is greater than ``after`` (default: its value when
+        called), i.e. the server has answered a reconnect with its ``hello``; the events it
+        replays follow. To be sure not to miss a reconnect that completes before the wait begins
+        (a drop from the server's side), read ``ws.stats.reconnects`` before causing the drop and
+        pass it as ``after``.
+
+        Returns:
+            ``stats.reconnects``, to pass as ``after`` to the next wait.
+
+        Raises:
+            Timeout: the stream was not re-opened within ``timeout`` seconds.
+            Unreachable, NotFound, Conflict, AuthError: the stream is gone for good (the
+                server refused it or stayed unreachable); the error is ``stream_error``.
+            Conflict: the workspace client was closed.
+        """
+        target = self.stats.reconnects if after is None else after
+
+        def describe() -> str:
+            return (
+                f"the event stream of workspace {self.id} was not re-opened within {timeout:g} s "
+                f"({self.stats.reconnects} reconnect(s) and {self.stats.drops} drop(s) so far, "
+                f"last seq {self.stats.last_seq}); is the server at {self.client.url} up?"
+            )
+
+        with deadline_scope(deadline_after(timeout), describe):
+            while self.stats.reconnects <= target:
+                self._check_open()
+                await self._stream_changed.wait()
+        return self.stats.reconnects
 
     def drop_stream(self) -> None:
         """Close the current event-stream connection; the reader re-opens it with ``since``.
@@ -572,7 +653,13 @@ class WorkspaceClient:
             log.warning("could not answer permission request %s: %s", permission_id, exc)
 
     async def _resync_worker(self) -> None:
-        """Re-read runs (and messages) of handles that may have missed events."""
+        """Re-read runs (and messages) of handles that may have missed events.
+
+        With no event stream left (:meth:`_fail_stream`), every pending run is re-read at a
+        growing interval (:data:`RUN_POLL_FIRST_DELAY` to :data:`RUN_POLL_MAX_DELAY`) until its
+        record shows its end; a record that cannot be read then fails the run.
+        """
+        poll_delay = RUN_POLL_FIRST_DELAY
         while True:
             await self._resync_wakeup.wait()
             self._resync_wakeup = trio.Event()
@@ -587,13 +674,21 @@ class WorkspaceClient:
                     handle.refetched_run(run)
                     if with_messages and not handle.done:
                         handle.refetched_messages(await self.messages(handle.session_id))
-                except NotFound:
-                    pass  # the run is not known (yet): its events will tell
                 except CrushError as exc:
-                    log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
-                    self._resync[handle] = self._resync.get(handle, False) or with_messages
-                    failed = True
-            if failed:
+                    if self.stream_error is not None:
+                        handle.fail(self._record_lost(handle, exc))
+                    elif not isinstance(exc, NotFound):  # not known yet: its events will tell
+                        log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
+                        self._resync[handle] = self._resync.get(handle, False) or with_messages
+                        failed = True
+            if self.stream_error is not None:
+                for handle in list(self._runs.values()):
+                    self._resync.setdefault(handle, False)
+                if self._resync:
+                    await trio.sleep(poll_delay)
+                    poll_delay = min(poll_delay * 2, RUN_POLL_MAX_DELAY)
+                    self._resync_wakeup.set()
+            elif failed:
                 await trio.sleep(RESYNC_RETRY_DELAY)
                 self._resync_wakeup.set()
 
@@ -611,6 +706,7 @@ class WorkspaceClient:
             handle.fail(error)
         for mailbox in self._feeds:
             mailbox.close()
+        self._stream_news()
 
 
 class Subscription:
@@ -634,10 +730,13 @@ class Subscription:
         """
         event = await self._get(timeout)
         if event is None:
-            raise self._workspace.stream_error or Unreachable(
-                f"the subscription to workspace {self._workspace.id} has ended"
-            )
+            raise self._ended()
         return event
+
+    def _ended(self) -> CrushError:
+        return self._workspace.stream_error or Unreachable(
+            f"the subscription to workspace {self._workspace.id} has ended"
+        )
 
     async def _get(self, timeout: float | None) -> Event | None:  # noqa: ASYNC109
         with deadline_scope(
@@ -646,14 +745,62 @@ class Subscription:
         ):
             return await self._mailbox.get()
 
-    async def until(self, predicate: Any, timeout: float | None = DEFAULT_RUN_TIMEOUT) -> Event:  # noqa: ASYNC109
-        """The first event for which ``predicate(event)`` is true (others are skipped)."""
-        deadline = deadline_after(timeout)
-        while True:
-            remaining = None if timeout is None else max(0.0, deadline - trio.current_time())
-            event = await self.next(remaining)
-            if predicate(event):
-                return event
+    async def until(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> Event:
+        """The first event for which ``predicate(event)`` is true; the events before it are
+        consumed and dropped (:meth:`collect_until` keeps them).
+
+        Raises:
+            Timeout: no event matched within ``timeout`` seconds (for the whole wait).
+            Unreachable: the stream is gone for good (or the subscription ended).
+        """
+        return (await self._collect(predicate, timeout, keep=False))[-1]
+
+    async def collect_until(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+    ) -> list[Event]:
+        """Every event up to and including the first for which ``predicate(event)`` is true, in
+        the order received (the events that do not match are kept, not skipped).
+
+        Raises:
+            Timeout: no event matched within ``timeout`` seconds (for the whole wait); the events
+                received until then are consumed.
+            Unreachable: the stream is gone for good (or the subscription ended).
+        """
+        return await self._collect(predicate, timeout, keep=True)
+
+    async def _collect(
+        self,
+        predicate: EventPredicate,
+        timeout: float | None,  # noqa: ASYNC109
+        *,
+        keep: bool,
+    ) -> list[Event]:
+        seen: list[Event] = []
+        others = 0
+
+        def describe() -> str:
+            return (
+                f"no event of workspace {self._workspace.id} matched {_describe(predicate)} "
+                f"within {timeout:g} s ({others} other event(s) received)"
+            )
+
+        with deadline_scope(deadline_after(timeout), describe):
+            while True:
+                event = await self._mailbox.get()
+                if event is None:
+                    raise self._ended()
+                matched = predicate(event)
+                if keep or matched:
+                    seen.append(event)
+                if matched:
+                    return seen
+                others += 1
 
     def __aiter__(self) -> Subscription:
         return self
@@ -665,3 +812,12 @@ class Subscription:
                 raise self._workspace.stream_error
             raise StopAsyncIteration
         return event
+
+
+def _describe(predicate: EventPredicate) -> str:
+    """How a Timeout names the predicate that was awaited: its name, or where a lambda is."""
+    name = getattr(predicate, "__qualname__", None) or repr(predicate)
+    code = getattr(predicate, "__code__", None)
+    if name.endswith("<lambda>") and code is not None:
+        return f"the predicate at {code.co_filename}:{code.co_firstlineno}"
+    return name
