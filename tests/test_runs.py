@@ -26,7 +26,7 @@ from crush_trio.client import (
     WorkspaceClient,
     embedded,
 )
-from crush_trio.errors import ConfigError, ProviderError
+from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, TextPart
@@ -431,3 +431,31 @@ async def test_a_failing_store_cannot_lose_a_run_complete(
     # The workspace survived and keeps serving.
     handle2 = await ws.prompt(sid, "again", run_id="s2")
     assert (await handle2.result(WAIT)).text == "again"
+
+
+async def test_the_same_run_id_sent_twice_at_once_is_accepted_once(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    """Both submissions pass the store's run-id check together (it is a thread hop); the first
+    to accept wins, the other is refused, and only one run exists."""
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    agent = crush_server.backend.get(ws.id).agent
+    outcomes: list[str] = []
+
+    async def submit(text: str) -> None:
+        try:
+            await agent.submit(sid, text, "twice")
+        except BadRequest as exc:
+            outcomes.append(exc.message)
+        else:
+            outcomes.append("accepted")
+
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(submit, "one")
+            nursery.start_soon(submit, "two")
+        run = await ws.get_run("twice")
+    assert sorted(outcomes)[0] == "accepted"
+    assert "already used" in sorted(outcomes)[1]
+    assert run.run_id == "twice"

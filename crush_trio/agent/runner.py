@@ -172,6 +172,10 @@ class Agent:
         # by a client that disconnects right after sending.
         if self.closing:
             raise Conflict("workspace closing: it is shutting down; open it again and resend")
+        if run_id is not None and self.runs.known(run_id):
+            # The same run_id sent twice at once (a client resending over another connection):
+            # both passed the store check above while it ran; the first to get here wins.
+            raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
         explicit = run_id is not None
         prompt, admission, turn = self.state.accept(
             session_id, run_id or new_id(), text, explicit=explicit
