@@ -2,17 +2,30 @@
 
 ``python -m bench.client ROLE`` reads its configuration as the first JSON line on stdin, then
 commands (one JSON object per line); it writes events to stdout as JSON lines
-(``{"event": "ready" | "progress" | "done" | "error", ...}``). Roles:
+(``{"event": "ready" | "progress" | "done" | "error", ...}``). Every role drives the server with
+the project's client library, :mod:`crush_trio.client`. Roles:
 
-* ``runs``: one websocket watching the workspace plus an httpx client; creates sessions, submits
-  one prompt per session on ``go`` (W1, W2) or a long series of short runs on ``soak`` (W4), and
-  measures submit → first visible text, submit → ``run_complete``, and (when the model stamps its
-  tokens) token-to-client latency.
-* ``watch``: ``count`` websocket clients that read until a ``run_complete`` frame (W3, and the
-  reading client of W4) or stay idle until ``quit`` (W4's idle clients).
-* ``stall``: one websocket client that never reads until told to ``drain`` (W4).
-* ``chaos``: a bounded random mix of prompts, cancels, clears, disconnects and reads (W5),
-  checking that every accepted run gets exactly one ``run_complete``.
+* ``runs``: one library client (``connect`` → ``client.workspace(project)``) that creates
+  sessions and submits one prompt per session on ``go`` (W1, W2) or a long series of short runs
+  on ``soak`` (W4), following each run through its :class:`~crush_trio.client.RunHandle`. It
+  measures submit → first visible text (the run's first ``message`` event with text), submit →
+  ``run_complete``, and (when the model stamps its tokens) token-to-client latency; a workspace
+  subscription counts the ``run_complete`` events of every run, so a duplicate would show.
+* ``watch``: ``count`` raw event-stream connections that read until a ``run_complete`` frame (W3,
+  and the reading client of W4) or stay idle until ``quit`` (W4's idle clients).
+* ``stall``: one raw event-stream connection that never reads until told to ``drain`` (W4).
+* ``chaos``: a library client doing a bounded random mix of prompts, cancels, clears, stream
+  drops and reads, plus one raw connection that comes and goes (W5); it checks that every
+  accepted run gets exactly one ``run_complete`` on each of the two streams.
+
+Why the fan-out and idle roles read raw frames: the library's workspace client decodes every
+frame into wire objects (25-35 µs for a ``message`` event on this machine, against 0.2-4 µs to
+look for a marker in its text) and routes it to run handles. W3 holds up to 1,000 connections
+receiving over 100,000 frames across a few processes on the same 2 cores as the server, so
+decoding would make the clients, not the server, what W3 measures; and the bare server W3 compares
+against has no HTTP API, so no workspace client could use it. Those roles therefore open each
+connection with the library's :func:`~crush_trio.client.open_event_socket` (the same address,
+token and ``hello`` handshake) and count frames by their text.
 
 Times are ``time.time()`` so that they compare across processes on one machine.
 """
@@ -20,6 +33,7 @@ Times are ``time.time()`` so that they compare across processes on one machine.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import random
 import sys
@@ -27,29 +41,40 @@ import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
-import httpx
 import orjson
 import trio
-from trio_websocket import (
-    ConnectionClosed,
-    HandshakeError,
-    WebSocketConnection,
-    open_websocket_url,
-)
+from trio_websocket import ConnectionClosed
 
+from crush_trio.client import (
+    CrushError,
+    Event,
+    EventSocket,
+    RunHandle,
+    Subscription,
+    Timeout,
+    Unreachable,
+    WorkspaceClient,
+    connect,
+    open_event_socket,
+)
+from crush_trio.wire import Role
 from tests.fake_llm import STAMP_RE
 
 from .procs import TOKEN, LineReader, raise_fd_limit
 
-#: Largest websocket message a client accepts.
-MAX_MESSAGE: Final = 16 * 1024 * 1024
 #: Websocket handshakes in flight at once per worker.
 CONNECT_CONCURRENCY: Final = 64
-#: Bound on a websocket close handshake.
-CLOSE_TIMEOUT: Final = 5.0
+#: Bound on opening one event-stream connection and receiving its hello (seconds); handshakes
+#: queue behind :data:`CONNECT_CONCURRENCY`, so each is short, but 1,000 clients load the server.
+CONNECT_TIMEOUT: Final = 60.0
+#: Frames buffered per raw connection: one, so a client that stops reading stops reading its
+#: socket (the stalled client of W4), as trio-websocket's default.
+RAW_QUEUE_SIZE: Final = 1
+#: Bound on the close handshakes of a watch worker's connections when it quits (seconds).
+CLOSE_TIMEOUT: Final = 10.0
 #: Bound on one HTTP request.
 HTTP_TIMEOUT: Final = 30.0
 #: The envelope of a ``run_complete`` / ``gap`` frame, as the server encodes it (no spaces).
@@ -83,93 +108,84 @@ class Io:
             await self._out.send_all(orjson.dumps({"event": event, **fields}) + b"\n")
 
 
-def http_client(base_url: str, connections: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=base_url,
-        headers={"Authorization": f"Bearer {TOKEN}"},
-        timeout=HTTP_TIMEOUT,
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-    )
-
-
-def message_text(message: dict[str, Any]) -> str:
-    return "".join(
-        part["data"].get("text", "") for part in message["parts"] if part["type"] == "text"
-    )
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 # ---------------------------------------------------------------------------------------------
-# runs: submit prompts, watch their events
+# runs: submit prompts, follow their runs
 
 
 @dataclass
 class RunTrack:
     """One submitted run, as this client saw it."""
 
-    session_id: str
-    run_id: str
+    run_id: str = ""
     submitted: float = 0.0
     first_text: float | None = None
     completed: float | None = None
-    completes: int = 0
     error: str | None = None
     cancelled: bool = False
     text: str = ""
     seen_stamps: int = 0
-    done: trio.Event = field(default_factory=trio.Event)
 
 
-class RunTracker:
-    """Routes the workspace's frames to the runs this client submitted."""
+class Runs:
+    """The runs of one library workspace client, and what they measured."""
 
-    def __init__(self, stamp: bool) -> None:
+    def __init__(self, ws: WorkspaceClient, stamp: bool) -> None:
+        self.ws = ws
         self.stamp = stamp
-        self.by_session: dict[str, RunTrack] = {}
-        self.by_run: dict[str, RunTrack] = {}
-        self.frames = 0
-        self.bytes = 0
-        self.gaps = 0
         self.token_latencies: list[float] = []
-        self.closed_reason = ""
-        #: Set (and replaced) whenever one of the tracked runs ends.
+        #: run_complete events per run id, from a subscription to the whole workspace.
+        self.completes: collections.Counter[str] = collections.Counter()
+        #: Set (and replaced) whenever one of the runs ends.
         self.changed = trio.Event()
 
-    def _ended(self, track: RunTrack) -> None:
-        track.done.set()
+    def frames(self) -> int:
+        """Frames the workspace's stream delivered so far (events and gaps)."""
+        return self.ws.stats.events + self.ws.stats.gaps
+
+    async def count_completes(self, feed: Subscription) -> None:
+        try:
+            async for event in feed:
+                if event.type == "run_complete":
+                    self.completes[event.payload.run_id] += 1
+        except CrushError:
+            pass  # the stream is gone for good: the runs still pending fail with its error
+
+    def _ended(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
-    def add(self, track: RunTrack) -> None:
-        if self.closed_reason:
-            track.error = self.closed_reason
-            track.done.set()
-        self.by_session[track.session_id] = track
-        self.by_run[track.run_id] = track
+    async def run(self, session_id: str, prompt: str, track: RunTrack) -> None:
+        """Submit one prompt and follow its run to the end."""
+        track.submitted = time.time()
+        try:
+            handle = await self.ws.prompt(session_id, prompt)
+        except CrushError as exc:
+            track.error = describe(exc)
+            self._ended()
+            return
+        track.run_id = handle.run_id
+        try:
+            await self.follow(handle, track)
+        finally:
+            self._ended()
 
-    def forget(self, track: RunTrack) -> None:
-        self.by_run.pop(track.run_id, None)
-        if self.by_session.get(track.session_id) is track:
-            del self.by_session[track.session_id]
+    async def follow(self, handle: RunHandle, track: RunTrack) -> None:
+        try:
+            async for event in handle.events(timeout=None):
+                self.on_event(event, track, time.time())
+        except CrushError as exc:
+            track.error = describe(exc)
 
-    def closed(self, why: str) -> None:
-        self.closed_reason = why
-        for track in self.by_run.values():
-            if not track.done.is_set():
-                track.error = why
-                self._ended(track)
-
-    def on_frame(self, raw: str) -> None:
-        now = time.time()
-        self.frames += 1
-        self.bytes += len(raw)
-        envelope = orjson.loads(raw)
-        kind = envelope.get("type")
-        if kind == "message":
-            message = envelope["payload"]["payload"]
-            track = self.by_session.get(message["session_id"])
-            if track is None or track.completed is not None or message["role"] != "assistant":
+    def on_event(self, event: Event, track: RunTrack, now: float) -> None:
+        if event.type == "message":
+            message = event.payload
+            if message.role is not Role.ASSISTANT:
                 return
-            text = message_text(message)
+            text = message.text()
             if not text:
                 return
             if track.first_text is None:
@@ -179,201 +195,153 @@ class RunTracker:
                 for stamp in stamps[track.seen_stamps :]:
                     self.token_latencies.append(now - float(stamp))
                 track.seen_stamps = len(stamps)
-        elif kind == "run_complete":
-            complete = envelope["payload"]["payload"]
-            track = self.by_run.get(complete["run_id"])
-            if track is None:
-                return
-            track.completes += 1
-            if track.completes == 1:
-                track.completed = now
-                track.error = complete.get("error")
-                track.cancelled = bool(complete.get("cancelled"))
-                track.text = complete.get("text") or ""
-                self._ended(track)
-        elif kind == "gap":
-            self.gaps += 1
+        elif event.type == "run_complete":
+            complete = event.payload
+            track.completed = now
+            track.error = complete.error
+            track.cancelled = complete.cancelled
+            track.text = complete.text
 
+    async def create_sessions(self, count: int) -> list[str]:
+        ids: list[str] = []
+        limiter = trio.CapacityLimiter(16)
 
-async def read_frames(ws: WebSocketConnection, tracker: RunTracker) -> None:
-    """Feed every frame to the tracker; when the server closes the stream, fail the runs still
-    waiting (their run_complete can no longer arrive on this socket)."""
-    try:
-        while True:
-            raw = await ws.get_message()
-            tracker.on_frame(raw if isinstance(raw, str) else raw.decode())
-    except ConnectionClosed as exc:
-        tracker.closed(f"event stream closed by the server: {exc.reason}")
+        async def one() -> None:
+            async with limiter:
+                ids.append((await self.ws.create_session("bench")).id)
 
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(one)
+        return ids
 
-async def submit(
-    http: httpx.AsyncClient, wid: str, track: RunTrack, prompt: str, tracker: RunTracker
-) -> None:
-    """POST a prompt with the track's own run_id (so run_complete can never beat the reply)."""
-    tracker.add(track)
-    track.submitted = time.time()
-    body = {"session_id": track.session_id, "run_id": track.run_id, "prompt": prompt}
-    try:
-        response = await http.post(f"/v1/workspaces/{wid}/agent", json=body)
-    except httpx.HTTPError as exc:
-        track.error = f"{type(exc).__name__}: {exc}"
-        track.done.set()
-        return
-    if response.status_code != 202:
-        track.error = f"HTTP {response.status_code}: {response.text[:200]}"
-        track.done.set()
+    def summary(self, tracks: list[RunTrack]) -> dict[str, Any]:
+        done = [t for t in tracks if t.completed is not None]
+        return {
+            "runs": len(tracks),
+            "completed": sum(1 for t in done if t.error is None and not t.cancelled),
+            "failed": sum(1 for t in tracks if t.error is not None),
+            "missing": sum(1 for t in tracks if t.completed is None and t.error is None),
+            "duplicates": sum(max(0, self.completes[t.run_id] - 1) for t in tracks if t.run_id),
+            "errors": sorted({t.error for t in tracks if t.error})[:5],
+            "started": min((t.submitted for t in tracks), default=0.0),
+            "finished": max((t.completed for t in done if t.completed), default=0.0),
+            "first_text": [t.first_text - t.submitted for t in tracks if t.first_text is not None],
+            "latency": [t.completed - t.submitted for t in done if t.completed is not None],
+            "tokens": sum(len(STAMP_RE.sub("", t.text).split()) for t in done),
+        }
 
+    async def go(self, io: Io, sessions: list[str], command: dict[str, Any]) -> None:
+        """One prompt per session, all at once; report when every run has its run_complete."""
+        tracks = [RunTrack() for _ in sessions]
+        frames0, gaps0, drops0 = self.frames(), self.ws.stats.gaps, self.ws.stats.drops
+        self.token_latencies = []
+        prompt = command["prompt"]
+        stall = float(command.get("stall", command["timeout"]))
+        with trio.move_on_after(float(command["timeout"])):
+            async with trio.open_nursery() as nursery:
+                for session_id, track in zip(sessions, tracks, strict=True):
+                    nursery.start_soon(self.run, session_id, prompt, track)
+                # Give up early when no run ends for ``stall`` seconds: a run that lost its
+                # run_complete would otherwise hold the whole phase until its timeout.
+                while not all(t.completed is not None or t.error is not None for t in tracks):
+                    with trio.move_on_after(stall) as idle:
+                        await self.changed.wait()
+                    if idle.cancelled_caught:
+                        nursery.cancel_scope.cancel()
+                        break
+        await io.send(
+            "done",
+            frames=self.frames() - frames0,
+            gaps=self.ws.stats.gaps - gaps0,
+            drops=self.ws.stats.drops - drops0,
+            token_latency=self.token_latencies,
+            **self.summary(tracks),
+        )
 
-async def create_sessions(http: httpx.AsyncClient, wid: str, count: int) -> list[str]:
-    ids: list[str] = []
-    limiter = trio.CapacityLimiter(16)
+    async def soak(self, io: Io, command: dict[str, Any]) -> None:
+        """``runs`` short runs, ``concurrency`` sessions at a time, a new session every
+        ``per_session`` runs (so no history grows without bound); progress every
+        ``progress_every`` runs."""
+        total = int(command["runs"])
+        per_session = int(command["per_session"])
+        every = max(1, int(command["progress_every"]))
+        timeout = float(command["timeout"])
+        prompt = command["prompt"]
+        state = {"submitted": 0, "done": 0, "failed": 0, "missing": 0, "duplicates": 0}
+        latencies: list[float] = []
+        run_ids: list[str] = []
 
-    async def one() -> None:
-        async with limiter:
-            response = await http.post(f"/v1/workspaces/{wid}/sessions", json={"title": "bench"})
-            response.raise_for_status()
-            ids.append(response.json()["id"])
+        async def one_run(session_id: str) -> None:
+            track = RunTrack()
+            with trio.move_on_after(timeout):
+                await self.run(session_id, prompt, track)
+            run_ids.append(track.run_id)
+            if track.error is not None:
+                state["failed"] += 1
+            elif track.completed is None:
+                state["missing"] += 1
+            else:
+                latencies.append(track.completed - track.submitted)
 
-    async with trio.open_nursery() as nursery:
-        for _ in range(count):
-            nursery.start_soon(one)
-    return ids
+        async def loop() -> None:
+            while state["submitted"] < total:
+                (session_id,) = await self.create_sessions(1)
+                for _ in range(per_session):
+                    if state["submitted"] >= total:
+                        return
+                    state["submitted"] += 1
+                    await one_run(session_id)
+                    state["done"] += 1
+                    if state["done"] % every == 0 or state["done"] == total:
+                        await io.send("progress", done=state["done"], time=time.time())
 
-
-def run_summary(tracks: list[RunTrack]) -> dict[str, Any]:
-    done = [t for t in tracks if t.completed is not None]
-    return {
-        "runs": len(tracks),
-        "completed": sum(1 for t in done if t.error is None and not t.cancelled),
-        "failed": sum(1 for t in tracks if t.error is not None),
-        "missing": sum(1 for t in tracks if t.completed is None and t.error is None),
-        "duplicates": sum(max(0, t.completes - 1) for t in tracks),
-        "errors": sorted({t.error for t in tracks if t.error})[:5],
-        "started": min((t.submitted for t in tracks), default=0.0),
-        "finished": max((t.completed for t in done if t.completed), default=0.0),
-        "first_text": [t.first_text - t.submitted for t in tracks if t.first_text is not None],
-        "latency": [t.completed - t.submitted for t in done if t.completed is not None],
-        "tokens": sum(len(STAMP_RE.sub("", t.text).split()) for t in done),
-    }
+        started = time.time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(int(command["concurrency"])):
+                nursery.start_soon(loop)
+        state["duplicates"] = sum(max(0, self.completes[r] - 1) for r in run_ids)
+        await io.send("done", started=started, finished=time.time(), latency=latencies, **state)
 
 
 async def role_runs(io: Io, cfg: dict[str, Any]) -> None:
-    wid = cfg["wid"]
-    tracker = RunTracker(stamp=bool(cfg.get("stamp")))
-    ws_url = f"{cfg['ws']}/v1/workspaces/{wid}/ws?client_id={uuid.uuid4()}&token={TOKEN}"
     sessions: list[str] = []
     async with (
-        http_client(cfg["http"], int(cfg.get("connections", 100))) as http,
-        open_websocket_url(
-            ws_url, max_message_size=MAX_MESSAGE, disconnect_timeout=CLOSE_TIMEOUT
-        ) as ws,
+        connect(
+            cfg["url"],
+            TOKEN,
+            request_timeout=HTTP_TIMEOUT,
+            max_connections=int(cfg.get("connections", 100)),
+        ) as client,
+        client.workspace(cfg["project"]) as ws,
+        ws.subscribe(timeout=None) as feed,
         trio.open_nursery() as nursery,
     ):
-        await ws.get_message()  # hello
-        nursery.start_soon(read_frames, ws, tracker)
+        runs = Runs(ws, stamp=bool(cfg.get("stamp")))
+        nursery.start_soon(runs.count_completes, feed)
         await io.send("ready")
         while (command := await io.recv()) is not None:
             name = command["cmd"]
             if name == "sessions":
-                sessions = await create_sessions(http, wid, int(command["count"]))
+                sessions = await runs.create_sessions(int(command["count"]))
                 await io.send("sessions", count=len(sessions))
             elif name == "go":
-                await go(io, http, wid, tracker, sessions, command)
+                await runs.go(io, sessions, command)
             elif name == "soak":
-                await soak(io, http, wid, tracker, command)
+                await runs.soak(io, command)
             elif name == "quit":
                 break
         nursery.cancel_scope.cancel()
 
 
-async def go(
-    io: Io,
-    http: httpx.AsyncClient,
-    wid: str,
-    tracker: RunTracker,
-    sessions: list[str],
-    command: dict[str, Any],
-) -> None:
-    """One prompt per session, all at once; report when every run has its run_complete."""
-    tracks = [RunTrack(sid, str(uuid.uuid4())) for sid in sessions]
-    frames0, gaps0 = tracker.frames, tracker.gaps
-    tracker.token_latencies = []
-    prompt = command["prompt"]
-    stall = float(command.get("stall", command["timeout"]))
-    with trio.move_on_after(float(command["timeout"])):
-        async with trio.open_nursery() as nursery:
-            for track in tracks:
-                nursery.start_soon(submit, http, wid, track, prompt, tracker)
-        # Give up early when no run ends for ``stall`` seconds: a run that lost its
-        # run_complete would otherwise hold the whole phase until its timeout.
-        while not all(track.done.is_set() for track in tracks):
-            with trio.move_on_after(stall) as idle:
-                await tracker.changed.wait()
-            if idle.cancelled_caught:
-                break
-    summary = run_summary(tracks)
-    for track in tracks:
-        tracker.forget(track)
-    await io.send(
-        "done",
-        frames=tracker.frames - frames0,
-        gaps=tracker.gaps - gaps0,
-        token_latency=tracker.token_latencies,
-        **summary,
-    )
-
-
-async def soak(
-    io: Io, http: httpx.AsyncClient, wid: str, tracker: RunTracker, command: dict[str, Any]
-) -> None:
-    """``runs`` short runs, ``concurrency`` sessions at a time, a new session every
-    ``per_session`` runs (so no history grows without bound); progress every
-    ``progress_every`` runs."""
-    total = int(command["runs"])
-    per_session = int(command["per_session"])
-    every = max(1, int(command["progress_every"]))
-    timeout = float(command["timeout"])
-    prompt = command["prompt"]
-    state = {"submitted": 0, "done": 0, "failed": 0, "missing": 0, "duplicates": 0}
-    latencies: list[float] = []
-
-    async def loop() -> None:
-        while state["submitted"] < total:
-            (sid,) = await create_sessions(http, wid, 1)
-            for _ in range(per_session):
-                if state["submitted"] >= total:
-                    return
-                state["submitted"] += 1
-                track = RunTrack(sid, str(uuid.uuid4()))
-                await submit(http, wid, track, prompt, tracker)
-                with trio.move_on_after(timeout):
-                    await track.done.wait()
-                if track.completed is None and track.error is None:
-                    state["missing"] += 1
-                elif track.error is not None:
-                    state["failed"] += 1
-                else:
-                    latencies.append(track.completed - track.submitted)  # type: ignore[operator]
-                state["duplicates"] += max(0, track.completes - 1)
-                tracker.forget(track)
-                state["done"] += 1
-                if state["done"] % every == 0 or state["done"] == total:
-                    await io.send("progress", done=state["done"], time=time.time())
-
-    started = time.time()
-    async with trio.open_nursery() as nursery:
-        for _ in range(int(command["concurrency"])):
-            nursery.start_soon(loop)
-    await io.send("done", started=started, finished=time.time(), latency=latencies, **state)
-
-
 # ---------------------------------------------------------------------------------------------
-# watch: many clients reading until run_complete (or idle until quit)
+# watch: many raw connections reading until run_complete (or idle until quit)
 
 
 async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
     count = int(cfg["count"])
-    template: str = cfg["url"]
+    url: str = cfg["url"]
+    wid: str = cfg["wid"]
     record_path: str | None = cfg.get("record")
     recorded: list[str] = []
     stats: collections.Counter[str] = collections.Counter()
@@ -393,43 +361,38 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
             all_ended.set()
 
     async def connection(index: int) -> None:
-        url = template.replace("{cid}", str(uuid.uuid4()))
         frames = 0
         holding = True
         await handshakes.acquire()
         try:
-            async with open_websocket_url(
-                url, max_message_size=MAX_MESSAGE, disconnect_timeout=CLOSE_TIMEOUT
-            ) as ws:
-                await ws.get_message()  # hello
+            async with open_event_socket(
+                url, wid, TOKEN, timeout=CONNECT_TIMEOUT, message_queue_size=RAW_QUEUE_SIZE
+            ) as sock:
                 handshakes.release()
                 holding = False
                 stats["connected"] += 1
                 settled()
                 with trio.CancelScope() as scope:
                     reading_scopes.append(scope)
-                    try:
-                        while True:
-                            raw = await ws.get_message()
-                            text = raw if isinstance(raw, str) else raw.decode()
-                            frames += 1
-                            stats["bytes"] += len(text)
-                            if index == 0 and record_path:
-                                recorded.append(text)
-                            if GAP_MARK in text:
-                                stats["gaps"] += 1
-                            if RUN_COMPLETE_MARK in text:
-                                stats["run_complete"] += 1
-                                end_times.append(time.time())
-                                break
-                    except ConnectionClosed as exc:
-                        closes[str(exc.reason.code if exc.reason else None)] += 1
+                    async for text in sock:
+                        frames += 1
+                        stats["bytes"] += len(text)
+                        if index == 0 and record_path:
+                            recorded.append(text)
+                        if GAP_MARK in text:
+                            stats["gaps"] += 1
+                        if RUN_COMPLETE_MARK in text:
+                            stats["run_complete"] += 1
+                            end_times.append(time.time())
+                            break
+                    else:
+                        closes[str(sock.close_code)] += 1
                     stats["frames"] += frames
                     frames_per_conn.append(frames)
                     stats["ended"] += 1
                     settled()
                 await finish.wait()
-        except (HandshakeError, OSError, ConnectionClosed) as exc:
+        except (CrushError, OSError) as exc:
             if holding:
                 stats["failed"] += 1
                 closes[type(exc).__name__] += 1
@@ -477,12 +440,8 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
             await finish.wait()
             for scope in reading_scopes:
                 scope.cancel()
-            conns.cancel_scope.deadline = trio.current_time() + CLOSE_TIMEOUT * 2
+            conns.cancel_scope.deadline = trio.current_time() + CLOSE_TIMEOUT
         nursery.cancel_scope.cancel()
-
-
-# ---------------------------------------------------------------------------------------------
-# stall: a client that stops reading
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -490,40 +449,35 @@ def _write_json(path: str, data: Any) -> None:
         f.write(orjson.dumps(data))
 
 
+# ---------------------------------------------------------------------------------------------
+# stall: a client that stops reading
+
+
 async def role_stall(io: Io, cfg: dict[str, Any]) -> None:
-    # message_queue_size=1: once one message waits unread, the connection's reader stops
-    # reading the socket, so the server's sends back up into the kernel buffers.
-    async with open_websocket_url(
-        cfg["url"], max_message_size=MAX_MESSAGE, message_queue_size=1, disconnect_timeout=2
-    ) as ws:
-        await ws.get_message()  # hello
+    # One frame buffered: once it waits unread, the connection stops reading the socket, so the
+    # server's sends back up into the kernel buffers.
+    async with open_event_socket(
+        cfg["url"], cfg["wid"], TOKEN, timeout=CONNECT_TIMEOUT, message_queue_size=RAW_QUEUE_SIZE
+    ) as sock:
         await io.send("ready")
         command = await io.recv()
         assert command is not None and command["cmd"] == "drain"
         frames = gaps = 0
         got_complete = False
-        close_code: int | None = None
-        close_reason = ""
-        try:
-            with trio.move_on_after(float(command["timeout"])):
-                while True:
-                    raw = await ws.get_message()
-                    text = raw if isinstance(raw, str) else raw.decode()
-                    frames += 1
-                    gaps += GAP_MARK in text
-                    if RUN_COMPLETE_MARK in text:
-                        got_complete = True
-                        break
-        except ConnectionClosed as exc:
-            if exc.reason is not None:
-                close_code, close_reason = exc.reason.code, exc.reason.reason or ""
+        with trio.move_on_after(float(command["timeout"])):
+            async for text in sock:
+                frames += 1
+                gaps += GAP_MARK in text
+                if RUN_COMPLETE_MARK in text:
+                    got_complete = True
+                    break
         await io.send(
             "done",
             frames=frames,
             gaps=gaps,
             run_complete=got_complete,
-            close_code=close_code,
-            close_reason=close_reason,
+            close_code=sock.close_code,
+            close_reason=sock.close_reason,
         )
 
 
@@ -533,52 +487,105 @@ async def role_stall(io: Io, cfg: dict[str, Any]) -> None:
 
 #: Relative weights of the chaos operations.
 CHAOS_WEIGHTS: Final = {
-    "prompt": 30,  # HTTP, with a run_id (queued when the session is busy)
-    "prompt_fold": 15,  # HTTP, without a run_id (folded into the active turn when busy)
-    "prompt_ws": 10,  # the websocket command agent.prompt
-    "prompt_abort": 5,  # HTTP with a run_id, the client gives up after a few milliseconds
+    "prompt": 30,  # the library's prompt (its own run_id: queued when the session is busy)
+    "prompt_fold": 15,  # no run_id (folded into the active turn when busy): raw, see Chaos
+    "prompt_ws": 10,  # the websocket command agent.prompt, on the raw connection
+    "prompt_abort": 5,  # the library's prompt, abandoned by the client after a few milliseconds
     "cancel": 6,
     "clear": 3,
-    "disconnect": 5,
+    "disconnect": 5,  # the raw connection: a close handshake, or cut without one
+    "drop_stream": 3,  # the library's stream: dropped, re-opened by the library with since
     "read": 8,
 }
 
 
-class Chaos:
-    """One chaos client: a websocket that comes and goes, and actors doing random operations."""
+def outcome(cancelled: bool, error: str | None) -> str:
+    if cancelled:
+        return "cancelled"
+    return "failed" if error else "completed"
 
-    def __init__(self, cfg: dict[str, Any], http: httpx.AsyncClient) -> None:
+
+class Chaos:
+    """One chaos client: the library's workspace client doing random operations, and a raw
+    event-stream connection that comes and goes.
+
+    The library drives everything it can express: prompts (with its own ``run_id``, or
+    abandoned mid-request), cancels, queue clears, reads, dropping its stream (it re-opens it
+    with ``since``), and following each of its runs through a :class:`RunHandle`. The raw
+    connection, opened with the library's :func:`open_event_socket`, does what the library
+    deliberately does not: it sends the websocket command ``agent.prompt`` (the library prompts
+    over HTTP only), it is cut without a close handshake (the library always closes politely),
+    and it counts every ``run_complete`` frame as received, before any de-duplication. A prompt
+    without ``run_id`` goes through :meth:`Client.request <crush_trio.client.Client.request>`,
+    because the library always sends one (so that its prompt is never folded into another turn),
+    and folding is what that operation exercises.
+
+    The invariant is checked on both streams: every accepted run has exactly one
+    ``run_complete`` frame on the raw connection and exactly one ``run_complete`` event on the
+    library's stream; the run handles must end with the same outcome.
+    """
+
+    def __init__(self, cfg: dict[str, Any], ws: WorkspaceClient, followers: trio.Nursery) -> None:
         self.cfg = cfg
-        self.http = http
-        self.wid: str = cfg["wid"]
-        self.client_id = str(uuid.uuid4())
+        self.ws = ws
+        self.client = ws.client
+        self.followers = followers
         self.sessions: list[str] = []
         self.accepted: set[str] = set()
         self.uncertain: set[str] = set()
-        self.completes: collections.Counter[str] = collections.Counter()
-        self.outcome_of: dict[str, str] = {}
         self.ops: collections.Counter[str] = collections.Counter()
         self.rejected: collections.Counter[str] = collections.Counter()
+        #: Every run_complete frame on the raw connection, per run id, and the outcome it gave.
+        self.completes: collections.Counter[str] = collections.Counter()
+        self.outcome_of: dict[str, str] = {}
+        #: run_complete events on the library's stream, per run id.
+        self.library_completes: collections.Counter[str] = collections.Counter()
+        #: Runs sent with the library's prompt: how their handles ended (None while pending).
+        self.handle_outcome: dict[str, str | None] = {}
         self.ws_stats: collections.Counter[str] = collections.Counter()
+        # The raw connection.
+        self.raw_client_id = str(uuid.uuid4())
         self.last_seq: int | None = None
-        self.ws: WebSocketConnection | None = None
+        self.raw: EventSocket | None = None
         self.connected = trio.Event()
         self.read_scope: trio.CancelScope | None = None
         self.conn_scope: trio.CancelScope | None = None
         self.replies: dict[str, tuple[trio.Event, list[dict[str, Any]]]] = {}
-        self.stop_ws = False
-        #: Set (and replaced) whenever a run_complete arrives.
+        self.stop_raw = False
+        #: Set (and replaced) whenever a run_complete arrives or a handle ends.
         self.completed = trio.Event()
 
-    # -- the websocket ---------------------------------------------------------------------------
+    def _changed(self) -> None:
+        self.completed.set()
+        self.completed = trio.Event()
 
-    def ws_url(self) -> str:
-        url = (
-            f"{self.cfg['ws']}/v1/workspaces/{self.wid}/ws?client_id={self.client_id}&token={TOKEN}"
-        )
-        if self.last_seq is not None:
-            url += f"&since={self.last_seq}"
-        return url
+    # -- the library's stream ------------------------------------------------------------------
+
+    async def count_library(self, feed: Subscription) -> None:
+        try:
+            async for event in feed:
+                if event.type == "run_complete":
+                    self.library_completes[event.payload.run_id] += 1
+                    self._changed()
+        except CrushError:
+            pass  # the stream is gone for good (reported as stream_lost): runs lack its events
+
+    def follow(self, handle: RunHandle) -> None:
+        self.accepted.add(handle.run_id)
+        self.handle_outcome[handle.run_id] = None
+        self.followers.start_soon(self._follow, handle)
+
+    async def _follow(self, handle: RunHandle) -> None:
+        try:
+            await handle.wait(timeout=None)
+        finally:
+            complete = handle.complete
+            self.handle_outcome[handle.run_id] = (
+                outcome(complete.cancelled, complete.error) if complete is not None else "lost"
+            )
+            self._changed()
+
+    # -- the raw connection --------------------------------------------------------------------
 
     def on_frame(self, raw: str) -> None:
         envelope = orjson.loads(raw)
@@ -608,49 +615,47 @@ class Chaos:
             complete = envelope["payload"]["payload"]
             run_id = complete["run_id"]
             self.completes[run_id] += 1
-            if complete.get("cancelled"):
-                self.outcome_of[run_id] = "cancelled"
-            elif complete.get("error"):
-                self.outcome_of[run_id] = "failed"
-            else:
-                self.outcome_of[run_id] = "completed"
-            self.completed.set()
-            self.completed = trio.Event()
+            self.outcome_of[run_id] = outcome(
+                bool(complete.get("cancelled")), complete.get("error")
+            )
+            self._changed()
 
-    async def keep_connected(self) -> None:
-        """Hold a websocket open, reconnecting (with ``since``) whenever it goes away."""
+    async def keep_raw(self) -> None:
+        """Hold the raw connection open, re-opening it (with ``since``) whenever it goes away."""
         rng = random.Random(self.cfg["seed"] + 7)
-        while not self.stop_ws:
+        while not self.stop_raw:
             try:
                 with trio.CancelScope() as conn_scope:
                     self.conn_scope = conn_scope
-                    async with open_websocket_url(
-                        self.ws_url(),
-                        max_message_size=MAX_MESSAGE,
-                        connect_timeout=10,
-                        disconnect_timeout=2,
-                    ) as ws:
-                        hello = orjson.loads(await ws.get_message())
+                    async with open_event_socket(
+                        self.client.url,
+                        self.ws.id,
+                        self.client.token,
+                        client_id=self.raw_client_id,
+                        since=self.last_seq,
+                        message_queue_size=RAW_QUEUE_SIZE,
+                    ) as sock:
                         if self.last_seq is None:
-                            self.last_seq = int(hello["seq"])
-                        self.ws = ws
+                            self.last_seq = int(sock.hello["seq"])
+                        self.raw = sock
                         self.connected.set()
                         self.ws_stats["connects"] += 1
                         with trio.CancelScope() as read_scope:
                             self.read_scope = read_scope
-                            while True:
-                                raw = await ws.get_message()
-                                self.on_frame(raw if isinstance(raw, str) else raw.decode())
-            except (ConnectionClosed, HandshakeError, OSError) as exc:
-                self.ws_stats[f"closed_{type(exc).__name__}"] += 1
+                            async for text in sock:
+                                self.on_frame(text)
+                        if sock.closed:
+                            self.ws_stats[f"closed_by_server_{sock.close_code}"] += 1
+            except (CrushError, OSError) as exc:
+                self.ws_stats[f"open_failed_{type(exc).__name__}"] += 1
             finally:
-                self.ws = None
+                self.raw = None
                 self.read_scope = self.conn_scope = None
                 self.connected = trio.Event()
                 for event, _ in self.replies.values():
                     event.set()  # no reply will come on this connection
                 self.replies.clear()
-            if not self.stop_ws:
+            if not self.stop_raw:
                 await trio.sleep(rng.uniform(0, float(self.cfg["reconnect_max"])))
 
     def disconnect(self, rng: random.Random) -> None:
@@ -662,78 +667,94 @@ class Chaos:
             self.conn_scope.cancel()
             self.ops["disconnect_abrupt"] += 1
 
+    async def prompt_ws(self, session_id: str, text: str) -> None:
+        sock = self.raw
+        if sock is None:
+            return
+        run_id, request_id = str(uuid.uuid4()), str(uuid.uuid4())
+        self.uncertain.add(run_id)
+        event, box = trio.Event(), list[dict[str, Any]]()
+        self.replies[request_id] = (event, box)
+        params = {"session_id": session_id, "run_id": run_id, "prompt": text}
+        try:
+            await sock.connection.send_message(
+                orjson.dumps(
+                    {"id": request_id, "method": "agent.prompt", "params": params}
+                ).decode()
+            )
+        except ConnectionClosed:
+            self.replies.pop(request_id, None)
+            return
+        with trio.move_on_after(HTTP_TIMEOUT):
+            await event.wait()
+        if box:
+            reply = box[0]
+            if reply.get("ok"):
+                self.accepted.add(reply["result"]["run_id"])
+            else:
+                self.rejected[f"ws_{reply.get('status')}"] += 1
+            self.uncertain.discard(run_id)
+
     # -- operations ----------------------------------------------------------------------------
 
     def prompt_text(self, rng: random.Random) -> str:
         return " ".join(f"word{rng.randrange(1000)}" for _ in range(rng.randint(1, 12)))
 
-    def _result(self, run_id: str | None, response: httpx.Response) -> None:
-        if response.status_code == 202:
-            self.accepted.add(response.json()["run_id"])
-        else:
-            self.rejected[str(response.status_code)] += 1
+    def refused(self, exc: CrushError, run_id: str | None) -> None:
+        """The server answered a prompt with an error; an error of this side is re-raised (the
+        prompt may have arrived, so its run stays uncertain)."""
+        if isinstance(exc, Unreachable | Timeout):
+            raise exc
+        self.rejected[str(exc.status)] += 1
         if run_id is not None:
             self.uncertain.discard(run_id)
 
+    async def prompt(self, session_id: str, text: str) -> None:
+        run_id = str(uuid.uuid4())
+        self.uncertain.add(run_id)
+        try:
+            handle = await self.ws.prompt(session_id, text, run_id)
+        except CrushError as exc:
+            self.refused(exc, run_id)
+        else:
+            self.uncertain.discard(run_id)
+            self.follow(handle)
+
     async def operate(self, op: str, rng: random.Random) -> None:
         sid = rng.choice(self.sessions)
-        base = f"/v1/workspaces/{self.wid}"
         if op == "prompt":
-            run_id = str(uuid.uuid4())
-            self.uncertain.add(run_id)
-            body = {"session_id": sid, "run_id": run_id, "prompt": self.prompt_text(rng)}
-            self._result(run_id, await self.http.post(f"{base}/agent", json=body))
+            await self.prompt(sid, self.prompt_text(rng))
         elif op == "prompt_fold":
             body = {"session_id": sid, "prompt": self.prompt_text(rng)}
-            self._result(None, await self.http.post(f"{base}/agent", json=body))
-        elif op == "prompt_abort":
-            run_id = str(uuid.uuid4())
-            self.uncertain.add(run_id)
-            body = {"session_id": sid, "run_id": run_id, "prompt": self.prompt_text(rng)}
-            with trio.move_on_after(rng.uniform(0, 0.01)):
-                self._result(run_id, await self.http.post(f"{base}/agent", json=body))
-        elif op == "prompt_ws":
-            ws = self.ws
-            if ws is None:
-                return
-            run_id, request_id = str(uuid.uuid4()), str(uuid.uuid4())
-            self.uncertain.add(run_id)
-            event, box = trio.Event(), list[dict[str, Any]]()
-            self.replies[request_id] = (event, box)
-            params = {"session_id": sid, "run_id": run_id, "prompt": self.prompt_text(rng)}
             try:
-                await ws.send_message(
-                    orjson.dumps(
-                        {"id": request_id, "method": "agent.prompt", "params": params}
-                    ).decode()
+                accepted = await self.client.request(
+                    "POST", f"/v1/workspaces/{self.ws.id}/agent", json=body
                 )
-            except ConnectionClosed:
-                self.replies.pop(request_id, None)
-                return
-            with trio.move_on_after(HTTP_TIMEOUT):
-                await event.wait()
-            if box:
-                reply = box[0]
-                if reply.get("ok"):
-                    self.accepted.add(reply["result"]["run_id"])
-                else:
-                    self.rejected[f"ws_{reply.get('status')}"] += 1
-                self.uncertain.discard(run_id)
+            except CrushError as exc:
+                self.refused(exc, None)
+            else:
+                self.accepted.add(accepted["run_id"])
+        elif op == "prompt_abort":
+            with trio.move_on_after(rng.uniform(0, 0.01)):
+                await self.prompt(sid, self.prompt_text(rng))
+        elif op == "prompt_ws":
+            await self.prompt_ws(sid, self.prompt_text(rng))
         elif op == "cancel":
-            await self.http.post(f"{base}/agent/sessions/{sid}/cancel")
+            await self.ws.cancel(sid)
         elif op == "clear":
-            await self.http.post(f"{base}/agent/sessions/{sid}/prompts/clear")
+            await self.ws.clear_queue(sid)
         elif op == "disconnect":
             self.disconnect(rng)
+        elif op == "drop_stream":
+            self.ws.drop_stream()
         elif op == "read":
             choice = rng.randrange(3)
             if choice == 0:
-                await self.http.get(f"{base}/sessions/{sid}/messages")
+                await self.ws.messages(sid)
             elif choice == 1 and self.accepted:
-                run_id = rng.choice(sorted(self.accepted))
-                await self.http.get(f"{base}/runs/{run_id}")
+                await self.ws.get_run(rng.choice(sorted(self.accepted)))
             else:
-                await self.http.get(f"{base}/agent/sessions/{sid}/prompts/queued")
+                await self.ws.queued(sid)
 
     async def actor(self, index: int, until: float) -> None:
         rng = random.Random(self.cfg["seed"] * 1000 + index)
@@ -744,8 +765,8 @@ class Chaos:
             self.ops[op] += 1
             try:
                 await self.operate(op, rng)
-            except httpx.HTTPError as exc:
-                self.ops[f"http_error_{type(exc).__name__}"] += 1
+            except CrushError as exc:
+                self.ops[f"error_{type(exc).__name__}"] += 1
             await trio.sleep(rng.uniform(0, think))
 
     # -- the end -------------------------------------------------------------------------------
@@ -754,33 +775,81 @@ class Chaos:
         """Ask the server about runs whose prompt reply never came; returns how many existed."""
         found = 0
         for run_id in sorted(self.uncertain):
-            response = await self.http.get(f"/v1/workspaces/{self.wid}/runs/{run_id}")
-            if response.status_code == 200:
-                self.accepted.add(run_id)
-                found += 1
+            try:
+                await self.ws.get_run(run_id)
+            except CrushError:
+                continue
+            self.accepted.add(run_id)
+            found += 1
         return found
 
+    def settled_run(self, run_id: str) -> bool:
+        return bool(self.completes[run_id] and self.library_completes[run_id])
+
+    def settled(self) -> bool:
+        every_complete = all(self.settled_run(r) for r in self.accepted)
+        return every_complete and None not in self.handle_outcome.values()
+
     async def settle(self, within: float) -> None:
-        """Wait (at most ``within`` seconds) until every accepted run has its run_complete."""
+        """Wait (at most ``within`` seconds) until every accepted run has its run_complete on
+        both streams and every run handle has ended."""
         with trio.move_on_after(within):
-            while any(self.completes[r] == 0 for r in self.accepted):
+            while not self.settled():
                 await self.completed.wait()
         await trio.sleep(LATE_DUPLICATES)
 
+    def totals(self) -> dict[str, Any]:
+        raw, library = self.completes, self.library_completes
+        handles = list(self.handle_outcome.values())
+        return {
+            "accepted": len(self.accepted),
+            "exactly_once": sum(1 for r in self.accepted if raw[r] == 1 and library[r] == 1),
+            "missing": sum(1 for r in self.accepted if raw[r] == 0 or library[r] == 0),
+            "duplicated": sum(1 for r in self.accepted if raw[r] > 1 or library[r] > 1),
+            "foreign_completes": sum(n for r, n in raw.items() if r not in self.accepted),
+            "outcomes": dict(
+                collections.Counter(
+                    self.outcome_of[r] for r in self.accepted if r in self.outcome_of
+                )
+            ),
+            "library": {
+                "handles": len(handles),
+                "handles_ended": sum(1 for o in handles if o is not None),
+                "handles_lost": sum(1 for o in handles if o == "lost"),
+                "handle_mismatches": sum(
+                    1
+                    for r, o in self.handle_outcome.items()
+                    if o is not None and o != "lost" and o != self.outcome_of.get(r, o)
+                ),
+            },
+        }
+
     async def missing_report(self) -> list[dict[str, Any]]:
-        out = []
-        for run_id in sorted(r for r in self.accepted if self.completes[r] == 0)[:20]:
-            response = await self.http.get(f"/v1/workspaces/{self.wid}/runs/{run_id}")
-            status = response.json().get("status") if response.status_code == 200 else None
-            out.append({"run_id": run_id, "http": response.status_code, "status": status})
+        """The first runs lacking a run_complete on a stream, with what the server says."""
+        out: list[dict[str, Any]] = []
+        lacking = (r for r in sorted(self.accepted) if not self.settled_run(r))
+        for run_id in itertools.islice(lacking, 20):
+            raw, library = self.completes[run_id], self.library_completes[run_id]
+            try:
+                status = (await self.ws.get_run(run_id)).status.value
+            except CrushError as exc:
+                status = describe(exc)
+            out.append({"run_id": run_id, "raw": raw, "library": library, "status": status})
         return out
 
 
 async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
-    async with http_client(cfg["http"], 64) as http, trio.open_nursery() as nursery:
-        chaos = Chaos(cfg, http)
-        chaos.sessions = await create_sessions(http, chaos.wid, int(cfg["sessions"]))
-        nursery.start_soon(chaos.keep_connected)
+    async with (
+        connect(cfg["url"], TOKEN, request_timeout=HTTP_TIMEOUT, max_connections=64) as client,
+        client.workspace(cfg["project"]) as ws,
+        ws.subscribe(timeout=None) as feed,
+        trio.open_nursery() as nursery,
+    ):
+        chaos = Chaos(cfg, ws, nursery)
+        nursery.start_soon(chaos.count_library, feed)
+        for _ in range(int(cfg["sessions"])):
+            chaos.sessions.append((await ws.create_session("bench")).id)
+        nursery.start_soon(chaos.keep_raw)
         with trio.fail_after(30):
             await chaos.connected.wait()
         await io.send("ready")
@@ -790,32 +859,35 @@ async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
         async with trio.open_nursery() as actors:
             for index in range(int(cfg["actors"])):
                 actors.start_soon(chaos.actor, index, until)
-        # Stop disconnecting; make sure a socket is open while the last runs end.
+        # Stop disconnecting; make sure the raw connection is open while the last runs end.
         with trio.move_on_after(30):
             await chaos.connected.wait()
         found = await chaos.resolve_uncertain()
         await chaos.settle(float(cfg["settle_timeout"]))
-        exactly_once = sum(1 for r in chaos.accepted if chaos.completes[r] == 1)
+        totals = chaos.totals()
+        library = totals.pop("library")
+        stats = ws.stats
         await io.send(
             "done",
-            accepted=len(chaos.accepted),
-            exactly_once=exactly_once,
-            missing=sum(1 for r in chaos.accepted if chaos.completes[r] == 0),
-            duplicated=sum(1 for r in chaos.accepted if chaos.completes[r] > 1),
+            **totals,
             uncertain_found=found,
             uncertain_absent=len(chaos.uncertain) - found,
-            foreign_completes=sum(n for r, n in chaos.completes.items() if r not in chaos.accepted),
-            outcomes=dict(
-                collections.Counter(
-                    chaos.outcome_of[r] for r in chaos.accepted if r in chaos.outcome_of
-                )
-            ),
             ops=dict(chaos.ops),
             rejected=dict(chaos.rejected),
             ws=dict(chaos.ws_stats),
+            library={
+                **library,
+                "connects": stats.connects,
+                "reconnects": stats.reconnects,
+                "drops": stats.drops,
+                "gaps": stats.gaps,
+                "refetches": stats.refetches,
+                "events": stats.events,
+                "stream_lost": int(ws.stream_error is not None),
+            },
             missing_runs=await chaos.missing_report(),
         )
-        chaos.stop_ws = True
+        chaos.stop_raw = True
         nursery.cancel_scope.cancel()
 
 

@@ -319,10 +319,6 @@ class ServerProcess:
     def pid(self) -> int:
         return self.child.pid
 
-    @property
-    def ws_base(self) -> str:
-        return self.url.replace("http://", "ws://", 1)
-
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
 

@@ -4,13 +4,16 @@ Each workload starts a fresh server (``python -m crush_trio serve``) per measure
 drives it from client worker processes (:mod:`bench.client`), reads the server's CPU time and
 memory from ``/proc``, and returns a :class:`~bench.report.WorkloadResult` with its tables,
 targets and chart.
+
+The orchestrator talks to the server with the client library too (:func:`hold_workspace`): it
+opens each workspace, and in W3 and W4 creates the session and sends the prompt that the
+watching workers measure.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,9 +21,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
-import httpx
 import orjson
 import trio
+
+from crush_trio.client import WorkspaceClient, connect
 
 from . import charts
 from .procs import (
@@ -56,6 +60,8 @@ UPDATED_MESSAGE: Final = ',"type":"message","payload":{"type":"updated"'
 STALL_AFTER: Final = 30.0
 #: Websocket clients per client process in the fan-out and idle workloads.
 CLIENTS_PER_PROCESS: Final = 250
+#: Bound on one request of the orchestrator to the server (seconds).
+REQUEST_TIMEOUT: Final = 60.0
 
 
 @dataclass
@@ -217,37 +223,21 @@ async def fake_model(ctx: Ctx, name: str, *args: str) -> AsyncIterator[str]:
         yield line.split(" on ", 1)[1].strip()
 
 
-def http_client(server: ServerProcess) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-    )
+@asynccontextmanager
+async def hold_workspace(server: ServerProcess, project: Path) -> AsyncIterator[WorkspaceClient]:
+    """Open the workspace of ``project`` with the client library and hold it for the block.
 
-
-async def open_workspace(http: httpx.AsyncClient, project: Path) -> str:
+    The hold keeps the workspace alive between generations of client processes (the server's
+    create grace is a day, :data:`BASE_SERVER`). It is opened without an event stream
+    (``events=False``): the orchestrator only sends work, and a stream of its own would be one
+    more client receiving every event, which W3 and W4 would measure.
+    """
     _mkdir(project)
-    response = await http.post(
-        "/v1/workspaces", json={"path": str(project), "client_id": str(uuid.uuid4())}
-    )
-    response.raise_for_status()
-    wid: str = response.json()["id"]
-    return wid
-
-
-async def create_session(http: httpx.AsyncClient, wid: str) -> str:
-    response = await http.post(f"/v1/workspaces/{wid}/sessions", json={"title": "bench"})
-    response.raise_for_status()
-    sid: str = response.json()["id"]
-    return sid
-
-
-async def prompt(http: httpx.AsyncClient, wid: str, sid: str, text: str) -> str:
-    run_id = str(uuid.uuid4())
-    response = await http.post(
-        f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "run_id": run_id, "prompt": text}
-    )
-    if response.status_code != 202:
-        raise RuntimeError(f"prompt refused: {response.status_code} {response.text}")
-    return run_id
+    async with (
+        connect(server.url, TOKEN, request_timeout=REQUEST_TIMEOUT) as client,
+        client.workspace(project, events=False) as ws,
+    ):
+        yield ws
 
 
 @asynccontextmanager
@@ -286,8 +276,10 @@ def split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def ws_template(server: ServerProcess, wid: str) -> str:
-    return f"{server.ws_base}/v1/workspaces/{wid}/ws?client_id={{cid}}&token={TOKEN}"
+def bare_url(line: str) -> str:
+    """The address of the bare server from its ``listening on ws://HOST:PORT`` line, in the form
+    the client library takes (``http://HOST:PORT``); it accepts any workspace path."""
+    return "http://" + line.split(" on ", 1)[1].strip().removeprefix("ws://")
 
 
 def processes_for(clients: int) -> int:
@@ -340,43 +332,51 @@ class LevelResult:
 async def run_rounds(
     ctx: Ctx,
     server: ServerProcess,
-    wid: str,
+    project: Path,
     level: LevelResult,
     prompt_text: str,
     *,
     rounds: int,
     stamp: bool = False,
+    warm_up: str | None = None,
 ) -> list[float]:
     """Run ``rounds`` rounds of ``level.n`` concurrent one-prompt sessions; returns the token
-    latencies (when stamped)."""
+    latencies (when stamped). With ``warm_up``, one round of that prompt goes first, unmeasured,
+    in the same client processes: it warms the server (provider client, connection pool, code
+    paths) and the clients (connections, the client library's decoders)."""
     procs = 1 if level.n <= 10 else 2
     shares = split(level.n, procs)
     cfg = {
-        "http": server.url,
-        "ws": server.ws_base,
-        "wid": wid,
+        "url": server.url,
+        "project": str(project),
         "stamp": stamp,
         "connections": max(shares) + 8,
     }
     token_latency: list[float] = []
     async with workers(ctx, "runs", [cfg] * procs, f"w-{level.mode}-{level.n}") as ws:
-        await all_events(ws, "ready", 60)
-        for r in range(rounds):
+
+        async def one_round(text: str) -> tuple[list[dict[str, Any]], float, float]:
+            """The workers' ``done`` events, the server's CPU seconds and the start time."""
             for child, share in zip(ws, shares, strict=True):
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
             cpu0, t0 = server.cpu(), time.time()
-            await broadcast(
-                ws,
-                {
-                    "cmd": "go",
-                    "prompt": prompt_text,
-                    "timeout": ctx.sizes.phase_timeout,
-                    "stall": STALL_AFTER,
-                },
-            )
+            command = {
+                "cmd": "go",
+                "prompt": text,
+                "timeout": ctx.sizes.phase_timeout,
+                "stall": STALL_AFTER,
+            }
+            await broadcast(ws, command)
             done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
-            level.cpu += server.cpu() - cpu0
+            return done, server.cpu() - cpu0, t0
+
+        await all_events(ws, "ready", 60)
+        if warm_up is not None:
+            await one_round(warm_up)
+        for r in range(rounds):
+            done, cpu, t0 = await one_round(prompt_text)
+            level.cpu += cpu
             level.wall += max(d["finished"] for d in done) - t0
             level.events += done[0]["frames"]
             for d in done:
@@ -390,6 +390,11 @@ async def run_rounds(
                 level.latency += d["latency"]
                 level.errors += d["errors"]
                 token_latency += d["token_latency"]
+                if d["drops"]:
+                    level.errors.append(
+                        f"the event stream dropped {d['drops']} time(s) (the client library "
+                        "re-opened it with since)"
+                    )
             if rounds > 1 and (r + 1) % max(1, rounds // 5) == 0:
                 ctx.log(f"  round {r + 1}/{rounds}")
         await broadcast(ws, {"cmd": "quit"})
@@ -425,13 +430,13 @@ async def w1(ctx: Ctx) -> WorkloadResult:
                 config = fake_config(fake_url) if mode == "fake" else echo_config(0)
                 text = "Reply with your tokens." if mode == "fake" else words(s.w1_tokens)
                 level = LevelResult(mode, n)
+                project = ctx.dir(f"w1-{mode}-{n}") / "project"
                 async with (
                     server_process(config, ctx.dir(f"w1-{mode}-{n}")) as server,
-                    http_client(server) as http,
+                    hold_workspace(server, project),
                 ):
-                    wid = await open_workspace(http, ctx.dir(f"w1-{mode}-{n}") / "project")
                     rounds = max(1, math.ceil(s.w1_min_runs / n))
-                    await run_rounds(ctx, server, wid, level, text, rounds=rounds)
+                    await run_rounds(ctx, server, project, level, text, rounds=rounds)
                 levels.append(level)
                 table.add(
                     mode,
@@ -524,16 +529,21 @@ async def w2(ctx: Ctx) -> WorkloadResult:
     ctx.log(f"[W2] {s.w2_runs} runs at {s.w2_delay_ms:g} ms/token, {s.w2_tokens} tokens")
     args = ("--tokens", str(s.w2_tokens), "--delay-ms", f"{s.w2_delay_ms:g}", "--stamp")
     level = LevelResult("fake", s.w2_runs)
+    project = ctx.dir("w2") / "project"
     async with (
         fake_model(ctx, "w2-fake", *args) as fake_url,
         server_process(fake_config(fake_url), ctx.dir("w2")) as server,
-        http_client(server) as http,
+        hold_workspace(server, project),
     ):
-        wid = await open_workspace(http, ctx.dir("w2") / "project")
-        # A first round warms the server up (provider client, connection pool, code paths).
-        await run_rounds(ctx, server, wid, LevelResult("warm-up", s.w2_runs), "Warm up.", rounds=1)
         token_latency = await run_rounds(
-            ctx, server, wid, level, "Reply with your tokens.", rounds=1, stamp=True
+            ctx,
+            server,
+            project,
+            level,
+            "Reply with your tokens.",
+            rounds=1,
+            stamp=True,
+            warm_up="Warm up.",
         )
     first, lat = level.first_text, token_latency
     table = Table(
@@ -621,17 +631,24 @@ class FanOut:
 async def watch_until_done(
     ctx: Ctx,
     name: str,
-    template: str,
+    url: str,
+    wid: str,
     clients: int,
     start: Callable[[], Any],
     measure: Callable[[], float],
     record: Path | None = None,
 ) -> FanOut:
-    """Connect ``clients`` watchers over several processes, call ``start`` (async), and wait
-    until every watcher saw ``run_complete``; ``measure`` reads the server's CPU seconds."""
+    """Connect ``clients`` watchers of workspace ``wid`` at ``url`` over several processes, call
+    ``start`` (async), and wait until every watcher saw ``run_complete``; ``measure`` reads the
+    server's CPU seconds."""
     procs = processes_for(clients)
     configs = [
-        {"url": template, "count": share, "record": str(record) if record and i == 0 else None}
+        {
+            "url": url,
+            "wid": wid,
+            "count": share,
+            "record": str(record) if record and i == 0 else None,
+        }
         for i, share in enumerate(split(clients, procs))
     ]
     fan = FanOut(clients)
@@ -714,15 +731,17 @@ async def w3_level(
     config = fake_config(fake_url, options={"debounce_ms": 0})
     work = ctx.dir(f"w3-{n}")
     record = work / "frames.json"
-    async with server_process(config, work) as server, http_client(server) as http:
-        wid = await open_workspace(http, work / "project")
-        sid = await create_session(http, wid)
+    async with (
+        server_process(config, work) as server,
+        hold_workspace(server, work / "project") as ws,
+    ):
+        session = await ws.create_session("bench")
 
         async def start() -> None:
-            await prompt(http, wid, sid, "Stream your tokens.")
+            await ws.prompt(session.id, "Stream your tokens.")
 
         real = await watch_until_done(
-            ctx, f"w3-{n}-watch", ws_template(server, wid), n, start, server.cpu, record
+            ctx, f"w3-{n}-watch", server.url, ws.id, n, start, server.cpu, record
         )
     real.updates = sum(
         1 for frame in _read_frames(record) if frame.startswith(UPDATED_MESSAGE, frame.find(","))
@@ -730,14 +749,13 @@ async def w3_level(
     ctx.log(f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s; bare ceiling")
     argv = python("-m", "bench.bare", "--port", "0", "--frames", str(record))
     async with child_process(f"w3-{n}-bare", argv, work, "bare-ws listening on ") as (bare, line):
-        url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
 
         async def go() -> None:
             assert bare.process.stdin is not None
             await bare.process.stdin.send_all(b"go\n")
 
         ceiling = await watch_until_done(
-            ctx, f"w3-{n}-bare-watch", url, n, go, partial(cpu_seconds, bare.pid)
+            ctx, f"w3-{n}-bare-watch", bare_url(line), "bare", n, go, partial(cpu_seconds, bare.pid)
         )
     ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
     ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
@@ -797,13 +815,14 @@ def _read_frames(path: Path) -> list[str]:
 
 
 async def idle_rss(
-    ctx: Ctx, name: str, pid: int, template: str, clients: int
+    ctx: Ctx, name: str, pid: int, url: str, wid: str, clients: int
 ) -> tuple[int, int, int]:
-    """RSS before and with ``clients`` idle websocket clients; returns (before, with, failed)."""
+    """RSS before and with ``clients`` idle websocket clients of workspace ``wid`` at ``url``;
+    returns (before, with, failed)."""
     await trio.sleep(ctx.sizes.settle)
     before = memory(pid).rss
     procs = processes_for(clients)
-    configs = [{"url": template, "count": share} for share in split(clients, procs)]
+    configs = [{"url": url, "wid": wid, "count": share} for share in split(clients, procs)]
     async with workers(ctx, "watch", configs, name) as ws:
         ready = await all_events(ws, "ready", 300)
         await trio.sleep(ctx.sizes.settle)
@@ -816,8 +835,7 @@ async def idle_rss(
 async def stall_run(
     ctx: Ctx,
     server: ServerProcess,
-    http: httpx.AsyncClient,
-    wid: str,
+    ws: WorkspaceClient,
     text: str,
     name: str,
     *,
@@ -826,29 +844,24 @@ async def stall_run(
 ) -> dict[str, Any]:
     """One streaming run watched by a reading client, plus (when ``stalled``) one that never
     reads until the run is over."""
-    sid = await create_session(http, wid)
-    template = ws_template(server, wid)
+    session = await ws.create_session("bench")
+    watched = {"url": server.url, "wid": ws.id}
     async with AsyncExitStack() as stack:
         (reader,) = await stack.enter_async_context(
-            workers(ctx, "watch", [{"url": template, "count": 1}], f"{name}-reader")
+            workers(ctx, "watch", [{**watched, "count": 1}], f"{name}-reader")
         )
         await reader.recv_event("ready", 60)
         staller: Child | None = None
         if stalled:
             (staller,) = await stack.enter_async_context(
-                workers(
-                    ctx,
-                    "stall",
-                    [{"url": template.replace("{cid}", str(uuid.uuid4()))}],
-                    f"{name}-stall",
-                )
+                workers(ctx, "stall", [watched], f"{name}-stall")
             )
             await staller.recv_event("ready", 60)
         before = server.memory().rss
         sampler = RssSampler(server.pid)
         async with sampler.running():
             t0 = time.time()
-            await prompt(http, wid, sid, text)
+            await ws.prompt(session.id, text)
             done = await reader.recv_event("done", ctx.sizes.phase_timeout)
         out: dict[str, Any] = {
             "duration": done["last_end"] - t0,
@@ -878,10 +891,12 @@ async def w4(ctx: Ctx) -> WorkloadResult:
         ["server", "RSS, 0 clients", f"RSS, {s.w4_idle:,} clients", "added", "per client"],
     )
     work = ctx.dir("w4-idle")
-    async with server_process(echo_config(), work) as server, http_client(server) as http:
-        wid = await open_workspace(http, work / "project")
+    async with (
+        server_process(echo_config(), work) as server,
+        hold_workspace(server, work / "project") as ws,
+    ):
         before, after, failed = await idle_rss(
-            ctx, "w4-idle", server.pid, ws_template(server, wid), s.w4_idle
+            ctx, "w4-idle", server.pid, server.url, ws.id, s.w4_idle
         )
     if failed:
         result.notes.append(f"{failed} idle clients failed to connect to the server")
@@ -891,8 +906,9 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     async with child_process(
         "w4-bare", python("-m", "bench.bare", "--port", "0"), work, "bare-ws listening on "
     ) as (bare, line):
-        url = line.split(" on ", 1)[1].strip() + "/c?{cid}"
-        b_before, b_after, _ = await idle_rss(ctx, "w4-bare-idle", bare.pid, url, s.w4_idle)
+        b_before, b_after, _ = await idle_rss(
+            ctx, "w4-bare-idle", bare.pid, bare_url(line), "bare", s.w4_idle
+        )
     b_added = b_after - b_before
     idle.add(
         "bare trio-websocket (reference)",
@@ -926,9 +942,8 @@ async def w4(ctx: Ctx) -> WorkloadResult:
         server_process(
             fake_config(fake_url, options={"debounce_ms": 0}, server=server_opts), work
         ) as server,
-        http_client(server) as http,
+        hold_workspace(server, work / "project") as ws,
     ):
-        wid = await open_workspace(http, work / "project")
         plan = [("A", False), ("B", True), ("A2", False)]
         if s.w4_warmup:
             plan.insert(0, ("warm-up", False))
@@ -937,8 +952,7 @@ async def w4(ctx: Ctx) -> WorkloadResult:
             runs[label] = await stall_run(
                 ctx,
                 server,
-                http,
-                wid,
+                ws,
                 "Stream your tokens.",
                 f"w4-{label}",
                 stalled=stalled,
@@ -1001,9 +1015,9 @@ async def w4(ctx: Ctx) -> WorkloadResult:
     ctx.log(f"[W4] soak: {s.soak_runs:,} short runs")
     work = ctx.dir("w4-soak")
     progress: list[tuple[int, int]] = []
-    async with server_process(echo_config(), work) as server, http_client(server) as http:
-        wid = await open_workspace(http, work / "project")
-        cfg = {"http": server.url, "ws": server.ws_base, "wid": wid, "connections": 32}
+    project = work / "project"
+    async with server_process(echo_config(), work) as server, hold_workspace(server, project):
+        cfg = {"url": server.url, "project": str(project), "connections": 32}
         async with workers(ctx, "runs", [cfg], "w4-soak") as (soaker,):
             await soaker.recv_event("ready", 60)
             every = max(1, s.soak_runs // 50)
@@ -1102,13 +1116,11 @@ async def w5(ctx: Ctx) -> WorkloadResult:
     config_kwargs: dict[str, Any] = {"provider": {"max_retries": 0}}
     async with fake_model(ctx, "w5-fake", *args) as fake_url:
         async with server_process(fake_config(fake_url, **config_kwargs), work) as server:
-            async with http_client(server) as http:
-                wid = await open_workspace(http, work / "project")
+            project = work / "project"
             configs = [
                 {
-                    "http": server.url,
-                    "ws": server.ws_base,
-                    "wid": wid,
+                    "url": server.url,
+                    "project": str(project),
                     "seconds": s.w5_seconds,
                     "seed": 1 + i,
                     "sessions": s.w5_sessions,
@@ -1119,7 +1131,10 @@ async def w5(ctx: Ctx) -> WorkloadResult:
                 }
                 for i in range(s.w5_workers)
             ]
-            async with workers(ctx, "chaos", configs, "w5-chaos") as ws:
+            async with (
+                hold_workspace(server, project),
+                workers(ctx, "chaos", configs, "w5-chaos") as ws,
+            ):
                 await all_events(ws, "ready", 60)
                 cpu0 = server.cpu()
                 await broadcast(ws, {"cmd": "go"})
@@ -1135,12 +1150,14 @@ async def w5(ctx: Ctx) -> WorkloadResult:
     outcomes: dict[str, int] = {}
     rejected: dict[str, int] = {}
     wsstats: dict[str, int] = {}
+    library: dict[str, int] = {}
     for d in done:
         for target, src in (
             (ops, d["ops"]),
             (outcomes, d["outcomes"]),
             (rejected, d["rejected"]),
             (wsstats, d["ws"]),
+            (library, d["library"]),
         ):
             for k, v in src.items():
                 target[k] = target.get(k, 0) + v
@@ -1176,6 +1193,8 @@ async def w5(ctx: Ctx) -> WorkloadResult:
         op_table.add(f"refused: {k}", rejected[k])
     for k in sorted(wsstats):
         op_table.add(f"websocket: {k}", wsstats[k])
+    for k in sorted(library):
+        op_table.add(f"client library: {k}", library[k])
     result.tables.append(op_table)
     ok = total["missing"] == 0 and total["duplicated"] == 0
     result.targets += [
@@ -1192,6 +1211,15 @@ async def w5(ctx: Ctx) -> WorkloadResult:
         "has `max_retries: 0`. Prompts aborted by the client mid-request, or sent over a "
         "websocket that closed before the reply, count as accepted when GET /runs/{id} finds "
         f"them ({total['uncertain_found']} did).",
+        "Each client process checks every accepted run on two streams: the `run_complete` frames "
+        "of a raw connection that is closed or cut and resumed with `since` (websocket rows), "
+        "and the `run_complete` events of the client library's own stream, which the library "
+        "re-opens with `since` after `drop_stream` (client library rows). A run counts once "
+        "only with exactly one on each.",
+        f"The client library's run handles (prompts sent with its `prompt`): "
+        f"{library.get('handles_ended', 0)} of {library.get('handles', 0)} ended, "
+        f"{library.get('handle_mismatches', 0)} with another outcome than the raw `run_complete`, "
+        f"{library.get('handles_lost', 0)} lost.",
         f"Server CPU over the chaos: {cpu:.1f} s.",
     ]
     missing_runs = [m for d in done for m in d["missing_runs"]]
@@ -1205,6 +1233,7 @@ async def w5(ctx: Ctx) -> WorkloadResult:
         "ops": ops,
         "rejected": rejected,
         "ws": wsstats,
+        "library": library,
         "errors": errors[:20],
         "exit_code": exit_code,
         "per_worker": done,

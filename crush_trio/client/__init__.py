@@ -8,6 +8,8 @@ Layers, from the socket up:
 * :mod:`.runs`: :class:`RunHandle`, one prompt's events and final record, with the rules that
   tell a run's own events from everyone else's.
 * :mod:`.events`: decoded events and the bounded mailboxes between the reader and consumers.
+* :mod:`.eventsocket`: :func:`open_event_socket`, one raw connection to a workspace's event
+  stream (frames as text, not decoded), for callers that want the stream as the server sends it.
 * :mod:`.transcript`: printing a streamed reply without loss or repetition.
 * :mod:`.errors`: the error classes.
 
@@ -50,6 +52,7 @@ from .errors import (
     Unreachable,
 )
 from .events import DEFAULT_MAILBOX_SIZE, Event, Gap
+from .eventsocket import EventSocket, open_event_socket
 from .runs import DEFAULT_RUN_TIMEOUT, RunEvents, RunHandle, is_own_agent_event
 from .transcript import Transcript
 from .workspace import (
@@ -73,6 +76,7 @@ __all__ = [
     "Conflict",
     "CrushError",
     "Event",
+    "EventSocket",
     "Gap",
     "Message",
     "NotFound",
@@ -98,6 +102,7 @@ __all__ = [
     "embedded",
     "is_own_agent_event",
     "latest_session",
+    "open_event_socket",
     "parse_server_url",
     "resolve_session_prefix",
 ]

@@ -215,12 +215,24 @@ class Client:
         await self.request("POST", "/v1/control", json={"command": command})
 
     @asynccontextmanager
-    async def workspace(self, path: str | os.PathLike[str]) -> AsyncIterator[WorkspaceClient]:
+    async def workspace(
+        self, path: str | os.PathLike[str], *, events: bool = True
+    ) -> AsyncIterator[WorkspaceClient]:
         """Open (or join) the workspace of a project directory for the block's duration.
 
         Creates the workspace with this client's ``client_id``, opens its event stream at once
         (well within the server's create grace), and on leaving closes the stream and releases
         the hold (``DELETE /v1/workspaces/{id}?client_id=``).
+
+        Args:
+            path: the project directory (made absolute on this side).
+            events: open the event stream (the default). With ``False`` the workspace is held
+                and used over HTTP only, for a client that sends work and leaves the watching to
+                others (a load generator whose watchers are other connections): nothing reads
+                events, so subscriptions get none and run handles never end before the block
+                does; follow a run with :meth:`WorkspaceClient.get_run` instead. The hold then
+                lasts the server's create grace (``server.create_grace``, 30 s by default)
+                unless a stream opens under the same ``client_id``.
 
         Raises:
             BadRequest: the path is not an existing directory.
@@ -242,13 +254,15 @@ class Client:
             with single_errors():
                 async with trio.open_nursery() as nursery:
                     ws._nursery = nursery
-                    await nursery.start(ws._stream)
-                    nursery.start_soon(ws._resync_worker)
+                    if events:
+                        await nursery.start(ws._stream)
+                        nursery.start_soon(ws._resync_worker)
                     try:
                         yield ws
                     finally:
                         try:
-                            await ws._close_stream()
+                            if events:
+                                await ws._close_stream()
                         finally:
                             ws._close()
                             nursery.cancel_scope.cancel()
@@ -276,6 +290,7 @@ async def connect(
     reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
     mailbox_size: int = DEFAULT_MAILBOX_SIZE,
     client_id: str | None = None,
+    max_connections: int | None = None,
 ) -> AsyncIterator[Client]:
     """Connect to a running server; checks the address and the token before it yields.
 
@@ -288,6 +303,10 @@ async def connect(
         reconnect_timeout: how long a dropped event stream is retried before pending runs fail.
         mailbox_size: lossy events buffered per run handle or subscription.
         client_id: a UUID to use instead of a new one.
+        max_connections: the most HTTP connections open to the server at once, all of which are
+            kept alive between requests; by default httpx's (100, of which 20 are kept alive).
+            Raise it for a client that sends many requests at once, so that each burst does not
+            open fresh connections.
 
     Raises:
         ValueError: ``url`` is not a server address.
@@ -300,12 +319,22 @@ async def connect(
     # Certificates are only loaded for an https:// server: httpx's default TLS setup reads the
     # CA bundle, which costs about a second at start-up for a client that never uses TLS.
     verify = base.startswith("https://")
+    limits = (
+        httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        if max_connections is not None
+        else httpx.Limits(max_connections=100, max_keepalive_connections=20)
+    )
     transport = None
     if unix_path is not None:
-        transport = httpx.AsyncHTTPTransport(uds=unix_path, verify=False)
+        transport = httpx.AsyncHTTPTransport(uds=unix_path, verify=False, limits=limits)
     with single_errors():
         async with httpx.AsyncClient(
-            base_url=base, headers=headers, timeout=timeout, transport=transport, verify=verify
+            base_url=base,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            verify=verify,
+            limits=limits,
         ) as http:
             client = Client(
                 http,

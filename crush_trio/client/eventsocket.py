@@ -1,0 +1,236 @@
+"""Raw access to a workspace's event stream: one websocket connection, its frames as text.
+
+:class:`~crush_trio.client.WorkspaceClient` decodes every frame of its stream, routes it to run
+handles and subscriptions, skips replayed duplicates and reconnects on its own. A caller that
+wants the stream exactly as the server sends it opens :func:`open_event_socket` instead: one
+connection with the client's address forms, token and ``hello`` handshake, and nothing more: no
+decoding, no de-duplication, no reconnect, no keep-alive pings.
+
+That is what holds many connections cheaply (the load benchmarks' fan-out and idle clients count
+frames without decoding them), records a stream byte for byte, or speaks the websocket commands of
+PROTOCOL §5 (``agent.prompt`` ...) over :attr:`EventSocket.connection`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import orjson
+import trio
+from trio_websocket import (
+    ConnectionClosed,
+    ConnectionRejected,
+    ConnectionTimeout,
+    HandshakeError,
+    WebSocketConnection,
+    open_websocket_url,
+    wrap_client_stream,
+)
+
+from .connection import parse_server_url, single_errors
+from .errors import AuthError, Conflict, CrushError, NotFound, Timeout, Unreachable
+from .workspace import CLOSE_TIMEOUT, HELLO_TIMEOUT, MAX_EVENT_BYTES, WS_QUEUE_SIZE
+
+__all__ = ["EventSocket", "open_event_socket"]
+
+
+class EventSocket:
+    """One open connection to a workspace's event stream, from :func:`open_event_socket`.
+
+    Read it with ``async for frame in sock`` (each frame's text, as received) or
+    :meth:`receive`. Reading ends when the connection closes; :attr:`close_code` and
+    :attr:`close_reason` then say how.
+
+    Backpressure: frames wait in the websocket library's queue (``message_queue_size`` of them);
+    when it is full the connection stops reading its socket, and the server, which never waits on
+    a client, drops lossy events for it (a ``gap`` frame follows) or closes it with 1013.
+
+    Attributes:
+        hello: the server's ``hello`` frame, decoded (``seq`` is the workspace's latest event).
+        client_id: the ``client_id`` the connection was opened with.
+        connection: the trio-websocket connection, for a caller that sends websocket commands.
+            Only :meth:`receive` (or the iteration) should read from it.
+        close_code: the close code once the connection has closed (``None`` before, and when it
+            closed without one, e.g. a reset connection).
+        close_reason: the close reason text, once closed.
+    """
+
+    def __init__(
+        self, connection: WebSocketConnection, hello: dict[str, Any], client_id: str
+    ) -> None:
+        self.connection = connection
+        self.hello = hello
+        self.client_id = client_id
+        self.closed = False
+        self.close_code: int | None = None
+        self.close_reason = ""
+
+    async def receive(self) -> str | None:
+        """The next frame's text, or ``None`` once the connection is closed.
+
+        Cancellation: safe; a frame is only taken from the queue when it is returned.
+        """
+        try:
+            message = await self.connection.get_message()
+        except ConnectionClosed as exc:
+            self.closed = True
+            if exc.reason is not None:
+                self.close_code, self.close_reason = exc.reason.code, exc.reason.reason or ""
+            return None
+        return message if isinstance(message, str) else message.decode()
+
+    def __aiter__(self) -> EventSocket:
+        return self
+
+    async def __anext__(self) -> str:
+        frame = await self.receive()
+        if frame is None:
+            raise StopAsyncIteration
+        return frame
+
+
+@asynccontextmanager
+async def open_event_socket(
+    url: str,
+    workspace_id: str,
+    token: str | None = None,
+    *,
+    client_id: str | None = None,
+    since: int | None = None,
+    timeout: float = HELLO_TIMEOUT,  # noqa: ASYNC109
+    message_queue_size: int = WS_QUEUE_SIZE,
+    max_message_size: int = MAX_EVENT_BYTES,
+) -> AsyncIterator[EventSocket]:
+    """Open one connection to a workspace's event stream for the block's duration.
+
+    It returns once the server's ``hello`` frame has arrived; leaving the block closes the
+    connection with a close handshake (bounded by the client's close timeout). Cancelling the
+    block from outside cuts the connection without one.
+
+    Args:
+        url: the server, as for :func:`~crush_trio.client.connect` (``http://host:port``, with an
+            optional ``?token=``, or ``unix:/path/to.sock``).
+        workspace_id: the workspace (from :meth:`Client.workspaces
+            <crush_trio.client.Client.workspaces>` or ``WorkspaceClient.id``). Opening a stream does
+            not open a workspace; the connection holds it, as every stream does (PROTOCOL §6).
+        token: the server's token.
+        client_id: the id the server counts this connection's hold under (a new UUID by default).
+        since: resume after this ``seq``: the server replays the events after it (or sends a
+            ``gap`` when it no longer holds them).
+        timeout: bound on connecting and receiving the ``hello`` (seconds).
+        message_queue_size: frames buffered between the socket and :meth:`EventSocket.receive`.
+        max_message_size: the largest frame accepted (a bigger one closes the connection, 1009).
+
+    Raises:
+        ValueError: ``url`` is not a server address.
+        AuthError, NotFound, Conflict: the server refused the connection (token, unknown
+            workspace, retired client).
+        Timeout: no ``hello`` within ``timeout``.
+        Unreachable: nothing answers at ``url``, or it is not a crush_trio event stream.
+    """
+    base, token, unix_path = parse_server_url(url, token)
+    client_id = client_id or str(uuid.uuid4())
+    query: dict[str, Any] = {"client_id": client_id}
+    if since is not None:
+        query["since"] = since
+    resource = f"/v1/workspaces/{quote(workspace_id, safe='')}/ws?{urlencode(query)}"
+    headers = [(b"Authorization", f"Bearer {token}".encode())] if token else []
+    where = f"the event stream of workspace {workspace_id} at {url.split('?')[0]}"
+    with single_errors():
+        async with AsyncExitStack() as stack:
+            try:
+                if unix_path is None:
+                    ws_base = base.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+                    conn = await stack.enter_async_context(
+                        open_websocket_url(
+                            ws_base + resource,
+                            extra_headers=headers,
+                            message_queue_size=message_queue_size,
+                            max_message_size=max_message_size,
+                            connect_timeout=timeout,
+                            disconnect_timeout=CLOSE_TIMEOUT,
+                        )
+                    )
+                else:
+                    conn = await stack.enter_async_context(
+                        _unix_websocket(
+                            unix_path,
+                            resource,
+                            headers,
+                            timeout=timeout,
+                            message_queue_size=message_queue_size,
+                            max_message_size=max_message_size,
+                        )
+                    )
+                with trio.fail_after(timeout):
+                    hello = orjson.loads(await conn.get_message())
+            except (
+                ConnectionClosed,
+                HandshakeError,
+                OSError,
+                trio.TooSlowError,
+                orjson.JSONDecodeError,
+            ) as exc:
+                raise _open_failure(where, exc, timeout) from exc
+            if not isinstance(hello, dict) or hello.get("type") != "hello":
+                raise Unreachable(
+                    f"{where} did not start with a hello frame; is this a crush_trio server?"
+                )
+            yield EventSocket(conn, hello, client_id)
+
+
+@asynccontextmanager
+async def _unix_websocket(
+    path: str,
+    resource: str,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    timeout: float,  # noqa: ASYNC109
+    message_queue_size: int,
+    max_message_size: int,
+) -> AsyncIterator[WebSocketConnection]:
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(timeout):
+            stream = await trio.open_unix_socket(path)
+            conn = await wrap_client_stream(
+                nursery,
+                stream,
+                "localhost",
+                resource,
+                extra_headers=headers,
+                message_queue_size=message_queue_size,
+                max_message_size=max_message_size,
+            )
+        try:
+            yield conn
+        finally:
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def _open_failure(where: str, exc: BaseException, timeout: float) -> CrushError:
+    if isinstance(exc, ConnectionRejected):
+        body = exc.body or b""
+        try:
+            message = str(orjson.loads(body).get("message", ""))
+        except (orjson.JSONDecodeError, AttributeError):
+            message = body.decode(errors="replace")
+        message = message or f"status {exc.status_code}"
+        if exc.status_code in (401, 403):
+            return AuthError(f"{where} refused the connection: {message}")
+        if exc.status_code == 404:
+            return NotFound(f"{where} is gone: {message}")
+        if exc.status_code == 409:
+            return Conflict(f"{where} refused the connection: {message}")
+        return Unreachable(f"{where} refused the connection: {message}")
+    if isinstance(exc, trio.TooSlowError | ConnectionTimeout):
+        return Timeout(f"{where} did not answer within {timeout:g} s")
+    return Unreachable(
+        f"cannot open {where} ({exc.__class__.__name__}: {exc}); check the address and that the "
+        "server is running"
+    )
