@@ -45,8 +45,10 @@ from crush_trio.client import (
     resolve_session_prefix,
 )
 from crush_trio.client.events import Mailbox
+from crush_trio.errors import Conflict as ServerConflict
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.server.api import Api
 from crush_trio.server.serve import ServeOptions
 from crush_trio.testing import CrushServer
 from crush_trio.wire import (
@@ -137,6 +139,94 @@ async def test_run_convenience_and_sessions(crush_workspace: WorkspaceClient) ->
         await ws.prompt(str(uuid.uuid4()), "to nowhere")
     info = await ws.agent_info()
     assert info.is_ready
+
+
+def record_requests(ws: WorkspaceClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every HTTP request the workspace client makes from now on, as ``"METHOD /path"``."""
+    seen: list[str] = []
+    real = ws.client.request
+
+    async def spy(method: str, url: str, **kwargs: Any) -> Any:
+        seen.append(f"{method} {url}")
+        return await real(method, url, **kwargs)
+
+    monkeypatch.setattr(ws.client, "request", spy)
+    return seen
+
+
+async def test_prompt_goes_over_the_connected_stream_else_over_http(
+    crush_client: Client, crush_server: CrushServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with crush_client.workspace(crush_server.project()) as ws:
+        sid = (await ws.create_session()).id
+        seen = record_requests(ws, monkeypatch)
+        with trio.fail_after(CAP):
+            handle = await ws.prompt(sid, "over the stream")
+            run = await handle.result(CAP)
+        assert run.status is RunStatus.COMPLETED and run.text == "over the stream"
+        assert handle.accepted is not None and handle.accepted.run_id == run.run_id
+        assert not [r for r in seen if r.startswith("POST")]  # one websocket frame instead
+
+    async with crush_client.workspace(crush_server.project(), events=False) as quiet:
+        sid = (await quiet.create_session()).id
+        seen = record_requests(quiet, monkeypatch)
+        with trio.fail_after(CAP):
+            handle = await quiet.prompt(sid, "over HTTP")
+        assert seen == [f"POST /v1/workspaces/{quiet.id}/agent"]
+        assert (await quiet.get_run(handle.run_id)).session_id == sid
+
+
+async def test_prompt_whose_reply_is_lost_is_settled_by_the_runs_record(
+    crush_workspace: WorkspaceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server accepts the prompt, but the stream drops before its reply arrives."""
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    accepted: list[str] = []
+    real = Api.prompt
+
+    async def accept_then_lose_the_stream(self: Api, workspace: Any, body: Any) -> Any:
+        result = await real(self, workspace, body)
+        accepted.append(body.run_id)
+        ws.drop_stream()  # before the reply is sent
+        return result
+
+    monkeypatch.setattr(Api, "prompt", accept_then_lose_the_stream)
+    seen = record_requests(ws, monkeypatch)
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(sid, "lost reply")
+        run = await handle.result(CAP)
+    assert accepted == [handle.run_id]  # sent once, not again
+    assert f"GET /v1/workspaces/{ws.id}/runs/{handle.run_id}" in seen
+    assert not [r for r in seen if r.startswith("POST")]
+    assert run.status is RunStatus.COMPLETED and run.text == "lost reply"
+
+
+async def test_prompt_lost_before_the_server_took_it_is_posted_again(
+    crush_workspace: WorkspaceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    lost: list[str] = []
+    real = Api.prompt
+
+    async def lose_the_first(self: Api, workspace: Any, body: Any) -> Any:
+        if not lost:
+            lost.append(body.run_id)
+            ws.drop_stream()
+            await trio.lowlevel.checkpoint()
+            raise ServerConflict("this reply never reaches the client")
+        return await real(self, workspace, body)
+
+    monkeypatch.setattr(Api, "prompt", lose_the_first)
+    seen = record_requests(ws, monkeypatch)
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(sid, "sent twice, run once")
+        run = await handle.result(CAP)
+    assert lost == [handle.run_id]
+    runs_url = f"/v1/workspaces/{ws.id}/runs/{handle.run_id}"
+    assert seen[:2] == [f"GET {runs_url}", f"POST /v1/workspaces/{ws.id}/agent"]
+    assert run.status is RunStatus.COMPLETED and run.text == "sent twice, run once"
 
 
 async def test_queued_run_ignores_the_turn_before_it(

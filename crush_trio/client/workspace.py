@@ -16,6 +16,13 @@ that lives as long as its ``async with`` block and holds
   shows, and fails only when its record cannot be read either.
 * short **grant** tasks that answer permission requests of runs sent with ``auto_approve``.
 
+While the stream is connected, :meth:`WorkspaceClient.prompt` sends its prompt as an
+``agent.prompt`` command on that websocket (one frame, like the browser client, instead of an
+HTTP request) and the reader hands the command's reply back to it. Without a connected stream it
+posts over HTTP. A stream lost between the command and its reply is settled by the run's record
+(``GET runs/{id}``), and by posting the prompt again when there is none: the run id the client
+always sends makes that resend safe.
+
 Leaving the block cancels those tasks, fails the runs still pending with :class:`Conflict`
 ("workspace client closed"), and releases the client's hold with
 ``DELETE /v1/workspaces/{id}?client_id=`` (bounded by :data:`CLOSE_TIMEOUT`).
@@ -48,10 +55,20 @@ from ..wire import (
     AgentInfo,
     Message,
     Run,
+    RunStatus,
     Session,
     Workspace,
 )
-from .errors import AuthError, BadRequest, Conflict, CrushError, NotFound, Timeout, Unreachable
+from .errors import (
+    AuthError,
+    BadRequest,
+    Conflict,
+    CrushError,
+    NotFound,
+    Timeout,
+    Unreachable,
+    error_for_status,
+)
 from .events import DEFAULT_MAILBOX_SIZE, Event, Mailbox, decode_frame
 from .runs import DEFAULT_RUN_TIMEOUT, RunHandle, deadline_after, deadline_scope
 
@@ -91,6 +108,22 @@ GrantAction = Literal["allow", "allow_session", "deny"]
 
 #: What :meth:`Subscription.until` and :meth:`Subscription.collect_until` test each event with.
 EventPredicate = Callable[[Event], object]
+
+
+@attrs.define
+class _Command:
+    """A websocket command waiting for its reply (``None`` when the stream ended first)."""
+
+    done: trio.Event = attrs.Factory(trio.Event)
+    reply: dict[str, Any] | None = None
+
+
+class _CommandLost(Exception):
+    """A command was sent on the stream, which ended (or went quiet) before the reply."""
+
+
+#: What :meth:`WorkspaceClient._command` returns when no stream is connected (nothing sent).
+_NOT_SENT: Final = object()
 
 
 @attrs.define
@@ -167,6 +200,9 @@ class WorkspaceClient:
         self._conn_scope: trio.CancelScope | None = None
         self._stream_done = trio.Event()
         self._stream_changed = trio.Event()
+        self._conn: WebSocketConnection | None = None  # the stream, while it is connected
+        self._commands: dict[int, _Command] = {}  # sent on the stream, waiting for a reply
+        self._command_ids = 0
         self.stream_error: CrushError | None = None
         self.closed = False
 
@@ -267,17 +303,94 @@ class WorkspaceClient:
             mailbox_size=self.mailbox_size,
         )
         self._runs[run_id] = handle
+        body = {"session_id": session_id, "prompt": text, "run_id": run_id}
         try:
-            data = await self.client.request(
-                "POST",
-                self._url("/agent"),
-                json={"session_id": session_id, "prompt": text, "run_id": run_id},
-            )
+            handle.accepted = await self._send_prompt(body)
         except BaseException:
             self._runs.pop(run_id, None)
             raise
-        handle.accepted = wire.converter.structure(data, AcceptedPrompt)
         return handle
+
+    async def _send_prompt(self, body: dict[str, Any]) -> AcceptedPrompt:
+        """The stream's ``agent.prompt`` command when connected, else ``POST agent``."""
+        try:
+            result = await self._command("agent.prompt", body)
+        except _CommandLost:
+            return await self._settle_prompt(body)
+        if result is _NOT_SENT:
+            return await self._post_prompt(body)
+        return wire.converter.structure(result, AcceptedPrompt)
+
+    async def _post_prompt(self, body: dict[str, Any]) -> AcceptedPrompt:
+        data = await self.client.request("POST", self._url("/agent"), json=body)
+        return wire.converter.structure(data, AcceptedPrompt)
+
+    async def _settle_prompt(self, body: dict[str, Any]) -> AcceptedPrompt:
+        """The stream ended after a prompt was sent and before its reply: the run's record says
+        whether the server accepted it; without one, the prompt is posted again (the same
+        run id, so it cannot run twice)."""
+        run_id = body["run_id"]
+        try:
+            run = await self.get_run(run_id)
+        except NotFound:
+            try:
+                return await self._post_prompt(body)
+            except BadRequest as refused:  # "already used": the first one got there after all
+                try:
+                    run = await self.get_run(run_id)
+                except NotFound:
+                    raise refused from None
+        status: Literal["running", "queued"] = (
+            "queued" if run.status is RunStatus.QUEUED else "running"
+        )
+        return AcceptedPrompt(run.run_id, run.session_id, status)
+
+    async def _command(self, method: str, params: dict[str, Any]) -> Any:
+        """Run a websocket command on the workspace's stream (PROTOCOL §5) and return its
+        result; :data:`_NOT_SENT` when no stream is connected.
+
+        Raises:
+            CrushError: the server's refusal (the class of its status).
+            _CommandLost: the stream ended, or the reply did not come within the client's
+                request timeout, after the command was sent: it may or may not have run.
+        """
+        conn = self._conn
+        if conn is None or conn.closed is not None:
+            await trio.lowlevel.checkpoint()
+            return _NOT_SENT
+        self._command_ids += 1
+        command_id = self._command_ids
+        pending = _Command()
+        self._commands[command_id] = pending
+        frame = orjson.dumps({"id": command_id, "method": method, "params": params}).decode()
+        try:
+            try:
+                await conn.send_message(frame)
+            except ConnectionClosed:
+                raise _CommandLost() from None  # the frame may have gone out before the close
+            with trio.move_on_after(self.client.request_timeout):
+                await pending.done.wait()
+        finally:
+            del self._commands[command_id]
+        reply = pending.reply
+        if reply is None:
+            raise _CommandLost()
+        if reply.get("ok"):
+            return reply.get("result")
+        status = reply.get("status")
+        raise error_for_status(
+            status if isinstance(status, int) else 500, str(reply.get("message", ""))
+        )
+
+    def _command_replied(self, frame: dict[str, Any]) -> None:
+        pending = self._commands.get(frame.get("id"))  # type: ignore[arg-type]
+        if pending is not None and not pending.done.is_set():
+            pending.reply = frame
+            pending.done.set()
+
+    def _commands_lost(self) -> None:
+        for pending in self._commands.values():
+            pending.done.set()  # no reply: _CommandLost
 
     async def run(
         self,
@@ -447,9 +560,14 @@ class WorkspaceClient:
                         self.stats.last_seq = min(self.stats.last_seq, int(hello.get("seq", 0)))
                         self._stream_news()
                     lost_at, delay = None, RECONNECT_FIRST_DELAY
-                    with trio.CancelScope() as scope:
-                        self._conn_scope = scope
-                        why = await self._read(conn)
+                    self._conn = conn
+                    try:
+                        with trio.CancelScope() as scope:
+                            self._conn_scope = scope
+                            why = await self._read(conn)
+                    finally:
+                        self._conn = None
+                        self._commands_lost()
                     self._conn_scope = None
                     if scope.cancelled_caught:
                         why = "dropped by this client"
@@ -537,6 +655,9 @@ class WorkspaceClient:
             self._handle_frame(frame)
 
     def _handle_frame(self, frame: Any) -> None:
+        if isinstance(frame, dict) and frame.get("type") == "reply":
+            self._command_replied(frame)
+            return
         event = decode_frame(frame)
         if event is None:
             return
