@@ -424,6 +424,26 @@ async def test_sequential_requests_reuse_one_connection(provider_type: str) -> N
     assert fake.connections == 1
 
 
+async def test_a_burst_of_streams_keeps_its_connections_for_the_next_burst() -> None:
+    """Every connection of a burst stays alive (httpx keeps only 20 by default)."""
+    streams = 30
+    # Two tokens 50 ms apart, so that the streams of a burst overlap.
+    fake = FakeLLM(default=Reply(text="burst now", token_delay=0.05))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(fake) as provider:
+
+            async def one(texts: list[str]) -> None:
+                texts.append(text_of(await collect(provider, request(user("x")))))
+
+            for _ in range(2):
+                texts: list[str] = []
+                async with trio.open_nursery() as nursery:
+                    for _ in range(streams):
+                        nursery.start_soon(one, texts)
+                assert texts == ["burst now"] * streams
+    assert fake.connections == streams
+
+
 # ---------------------------------------------------------------------------------------------
 # History conversion
 

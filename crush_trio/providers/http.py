@@ -61,6 +61,12 @@ MAX_SSE_EVENT_BYTES: Final = 16 * 1024 * 1024
 #: Longest excerpt of a bad chunk or error body quoted in an error message.
 MAX_QUOTE_CHARS: Final = 200
 
+#: Connections one provider's client opens at once (more streams wait for one to free up), all
+#: kept alive between requests so that a burst of runs does not reconnect on every round.
+MAX_PROVIDER_CONNECTIONS: Final = 100
+#: How long an idle provider connection is kept for the next request (seconds).
+PROVIDER_KEEPALIVE_EXPIRY: Final = 30.0
+
 #: Statuses retried before any content was streamed (besides every 5xx).
 RETRYABLE_STATUSES: Final = frozenset({429})
 #: Statuses that mean the credentials are wrong: fail at once with an api_key hint.
@@ -336,7 +342,12 @@ class HttpStreamer:
         # Only connect uses httpx's own timeout; first byte and chunk gaps are timed on Trio's
         # clock below, which also covers writing the request and waiting for the pool.
         timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
-        self._client = httpx.AsyncClient(headers=merged, timeout=timeout)
+        limits = httpx.Limits(
+            max_connections=MAX_PROVIDER_CONNECTIONS,
+            max_keepalive_connections=MAX_PROVIDER_CONNECTIONS,
+            keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
+        )
+        self._client = httpx.AsyncClient(headers=merged, timeout=timeout, limits=limits)
 
     async def aclose(self) -> None:
         """Close the client and its pooled connections."""
