@@ -459,3 +459,27 @@ async def test_the_same_run_id_sent_twice_at_once_is_accepted_once(
     assert sorted(outcomes)[0] == "accepted"
     assert "already used" in sorted(outcomes)[1]
     assert run.run_id == "twice"
+
+
+async def test_a_new_run_id_is_checked_without_a_store_call(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    store = crush_server.backend.get(ws.id).store
+    lookups: list[str] = []
+    real = store.get_run
+
+    async def spy(run_id: str) -> Any:
+        lookups.append(run_id)
+        return await real(run_id)
+
+    monkeypatch.setattr(store, "get_run", spy)
+    agent = crush_server.backend.get(ws.id).agent
+    fresh = str(uuid.uuid4())
+    await agent.submit(sid, "new id", fresh)
+    assert lookups == []
+    with pytest.raises(BadRequest, match="already used"):
+        await agent.submit(sid, "same id", fresh)
+    with trio.fail_after(WAIT):
+        assert (await ws.get_run(fresh)).session_id == sid

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import trio
 
 from crush_trio.errors import StoreError
 from crush_trio.store import db as db_module
-from crush_trio.store.db import DB_FILENAME, SCHEMA_VERSION, Store
+from crush_trio.store.db import DB_FILENAME, SCHEMA_VERSION, RunIdFilter, Store
 from crush_trio.wire import (
     FinishPart,
     FinishReason,
@@ -459,5 +460,37 @@ async def test_new_session_lists_no_messages_without_a_database_call(
     reopened = await Store.open(tmp_path / "data")
     try:
         assert [m.id for m in await reopened.list_messages("fresh")] == ["c"]
+    finally:
+        await reopened.aclose()
+
+
+def test_run_id_filter_never_forgets_and_rarely_guesses() -> None:
+    ids = [str(uuid.uuid4()) for _ in range(5_000)]
+    small = RunIdFilter(bits=1 << 16)
+    for run_id in ids:
+        small.add(run_id)
+    assert all(run_id in small for run_id in ids)  # no false negatives, ever
+    others = [str(uuid.uuid4()) for _ in range(5_000)]
+    false_positives = sum(run_id in small for run_id in others)
+    assert false_positives < len(others) * 0.05  # 5,000 ids in 64 Kibit: about 1%
+    assert 42 not in small
+    with pytest.raises(ValueError, match="power of two"):
+        RunIdFilter(bits=1000)
+
+
+async def test_used_run_ids_are_known_without_a_database_call_and_after_reopening(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.create_session(Session(id="s"))
+    await store.save_run(Run(run_id="saved", session_id="s", status=RunStatus.RUNNING))
+    await store.save_runs([Run(run_id="batched", session_id="s", status=RunStatus.QUEUED)])
+    assert store.may_have_run("saved") and store.may_have_run("batched")
+    assert not store.may_have_run(str(uuid.uuid4()))
+
+    await store.aclose()
+    reopened = await Store.open(tmp_path / "data")
+    try:
+        assert reopened.may_have_run("saved") and reopened.may_have_run("batched")
+        assert not reopened.may_have_run(str(uuid.uuid4()))
     finally:
         await reopened.aclose()

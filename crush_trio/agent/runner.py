@@ -166,7 +166,10 @@ class Agent:
                 f"session {session_id!r} does not exist in this workspace; create it with "
                 "POST /v1/workspaces/{id}/sessions"
             )
-        if run_id is not None and (self.runs.known(run_id) or await self.store.get_run(run_id)):
+        if run_id is not None and (
+            self.runs.known(run_id)
+            or (self.store.may_have_run(run_id) and await self.store.get_run(run_id))
+        ):
             raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
         # Everything below is synchronous: the decision and the task start cannot be torn apart
         # by a client that disconnects right after sending.

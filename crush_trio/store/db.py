@@ -21,6 +21,7 @@ cause), and every call on a closed store raises ``StoreError("store is closed ..
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -305,6 +306,45 @@ def _open_in_thread(path: Path) -> sqlite3.Connection:
 # The store
 
 
+#: Size of the run-id filter of each store, in bits (128 KiB): with 100,000 runs about 1% of
+#: new run ids still need a database lookup to be told apart from a used one.
+RUN_FILTER_BITS: Final = 1 << 20
+#: Bits set per run id in the filter.
+RUN_FILTER_HASHES: Final = 7
+
+
+class RunIdFilter:
+    """A Bloom filter of the run ids in a store: "certainly never used" without a database call.
+
+    ``run_id in f`` is False only for ids never added; True means "maybe" (ask the database).
+    Memory is fixed (:data:`RUN_FILTER_BITS`); more runs only make "maybe" more frequent.
+    """
+
+    def __init__(self, bits: int = RUN_FILTER_BITS, hashes: int = RUN_FILTER_HASHES) -> None:
+        if bits <= 0 or bits & (bits - 1):
+            raise ValueError(f"bits must be a power of two, got {bits}")
+        self._bits = bytearray(bits // 8 or 1)
+        self._mask = bits - 1
+        self._hashes = hashes
+        self._digest = (hashes * bits.bit_length() + 7) // 8 + 8
+
+    def _positions(self, run_id: str) -> list[int]:
+        value = int.from_bytes(
+            hashlib.blake2b(run_id.encode(), digest_size=min(self._digest, 64)).digest()
+        )
+        width = self._mask.bit_length()
+        return [(value >> (i * width)) & self._mask for i in range(self._hashes)]
+
+    def add(self, run_id: str) -> None:
+        for pos in self._positions(run_id):
+            self._bits[pos >> 3] |= 1 << (pos & 7)
+
+    def __contains__(self, run_id: object) -> bool:
+        if not isinstance(run_id, str):
+            return False
+        return all(self._bits[pos >> 3] & (1 << (pos & 7)) for pos in self._positions(run_id))
+
+
 class Store:
     """One workspace's database. Create it with :meth:`open`; close it with :meth:`aclose`.
 
@@ -329,6 +369,8 @@ class Store:
         #: Ids of the sessions that exist, kept in memory so the hot existence checks of the
         #: agent need no thread hop (every session write goes through this object).
         self._session_ids: set[str] = set()
+        #: Every run id in the database, so a new run id is checked without a thread hop.
+        self._run_ids = RunIdFilter()
         #: Sessions created by this object that no message write has touched yet: listing their
         #: messages needs no thread hop (the first prompt of a new session is the common case).
         self._empty_sessions: set[str] = set()
@@ -348,7 +390,18 @@ class Store:
             "listing session ids",
             lambda c: {row[0] for row in c.execute("SELECT id FROM sessions")},
         )
+
+        def load_run_ids(conn: sqlite3.Connection) -> None:
+            for (run_id,) in conn.execute("SELECT run_id FROM runs"):
+                store._run_ids.add(run_id)
+
+        await store._call("listing run ids", load_run_ids)
         return store
+
+    def may_have_run(self, run_id: str) -> bool:
+        """False when no run with this id was ever stored (answered from memory); True means
+        "maybe": ask :meth:`get_run`."""
+        return run_id in self._run_ids
 
     def session_exists(self, session_id: str) -> bool:
         """Whether the session exists (answered from memory, no database call)."""
@@ -614,6 +667,7 @@ class Store:
     async def create_run(self, run: Run) -> None:
         """Insert a run record. Raises StoreError if the run id exists."""
         row = _run_row(run)
+        self._run_ids.add(run.run_id)
 
         def op(conn: sqlite3.Connection) -> None:
             _transaction(
@@ -628,6 +682,8 @@ class Store:
     async def save_runs(self, runs: list[Run]) -> None:
         """Insert or update several run records in one transaction."""
         rows = [_run_row(run) for run in runs]
+        for run in runs:
+            self._run_ids.add(run.run_id)
 
         def op(conn: sqlite3.Connection) -> None:
             _transaction(
@@ -646,6 +702,7 @@ class Store:
     async def save_run(self, run: Run) -> None:
         """Insert or update a run record in one statement (safe for concurrent savers)."""
         row = _run_row(run)
+        self._run_ids.add(run.run_id)
 
         def op(conn: sqlite3.Connection) -> None:
             _transaction(
