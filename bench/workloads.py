@@ -747,7 +747,10 @@ async def w3_level(
     real.updates = sum(
         1 for frame in _read_frames(record) if frame.startswith(UPDATED_MESSAGE, frame.find(","))
     )
-    ctx.log(f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s; bare ceiling")
+    ctx.log(
+        f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s, "
+        f"run_complete {real.complete}/{n}, closes {real.closes or 'none'}; bare ceiling"
+    )
     argv = python("-m", "bench.bare", "--port", "0", "--frames", str(record))
     async with child_process(f"w3-{n}-bare", argv, work, "bare-ws listening on ") as (bare, line):
 

@@ -9,6 +9,7 @@ websocket commands and SSE parity are tested with the raw helpers of ``conftest`
 from __future__ import annotations
 
 import gc
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from crush_trio.client import (
     connect,
 )
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.server.listener import clear_user_timeout
+from crush_trio.server.serve import make_socket
 from crush_trio.testing import CrushServer
 from crush_trio.wire import FinishPart, FinishReason, TextPart
 
@@ -547,3 +550,21 @@ async def test_framework_websocket_route_still_serves_events(tmp_path: Path) -> 
                 await server.prompt(ws["id"], session["id"], "via the framework", run_id="asgi")
                 complete, _ = await sock.run_complete("asgi")
         assert complete["text"] == "via the framework"
+
+
+def test_event_websocket_connections_drop_the_kernel_user_timeout() -> None:
+    """The listening socket's TCP_USER_TIMEOUT is inherited by every connection; the event
+    websocket takes it off (its own slow-client policy applies instead)."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("no TCP_USER_TIMEOUT on this platform")
+    listener = make_socket("127.0.0.1", 0, tcp_user_timeout_ms=2000)
+    try:
+        client = socket.create_connection(listener.getsockname()[:2])
+        accepted, _ = listener.accept()
+        with client, accepted:
+            opt = (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+            assert accepted.getsockopt(*opt) == 2000  # what HTTP connections keep
+            clear_user_timeout(accepted)
+            assert accepted.getsockopt(*opt) == 0
+    finally:
+        listener.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Final
@@ -35,6 +36,22 @@ HEAD_TIMEOUT: Final = 10.0
 
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
 _UPGRADE: Final = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
+
+
+def clear_user_timeout(sock: Any) -> None:
+    """Take ``TCP_USER_TIMEOUT`` (inherited from the listening socket) off an event websocket.
+
+    The event websocket has its own policy for slow clients, and its sends can be cancelled: lossy
+    events are dropped (then a ``gap``), and a client that cannot take a must-deliver event within
+    ``server.must_deliver_timeout`` is closed with 1013. The kernel's timeout, which also aborts a
+    connection whose receive window stays closed that long, would cut off clients that are only
+    slow (a busy process reading hundreds of connections) before that policy could apply.
+    """
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 0)
+        except OSError as exc:  # not a TCP socket (a test stream), or a closed one
+            log.debug("could not clear TCP_USER_TIMEOUT: %s", exc)
 
 
 class PrefixedStream(trio.abc.HalfCloseableStream):
@@ -119,6 +136,7 @@ async def serve_dispatching(
                     return
                 wrapped = PrefixedStream(stream, head)
                 if is_event_websocket(head):
+                    clear_user_timeout(stream.socket)
                     await ws_handler(wrapped)
                 else:
                     # TCPServer is typed for SSL streams but takes any stream with a .socket.
