@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m bench                      # every workload at full size (about 15 min on 2 cores)
+    python -m bench                      # every workload at full size (about 12 min on 2 cores)
     python -m bench --smoke              # every workload at tiny sizes (under a minute)
     python -m bench --only W1,W3         # some workloads
     python -m bench --soak-runs 2000     # a shorter soak
