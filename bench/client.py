@@ -123,6 +123,8 @@ class RunTrack:
     run_id: str = ""
     submitted: float = 0.0
     first_text: float | None = None
+    #: When the model sent the run's first token (its stamp), with a stamping model.
+    first_token_sent: float | None = None
     completed: float | None = None
     error: str | None = None
     cancelled: bool = False
@@ -192,6 +194,8 @@ class Runs:
                 track.first_text = now
             if self.stamp:
                 stamps = STAMP_RE.findall(text)
+                if stamps and track.first_token_sent is None:
+                    track.first_token_sent = float(stamps[0])
                 for stamp in stamps[track.seen_stamps :]:
                     self.token_latencies.append(now - float(stamp))
                 track.seen_stamps = len(stamps)
@@ -227,6 +231,9 @@ class Runs:
             "started": min((t.submitted for t in tracks), default=0.0),
             "finished": max((t.completed for t in done if t.completed), default=0.0),
             "first_text": [t.first_text - t.submitted for t in tracks if t.first_text is not None],
+            "first_token_sent": [
+                t.first_token_sent - t.submitted for t in tracks if t.first_token_sent is not None
+            ],
             "latency": [t.completed - t.submitted for t in done if t.completed is not None],
             "tokens": sum(len(STAMP_RE.sub("", t.text).split()) for t in done),
         }
