@@ -697,26 +697,12 @@ class Store:
                 ),
             )
 
-        await self._call(f"saving {len(rows)} run(s)", op)
+        what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
+        await self._call(what, op)
 
     async def save_run(self, run: Run) -> None:
-        """Insert or update a run record in one statement (safe for concurrent savers)."""
-        row = _run_row(run)
-        self._run_ids.add(run.run_id)
-
-        def op(conn: sqlite3.Connection) -> None:
-            _transaction(
-                conn,
-                lambda c: c.execute(
-                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
-                    "message_id = excluded.message_id, text = excluded.text, "
-                    "error = excluded.error, finished_at = excluded.finished_at",
-                    row,
-                ),
-            )
-
-        await self._call(f"saving run {run.run_id!r}", op)
+        """Insert or update one run record (an upsert: safe for concurrent savers)."""
+        await self.save_runs([run])
 
     async def update_run(self, run: Run) -> bool:
         """Store a run's status, message id, text, error and finish time. False if unknown."""
