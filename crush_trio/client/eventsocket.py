@@ -27,13 +27,17 @@ from trio_websocket import (
     ConnectionTimeout,
     HandshakeError,
     WebSocketConnection,
-    open_websocket_url,
-    wrap_client_stream,
 )
 
 from .connection import parse_server_url, single_errors
-from .errors import AuthError, Conflict, CrushError, NotFound, Timeout, Unreachable
-from .workspace import CLOSE_TIMEOUT, HELLO_TIMEOUT, MAX_EVENT_BYTES, WS_QUEUE_SIZE
+from .errors import CrushError, Timeout, Unreachable
+from .workspace import (
+    HELLO_TIMEOUT,
+    MAX_EVENT_BYTES,
+    WS_QUEUE_SIZE,
+    open_stream_socket,
+    rejection_error,
+)
 
 __all__ = ["EventSocket", "open_event_socket"]
 
@@ -143,29 +147,17 @@ async def open_event_socket(
     with single_errors():
         async with AsyncExitStack() as stack:
             try:
-                if unix_path is None:
-                    ws_base = base.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
-                    conn = await stack.enter_async_context(
-                        open_websocket_url(
-                            ws_base + resource,
-                            extra_headers=headers,
-                            message_queue_size=message_queue_size,
-                            max_message_size=max_message_size,
-                            connect_timeout=timeout,
-                            disconnect_timeout=CLOSE_TIMEOUT,
-                        )
+                conn = await stack.enter_async_context(
+                    open_stream_socket(
+                        base.replace("https://", "wss://", 1).replace("http://", "ws://", 1),
+                        unix_path,
+                        resource,
+                        headers,
+                        timeout=timeout,
+                        message_queue_size=message_queue_size,
+                        max_message_size=max_message_size,
                     )
-                else:
-                    conn = await stack.enter_async_context(
-                        _unix_websocket(
-                            unix_path,
-                            resource,
-                            headers,
-                            timeout=timeout,
-                            message_queue_size=message_queue_size,
-                            max_message_size=max_message_size,
-                        )
-                    )
+                )
                 with trio.fail_after(timeout):
                     hello = orjson.loads(await conn.get_message())
             except (
@@ -183,51 +175,9 @@ async def open_event_socket(
             yield EventSocket(conn, hello, client_id)
 
 
-@asynccontextmanager
-async def _unix_websocket(
-    path: str,
-    resource: str,
-    headers: list[tuple[bytes, bytes]],
-    *,
-    timeout: float,  # noqa: ASYNC109
-    message_queue_size: int,
-    max_message_size: int,
-) -> AsyncIterator[WebSocketConnection]:
-    async with trio.open_nursery() as nursery:
-        with trio.fail_after(timeout):
-            stream = await trio.open_unix_socket(path)
-            conn = await wrap_client_stream(
-                nursery,
-                stream,
-                "localhost",
-                resource,
-                extra_headers=headers,
-                message_queue_size=message_queue_size,
-                max_message_size=max_message_size,
-            )
-        try:
-            yield conn
-        finally:
-            with trio.move_on_after(CLOSE_TIMEOUT):
-                await conn.aclose()
-            nursery.cancel_scope.cancel()
-
-
 def _open_failure(where: str, exc: BaseException, timeout: float) -> CrushError:
     if isinstance(exc, ConnectionRejected):
-        body = exc.body or b""
-        try:
-            message = str(orjson.loads(body).get("message", ""))
-        except (orjson.JSONDecodeError, AttributeError):
-            message = body.decode(errors="replace")
-        message = message or f"status {exc.status_code}"
-        if exc.status_code in (401, 403):
-            return AuthError(f"{where} refused the connection: {message}")
-        if exc.status_code == 404:
-            return NotFound(f"{where} is gone: {message}")
-        if exc.status_code == 409:
-            return Conflict(f"{where} refused the connection: {message}")
-        return Unreachable(f"{where} refused the connection: {message}")
+        return rejection_error(where, exc)
     if isinstance(exc, trio.TooSlowError | ConnectionTimeout):
         return Timeout(f"{where} did not answer within {timeout:g} s")
     return Unreachable(

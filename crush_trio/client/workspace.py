@@ -171,6 +171,68 @@ def latest_session(sessions: list[Session]) -> Session | None:
     return max(sessions, key=lambda s: (s.updated_at, s.created_at))
 
 
+def rejection_error(where: str, exc: ConnectionRejected) -> CrushError:
+    """The library's error for a refused event-stream upgrade, with the server's message."""
+    body = exc.body or b""
+    try:
+        message = str(orjson.loads(body).get("message", ""))
+    except (orjson.JSONDecodeError, AttributeError):
+        message = body.decode(errors="replace")
+    message = message or f"status {exc.status_code}"
+    if exc.status_code in (401, 403):
+        return AuthError(f"{where} refused the connection: {message}")
+    if exc.status_code == 404:
+        return NotFound(f"{where} is gone: {message}")
+    if exc.status_code == 409:
+        return Conflict(f"{where} refused the connection: {message}")
+    return Unreachable(f"{where} refused the connection: {message}")
+
+
+@asynccontextmanager
+async def open_stream_socket(
+    ws_base: str,
+    unix_path: str | None,
+    resource: str,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    timeout: float,  # noqa: ASYNC109
+    message_queue_size: int = WS_QUEUE_SIZE,
+    max_message_size: int = MAX_EVENT_BYTES,
+) -> AsyncIterator[WebSocketConnection]:
+    """One websocket connection to ``resource`` (``/v1/...``): at ``ws_base`` over TCP, or over
+    the Unix socket ``unix_path`` when it is set. Leaving the block closes it (bounded by
+    :data:`CLOSE_TIMEOUT`)."""
+    if unix_path is None:
+        async with open_websocket_url(
+            ws_base + resource,
+            extra_headers=headers,
+            message_queue_size=message_queue_size,
+            max_message_size=max_message_size,
+            connect_timeout=timeout,
+            disconnect_timeout=CLOSE_TIMEOUT,
+        ) as conn:
+            yield conn
+        return
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(timeout):
+            stream = await trio.open_unix_socket(unix_path)
+            conn = await wrap_client_stream(
+                nursery,
+                stream,
+                "localhost",
+                resource,
+                extra_headers=headers,
+                message_queue_size=message_queue_size,
+                max_message_size=max_message_size,
+            )
+        try:
+            yield conn
+        finally:
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                await conn.aclose()
+            nursery.cancel_scope.cancel()
+
+
 class WorkspaceClient:
     """One open workspace. Get it from ``async with client.workspace(path) as ws``.
 
@@ -487,38 +549,15 @@ class WorkspaceClient:
     @asynccontextmanager
     async def _open_socket(self, since: int | None) -> AsyncIterator[WebSocketConnection]:
         """One websocket connection to the workspace's stream (TCP or a Unix socket)."""
-        headers = self.client.auth_headers()
         url = self._ws_url(since)
-        if self.client.unix_path is None:
-            async with open_websocket_url(
-                url,
-                extra_headers=headers,
-                message_queue_size=WS_QUEUE_SIZE,
-                max_message_size=MAX_EVENT_BYTES,
-                connect_timeout=HELLO_TIMEOUT,
-                disconnect_timeout=CLOSE_TIMEOUT,
-            ) as conn:
-                yield conn
-            return
-        resource = url[url.index("/v1/") :]
-        async with trio.open_nursery() as nursery:
-            with trio.fail_after(HELLO_TIMEOUT):
-                stream = await trio.open_unix_socket(self.client.unix_path)
-                conn = await wrap_client_stream(
-                    nursery,
-                    stream,
-                    "localhost",
-                    resource,
-                    extra_headers=headers,
-                    message_queue_size=WS_QUEUE_SIZE,
-                    max_message_size=MAX_EVENT_BYTES,
-                )
-            try:
-                yield conn
-            finally:
-                with trio.move_on_after(CLOSE_TIMEOUT):
-                    await conn.aclose()
-                nursery.cancel_scope.cancel()
+        async with open_stream_socket(
+            self.client.ws_base,
+            self.client.unix_path,
+            url[url.index("/v1/") :],
+            self.client.auth_headers(),
+            timeout=HELLO_TIMEOUT,
+        ) as conn:
+            yield conn
 
     async def _stream(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -604,20 +643,7 @@ class WorkspaceClient:
     def _stream_failure(self, exc: BaseException | str) -> CrushError:
         where = f"the event stream of workspace {self.id} at {self.client.url}"
         if isinstance(exc, ConnectionRejected):
-            body = exc.body or b""
-            try:
-                message = str(orjson.loads(body).get("message", ""))
-            except (orjson.JSONDecodeError, AttributeError):
-                message = body.decode(errors="replace")
-            status = exc.status_code
-            message = message or f"status {status}"
-            if status in (401, 403):
-                return AuthError(f"{where} refused the connection: {message}")
-            if status == 404:
-                return NotFound(f"{where} is gone: {message}")
-            if status == 409:
-                return Conflict(f"{where} refused the connection: {message}")
-            return Unreachable(f"{where} refused the connection: {message}")
+            return rejection_error(where, exc)
         if isinstance(exc, trio.TooSlowError):
             return Timeout(f"{where} did not answer within {HELLO_TIMEOUT:g} s")
         what = exc if isinstance(exc, str) else f"{exc.__class__.__name__}: {exc}"
