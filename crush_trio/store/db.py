@@ -325,15 +325,16 @@ class RunIdFilter:
             raise ValueError(f"bits must be a power of two, got {bits}")
         self._bits = bytearray(bits // 8 or 1)
         self._mask = bits - 1
+        self._width = self._mask.bit_length()  # bits of the hash per position
         self._hashes = hashes
-        self._digest = (hashes * bits.bit_length() + 7) // 8 + 8
+        self._digest_size = -(-hashes * self._width // 8)  # ceil
+        if self._digest_size > 64:
+            raise ValueError(f"{hashes} hashes of {self._width} bits exceed one blake2b digest")
 
     def _positions(self, run_id: str) -> list[int]:
-        value = int.from_bytes(
-            hashlib.blake2b(run_id.encode(), digest_size=min(self._digest, 64)).digest()
-        )
-        width = self._mask.bit_length()
-        return [(value >> (i * width)) & self._mask for i in range(self._hashes)]
+        digest = hashlib.blake2b(run_id.encode(), digest_size=self._digest_size).digest()
+        value = int.from_bytes(digest)
+        return [(value >> (i * self._width)) & self._mask for i in range(self._hashes)]
 
     def add(self, run_id: str) -> None:
         for pos in self._positions(run_id):
