@@ -40,6 +40,7 @@ import trio
 
 from ..errors import ProviderError
 from .base import Retrying
+from .pool import ShardedTransport
 
 #: Defaults of the provider config keys (the config module uses the same values).
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
@@ -347,7 +348,9 @@ class HttpStreamer:
             max_keepalive_connections=MAX_PROVIDER_CONNECTIONS,
             keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
         )
-        self._client = httpx.AsyncClient(headers=merged, timeout=timeout, limits=limits)
+        self._client = httpx.AsyncClient(
+            headers=merged, timeout=timeout, transport=ShardedTransport(limits=limits)
+        )
 
     async def aclose(self) -> None:
         """Close the client and its pooled connections."""
