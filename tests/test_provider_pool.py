@@ -7,13 +7,15 @@ Each test runs tests/fake_llm.py in its nursery on 127.0.0.1:0 and sends request
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 import trio
 
-from crush_trio.providers.pool import ShardedTransport
+from crush_trio.providers.pool import ShardedTransport, shared_ssl_context
 from tests.fake_llm import FakeLLM, Fault, Reply
 
 #: Bound on every wait of these tests (seconds; real sockets on loopback).
@@ -139,3 +141,29 @@ async def test_a_failed_or_cancelled_request_releases_its_slot() -> None:
         with pytest.raises(httpx.ConnectError):
             await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=BODY)
         assert transport.in_flight == [0, 0]
+
+
+def test_providers_load_the_trust_store_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every shard of every provider uses one TLS context: the trust store is loaded once per
+    process, not once per shard (about 50 ms of CPU each)."""
+    from crush_trio.providers import make_provider
+    from crush_trio.providers.http import Settings
+
+    loads: list[ssl.SSLContext] = []
+    create = ssl.create_default_context
+
+    def counting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        loads.append(create(*args, **kwargs))
+        return loads[-1]
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    shared_ssl_context.cache_clear()
+    try:
+        for name in ("a", "b"):
+            make_provider(
+                name, Settings(type="openai-compat", base_url=f"https://{name}.invalid/v1")
+            )
+        assert len(loads) == 1
+        assert loads[0] is shared_ssl_context()
+    finally:
+        shared_ssl_context.cache_clear()

@@ -40,7 +40,7 @@ import trio
 
 from ..errors import ProviderError
 from .base import Retrying
-from .pool import ShardedTransport
+from .pool import ShardedTransport, shared_ssl_context
 
 #: Defaults of the provider config keys (the config module uses the same values).
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
@@ -349,7 +349,9 @@ class HttpStreamer:
             keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
         )
         self._client = httpx.AsyncClient(
-            headers=merged, timeout=timeout, transport=ShardedTransport(limits=limits)
+            headers=merged,
+            timeout=timeout,
+            transport=ShardedTransport(limits=limits, verify=shared_ssl_context()),
         )
 
     async def aclose(self) -> None:

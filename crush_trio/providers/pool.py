@@ -10,19 +10,46 @@ CPU during a burst of run starts, and at 200 streams most of it.
 :data:`SHARD_CONNECTIONS` connections, each a plain ``httpx.AsyncHTTPTransport``, and sends each
 request to the shard with the fewest requests in flight. The quadratic work is then bounded by
 the shard size, and nothing private of ``httpx`` or ``httpcore`` is touched.
+
+Every shard, and every provider, uses the one TLS context of :func:`shared_ssl_context`:
+building one loads the trust store, about 50 ms of CPU, which a transport per shard would pay
+once per shard on a workspace's first model request, blocking the event loop.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import ssl
 from collections.abc import AsyncIterator
 from typing import Final
 
 import attrs
 import httpx
 
+log = logging.getLogger(__name__)
+
 #: Most connections of one shard: the bound on the pool's per-request bookkeeping.
 SHARD_CONNECTIONS: Final = 8
+
+
+@functools.cache
+def shared_ssl_context() -> ssl.SSLContext:
+    """The process's TLS context for model providers: certificate verification on, the trust
+    store from the environment as ``httpx`` reads it (``SSL_CERT_FILE``, ``SSL_CERT_DIR``) or
+    ``certifi``. Built on first use and kept; call it from a thread to keep the load off the
+    event loop (the server does so at start-up)."""
+    return httpx.create_ssl_context()
+
+
+def warm_ssl_context() -> None:
+    """Build :func:`shared_ssl_context` ahead of the first model request (run it in a thread).
+    A failure is only logged here: the first provider set up reports it with its own error."""
+    try:
+        shared_ssl_context()
+    except Exception as exc:
+        log.warning("building the providers' TLS context failed: %s", exc)
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -33,13 +60,21 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             ``max_connections`` and ``max_keepalive_connections`` (rounded up) and the same
             ``keepalive_expiry``.
         shard_size: most connections of one shard.
+        verify: the TLS context (or ``httpx``'s ``verify`` value) of every shard; by default
+            :func:`shared_ssl_context`.
 
     A request counts as in flight from its start until its response is closed, so a shard with
     long-running streams is passed over while another has room. Cancellation and errors while
     sending release the request's count at once.
     """
 
-    def __init__(self, *, limits: httpx.Limits, shard_size: int = SHARD_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        *,
+        limits: httpx.Limits,
+        shard_size: int = SHARD_CONNECTIONS,
+        verify: ssl.SSLContext | bool | None = None,
+    ) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, not {shard_size}")
         total = limits.max_connections
@@ -53,7 +88,10 @@ class ShardedTransport(httpx.AsyncBaseTransport):
             max_keepalive_connections=share(limits.max_keepalive_connections),
             keepalive_expiry=limits.keepalive_expiry,
         )
-        self._shards = [httpx.AsyncHTTPTransport(limits=shard_limits) for _ in range(count)]
+        tls = shared_ssl_context() if verify is None else verify
+        self._shards = [
+            httpx.AsyncHTTPTransport(limits=shard_limits, verify=tls) for _ in range(count)
+        ]
         self._in_flight = [0] * count
 
     @property

@@ -32,6 +32,7 @@ from .. import __version__
 from ..backend.registry import Backend
 from ..config import Config, load_config
 from ..errors import ConfigError
+from ..providers.pool import warm_ssl_context
 from .app import Settings, create_app
 from .listener import PrefixedStream, serve_dispatching
 from .wsendpoint import serve_event_websocket
@@ -178,6 +179,7 @@ async def serve(
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
         async with backend.running(), trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             http_stop = trio.Event()
             wrapped = wrap_app(app, hconfig.wsgi_max_body_size, None)
             if server_opts.ws_transport == "trio-websocket" and not unix:
