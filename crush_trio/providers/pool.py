@@ -142,9 +142,9 @@ class _ReleasingStream(httpx.AsyncByteStream):
         self._stream = stream
         self._release = release
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        # The body's own iterator, not a generator around it: no extra layer per chunk.
+        return self._stream.__aiter__()
 
     async def aclose(self) -> None:
         try:
