@@ -87,7 +87,15 @@ def complete_of(run: Run) -> RunComplete:
 
 @contextmanager
 def deadline_scope(deadline: float, describe: Any) -> Iterator[None]:
-    """``trio.fail_at`` raising our :class:`Timeout` with the message ``describe()`` returns."""
+    """``trio.fail_at`` raising our :class:`Timeout` with the message ``describe()`` returns.
+
+    Without a deadline (``math.inf``) no cancel scope is made: waits without a timeout are the
+    common case when following events, and a scope costs more than taking an event that is
+    already queued.
+    """
+    if deadline == math.inf:
+        yield
+        return
     try:
         with trio.fail_at(deadline):
             yield
