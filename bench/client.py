@@ -129,7 +129,8 @@ class RunTrack:
     error: str | None = None
     cancelled: bool = False
     text: str = ""
-    seen_stamps: int = 0
+    #: Characters of the reply text already searched for stamps.
+    seen_chars: int = 0
 
 
 class Runs:
@@ -193,12 +194,13 @@ class Runs:
             if track.first_text is None:
                 track.first_text = now
             if self.stamp:
-                stamps = STAMP_RE.findall(text)
+                # The text only grows, by whole tokens: only its new tail has new stamps.
+                stamps = STAMP_RE.findall(text, track.seen_chars)
                 if stamps and track.first_token_sent is None:
                     track.first_token_sent = float(stamps[0])
-                for stamp in stamps[track.seen_stamps :]:
+                for stamp in stamps:
                     self.token_latencies.append(now - float(stamp))
-                track.seen_stamps = len(stamps)
+                track.seen_chars = len(text)
         elif event.type == "run_complete":
             complete = event.payload
             track.completed = now
