@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
     p.add_argument("--w2-runs", type=int, help="W2 concurrent runs")
+    p.add_argument("--w2-rounds", type=int, help="W2 measured rounds (full: 5)")
     p.add_argument("--w3-clients", type=_ints, help="W3 client counts, e.g. 10,100,1000")
     p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
@@ -74,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w1_levels": args.w1_levels,
         "w1_min_runs": args.w1_min_runs,
         "w2_runs": args.w2_runs,
+        "w2_rounds": args.w2_rounds,
         "w3_clients": args.w3_clients,
         "w3_updates": args.w3_updates,
         "w4_idle": args.w4_idle,
