@@ -565,39 +565,15 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         f"{s.w2_rounds} rounds (the percentiles pool every round's runs)",
         ["measure", "samples", "p50", "p95", "p99", "max"],
     )
-    table.add(
-        "submit → first visible text",
-        len(first),
-        ms(percentile(first, 50)),
-        ms(percentile(first, 95)),
-        ms(percentile(first, 99)),
-        ms(max(first, default=float("nan"))),
-    )
-    model_first = level.first_token_sent
-    table.add(
-        "of which: submit → the model sent its first token",
-        len(model_first),
-        ms(percentile(model_first, 50)),
-        ms(percentile(model_first, 95)),
-        ms(percentile(model_first, 99)),
-        ms(max(model_first, default=float("nan"))),
-    )
-    table.add(
-        "token sent by the model → visible to the client",
-        len(lat),
-        ms(percentile(lat, 50)),
-        ms(percentile(lat, 95)),
-        ms(percentile(lat, 99)),
-        ms(max(lat, default=float("nan"))),
-    )
-    table.add(
-        "submit → run_complete",
-        len(level.latency),
-        ms(percentile(level.latency, 50)),
-        ms(percentile(level.latency, 95)),
-        ms(percentile(level.latency, 99)),
-        ms(max(level.latency, default=float("nan"))),
-    )
+    rows = [
+        ("submit → first visible text", first),
+        ("of which: submit → the model sent its first token", level.first_token_sent),
+        ("token sent by the model → visible to the client", lat),
+        ("submit → run_complete", level.latency),
+    ]
+    for label, values in rows:
+        quantiles = [ms(percentile(values, q)) for q in (50, 95, 99)]
+        table.add(label, len(values), *quantiles, ms(max(values, default=float("nan"))))
     result.tables.append(table)
     p50 = percentile(first, 50)
     result.targets += [
@@ -629,7 +605,7 @@ async def w2(ctx: Ctx) -> WorkloadResult:
     ]
     result.raw = {
         "first_text": first,
-        "first_token_sent": model_first,
+        "first_token_sent": level.first_token_sent,
         "token_latency": lat,
         "run_latency": level.latency,
         "first_text_p50": p50,
