@@ -33,7 +33,9 @@ from crush_trio.client import (
     Gap,
     NotFound,
     RunFailed,
+    RunHandle,
     RunStatus,
+    Subscription,
     Timeout,
     Transcript,
     Unreachable,
@@ -331,6 +333,23 @@ async def held_reconnect(ws: WorkspaceClient) -> AsyncIterator[tuple[trio.Event,
         allow.set()
 
 
+@asynccontextmanager
+async def parked_run(
+    server: CrushServer, ws: WorkspaceClient, model: ScriptedModel, reply: str, prompt: str
+) -> AsyncIterator[tuple[Session, RunHandle, Gate, WorkspaceClient, Subscription]]:
+    """A run of ``ws`` parked mid-reply, watched by a second client of the same workspace:
+    yields (session, handle, gate, watcher, the watcher's feed). ``gate.release()`` lets the run
+    finish."""
+    session = await ws.create_session()
+    gate = Gate()
+    model.add(Step(reply, gate_mid=gate))
+    async with connect(server.url, server.token) as other:
+        async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
+            handle = await ws.prompt(session.id, prompt)
+            await gate.reached.wait()
+            yield session, handle, gate, watcher, feed
+
+
 @pytest.mark.parametrize("crush_config", [{"server": {"replay_buffer": 2}}])
 @pytest.mark.parametrize("ended_while_away", [True, False])
 async def test_replay_exhausted_state_is_refetched(
@@ -343,36 +362,29 @@ async def test_replay_exhausted_state_is_refetched(
     """The client is away while more events than the replay buffer holds are published: it gets
     a gap and re-reads its run (and the session's messages) over HTTP."""
     ws = crush_workspace
-    session = await ws.create_session()
     reply = "alpha beta gamma delta epsilon zeta"
-    gate = Gate()
-    scripted_model.add(Step(reply, gate_mid=gate))
     with trio.fail_after(CAP):
-        async with connect(crush_server.url, crush_server.token) as other:
-            async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
-                handle = await ws.prompt(session.id, "greek")
-                await gate.reached.wait()
-                async with held_reconnect(ws) as (reconnecting, allow):
-                    kill_streams(crush_server, ws.id, ws.client.client_id)
-                    await reconnecting.wait()
-                    if ended_while_away:
-                        gate.release()
-                        await feed.until(
-                            lambda e: e.type == "run_complete" and e.payload.run_id == handle.run_id
-                        )
-                    for n in range(3):  # push everything of interest out of the replay buffer
-                        await watcher.create_session(f"filler {n}")
-                    allow.set()
-                    events = []
-                    stream = handle.events(CAP)
-                    if not ended_while_away:
-                        async for event in stream:  # back, and told about the gap
-                            events.append(event)
-                            if event.type == "gap":
-                                break
-                        gate.release()  # the rest of the run arrives live
-                    events += [event async for event in stream]
-                    run = await handle.result(CAP)
+        async with parked_run(crush_server, ws, scripted_model, reply, "greek") as parked:
+            _, handle, gate, watcher, feed = parked
+            async with held_reconnect(ws) as (reconnecting, allow):
+                kill_streams(crush_server, ws.id, ws.client.client_id)
+                await reconnecting.wait()
+                if ended_while_away:
+                    gate.release()
+                    await feed.until(completes_run(handle.run_id))
+                for n in range(3):  # push everything of interest out of the replay buffer
+                    await watcher.create_session(f"filler {n}")
+                allow.set()
+                events = []
+                stream = handle.events(CAP)
+                if not ended_while_away:
+                    async for event in stream:  # back, and told about the gap
+                        events.append(event)
+                        if event.type == "gap":
+                            break
+                    gate.release()  # the rest of the run arrives live
+                events += [event async for event in stream]
+                run = await handle.result(CAP)
     assert ws.stats.gaps == 1
     assert ws.stats.refetches >= 1
     assert any(e.type == "gap" for e in events)
@@ -404,33 +416,28 @@ async def test_refused_reconnect_follows_pending_runs_by_their_records(
     """A reconnect refused for good (409) ends the stream, not the pending runs: each is followed
     with ``GET runs/{id}`` and ends with its real outcome (it used to fail with the 409)."""
     ws = crush_workspace
-    session = await ws.create_session()
     reply = "finished without a stream"
-    gate = Gate()
-    scripted_model.add(Step(reply, gate_mid=gate))
     with trio.fail_after(CAP):
-        async with connect(crush_server.url, crush_server.token) as other:
-            async with other.workspace(ws.path) as watcher, watcher.subscribe() as feed:
-                handle = await ws.prompt(session.id, "keep going")
-                await gate.reached.wait()
-                async with held_reconnect(ws) as (reconnecting, allow):
-                    ws.drop_stream()
-                    await reconnecting.wait()
-                    refuse_streams(crush_server, ws.id, monkeypatch)
-                    if ended_while_away:
-                        gate.release()
-                        await feed.until(completes_run(handle.run_id))
-                    allow.set()
-                    with pytest.raises(Conflict, match="workspace closing"):
-                        await ws.wait_reconnected(timeout=CAP)
-                assert ws.stream_error is not None
-                with pytest.raises(Conflict, match="workspace closing"):
-                    await ws.prompt(session.id, "no stream, no new runs")
-                if not ended_while_away:
-                    assert not handle.done  # still followed, not failed
+        async with parked_run(crush_server, ws, scripted_model, reply, "keep going") as parked:
+            session, handle, gate, watcher, feed = parked
+            async with held_reconnect(ws) as (reconnecting, allow):
+                ws.drop_stream()
+                await reconnecting.wait()
+                refuse_streams(crush_server, ws.id, monkeypatch)
+                if ended_while_away:
                     gate.release()
-                events = await collect(handle)
-                run = await handle.result(CAP)
+                    await feed.until(completes_run(handle.run_id))
+                allow.set()
+                with pytest.raises(Conflict, match="workspace closing"):
+                    await ws.wait_reconnected(timeout=CAP)
+            assert ws.stream_error is not None
+            with pytest.raises(Conflict, match="workspace closing"):
+                await ws.prompt(session.id, "no stream, no new runs")
+            if not ended_while_away:
+                assert not handle.done  # still followed, not failed
+                gate.release()
+            events = await collect(handle)
+            run = await handle.result(CAP)
     assert run.status is RunStatus.COMPLETED and run.text == reply
     assert events[-1].type == "run_complete" and events[-1].seq is None
     assert printed(events) == reply
