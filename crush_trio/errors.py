@@ -61,6 +61,25 @@ class Conflict(CrushError):
     status = 409
 
 
+class UnsupportedMediaType(CrushError):
+    """A JSON route was called with a body whose ``Content-Type`` is not JSON (415)."""
+
+    status = 415
+
+
+class TooManyRequests(CrushError):
+    """A configured bound on queued or open things is reached; the message names the config key
+    (429)."""
+
+    status = 429
+
+
+class MisdirectedRequest(CrushError):
+    """The request's ``Host`` is not a name this server answers to (421)."""
+
+    status = 421
+
+
 class TooLarge(CrushError):
     """A request body or websocket frame exceeds the configured limit (413, close 1009)."""
 
