@@ -36,13 +36,30 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--config", type=Path, default=None, help="crush.json to use for every workspace"
     )
-    p.add_argument("--token", default=None, help="auth token (default: a random one is printed)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument(
+        "--token", default=None, help="auth token (default: a random one is printed)"
+    )
+    token.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="read the auth token from this file (keeps it out of the process list)",
+    )
     p.add_argument(
         "--allow-origin",
         action="append",
         default=[],
         metavar="ORIGIN",
-        help="another origin allowed to open event streams (repeatable)",
+        help="another origin allowed to open event streams and send requests (repeatable)",
+    )
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another host name the server answers to, besides loopback ones (repeatable)",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
@@ -79,6 +96,34 @@ async def _serve_main(options: ServeOptions) -> None:
                 break
 
 
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ConfigError: the file cannot be read, is empty, or holds more than one line.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"--token-file {path}: cannot read it ({reason}); give a readable file that holds "
+            "the token"
+        ) from None
+    token = text.strip()
+    if not token:
+        raise ConfigError(
+            f"--token-file {path} is empty; write the token into it (to disable authentication "
+            "on a loopback host, use --token '' instead)"
+        )
+    if any(c.isspace() for c in token):
+        raise ConfigError(
+            f"--token-file {path} holds whitespace inside the token; the file must hold one "
+            "token on one line"
+        )
+    return token
+
+
 def unwrap_group(exc: BaseException) -> BaseException:
     """The single exception inside nested one-member groups (what a user should see)."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
@@ -97,13 +142,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream=sys.stderr,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
+        token = args.token
+        if args.token_file is not None:
+            try:
+                token = read_token_file(args.token_file)
+            except ConfigError as exc:
+                print(f"crush-trio: {exc}", file=sys.stderr)
+                return EXIT_USAGE
         options = ServeOptions(
             host=args.host,
             port=args.port,
             data_dir=args.data_dir,
             config_file=args.config,
-            token=args.token,
+            token=token,
             allow_origins=args.allow_origin,
+            allow_hosts=args.allow_host,
             access_log=not args.no_access_log,
         )
         try:

@@ -244,6 +244,8 @@ class ServerOptions:
     ws_ping_interval: float = _positive(DEFAULT_WS_PING_INTERVAL)
     tcp_user_timeout_ms: int = DEFAULT_TCP_USER_TIMEOUT_MS
     allow_origins: list[str] = attrs.field(factory=list)
+    #: Host names (``Host`` header, port ignored) served besides loopback ones; others get 421.
+    allowed_hosts: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen

@@ -196,7 +196,11 @@ class Backend:
             ws.poke()
 
     def is_idle(self) -> bool:
-        return not any(ws.agent.is_busy() for ws in self.workspaces.values() if not ws.closing)
+        """Idle as in Crush: no open workspace and no create pending (a busy run keeps its
+        workspace from being idle even while it closes)."""
+        return not self._opening and not any(
+            not ws.closing or ws.agent.is_busy() for ws in self.workspaces.values()
+        )
 
     async def shutdown(self) -> None:
         """Refuse new workspaces (503), shut every workspace down, and wait for them."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
-from ..errors import BadRequest, NotFound
+from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
     AgentInfo,
@@ -24,12 +24,42 @@ from ..wire import (
 )
 
 
+def validate_workspace_path(raw_path: str) -> None:
+    """Raise :class:`BadRequest` for a workspace path that cannot name a directory: one holding a
+    NUL byte, or one starting with ``~`` (a path relative to a home directory is not absolute;
+    PROTOCOL §3 asks for an absolute path, and the server does not expand it)."""
+    if "\x00" in raw_path:
+        raise BadRequest("path holds a NUL byte; send the absolute path of a project directory")
+    if raw_path.startswith("~"):
+        raise BadRequest(
+            f"path {raw_path!r} is not absolute ('~' is not expanded); send the absolute path "
+            "of a project directory, e.g. /home/me/project"
+        )
+
+
 class Api:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
     def workspace(self, workspace_id: str) -> Workspace:
         return self.backend.get(workspace_id)
+
+    async def open_workspace(self, raw_path: str, client_id: str) -> Workspace:
+        """``POST /v1/workspaces``: the path is checked here, then the backend opens it."""
+        validate_workspace_path(raw_path)
+        return await self.backend.open(raw_path, client_id)
+
+    def check_idle(self) -> None:
+        """Raise :class:`Conflict` unless the server is idle as Crush means it: no open
+        workspace, no workspace create pending (and so no run in progress)."""
+        if self.backend.is_idle():
+            return
+        open_count = len(self.backend.list())
+        raise Conflict(
+            f"server not idle: {open_count} workspace(s) open or being opened; "
+            "'shutdown_if_idle' stops the server only when no client holds a workspace "
+            "(release them with DELETE /v1/workspaces/{id}?client_id=...) or use 'shutdown'"
+        )
 
     # -- sessions -------------------------------------------------------------------------------
 

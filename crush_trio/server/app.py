@@ -3,7 +3,9 @@
 Routes are thin: parse and validate input with the wire converter, call :class:`Api`, encode the
 result. Every :class:`~crush_trio.errors.CrushError` becomes ``{"message": ...}`` with its status;
 anything else is a 500 whose message says it is a bug. Tokens are compared in constant time and
-never logged (the access log redacts ``token=``).
+never logged (the access log redacts ``token`` after URL-decoding). The ``Host`` allow-list,
+the cross-site and content-type checks of state-changing requests and the per-port cookie name
+live in :mod:`crush_trio.server.security`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from .. import __version__, wire
 from ..backend.registry import Backend
 from ..errors import (
     BadRequest,
-    Conflict,
     CrushError,
     Forbidden,
     NotFound,
@@ -43,6 +44,13 @@ from ..wire import (
     UpdateSessionRequest,
 )
 from .api import Api
+from .security import (
+    HostPolicy,
+    check_request_host,
+    check_state_change,
+    redact_target,
+    token_cookie_name,
+)
 from .streams import serve_sse, serve_websocket
 
 log = logging.getLogger(__name__)
@@ -52,10 +60,6 @@ access_log = logging.getLogger("crush_trio.access")
 DEBUG_ROUTES_ENV: Final = "CRUSH_TRIO_DEBUG_ROUTES"
 #: Close code for streams dropped by the debug route ("service restart": reconnect).
 WS_CLOSE_SERVICE_RESTART: Final = 1012
-
-#: Name of the cookie a browser gets after opening ``/?token=...``.
-TOKEN_COOKIE: Final = "crush_trio_token"
-_TOKEN_RE: Final = re.compile(r"(token=)[^&\s]*")
 
 
 @attrs.define
@@ -67,16 +71,19 @@ class Settings:
     unix: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     sse_ping_interval: float = 15.0
+    #: Host names served (loopback, ``server.allowed_hosts``, ``--allow-host``, the bind address).
+    hosts: HostPolicy = attrs.field(factory=HostPolicy)
 
 
 def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
-    """The token a request carries: bearer header, then ``?token=``, then the cookie."""
+    """The token a request carries: bearer header, then ``?token=``, then the cookie of the port
+    the browser used (:func:`~crush_trio.server.security.token_cookie_name`)."""
     auth = headers.get("Authorization", "")
     if auth.lower().startswith("bearer "):
         return str(auth[7:].strip())
     if "token" in args:
         return str(args["token"])
-    cookie = cookies.get(TOKEN_COOKIE)
+    cookie = cookies.get(token_cookie_name(headers))
     return str(cookie) if cookie is not None else None
 
 
@@ -121,10 +128,6 @@ def error_response(exc: CrushError) -> Response:
     return response
 
 
-def redact(text: str) -> str:
-    return _TOKEN_RE.sub(r"\1[redacted]", text)
-
-
 def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None) -> QuartTrio:
     """Build the ASGI app serving ``backend``.
 
@@ -149,14 +152,19 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     @app.before_request
     async def _auth() -> Response | None:
         request.environ_started = time.perf_counter()  # type: ignore[attr-defined]
-        if request.path == "/v1/health":
-            return None
         try:
+            check_request_host(settings, request.headers)
+            if request.path == "/v1/health":
+                return None
             check_token(request.headers, request.args, request.cookies)
             if request.path.endswith("/events"):
                 check_origin(request.headers, request.scheme)
+            check_state_change(settings, request.method, request.headers, request.scheme)
         except CrushError as exc:
-            return error_response(exc)
+            response = error_response(exc)
+            if request.method in ("POST", "PUT", "PATCH", "DELETE"):
+                response.headers["Connection"] = "close"  # the body is left unread
+            return response
         return None
 
     @app.after_request
@@ -164,11 +172,9 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
         if access_log.isEnabledFor(logging.INFO):
             started = getattr(request, "environ_started", None)
             elapsed = (time.perf_counter() - started) * 1000 if started else 0.0
-            target = request.path + (
-                "?" + request.query_string.decode() if request.query_string else ""
-            )
+            target = redact_target(request.path, request.query_string, settings.token)
             access_log.info(
-                "%s %s %d %.1fms", request.method, redact(target), response.status_code, elapsed
+                "%s %s %d %.1fms", request.method, target, response.status_code, elapsed
             )
         return response
 
@@ -205,7 +211,11 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
 
     @app.errorhandler(Exception)
     async def _bug(exc: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, redact(request.path))
+        log.exception(
+            "unhandled error in %s %s",
+            request.method,
+            redact_target(request.path, "", settings.token),
+        )
         return json_response(
             {"message": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
             500,
@@ -228,8 +238,8 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     @app.post("/v1/control")
     async def control() -> Response:
         req = await body(ControlRequest)
-        if req.command == "shutdown_if_idle" and not backend.is_idle():
-            raise Conflict("server not idle: runs are in progress; cancel them or use 'shutdown'")
+        if req.command == "shutdown_if_idle":
+            api.check_idle()
         if on_shutdown is not None:
             on_shutdown()
         return json_response({})
@@ -244,7 +254,7 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     @app.post("/v1/workspaces")
     async def create_workspace() -> Response:
         req = await body(CreateWorkspaceRequest)
-        ws = await backend.open(req.path, req.client_id)
+        ws = await api.open_workspace(req.path, req.client_id)
         return json_response(ws.info)
 
     @app.get("/v1/workspaces")
@@ -370,6 +380,7 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
+            check_request_host(settings, websocket.headers)
             check_token(websocket.headers, websocket.args, websocket.cookies)
             check_origin(websocket.headers, websocket.scheme)
             ws = api.workspace(wid)
@@ -391,7 +402,11 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
             target = "/" + ("?" + urlencode(rest) if rest else "")
             response: Any = redirect(target, 303)
             response.set_cookie(
-                TOKEN_COOKIE, settings.token, httponly=True, samesite="Strict", path="/"
+                token_cookie_name(request.headers),
+                settings.token,
+                httponly=True,
+                samesite="Strict",
+                path="/",
             )
             return response
         return _static("index.html")
@@ -412,6 +427,21 @@ _CONTENT_TYPES: Final = {
 }
 
 
+_CSP_HOST: Final = re.compile(r"[A-Za-z0-9.\-\[\]:]+")
+
+
+def page_csp(host: str | None) -> str:
+    """The web client's Content-Security-Policy: it may connect to this server only (its own
+    ``ws://``/``wss://`` origin is named too, for browsers before CSP Level 3), may not be
+    framed, and loads nothing from elsewhere. ``host`` has passed the ``Host`` allow-list."""
+    sockets = f" ws://{host} wss://{host}" if host and _CSP_HOST.fullmatch(host) else ""
+    return (
+        f"default-src 'self'; connect-src 'self'{sockets}; img-src 'self' data:; "
+        "style-src 'self'; script-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
+        "form-action 'self'"
+    )
+
+
 def _static(name: str) -> Response:
     if ".." in name.split("/"):
         raise NotFound(f"no file {name!r}")
@@ -424,10 +454,10 @@ def _static(name: str) -> Response:
         target.read_bytes(), content_type=_CONTENT_TYPES.get(suffix, "application/octet-stream")
     )
     response.headers["Cache-Control"] = "no-cache"
-    response.headers["Content-Security-Policy"] = (
-        "default-src 'self'; connect-src 'self' ws: wss:; img-src 'self' data:; "
-        "style-src 'self'; script-src 'self'"
-    )
+    response.headers["Content-Security-Policy"] = page_csp(request.headers.get("Host"))
+    response.headers["X-Frame-Options"] = "DENY"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
     return response
 
 

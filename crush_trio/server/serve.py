@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from .app import Settings, create_app
 from .listener import PrefixedStream, serve_dispatching
+from .security import HostPolicy
 from .wsendpoint import serve_event_websocket
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class ServeOptions:
     config_file: Path | None = None
     token: str | None = None
     allow_origins: list[str] = attrs.field(factory=list)
+    #: ``--allow-host``: host names served besides loopback and ``server.allowed_hosts``.
+    allow_hosts: list[str] = attrs.field(factory=list)
     user_config_dir: Path | None = None
     access_log: bool = True
     #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
@@ -165,6 +168,7 @@ async def serve(
         unix=unix,
         max_body_bytes=server_opts.max_body_bytes,
         sse_ping_interval=server_opts.sse_ping_interval,
+        hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
     )
     stop = trio.Event()
     app = create_app(backend, settings, on_shutdown=stop.set)

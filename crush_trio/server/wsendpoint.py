@@ -30,6 +30,7 @@ from ..broker import Event
 from ..errors import WS_CLOSE_GOING_AWAY, CrushError
 from .app import Settings, _parse_seq, check_request_origin, check_request_token
 from .listener import PrefixedStream
+from .security import check_request_host
 from .streams import CLOSE_TIMEOUT, _reply_frame, _run_command
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ async def serve_event_websocket(
             if match:
                 req.headers["Host"] = match.group(1).decode("latin-1").strip()
         try:
+            check_request_host(settings, req.headers)
             check_request_token(settings, req.headers, req.args, req.cookies)
             check_request_origin(settings, req.headers, "http")
             wid = req.path.split("/")[3]

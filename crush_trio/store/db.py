@@ -31,6 +31,7 @@ import trio
 
 from ..errors import StoreError
 from ..wire import Message, Role, Run, RunStatus, Session, now, parts_from_json, parts_to_json
+from .datadir import ensure_data_dir
 
 T = TypeVar("T")
 
@@ -267,7 +268,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_data_dir(path.parent)  # 0700, with a .gitignore of "*"
     conn = sqlite3.connect(
         path,
         timeout=BUSY_TIMEOUT_MS / 1000,
