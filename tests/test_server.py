@@ -458,7 +458,11 @@ async def test_bad_input_gets_clear_errors_and_server_keeps_serving(server: Serv
         assert r.status_code == status, (url, body, r.text)
         assert words in r.json()["message"], (words, r.json())
     big = b'{"title": "' + b"x" * (4 * 1024 * 1024 + 10) + b'"}'
-    r = await server.http.post(f"/v1/workspaces/{wid}/sessions", content=big)
+    r = await server.http.post(
+        f"/v1/workspaces/{wid}/sessions",
+        content=big,
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and "too large" in r.json()["message"]
     # Still serving, and the session is intact.
     with trio.fail_after(10):
@@ -508,11 +512,13 @@ async def test_version_and_agent_info(
 
 async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
     cid = str(uuid.uuid4())
-    await server.open_workspace(client_id=cid)
+    ws = server.backend.get((await server.open_workspace(client_id=cid))["id"])
     r = await server.http.delete(f"/v1/clients/{cid}")
     assert r.status_code == 200
     r = await server.http.post("/v1/workspaces", json={"path": str(server.tmp), "client_id": cid})
     assert r.status_code == 409 and "retired" in r.json()["message"]
+    with trio.fail_after(WAIT):  # the retired client's workspace closes: the server is idle
+        await ws.closed.wait()
     r = await server.http.post("/v1/control", json={"command": "shutdown_if_idle"})
     assert r.status_code == 200
     with trio.fail_after(10):

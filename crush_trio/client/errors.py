@@ -15,10 +15,12 @@ from ..errors import (
     BadRequest,
     Conflict,
     CrushError,
+    MisdirectedRequest,
     NotFound,
     ShuttingDown,
     TooLarge,
     TooSlow,
+    UnsupportedMediaType,
 )
 from ..wire import Run
 
@@ -27,6 +29,7 @@ __all__ = [
     "BadRequest",
     "Conflict",
     "CrushError",
+    "MisdirectedRequest",
     "NotFound",
     "RunFailed",
     "ShuttingDown",
@@ -34,6 +37,7 @@ __all__ = [
     "TooLarge",
     "TooSlow",
     "Unreachable",
+    "UnsupportedMediaType",
     "error_for_status",
 ]
 
@@ -73,6 +77,8 @@ _BY_STATUS: Final[dict[int, type[CrushError]]] = {
     404: NotFound,
     409: Conflict,
     413: TooLarge,
+    415: UnsupportedMediaType,
+    421: MisdirectedRequest,
     503: ShuttingDown,
 }
 
