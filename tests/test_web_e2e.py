@@ -298,7 +298,7 @@ def test_login_through_the_printed_token_url(browser: Browser, tmp_path: Path) -
         assert page.url == base + "/", "the token stays out of the address bar"
         expect(page.locator("#connection")).to_be_visible()
         cookies = {c["name"]: c for c in context.cookies()}
-        cookie = cookies["crush_trio_token"]
+        cookie = cookies["crush_trio_token_" + base.rsplit(":", 1)[1]]  # one cookie per port
         assert cookie["httpOnly"] is True
         assert cookie["sameSite"] == "Strict"
         assert token not in page.evaluate("document.cookie")
