@@ -146,8 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.token_file is not None:
             try:
                 token = read_token_file(args.token_file)
-            except ConfigError as exc:
-                print(f"crush-trio: {exc}", file=sys.stderr)
+            except ConfigError as bad:
+                print(f"crush-trio: {bad}", file=sys.stderr)
                 return EXIT_USAGE
         options = ServeOptions(
             host=args.host,
