@@ -189,7 +189,7 @@ def check_head(data: bytes) -> None:
             )
 
 
-async def answer_error(stream: trio.abc.Stream, error: HeadError) -> None:
+async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -> None:
     """Write the dispatcher's own error answer (the connection is closed afterwards)."""
     body = orjson.dumps({"message": error.message})
     reason = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
@@ -202,8 +202,27 @@ async def answer_error(stream: trio.abc.Stream, error: HeadError) -> None:
     with trio.move_on_after(SEND_TIMEOUT):
         try:
             await stream.send_all(head + body)
+            await stream.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass
+            return
+    await discard_until_eof(stream)
+
+
+async def discard_until_eof(stream: trio.abc.ReceiveStream) -> None:
+    """The lingering part of a close: read and drop what the client still sends (after our
+    answer and EOF) until its EOF, :data:`LINGER_TIMEOUT` or :data:`LINGER_BYTES`, so that closing
+    with unread data does not make the kernel reset the connection before the client has read
+    the answer."""
+    discarded = 0
+    with trio.move_on_after(LINGER_TIMEOUT):
+        while discarded <= LINGER_BYTES:
+            try:
+                data = await stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            if not data:
+                return
+            discarded += len(data)
 
 
 def _peer(stream: Any) -> str:
@@ -295,17 +314,7 @@ class HttpConnection(TCPServer):
         await self.protocol.handle(Closed())
 
     async def _linger(self) -> None:
-        """Discard what the client still sends after our EOF, until its EOF or the bounds."""
-        discarded = 0
-        with trio.move_on_after(LINGER_TIMEOUT):
-            while discarded <= LINGER_BYTES:
-                try:
-                    data = await self.stream.receive_some(MAX_RECV)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    return
-                if not data:
-                    return
-                discarded += len(data)
+        await discard_until_eof(self.stream)
 
     async def _close(self) -> None:
         with trio.CancelScope(shield=True):
