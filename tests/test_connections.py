@@ -242,6 +242,7 @@ async def test_a_workspace_closing_during_the_upgrade_closes_the_websocket_with_
         async with open_websocket_url(server.ws_url(ws.id, str(uuid.uuid4()))) as conn:
             with pytest.raises(ConnectionClosed) as closed:
                 await conn.get_message()
+    assert closed.value.reason is not None
     assert closed.value.reason.code == 1001
     await assert_healthy(server)
 
@@ -357,7 +358,7 @@ async def test_a_413_then_close_logs_no_busy_resource_error(
 async def test_an_sse_stream_that_never_starts_leaves_no_hold(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_serve_sse = app_module.serve_sse
+    real_serve_sse = app_module.serve_sse  # type: ignore[attr-defined]
 
     async def fails_before_the_body(*args: Any) -> Any:
         await real_serve_sse(*args)
