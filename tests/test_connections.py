@@ -123,6 +123,30 @@ async def test_non_ascii_in_handshake_headers_is_400(server: Server, header: str
     await assert_healthy(server)
 
 
+@pytest.mark.parametrize("upgrade", [False, True], ids=["http", "websocket"])
+async def test_non_ascii_host_on_a_later_request_of_a_connection_is_400(
+    server: Server, upgrade: bool
+) -> None:
+    first = b"GET /v1/health HTTP/1.1\r\nHost: " + host(server) + b"\r\n\r\n"
+    if upgrade:
+        path = f"/v1/workspaces/x/ws?token={TOKEN}".encode()
+        second = upgrade_head(server, path, Host=b"127.0.0.1\xff")
+    else:
+        second = b"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\xff\r\n\r\n"
+    stream = await trio.open_tcp_stream("127.0.0.1", port_of(server))
+    async with stream:
+        await stream.send_all(first + second)
+        answer = b""
+        with trio.fail_after(WAIT):
+            while answer.count(b"HTTP/1.1 ") < 2 or not answer.endswith(b"}"):
+                chunk = await stream.receive_some(65536)
+                assert chunk, answer
+                answer += chunk
+    assert b"HTTP/1.1 400 " in answer
+    assert b"not printable ASCII" in answer
+    await assert_healthy(server)
+
+
 @pytest.mark.parametrize(
     "line", [b"GET /v1/health", b"GET /v1/h\xffealth HTTP/1.1", b"\x16\x03\x01 / HTTP/1.1"]
 )

@@ -23,7 +23,7 @@ import logging
 import math
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
@@ -178,10 +178,23 @@ def check_head(data: bytes) -> None:
             400,
             "malformed request line; send 'METHOD /path HTTP/1.1' in printable ASCII",
         )
+    headers = []
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if sep and _CHECKED_HEADERS.match(name.strip()) and not _PRINTABLE.match(value):
-            shown = name.strip().decode("ascii", "replace")
+        if sep:
+            headers.append((name.strip(), value))
+    check_headers(headers)
+
+
+def check_headers(headers: Iterable[tuple[bytes, bytes]]) -> None:
+    """Check the headers that libraries decode as ASCII (see :func:`check_head`).
+
+    Raises:
+        HeadError: 400 naming the first header that holds bytes other than printable ASCII.
+    """
+    for name, value in headers:
+        if _CHECKED_HEADERS.match(name) and not _PRINTABLE.match(value):
+            shown = name.decode("ascii", "replace")
             raise HeadError(
                 400,
                 f"header {shown} holds bytes that are not printable ASCII; "
@@ -331,15 +344,26 @@ class HttpConnection(TCPServer):
             await self.stream.aclose()
 
 
-class CloseWhenBodyUnread:
-    """ASGI middleware: a response that starts before the request body was read to its end says
-    ``Connection: close`` (the connection then closes with a lingering close), so that a client
-    never sends its next request behind a body the server did not read."""
+class ConnectionRules:
+    """ASGI middleware in front of the app, for every request hypercorn serves (the first of a
+    connection was checked by the dispatcher; later ones on a keep-alive connection were not):
+
+    * the head rules of :func:`check_headers` (400, or a refused websocket upgrade with 400);
+    * a response that starts before the request body was read to its end says
+      ``Connection: close`` (the connection then closes with a lingering close), so that a client
+      never sends its next request behind a body the server did not read.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            try:
+                check_headers((name, value) for name, value in scope["headers"])
+            except HeadError as exc:
+                await _refuse(scope, send, exc)
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -361,6 +385,18 @@ class CloseWhenBodyUnread:
             await send(message)
 
         await self.app(scope, receive_tracked, send_marked)
+
+
+async def _refuse(scope: Any, send: Any, error: HeadError) -> None:
+    body = orjson.dumps({"message": error.message})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if scope["type"] == "http":
+        headers.append((b"connection", b"close"))
+        prefix = "http.response"
+    else:
+        prefix = "websocket.http.response"
+    await send({"type": f"{prefix}.start", "status": error.status, "headers": headers})
+    await send({"type": f"{prefix}.body", "body": body})
 
 
 def _has_body(headers: Any) -> bool:

@@ -32,7 +32,7 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from .app import Settings, create_app
-from .listener import CloseWhenBodyUnread, PrefixedStream, WsHandler, serve_dispatching
+from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
 from .wsendpoint import serve_event_websocket
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ async def serve(
         async with backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             http_stop = trio.Event()
-            wrapped = wrap_app(CloseWhenBodyUnread(app), hconfig.wsgi_max_body_size, "asgi")
+            wrapped = wrap_app(ConnectionRules(app), hconfig.wsgi_max_body_size, "asgi")
             ws_handler: WsHandler | None = None
             if server_opts.ws_transport == "trio-websocket" and not unix:
                 api = app.extensions["crush_trio"]["api"]
