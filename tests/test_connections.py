@@ -147,6 +147,30 @@ async def test_non_ascii_host_on_a_later_request_of_a_connection_is_400(
     await assert_healthy(server)
 
 
+@pytest.mark.parametrize("bad_host", [b"127..0.0.1", b"." + b"a" * 64 + b".example"])
+async def test_a_host_the_router_cannot_encode_is_400(
+    server: Server, bad_host: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    first = b"GET /v1/health HTTP/1.1\r\nHost: " + host(server) + b"\r\n\r\n"
+    later = b"GET /v1/health HTTP/1.1\r\nHost: " + bad_host + b"\r\n\r\n"
+    for head in (later, first + later):  # first of a connection, and later on one
+        answer = await exchange(server, head)
+        assert b"HTTP/1.1 400 " in answer
+        assert b"not a valid host name" in answer
+    assert warnings_of(caplog) == []
+
+
+async def test_a_websocket_upgrade_to_another_path_is_404_without_errors(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    answer = await exchange(server, upgrade_head(server, f"/v1/health?token={TOKEN}".encode()))
+    assert status_of(answer) == 404
+    assert "/v1/workspaces/{wid}/ws" in body_of(answer)["message"]
+    assert warnings_of(caplog) == []
+
+
 @pytest.mark.parametrize(
     "line", [b"GET /v1/health", b"GET /v1/h\xffealth HTTP/1.1", b"\x16\x03\x01 / HTTP/1.1"]
 )

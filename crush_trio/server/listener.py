@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
 
+import h11
 import orjson
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -36,6 +37,7 @@ from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
+from trio_websocket import ConnectionClosed
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ LINGER_BYTES: Final = 64 * 1024 * 1024
 SEND_TIMEOUT: Final = 2.0
 
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
+_WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
 _UPGRADE: Final = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
 #: Method, target (visible ASCII) and version of a request line.
 _REQUEST_LINE: Final = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ [\x21-\x7e]+ HTTP/\d\.\d$")
@@ -193,13 +196,24 @@ def check_headers(headers: Iterable[tuple[bytes, bytes]]) -> None:
         HeadError: 400 naming the first header that holds bytes other than printable ASCII.
     """
     for name, value in headers:
-        if _CHECKED_HEADERS.match(name) and not _PRINTABLE.match(value):
-            shown = name.decode("ascii", "replace")
+        if not _CHECKED_HEADERS.match(name):
+            continue
+        shown = name.decode("ascii", "replace")
+        if not _PRINTABLE.match(value):
             raise HeadError(
                 400,
                 f"header {shown} holds bytes that are not printable ASCII; "
                 "send it in ASCII (IDNA-encode host names)",
             )
+        if name.lower() == b"host":
+            try:  # what the URL router does with it
+                value.strip().decode("ascii").lower().encode("idna")
+            except UnicodeError:
+                raise HeadError(
+                    400,
+                    f"header {shown} is not a valid host name (a label is empty or longer than "
+                    "63 characters); send HOST[:PORT]",
+                ) from None
 
 
 async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -> None:
@@ -257,6 +271,26 @@ def _describe(exc: BaseException) -> str:
 
 #: Exceptions that belong to the server's lifetime, not to one connection: never contained.
 _LIFETIME: Final = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+#: What a peer that left or broke the protocol makes the libraries raise: logged at DEBUG only,
+#: so that a peer cannot fill the log.
+_PEER_GONE: Final = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    ConnectionError,
+    ConnectionClosed,
+    h11.ProtocolError,
+)
+
+
+def _only_peer_gone(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_peer_gone(e) for e in exc.exceptions)
+    return isinstance(exc, _PEER_GONE)
+
+
+def _log_contained(what: str, peer: str, exc: BaseException) -> None:
+    level = logging.DEBUG if _only_peer_gone(exc) else logging.WARNING
+    log.log(level, "%s from %s closed after an error: %s", what, peer, _describe(exc))
 
 
 @asynccontextmanager
@@ -264,18 +298,18 @@ async def contained(
     stream: trio.abc.AsyncResource, what: str = "connection"
 ) -> AsyncIterator[None]:
     """Run one connection's handler: any exception it raises closes ``stream`` and is logged in
-    one WARNING line; only cancellation and interpreter exits propagate (they belong to the
-    server's lifetime). The stream is always closed on the way out."""
+    one line (WARNING; DEBUG when it only says that the peer left or broke the protocol); only
+    cancellation and interpreter exits propagate (they belong to the server's lifetime). The
+    stream is always closed on the way out."""
+    peer = _peer(stream)
     try:
         yield
     except Exception as exc:  # ExceptionGroup included
-        log.warning("%s from %s closed after an error: %s", what, _peer(stream), _describe(exc))
+        _log_contained(what, peer, exc)
     except BaseExceptionGroup as group:
         lifetime, rest = group.split(_LIFETIME)
         if rest is not None:
-            log.warning(
-                "%s from %s closed after an error: %s", what, _peer(stream), _describe(rest)
-            )
+            _log_contained(what, peer, rest)
         if lifetime is not None:
             raise lifetime from None
     finally:
@@ -361,6 +395,12 @@ class ConnectionRules:
         if scope["type"] in ("http", "websocket"):
             try:
                 check_headers((name, value) for name, value in scope["headers"])
+                if scope["type"] == "websocket" and not _WS_PATH.match(scope["path"]):
+                    raise HeadError(
+                        404,
+                        f"no websocket at {scope['path']}; "
+                        "the event websocket is /v1/workspaces/{wid}/ws",
+                    )
             except HeadError as exc:
                 await _refuse(scope, send, exc)
                 return
@@ -395,8 +435,11 @@ async def _refuse(scope: Any, send: Any, error: HeadError) -> None:
         prefix = "http.response"
     else:
         prefix = "websocket.http.response"
-    await send({"type": f"{prefix}.start", "status": error.status, "headers": headers})
-    await send({"type": f"{prefix}.body", "body": body})
+    try:
+        await send({"type": f"{prefix}.start", "status": error.status, "headers": headers})
+        await send({"type": f"{prefix}.body", "body": body})
+    except _PEER_GONE as exc:  # the connection broke before the refusal could be written
+        log.debug("refusal (%d) not sent: %s", error.status, _describe(exc))
 
 
 def _has_body(headers: Any) -> bool:
