@@ -91,9 +91,10 @@ def clear_user_timeout(sock: Any) -> None:
 class PrefixedStream(trio.abc.HalfCloseableStream):
     """A socket stream with bytes already read put back in front of it.
 
-    Sending data, sending EOF and closing are serialized: an EOF or a close waits for a write in
-    progress (a close at most :data:`SEND_TIMEOUT`), instead of failing with
-    ``BusyResourceError`` or cutting the write in the middle.
+    An EOF or a close waits for a write in progress (a close at most :data:`SEND_TIMEOUT`)
+    instead of failing with ``BusyResourceError`` or cutting the write in the middle. Writes
+    themselves are serialized by their callers (hypercorn's and trio-websocket's send locks), so
+    the write path costs no extra lock.
     """
 
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
@@ -101,7 +102,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self.socket = stream.socket
         self._prefix = prefix
         self.head = prefix  # the request head as read (the websocket endpoint reads Host from it)
-        self._send_lock = trio.StrictFIFOLock()
+        self._writing: trio.Event | None = None
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._prefix:
@@ -112,21 +113,34 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         return await self.transport.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        async with self._send_lock:
+        await self._write_done()  # returns at once unless an EOF is being sent
+        self._writing = writing = trio.Event()
+        try:
             await self.transport.send_all(data)
+        finally:
+            self._writing = None
+            writing.set()
+
+    async def _write_done(self) -> None:
+        while self._writing is not None:
+            await self._writing.wait()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        async with self._send_lock:
+        await self._write_done()
+        self._writing = writing = trio.Event()
+        try:
             await self.transport.send_eof()
+        finally:
+            self._writing = None
+            writing.set()
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
             with trio.move_on_after(SEND_TIMEOUT):
-                await self._send_lock.acquire()
-                self._send_lock.release()
+                await self._write_done()
             await self.transport.aclose()
 
 
