@@ -386,10 +386,22 @@ class HttpConnection(TCPServer):
                         await self.stream.send_eof()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
+            # The reader lingers (it is the task that may read); wait for it, except when the
+            # server is shutting down (then the close is immediate).
             if self._reader not in (None, trio.lowlevel.current_task()):
-                with trio.move_on_after(LINGER_TIMEOUT + SEND_TIMEOUT):
-                    await self._reader_done.wait()
+                with trio.move_on_after(LINGER_TIMEOUT + SEND_TIMEOUT) as waiting:
+                    if not self.context.terminated.is_set():
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(_set_when, self.context.terminated, waiting)
+                            await self._reader_done.wait()
+                            nursery.cancel_scope.cancel()
             await self.stream.aclose()
+
+
+async def _set_when(event: Any, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once ``event`` (an awaitable-``wait()`` event) is set."""
+    await event.wait()
+    scope.cancel()
 
 
 class ConnectionRules:
