@@ -151,8 +151,8 @@ async def read_head(stream: trio.abc.ReceiveStream) -> bytes:
     the client closed before sending anything.
 
     Raises:
-        HeadError: 431 past :data:`HEAD_LIMIT`, 408 after :data:`HEAD_TIMEOUT`; 400 for a head
-            cut short by EOF is not raised (the client is gone): ``b""`` is returned instead.
+        HeadError: 431 past :data:`HEAD_LIMIT`, 408 after :data:`HEAD_TIMEOUT`. A head cut
+            short by EOF is no error: the client is gone, and ``b""`` is returned.
     """
     data = b""
     with trio.move_on_after(HEAD_TIMEOUT) as waiting:
@@ -186,8 +186,8 @@ def check_head(data: bytes) -> None:
     """Check a complete head before any library decodes it.
 
     Raises:
-        HeadError: 400 when the request line is malformed, or when ``Host``, ``Connection``,
-            ``Upgrade`` or a ``Sec-WebSocket-*`` header holds bytes other than printable ASCII.
+        HeadError: 400 when the request line is malformed, or a header breaks the rules of
+            :func:`check_headers`.
     """
     lines = data[: data.find(b"\r\n\r\n")].split(b"\r\n")
     if not _REQUEST_LINE.match(lines[0]):
@@ -207,7 +207,9 @@ def check_headers(headers: Iterable[tuple[bytes, bytes]]) -> None:
     """Check the headers that libraries decode as ASCII (see :func:`check_head`).
 
     Raises:
-        HeadError: 400 naming the first header that holds bytes other than printable ASCII.
+        HeadError: 400 naming the first of ``Host``, ``Connection``, ``Upgrade`` or
+            ``Sec-WebSocket-*`` that holds bytes other than printable ASCII, or a ``Host`` that
+            is not a valid host name.
     """
     for name, value in headers:
         if not _CHECKED_HEADERS.match(name):
