@@ -54,6 +54,8 @@ DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 
 TOO_SLOW_REASON: Final = "too slow"
+#: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
+GAP_FRAME_BYTES: Final = 160
 
 
 def utf8_len(text: str) -> int:
@@ -166,6 +168,13 @@ class ClientQueue:
         items = self._items
         return not items or (len(items) < self.size and self.bytes + size <= self.max_bytes)
 
+    def fits_two(self, first: int, second: int) -> bool:
+        """Room for two more items, of ``first`` then ``second`` bytes."""
+        items = self._items
+        if not items:
+            return True
+        return len(items) + 2 <= self.size and self.bytes + first + second <= self.max_bytes
+
     @property
     def full(self) -> bool:
         return len(self._items) >= self.size or self.bytes >= self.max_bytes
@@ -251,6 +260,7 @@ class ClientStream:
         self.dropped = 0
         self.must_deliver_waits = 0
         self.peak_depth = 0
+        self.peak_bytes = 0
         self._gap: Gap | None = None
         self._md_lock = trio.Lock()
         self._md_waiting = 0
@@ -288,6 +298,8 @@ class ClientStream:
         depth = len(queue)
         if depth > self.peak_depth:
             self.peak_depth = depth
+        if queue.bytes > self.peak_bytes:
+            self.peak_bytes = queue.bytes
         if queue.full:
             self._mark_full()
         return True
@@ -312,8 +324,14 @@ class ClientStream:
         if self.closed:
             return
         # While a must-deliver event waits for this client, later lossy events would overtake
-        # it; drop them into the gap instead so the client sees events in seq order.
-        if self._md_waiting == 0 and self._flush_gap_nowait() and self._push_nowait(event):
+        # it; drop them into the gap instead so the client sees events in seq order. A pending
+        # gap goes out only with the event behind it, so gap frames cannot fill the queue.
+        if (
+            self._md_waiting == 0
+            and (self._gap is None or self.receive.fits_two(GAP_FRAME_BYTES, event.size))
+            and self._flush_gap_nowait()
+            and self._push_nowait(event)
+        ):
             return
         self.dropped += 1
         self.broker.dropped += 1
