@@ -215,15 +215,21 @@ class ClientQueue:
         raise trio.WouldBlock
 
     async def receive(self) -> Event:
+        """The next item (a checkpoint, like a memory channel's; one reader at a time)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            try:
-                event = self.receive_nowait()
-            except trio.WouldBlock:
-                await self._readers.park()
-                continue
+        try:
+            event = self.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return event
+        while True:
+            await self._readers.park()  # cancelled here: nothing was taken
+            try:
+                return self.receive_nowait()
+            except trio.WouldBlock:
+                continue
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
