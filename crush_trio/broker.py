@@ -148,15 +148,25 @@ class ClientQueue:
     drains it the same way.
     """
 
-    __slots__ = ("_items", "_readers", "_room", "_stream", "bytes", "closed", "max_bytes", "size")
+    __slots__ = (
+        "_items",
+        "_readers",
+        "_room",
+        "bytes",
+        "closed",
+        "full_since",
+        "max_bytes",
+        "size",
+    )
 
-    def __init__(self, stream: ClientStream, size: int, max_bytes: int) -> None:
-        self._stream = stream
+    def __init__(self, size: int, max_bytes: int) -> None:
         self._items: collections.deque[Event] = collections.deque()
         self.size = size
         self.max_bytes = max_bytes
         self.bytes = 0
         self.closed = False
+        #: When the queue became full, or last gave an item while full; None while not full.
+        self.full_since: float | None = None
         self._readers = trio.lowlevel.ParkingLot()
         self._room = trio.lowlevel.ParkingLot()
 
@@ -208,7 +218,8 @@ class ClientQueue:
             self.bytes -= event.size
             if self._room:
                 self._room.unpark_all()
-            self._stream._taken()
+            if self.full_since is not None:  # the client makes progress: restart its bound
+                self.full_since = trio.current_time() if self.full else None
             return event
         if self.closed:
             raise trio.EndOfChannel
@@ -261,7 +272,7 @@ class ClientStream:
     ) -> None:
         self.broker = broker
         self.client_id = client_id
-        self.receive = ClientQueue(self, size, max_bytes)
+        self.receive = ClientQueue(size, max_bytes)
         self.size = size
         self.dropped = 0
         self.must_deliver_waits = 0
@@ -270,8 +281,6 @@ class ClientStream:
         self._gap: Gap | None = None
         self._md_lock = trio.Lock()
         self._md_waiting = 0
-        #: When the queue became full (or last gave an item while full); None while not full.
-        self.full_since: float | None = None
         self.killed = trio.Event()
         self.kill_reason = ""
         self.kill_code = 1013
@@ -284,15 +293,15 @@ class ClientStream:
     def _depth(self) -> int:
         return len(self.receive)
 
-    def _mark_full(self) -> None:
-        if self.full_since is None and not self.closed:
-            self.full_since = trio.current_time()
-            self.broker._stalled_client(self)
+    @property
+    def full_since(self) -> float | None:
+        """Since when the queue has been full without the client taking anything."""
+        return self.receive.full_since
 
-    def _taken(self) -> None:
-        """The writer took an item: the client makes progress."""
-        if self.full_since is not None:
-            self.full_since = trio.current_time() if self.receive.full else None
+    def _mark_full(self) -> None:
+        if self.receive.full_since is None and not self.closed:
+            self.receive.full_since = trio.current_time()
+            self.broker._stalled_client(self)
 
     def _push_nowait(self, event: Event) -> bool:
         if self.closed:
@@ -401,8 +410,9 @@ class ClientStream:
         if not self.killed.is_set():
             self.kill_reason = reason
             self.kill_code = code
-            if self.on_kill is not None:
-                self.on_kill()
+            on_kill, self.on_kill = self.on_kill, None
+            if on_kill is not None:
+                on_kill()
             log.warning(
                 "disconnecting client %s: %s (queue %d/%d events, %d/%d bytes)",
                 self.client_id or "?",
@@ -426,7 +436,7 @@ class ClientStream:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.full_since = None
+            self.receive.full_since = None
             self.receive.close()
             self.broker._unsubscribe(self)
 
