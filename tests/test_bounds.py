@@ -263,8 +263,9 @@ def test_a_client_that_reconnects_often_leaves_a_bounded_deadline_heap() -> None
 # -- a command-reply flood over a real websocket -----------------------------------------------
 
 
+@pytest.mark.parametrize("transport", ["trio-websocket", "asgi"])
 async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
-    tmp_path: Path,
+    tmp_path: Path, transport: str
 ) -> None:
     """Many ``messages.list`` replies of a large session, never read: the client's queue holds at
     most ``client_queue_bytes``, then the client is disconnected (1013)."""
@@ -273,6 +274,7 @@ async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
         "client_queue_bytes": 1024 * 1024,
         "must_deliver_timeout": 0.5,
         "detach_grace": 0,
+        "ws_transport": transport,
     }
     config.write_text(orjson.dumps({"server": server_options}).decode())
     async with running_server(tmp_path, config_file=config) as server:
@@ -308,6 +310,32 @@ async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
         assert stream.peak_depth > 1 and stream.peak_bytes <= 1024 * 1024
         assert stream.receive.bytes == 0
         assert (await server.http.get("/v1/health")).status_code == 200
+
+
+async def test_a_stalled_websocket_of_an_idle_workspace_is_disconnected(tmp_path: Path) -> None:
+    """Nothing must be delivered (no run, no permission): the client that stopped reading is
+    still disconnected once its queue has been full for ``must_deliver_timeout``."""
+    config = tmp_path / "crush.json"
+    server_options = {"client_queue_bytes": 1024 * 1024, "must_deliver_timeout": 0.5}
+    config.write_text(orjson.dumps({"server": server_options}).decode())
+    async with running_server(tmp_path, config_file=config) as server:
+        wid = (await server.open_workspace())["id"]
+        ws = server.backend.get(wid)
+        client = str(uuid.uuid4())
+        sock = await _raw_websocket(server.url, wid, client, server.token)
+        (stream,) = [c for c in ws.broker.clients if c.client_id == client]
+        with trio.fail_after(WAIT):
+            n = 0
+            while stream.full_since is None:  # kernel buffers first, then the queue
+                ws.broker.publish(big(n, 64 * 1024))
+                n += 1
+                await trio.lowlevel.checkpoint()
+            full_at = trio.current_time()
+            await stream.killed.wait()
+        assert trio.current_time() - full_at >= 0.45  # full_since is a moment before full_at
+        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        sock.close()
+        assert not ws.closing  # the workspace itself is untouched
 
 
 async def _raw_websocket(url: str, wid: str, client_id: str, token: str) -> trio.socket.SocketType:
