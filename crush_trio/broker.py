@@ -7,23 +7,30 @@ buffer), stores it in a bounded replay buffer, and offers it to every :class:`Cl
 Delivery classes (PROTOCOL §5):
 
 * **lossy** (``session``, ``message``, ``agent_event``): :meth:`Broker.publish` is synchronous and
-  never waits. A client whose channel is full misses the event; the miss is counted and the client
-  gets a ``gap`` frame, in order, as soon as its channel has room again.
+  never waits. A client whose queue is full misses the event; the miss is counted and the client
+  gets a ``gap`` frame, in order, as soon as its queue has room again.
 * **must-deliver** (``run_complete``, ``permission_*``): :meth:`Broker.publish_must_deliver` waits
-  for room in every client's channel, all clients concurrently, for at most
+  for room in every client's queue, all clients concurrently, for at most
   ``must_deliver_timeout`` seconds in total. A client that still has no room is disconnected
   (:attr:`ClientStream.killed` is set; the transport closes it with 1013 ``too slow``), never
-  silently skipped.
+  silently skipped. Replies to websocket commands wait the same way, under the same bound.
+
+Each client's queue is bounded by events (``client_queue_size``) and by bytes of encoded frames
+(``client_queue_bytes``); one item larger than the byte bound still fits into an empty queue. A
+client whose queue stays full for ``must_deliver_timeout`` without taking anything is
+disconnected too, even while nothing must be delivered (:meth:`Broker.watch_stalled`), so a
+client that stops reading cannot pin its queue while the workspace is idle.
 
 The broker never touches a socket: each transport runs one writer task per connection that drains
-the client's channel (see ``server/streams.py``).
+the client's queue (see ``server/streams.py``).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Final
 
 import attrs
@@ -35,8 +42,10 @@ from .wire import EventKind
 
 log = logging.getLogger(__name__)
 
-#: Default capacity of each client's channel (events). Full → lossy drops, must-deliver waits.
+#: Default capacity of each client's queue (events). Full → lossy drops, must-deliver waits.
 DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
+#: Default bound on the bytes of encoded frames (events and command replies) in a client's queue.
+DEFAULT_CLIENT_QUEUE_BYTES: Final = 8 * 1024 * 1024
 #: Default number of events kept for resume by ``since`` / ``Last-Event-ID``.
 DEFAULT_REPLAY_BUFFER: Final = 4096
 #: Default bound on the bytes of encoded events in the replay buffer.
@@ -45,22 +54,33 @@ DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 
 TOO_SLOW_REASON: Final = "too slow"
+#: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
+GAP_FRAME_BYTES: Final = 160
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` encoded as UTF-8 (without encoding it when it is ASCII)."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 class Event:
     """One published event, encoded once and shared by every client.
 
     ``text`` is the envelope JSON (a websocket text frame); :attr:`sse` is the SSE block, built on
-    first use and cached.
+    first use and cached. ``size`` is the UTF-8 length of ``text``: what the queue and replay
+    byte bounds count.
     """
 
-    __slots__ = ("_frame", "_sse", "must_deliver", "seq", "text", "type")
+    __slots__ = ("_frame", "_sse", "must_deliver", "seq", "size", "text", "type")
 
-    def __init__(self, seq: int, type: str, text: str, must_deliver: bool) -> None:
+    def __init__(
+        self, seq: int, type: str, text: str, must_deliver: bool, size: int | None = None
+    ) -> None:
         self.seq = seq
         self.type = type
         self.text = text
         self.must_deliver = must_deliver
+        self.size = utf8_len(text) if size is None else size
         self._sse: bytes | None = None
         self._frame: bytes | None = None
 
@@ -120,23 +140,144 @@ class Gap:
         )
 
 
-class ClientStream:
-    """One subscriber: a bounded channel of events plus its drop accounting.
+class ClientQueue:
+    """The receiving side of a client's queue, bounded by events and by bytes.
 
-    Backpressure: the channel holds ``size`` events. Lossy events are dropped and counted when it
-    is full (a :class:`Gap` is recorded and queued as soon as there is room); must-deliver events
-    wait for room up to the broker's bound, then the client is killed (``killed`` is set,
-    ``kill_reason`` says why) and the transport closes it with 1013.
+    Same interface as a trio memory receive channel (``receive``, ``receive_nowait``, ``async
+    for``; :class:`trio.EndOfChannel` once closed and drained) so each transport's writer task
+    drains it the same way.
     """
 
-    def __init__(self, broker: Broker, size: int, *, client_id: str = "") -> None:
+    __slots__ = (
+        "_items",
+        "_readers",
+        "_room",
+        "bytes",
+        "closed",
+        "full_since",
+        "max_bytes",
+        "size",
+    )
+
+    def __init__(self, size: int, max_bytes: int) -> None:
+        self._items: collections.deque[Event] = collections.deque()
+        self.size = size
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.closed = False
+        #: When the queue became full, or last gave an item while full; None while not full.
+        self.full_since: float | None = None
+        self._readers = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def fits(self, size: int) -> bool:
+        """Room for one more item of ``size`` bytes (an empty queue takes any one item)."""
+        items = self._items
+        return not items or (len(items) < self.size and self.bytes + size <= self.max_bytes)
+
+    def fits_two(self, first: int, second: int) -> bool:
+        """Room for two more items, of ``first`` then ``second`` bytes."""
+        items = self._items
+        if not items:
+            return True
+        return len(items) + 2 <= self.size and self.bytes + first + second <= self.max_bytes
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self.size or self.bytes >= self.max_bytes
+
+    def put_nowait(self, event: Event) -> bool:
+        if not self.fits(event.size):
+            return False
+        self._items.append(event)
+        self.bytes += event.size
+        if self._readers:
+            self._readers.unpark()
+        return True
+
+    async def wait_room(self, size: int) -> None:
+        """Wait until an item of ``size`` bytes fits, or the queue closes."""
+        while not self.closed and not self.fits(size):
+            await self._room.park()
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.bytes = 0
+
+    def close(self) -> None:
+        self.closed = True
+        self._readers.unpark_all()
+        self._room.unpark_all()
+
+    def receive_nowait(self) -> Event:
+        if self._items:
+            event = self._items.popleft()
+            self.bytes -= event.size
+            if self._room:
+                self._room.unpark_all()
+            if self.full_since is not None:  # the client makes progress: restart its bound
+                self.full_since = trio.current_time() if self.full else None
+            return event
+        if self.closed:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    async def receive(self) -> Event:
+        """The next item (a checkpoint, like a memory channel's; one reader at a time)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            event = self.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return event
+        while True:
+            await self._readers.park()  # cancelled here: nothing was taken
+            try:
+                return self.receive_nowait()
+            except trio.WouldBlock:
+                continue
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class ClientStream:
+    """One subscriber: a bounded queue of frames plus its drop accounting.
+
+    Backpressure: the queue holds ``size`` events and ``max_bytes`` bytes. Lossy events are
+    dropped and counted when it is full (a :class:`Gap` is recorded and queued as soon as there is
+    room); must-deliver events and command replies wait for room up to the broker's bound, then
+    the client is killed (``killed`` is set, ``kill_reason`` says why) and the transport closes it
+    with 1013. The writer drains :attr:`receive`.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        size: int,
+        *,
+        client_id: str = "",
+        max_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
+    ) -> None:
         self.broker = broker
         self.client_id = client_id
-        self._send, self.receive = trio.open_memory_channel[Event](size)
+        self.receive = ClientQueue(size, max_bytes)
         self.size = size
         self.dropped = 0
         self.must_deliver_waits = 0
         self.peak_depth = 0
+        self.peak_bytes = 0
         self._gap: Gap | None = None
         self._md_lock = trio.Lock()
         self._md_waiting = 0
@@ -150,19 +291,39 @@ class ClientStream:
     # -- producer side (the broker) ------------------------------------------------------------
 
     def _depth(self) -> int:
-        return self._send.statistics().current_buffer_used
+        return len(self.receive)
+
+    @property
+    def full_since(self) -> float | None:
+        """Since when the queue has been full without the client taking anything."""
+        return self.receive.full_since
+
+    def _mark_full(self) -> None:
+        if self.receive.full_since is None and not self.closed:
+            self.receive.full_since = trio.current_time()
+            self.broker._stalled_client(self)
 
     def _push_nowait(self, event: Event) -> bool:
-        try:
-            self._send.send_nowait(event)
-        except trio.WouldBlock:
-            return False
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
+        if self.closed:
             return True  # the stream is going away; nothing more to deliver to it
-        depth = self._depth()
+        queue = self.receive
+        if not queue.put_nowait(event):
+            self._mark_full()
+            return False
+        depth = len(queue)
         if depth > self.peak_depth:
             self.peak_depth = depth
+        if queue.bytes > self.peak_bytes:
+            self.peak_bytes = queue.bytes
+        if queue.full:
+            self._mark_full()
         return True
+
+    async def _push_waiting(self, event: Event) -> None:
+        """Wait for room, then queue ``event`` (the caller bounds the wait)."""
+        await self.receive.wait_room(event.size)
+        if not self._push_nowait(event):  # pragma: no cover - room was just checked
+            raise AssertionError("no room after waiting for room")
 
     def _flush_gap_nowait(self) -> bool:
         """Queue the pending gap frame if there is room; True when nothing is pending."""
@@ -178,8 +339,14 @@ class ClientStream:
         if self.closed:
             return
         # While a must-deliver event waits for this client, later lossy events would overtake
-        # it; drop them into the gap instead so the client sees events in seq order.
-        if self._md_waiting == 0 and self._flush_gap_nowait() and self._push_nowait(event):
+        # it; drop them into the gap instead so the client sees events in seq order. A pending
+        # gap goes out only with the event behind it, so gap frames cannot fill the queue.
+        if (
+            self._md_waiting == 0
+            and (self._gap is None or self.receive.fits_two(GAP_FRAME_BYTES, event.size))
+            and self._flush_gap_nowait()
+            and self._push_nowait(event)
+        ):
             return
         self.dropped += 1
         self.broker.dropped += 1
@@ -208,39 +375,56 @@ class ClientStream:
                 if self._gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
                     gap, self._gap = self._gap, None
-                    await self._send.send(gap.frame(self.broker.seq))
-                await self._send.send(event)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+                    await self._push_waiting(gap.frame(self.broker.seq))
+                await self._push_waiting(event)
         finally:
             self._md_waiting -= 1
         if self._md_waiting == 0:
             self._flush_gap_nowait()  # lossy events dropped while it waited
 
     async def send_reply(self, frame: Event) -> None:
-        """Queue a command reply (waits for room: backpressure on the client's commands)."""
+        """Queue a command reply: waits for room (backpressure on the client's commands) for at
+        most ``must_deliver_timeout``; a client that still has no room is killed (1013)."""
+        if self.closed:
+            return
+        if self._md_waiting == 0 and self._flush_gap_nowait() and self._push_nowait(frame):
+            await trio.lowlevel.checkpoint()
+            return
+        self._md_waiting += 1
         try:
-            await self._send.send(frame)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
+            with trio.move_on_after(self.broker.must_deliver_timeout) as waited:
+                async with self._md_lock:
+                    await self._push_waiting(frame)
+        finally:
+            self._md_waiting -= 1
+        if waited.cancelled_caught and not self.closed:
+            self.broker.killed += 1
+            self.kill(TOO_SLOW_REASON)
+            return
+        if self._md_waiting == 0:
+            self._flush_gap_nowait()
 
     def kill(self, reason: str, code: int = 1013) -> None:
         """Disconnect this client (by default: it could not take a must-deliver event in time);
-        the transport closes it with ``code`` and ``reason``."""
+        the transport closes it with ``code`` and ``reason``. What was queued is dropped."""
         if not self.killed.is_set():
             self.kill_reason = reason
             self.kill_code = code
-            if self.on_kill is not None:
-                self.on_kill()
+            on_kill, self.on_kill = self.on_kill, None
+            if on_kill is not None:
+                on_kill()
             log.warning(
-                "disconnecting client %s: %s (queue %d/%d)",
+                "disconnecting client %s: %s (queue %d/%d events, %d/%d bytes)",
                 self.client_id or "?",
                 reason,
                 self._depth(),
                 self.size,
+                self.receive.bytes,
+                self.receive.max_bytes,
             )
             self.killed.set()
         self.close()
+        self.receive.clear()
 
     # -- consumer side (the transport's writer task) -------------------------------------------
 
@@ -252,7 +436,8 @@ class ClientStream:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._send.close()
+            self.receive.full_since = None
+            self.receive.close()
             self.broker._unsubscribe(self)
 
 
@@ -262,8 +447,10 @@ class Broker:
     Args:
         replay_size: events kept for resume.
         replay_bytes: bytes of encoded events kept for resume (the older are evicted first).
-        client_queue_size: capacity of each client's channel.
-        must_deliver_timeout: total bound on one must-deliver publish (seconds).
+        client_queue_size: capacity of each client's queue (events).
+        client_queue_bytes: capacity of each client's queue (bytes of encoded frames).
+        must_deliver_timeout: total bound on one must-deliver publish, on one command reply's
+            wait, and on how long a client's queue may stay full without it taking anything.
     """
 
     def __init__(
@@ -272,6 +459,7 @@ class Broker:
         replay_size: int = DEFAULT_REPLAY_BUFFER,
         replay_bytes: int = DEFAULT_REPLAY_BYTES,
         client_queue_size: int = DEFAULT_CLIENT_QUEUE_SIZE,
+        client_queue_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
         must_deliver_timeout: float = DEFAULT_MUST_DELIVER_TIMEOUT,
     ) -> None:
         self.seq = 0
@@ -280,8 +468,12 @@ class Broker:
         self.replay_bytes = replay_bytes
         self._replay_used = 0
         self.client_queue_size = client_queue_size
+        self.client_queue_bytes = client_queue_bytes
         self.must_deliver_timeout = must_deliver_timeout
         self.clients: set[ClientStream] = set()
+        #: Clients whose queue is full, watched by :meth:`watch_stalled`.
+        self._stalled: set[ClientStream] = set()
+        self._stalled_changed = trio.Event()
         self.dropped = 0
         self.killed = 0
         self.published = 0
@@ -295,13 +487,14 @@ class Broker:
             "type": ptype.value,
             "payload": {"type": kind.value, "payload": wire.converter.unstructure(obj)},
         }
-        event = Event(self.seq, ptype.value, orjson.dumps(envelope).decode(), ptype.must_deliver)
+        data = orjson.dumps(envelope)
+        event = Event(self.seq, ptype.value, data.decode(), ptype.must_deliver, len(data))
         self.replay.append(event)
-        self._replay_used += len(event.text)
+        self._replay_used += event.size
         while self.replay and (
             len(self.replay) > self.replay_size or self._replay_used > self.replay_bytes
         ):
-            self._replay_used -= len(self.replay.popleft().text)
+            self._replay_used -= self.replay.popleft().size
         self.published += 1
         return event
 
@@ -363,7 +556,9 @@ class Broker:
         """
         if self.closed:
             raise trio.ClosedResourceError("broker is closed")
-        stream = ClientStream(self, self.client_queue_size, client_id=client_id)
+        stream = ClientStream(
+            self, self.client_queue_size, client_id=client_id, max_bytes=self.client_queue_bytes
+        )
         self.clients.add(stream)
         return stream, list(self._resume_frames(since))
 
@@ -390,6 +585,38 @@ class Broker:
 
     def _unsubscribe(self, stream: ClientStream) -> None:
         self.clients.discard(stream)
+        self._stalled.discard(stream)
+
+    def _stalled_client(self, stream: ClientStream) -> None:
+        self._stalled.add(stream)
+        self._stalled_changed.set()
+
+    async def watch_stalled(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Disconnect (1013 ``too slow``) every client whose queue has stayed full for
+        ``must_deliver_timeout`` without the client taking anything. Runs until cancelled.
+
+        Only clients that are full at the moment are looked at, so this costs nothing per
+        connected client.
+        """
+        task_status.started()
+        while True:
+            now = trio.current_time()
+            wake = math.inf
+            for client in list(self._stalled):
+                since = client.full_since
+                if client.closed or since is None:
+                    self._stalled.discard(client)
+                elif since + self.must_deliver_timeout <= now:
+                    self._stalled.discard(client)
+                    self.killed += 1
+                    client.kill(TOO_SLOW_REASON)
+                else:
+                    wake = min(wake, since + self.must_deliver_timeout)
+            with trio.move_on_at(wake):
+                await self._stalled_changed.wait()
+            self._stalled_changed = trio.Event()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -397,6 +624,7 @@ class Broker:
             "clients": len(self.clients),
             "replay_events": len(self.replay),
             "replay_bytes": self._replay_used,
+            "queued_bytes": sum(c.receive.bytes for c in self.clients),
             "published": self.published,
             "dropped": self.dropped,
             "killed": self.killed,

@@ -130,6 +130,14 @@ DEFAULT_SSE_PING_INTERVAL: Final = 15.0
 DEFAULT_WS_PING_INTERVAL: Final = 20.0
 #: ``TCP_USER_TIMEOUT`` on accepted sockets, in milliseconds (0 leaves the OS default).
 DEFAULT_TCP_USER_TIMEOUT_MS: Final = 2000
+#: Bytes of encoded frames (events and command replies) buffered per client stream.
+DEFAULT_CLIENT_QUEUE_BYTES: Final = 8 * 1024 * 1024
+#: Workspaces open at once on one server (opening one more answers 429).
+DEFAULT_MAX_WORKSPACES: Final = 64
+#: How long a retired client id stays refused (seconds).
+DEFAULT_RETIRED_CLIENT_TTL: Final = 3600.0
+#: Retired client ids remembered at once (the oldest are forgotten first).
+DEFAULT_MAX_RETIRED_CLIENTS: Final = 10_000
 
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
@@ -246,6 +254,11 @@ class ServerOptions:
     allow_origins: list[str] = attrs.field(factory=list)
     #: Host names (``Host`` header, port ignored) served besides loopback ones; others get 421.
     allowed_hosts: list[str] = attrs.field(factory=list)
+    # Memory bounds per client and per server.
+    client_queue_bytes: int = _positive(DEFAULT_CLIENT_QUEUE_BYTES)
+    max_workspaces: int = _positive(DEFAULT_MAX_WORKSPACES)
+    retired_client_ttl: float = DEFAULT_RETIRED_CLIENT_TTL
+    max_retired_clients: int = DEFAULT_MAX_RETIRED_CLIENTS
 
 
 @attrs.frozen

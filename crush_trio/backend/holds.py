@@ -9,11 +9,16 @@ last stream closes. The shell (:class:`~crush_trio.backend.workspace.Workspace`)
 
 States of one client: ``pending`` (create grace running) → ``attached`` (streams > 0) →
 ``detached`` (detach grace running) → gone; ``released`` ends it at the last detach.
+
+Deadlines sit in a heap, so :meth:`Holds.expire` and :meth:`Holds.next_deadline` cost
+O(log n) per expired or superseded deadline, not a scan of every client: a workspace that many
+short-lived clients passed through stays as cheap as one that few did.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 
 import attrs
 
@@ -40,15 +45,39 @@ class Holds:
         self.create_grace = create_grace
         self.detach_grace = detach_grace
         self.clients: dict[str, ClientHold] = {}
+        #: (deadline, client_id); an entry whose hold is gone or has another deadline is stale
+        #: and skipped when it comes to the top.
+        self._deadlines: list[tuple[float, str]] = []
+
+    def _set_deadline(self, hold: ClientHold, deadline: float | None) -> None:
+        hold.deadline = deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, hold.client_id))
+            if len(self._deadlines) > 2 * len(self.clients) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop stale entries (a client that reconnects often pushes one per detach)."""
+        self._deadlines = [
+            (h.deadline, cid) for cid, h in self.clients.items() if h.deadline is not None
+        ]
+        heapq.heapify(self._deadlines)
+
+    def _live(self, entry: tuple[float, str]) -> ClientHold | None:
+        hold = self.clients.get(entry[1])
+        if hold is None or hold.deadline != entry[0]:
+            return None
+        return hold
 
     def open(self, client_id: str, now: float) -> None:
         """The client created or opened the workspace: a hold with the create grace."""
         hold = self.clients.get(client_id)
         if hold is None:
-            self.clients[client_id] = ClientHold(client_id, deadline=now + self.create_grace)
+            hold = self.clients[client_id] = ClientHold(client_id)
+            self._set_deadline(hold, now + self.create_grace)
         elif hold.streams == 0:
             hold.released = False
-            hold.deadline = max(hold.deadline or 0.0, now + self.create_grace)
+            self._set_deadline(hold, max(hold.deadline or 0.0, now + self.create_grace))
         else:
             hold.released = False
 
@@ -69,7 +98,7 @@ class Holds:
             if hold.released or self.detach_grace <= 0:
                 del self.clients[client_id]
             else:
-                hold.deadline = now + self.detach_grace
+                self._set_deadline(hold, now + self.detach_grace)
                 hold.phase = HoldState.DETACHED
 
     def release(self, client_id: str) -> bool:
@@ -85,18 +114,24 @@ class Holds:
 
     def expire(self, now: float) -> list[str]:
         """Drop holds whose grace has passed; returns their client ids."""
-        gone = [
-            cid
-            for cid, hold in self.clients.items()
-            if hold.streams == 0 and hold.deadline is not None and hold.deadline <= now
-        ]
-        for cid in gone:
-            del self.clients[cid]
+        gone = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            hold = self._live(entry)
+            if hold is not None and hold.streams == 0:
+                del self.clients[entry[1]]
+                gone.append(entry[1])
         return gone
 
     def next_deadline(self) -> float | None:
-        deadlines = [h.deadline for h in self.clients.values() if h.deadline is not None]
-        return min(deadlines) if deadlines else None
+        heap = self._deadlines
+        while heap:
+            hold = self._live(heap[0])
+            if hold is not None and hold.streams == 0:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
 
     @property
     def held(self) -> bool:

@@ -7,6 +7,7 @@ everything down in stages: refuse new workspaces (503), shut every workspace dow
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -17,7 +18,15 @@ from typing import Any
 import trio
 
 from ..config import Config, ServerOptions, load_config
-from ..errors import BadRequest, ConfigError, Conflict, CrushError, NotFound, ShuttingDown
+from ..errors import (
+    BadRequest,
+    ConfigError,
+    Conflict,
+    CrushError,
+    NotFound,
+    ShuttingDown,
+    TooManyRequests,
+)
 from ..wire import validate_client_id
 from .workspace import Workspace, data_dir_for
 
@@ -53,7 +62,8 @@ class Backend:
         self.workspaces: dict[str, Workspace] = {}
         self._by_path: dict[Path, Workspace] = {}
         self._opening: dict[Path, trio.Event] = {}
-        self._retired: set[str] = set()
+        #: Retired client id → when it is forgotten; oldest first (the TTL is the same for all).
+        self._retired: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.shutting_down = False
         self.stopped = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -94,7 +104,7 @@ class Backend:
         validate_client_id(client_id)
         if self.shutting_down or self._nursery is None:
             raise ShuttingDown("server shutting down: retry against a new server")
-        if client_id in self._retired:
+        if self.is_retired(client_id):
             raise Conflict(f"client {client_id} was retired; use a new client_id")
         path = self._resolve(raw_path)
         while True:
@@ -109,6 +119,13 @@ class Backend:
             if pending is None:
                 break
             await pending.wait()
+        limit = self.server.max_workspaces
+        if len(self.workspaces) + len(self._opening) >= limit:
+            raise TooManyRequests(
+                f"{limit} workspaces are open, the most this server allows "
+                "(server.max_workspaces); retry when one has closed (a workspace closes when no "
+                "client holds it) or raise server.max_workspaces in the server's config"
+            )
         done = self._opening[path] = trio.Event()
         try:
             try:
@@ -188,12 +205,35 @@ class Backend:
         self.get(workspace_id).release(client_id)
 
     def retire(self, client_id: str) -> None:
-        """Release every hold of the client; later opens from it get 409."""
+        """Release every hold of the client; later opens from it get 409.
+
+        A retired id is remembered for ``server.retired_client_ttl`` seconds, and at most
+        ``server.max_retired_clients`` of them (the oldest are forgotten first).
+        """
         validate_client_id(client_id)
-        self._retired.add(client_id)
+        now = trio.current_time()
+        self._expire_retired(now)
+        retired = self._retired
+        retired.pop(client_id, None)
+        if self.server.max_retired_clients > 0:
+            retired[client_id] = now + self.server.retired_client_ttl
+            while len(retired) > self.server.max_retired_clients:
+                retired.popitem(last=False)
         for ws in list(self.workspaces.values()):
             ws.holds.clients.pop(client_id, None)
             ws.poke()
+
+    def is_retired(self, client_id: str) -> bool:
+        self._expire_retired(trio.current_time())
+        return client_id in self._retired
+
+    def _expire_retired(self, now: float) -> None:
+        retired = self._retired
+        while retired:
+            oldest, until = next(iter(retired.items()))
+            if until > now:
+                return
+            del retired[oldest]
 
     def is_idle(self) -> bool:
         """Idle as in Crush: no open workspace and no create pending (a busy run keeps its

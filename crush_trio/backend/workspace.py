@@ -104,6 +104,7 @@ class Workspace:
             replay_size=server.replay_buffer,
             replay_bytes=server.replay_bytes,
             client_queue_size=server.client_queue_size,
+            client_queue_bytes=server.client_queue_bytes,
             must_deliver_timeout=server.must_deliver_timeout,
         )
         self._changed = trio.Event()
@@ -185,6 +186,7 @@ class Workspace:
             async with trio.open_nursery() as background:
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
+                await background.start(self.broker.watch_stalled)
                 async with trio.open_nursery() as runs:
                     self.agent = agent = Agent(
                         store=self.store,

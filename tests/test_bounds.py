@@ -1,0 +1,523 @@
+"""Memory bounds a client cannot get past (docs/protocol.md "Bounds"): each client's queue by
+bytes as well as events (command replies included), a stalled client disconnected while the
+workspace is idle, replay bytes counted as bytes, workspaces per server, retired client ids, and
+per-client state that leaves with the client (holds, sockets, memory)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import trio
+import trio.testing
+
+from crush_trio.backend.holds import Holds
+from crush_trio.backend.registry import Backend
+from crush_trio.broker import Broker, ClientStream, Event
+from crush_trio.config import ServerOptions
+from crush_trio.wire import AgentEvent, EventKind, RunComplete
+
+from .conftest import WAIT, running_server
+
+# -- the client queue ---------------------------------------------------------------------------
+
+
+def big(n: int, size: int) -> AgentEvent:
+    return AgentEvent("info", message=f"{n} " + "x" * size)
+
+
+def drain(stream: ClientStream) -> list[Event]:
+    out = []
+    while True:
+        try:
+            out.append(stream.receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return out
+        stream.after_receive()
+
+
+def reply(size: int) -> Event:
+    return Event(-1, "reply", orjson.dumps({"type": "reply", "data": "r" * size}).decode(), False)
+
+
+async def test_client_queue_is_bounded_by_bytes_as_well_as_events() -> None:
+    broker = Broker(client_queue_size=1000, client_queue_bytes=10_000)
+    slow, _ = broker.subscribe()
+    for n in range(20):
+        broker.publish(big(n, 1000))
+    queued = slow.receive.bytes
+    assert queued <= 10_000 and len(slow.receive) < 20  # far below the 1000-event bound
+    assert slow.dropped == 20 - len(slow.receive) and slow.peak_bytes <= 10_000
+    frames = drain(slow)
+    assert [f.type for f in frames][-1] == "gap"  # the drops are reported once there is room
+    gap = orjson.loads(frames[-1].text)["payload"]
+    assert gap["dropped"] == slow.dropped and gap["to_seq"] == 20
+    assert slow.receive.bytes == 0
+
+
+async def test_one_item_larger_than_the_byte_bound_fits_an_empty_queue() -> None:
+    broker = Broker(client_queue_bytes=100)
+    stream, _ = broker.subscribe()
+    broker.publish(big(0, 500))
+    broker.publish(big(1, 10))  # behind an oversized item: no room
+    assert [f.type for f in drain(stream)] == ["agent_event", "gap"]
+
+
+async def test_replies_wait_for_room_then_a_client_that_does_not_read_is_disconnected(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    broker = Broker(client_queue_size=1000, client_queue_bytes=10_000, must_deliver_timeout=2.0)
+    stream, _ = broker.subscribe(client_id="reader-gone")
+    started = trio.current_time()
+    with trio.fail_after(WAIT):
+        for _ in range(1100):  # each ~1 KB; the queue takes ten of them
+            await stream.send_reply(reply(1000))
+            if stream.killed.is_set():
+                break
+    assert stream.killed.is_set() and stream.kill_code == 1013
+    assert stream.kill_reason == "too slow"
+    assert trio.current_time() - started == pytest.approx(2.0)
+    assert stream.peak_bytes <= 10_000 and broker.killed == 1
+    assert stream not in broker.clients and stream.receive.bytes == 0  # what was queued is freed
+
+
+async def test_a_waiting_reply_is_queued_once_the_client_takes_something(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    broker = Broker(client_queue_bytes=3000, must_deliver_timeout=5.0)
+    stream, _ = broker.subscribe()
+    await stream.send_reply(reply(2000))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send_reply, reply(2000))
+        await trio.sleep(1)
+        assert len(stream.receive) == 1  # the second reply waits for room
+        broker.publish(big(0, 10))  # an event offered meanwhile is dropped, not put in front
+        drain(stream)
+    assert [f.type for f in drain(stream)] == ["reply", "gap"]
+    assert not stream.killed.is_set()
+
+
+async def test_a_full_client_of_an_idle_workspace_is_disconnected_after_the_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    broker = Broker(client_queue_size=4, must_deliver_timeout=2.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(broker.watch_stalled)
+        stalled, _ = broker.subscribe(client_id="stalled")
+        reading, _ = broker.subscribe(client_id="reading")
+        started = trio.current_time()
+        for n in range(4):
+            broker.publish(big(n, 10))  # then nothing more is published: the workspace is idle
+        await trio.sleep(1.5)
+        drain(reading)
+        for n in range(4):
+            broker.publish(big(n, 10))
+        with trio.fail_after(WAIT):
+            await stalled.killed.wait()
+        assert trio.current_time() - started == pytest.approx(2.0)
+        assert stalled.kill_reason == "too slow" and broker.killed == 1
+        # "reading" took events 1.5 s in, which restarted its bound: it is full again, and is
+        # disconnected 2 s after that unless it reads.
+        await trio.sleep(1.0)
+        assert not reading.killed.is_set()
+        drain(reading)
+        await trio.sleep(5.0)
+        assert not reading.killed.is_set()  # not full any more: no bound runs
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_must_deliver_event_after_the_bytes_bound_waits_then_kills(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    broker = Broker(client_queue_size=1000, client_queue_bytes=2000, must_deliver_timeout=2.0)
+    slow, _ = broker.subscribe()
+    broker.publish(big(0, 600))
+    # Room for another 1,000 events but not for 1,500 more bytes: the event waits, then the
+    # client that never makes room is disconnected.
+    started = trio.current_time()
+    await broker.publish_must_deliver(RunComplete("s", "r" * 1500), EventKind.CREATED)
+    assert trio.current_time() - started == pytest.approx(2.0)
+    assert slow.killed.is_set() and broker.killed == 1
+
+
+# -- replay bytes -------------------------------------------------------------------------------
+
+
+async def test_replay_bytes_count_utf8_bytes_not_characters() -> None:
+    broker = Broker(replay_bytes=4000)
+    for n in range(50):
+        broker.publish(AgentEvent("info", message="\U0001f600" * 100 + str(n)))  # 4 bytes each
+    assert sum(len(e.text.encode()) for e in broker.replay) <= 4000
+    assert all(e.size == len(e.text.encode()) for e in broker.replay)
+    assert broker.stats()["replay_bytes"] == sum(e.size for e in broker.replay)
+
+
+# -- workspaces per server, retired client ids -------------------------------------------------
+
+
+async def test_workspaces_per_server_are_bounded_with_429_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "crush.json"
+    config.write_text(orjson.dumps({"server": {"max_workspaces": 2}}).decode())
+    async with running_server(tmp_path, config_file=config) as server:
+        first = await server.open_workspace()
+        await server.open_workspace()
+        third = tmp_path / "third"
+        third.mkdir()
+        r = await server.http.post(
+            "/v1/workspaces", json={"path": str(third), "client_id": str(uuid.uuid4())}
+        )
+        assert r.status_code == 429, r.text
+        assert "server.max_workspaces" in r.json()["message"]
+        # Joining a workspace that is already open is not a new one.
+        again = await server.open_workspace(Path(first["path"]))
+        assert again["id"] == first["id"]
+
+
+async def test_retired_client_ids_expire_after_the_ttl(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = Backend(server=ServerOptions(retired_client_ttl=60.0))
+    client = str(uuid.uuid4())
+    backend.retire(client)
+    assert backend.is_retired(client)
+    await trio.sleep(59)
+    assert backend.is_retired(client)
+    await trio.sleep(2)
+    assert not backend.is_retired(client)
+    assert len(backend._retired) == 0
+
+
+async def test_retired_client_ids_are_capped_oldest_forgotten_first() -> None:
+    backend = Backend(server=ServerOptions(max_retired_clients=100))
+    ids = [str(uuid.uuid4()) for _ in range(1000)]
+    for client in ids:
+        backend.retire(client)
+    assert len(backend._retired) == 100
+    assert not backend.is_retired(ids[0]) and backend.is_retired(ids[-1])
+    assert all(backend.is_retired(c) for c in ids[-100:])
+
+
+async def test_a_retired_client_is_refused_over_http_with_409(tmp_path: Path) -> None:
+    async with running_server(tmp_path) as server:
+        client = str(uuid.uuid4())
+        r = await server.http.delete(f"/v1/clients/{client}")
+        assert r.status_code == 200, r.text
+        project = tmp_path / "p"
+        project.mkdir()
+        r = await server.http.post(
+            "/v1/workspaces", json={"path": str(project), "client_id": client}
+        )
+        assert r.status_code == 409 and "retired" in r.json()["message"]
+
+
+# -- holds: no scan of every client --------------------------------------------------------------
+
+
+def _churn(holds: Holds, now: float, rounds: int) -> float:
+    started = time.perf_counter()
+    for n in range(rounds):
+        client = f"churn-{n}"
+        holds.attach(client)
+        holds.detach(client, now)
+        holds.expire(now)
+        holds.next_deadline()
+    return time.perf_counter() - started
+
+
+def test_hold_deadlines_do_not_scan_every_client() -> None:
+    """A workspace that thousands of short-lived clients passed through (each in its detach
+    grace) costs per attach/detach what one with a few clients costs."""
+    few = Holds(create_grace=30, detach_grace=10)
+    many = Holds(create_grace=30, detach_grace=10)
+    for n in range(20_000):
+        many.attach(f"gone-{n}")
+        many.detach(f"gone-{n}", float(n) / 1000)
+    small = _churn(few, 1.0, 300)
+    large = _churn(many, 1.0, 300)
+    assert large < max(20 * small, 0.05), (small, large)
+    # Every gone client still leaves when its grace ends.
+    assert len(many.expire(100.0)) == 20_300 and not many.held
+    assert many.next_deadline() is None
+
+
+def test_a_client_that_reconnects_often_leaves_a_bounded_deadline_heap() -> None:
+    holds = Holds(create_grace=30, detach_grace=10)
+    for n in range(10_000):
+        holds.attach("flappy")
+        holds.detach("flappy", float(n))
+    assert len(holds._deadlines) <= 2 * len(holds.clients) + 64
+    assert holds.next_deadline() == 9999.0 + 10
+
+
+# -- a command-reply flood over a real websocket -----------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["trio-websocket", "asgi"])
+async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
+    tmp_path: Path, transport: str
+) -> None:
+    """Many ``messages.list`` replies of a large session, never read: the client's queue holds at
+    most ``client_queue_bytes``, then the client is disconnected (1013)."""
+    config = tmp_path / "crush.json"
+    server_options = {
+        "client_queue_bytes": 1024 * 1024,
+        "must_deliver_timeout": 0.5,
+        "detach_grace": 0,
+        "ws_transport": transport,
+    }
+    config.write_text(orjson.dumps({"server": server_options}).decode())
+    async with running_server(tmp_path, config_file=config) as server:
+        info = await server.open_workspace()
+        wid = info["id"]
+        sid = (await server.create_session(wid))["id"]
+        run = await server.prompt(wid, sid, "word " * 10_000)  # echoed: ~100 KB of messages
+        ws = server.backend.get(wid)
+        with trio.fail_after(WAIT):
+            while ws.agent.is_busy():
+                await trio.sleep(0.05)
+        assert run["run_id"]
+        async with trio.open_nursery() as nursery:
+            flooder = str(uuid.uuid4())
+            sock = await _raw_websocket(server.url, wid, flooder, server.token)
+            (stream,) = [c for c in ws.broker.clients if c.client_id == flooder]
+            command = orjson.dumps(
+                {"id": 1, "method": "messages.list", "params": {"session_id": sid}}
+            )
+
+            async def flood() -> None:
+                frame = _masked_text_frame(command)
+                for _ in range(1100):
+                    await sock.send(frame)
+
+            nursery.start_soon(flood)
+            with trio.fail_after(WAIT):
+                await stream.killed.wait()
+            nursery.cancel_scope.cancel()
+        sock.close()
+        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        # Several replies were queued, never more bytes than the bound.
+        assert stream.peak_depth > 1 and stream.peak_bytes <= 1024 * 1024
+        assert stream.receive.bytes == 0
+        assert (await server.http.get("/v1/health")).status_code == 200
+
+
+async def test_a_stalled_websocket_of_an_idle_workspace_is_disconnected(tmp_path: Path) -> None:
+    """Nothing must be delivered (no run, no permission): the client that stopped reading is
+    still disconnected once its queue has been full for ``must_deliver_timeout``."""
+    config = tmp_path / "crush.json"
+    server_options = {"client_queue_bytes": 1024 * 1024, "must_deliver_timeout": 0.5}
+    config.write_text(orjson.dumps({"server": server_options}).decode())
+    async with running_server(tmp_path, config_file=config) as server:
+        wid = (await server.open_workspace())["id"]
+        ws = server.backend.get(wid)
+        client = str(uuid.uuid4())
+        sock = await _raw_websocket(server.url, wid, client, server.token)
+        (stream,) = [c for c in ws.broker.clients if c.client_id == client]
+        full_since: list[float] = []
+
+        async def keep_full() -> None:
+            # The writer may still move a frame into the kernel's buffers after the queue first
+            # filled, which restarts the client's bound: refill whenever that happens.
+            n = 0
+            while True:
+                if stream.full_since is None:
+                    ws.broker.publish(big(n, 64 * 1024))
+                    n += 1
+                else:
+                    if not full_since or full_since[-1] != stream.full_since:
+                        full_since.append(stream.full_since)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_full)
+            with trio.fail_after(WAIT):
+                await stream.killed.wait()
+            nursery.cancel_scope.cancel()
+        assert full_since and trio.current_time() - full_since[-1] >= 0.5
+        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        sock.close()
+        assert not ws.closing  # the workspace itself is untouched
+
+
+async def _raw_websocket(url: str, wid: str, client_id: str, token: str) -> trio.socket.SocketType:
+    """An upgraded websocket as a bare socket (frames are read only when the test wants)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = trio.socket.socket()
+    await sock.connect((host, int(port)))
+    key = base64.b64encode(os.urandom(16)).decode()
+    head = (
+        f"GET /v1/workspaces/{wid}/ws?client_id={client_id}&token={token} HTTP/1.1\r\n"
+        f"Host: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    await sock.send(head.encode())
+    data = b""
+    with trio.fail_after(WAIT):
+        while b"\r\n\r\n" not in data:
+            chunk = await sock.recv(65536)
+            assert chunk, "the server closed the connection during the upgrade"
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 101"), data[:200]
+    with trio.fail_after(WAIT):  # the hello frame: the server has subscribed the client
+        while not data.partition(b"\r\n\r\n")[2]:
+            chunk = await sock.recv(65536)
+            assert chunk, "the server closed the connection before hello"
+            data += chunk
+    return sock
+
+
+def _masked_text_frame(payload: bytes) -> bytes:
+    mask = os.urandom(4)
+    size = len(payload)
+    if size < 126:
+        header = bytes((0x81, 0x80 | size))
+    elif size < 1 << 16:
+        header = bytes((0x81, 0x80 | 126)) + size.to_bytes(2, "big")
+    else:
+        header = bytes((0x81, 0x80 | 127)) + size.to_bytes(8, "big")
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+# -- per-client state leaves: aborted connections, measured in a server process ----------------
+
+#: Connections per round, and rounds after the warm-up one.
+CONNECTIONS = 500
+ROUNDS = 3
+#: Tolerances: resident memory may move by this much from its level after the warm-up round.
+RSS_TOLERANCE_MB = 3.0
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def _connect_and_abort(port: int, wid: str, limit: trio.Semaphore) -> None:
+    async with limit:
+        sock = await _raw_websocket(f"http://127.0.0.1:{port}", wid, str(uuid.uuid4()), "tok")
+        # hello arrived; now the connection is reset: no close frame, no FIN.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
+async def _settled_fds(pid: int, target: int) -> int:
+    """The server's descriptor count once it is back to ``target`` (bounded): it closes an
+    aborted socket when it notices the reset, a moment after the client went."""
+    with trio.move_on_after(WAIT):
+        while _fds(pid) > target:
+            await trio.sleep(0.05)  # another process: nothing to wait on but its /proc entry
+    return _fds(pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_aborted_websockets_leave_rss_and_descriptors_at_their_baseline(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    config = {
+        "providers": {"echo": {"type": "echo", "delay_ms": 5}},
+        "models": {"large": {"provider": "echo", "model": "echo"}},
+        "server": {"detach_grace": 0.2},
+    }
+    (tmp_path / "server.json").write_text(orjson.dumps(config).decode())
+    cmd = [
+        sys.executable,
+        "-m",
+        "crush_trio",
+        "serve",
+        "--port",
+        "0",
+        "--token",
+        "tok",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--config",
+        str(tmp_path / "server.json"),
+        "--no-access-log",
+        "--log-level",
+        "ERROR",
+    ]
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                check=False,
+            )
+        )
+        try:
+            assert proc.stdout is not None
+            line = b""
+            with trio.fail_after(20):
+                while not line.endswith(b"\n"):
+                    line += await proc.stdout.receive_some(1)
+            url = line.decode().split()[-1].split("/?")[0]
+            port = int(url.rsplit(":", 1)[1])
+            await _rounds_keep_baseline(url, port, project, proc.pid)
+        finally:
+            proc.terminate()
+            with trio.move_on_after(WAIT):
+                await proc.wait()
+            proc.kill()
+
+
+async def _rounds_keep_baseline(url: str, port: int, project: Path, pid: int) -> None:
+    headers = {"Authorization": "Bearer tok"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=WAIT) as http:
+        r = await http.post(
+            "/v1/workspaces", json={"path": str(project), "client_id": str(uuid.uuid4())}
+        )
+        assert r.status_code == 200, r.text
+        wid = r.json()["id"]
+        r = await http.post(f"/v1/workspaces/{wid}/sessions", json={"title": "streaming"})
+        sid = r.json()["id"]
+        words = " ".join(f"w{n}" for n in range(20_000))  # streams for the whole test
+        r = await http.post(
+            f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "prompt": words}
+        )
+        assert r.status_code == 202, r.text
+        limit = trio.Semaphore(50)
+        fds_before = _fds(pid)
+
+        async def one_round() -> None:
+            async with trio.open_nursery() as nursery:
+                for _ in range(CONNECTIONS):
+                    nursery.start_soon(_connect_and_abort, port, wid, limit)
+            assert (await http.get("/v1/health")).status_code == 200
+
+        await one_round()  # warm-up: the allocator's arenas, the first-use caches
+        fds_base = await _settled_fds(pid, fds_before)
+        rss_base = _rss_mb(pid)
+        samples = []
+        for _ in range(ROUNDS):
+            await one_round()
+            samples.append((_rss_mb(pid), await _settled_fds(pid, fds_base)))
+        print(f"fds {fds_before} -> {fds_base}; rss base {rss_base:.1f} MB; rounds {samples}")
+        assert fds_base == fds_before
+        assert all(fds == fds_base for _, fds in samples), samples
+        assert max(rss for rss, _ in samples) <= rss_base + RSS_TOLERANCE_MB, (rss_base, samples)
+        r = await http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel", json={})
+        assert r.status_code == 200, r.text
