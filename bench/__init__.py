@@ -6,7 +6,8 @@ played by a fake OpenAI-compatible server on loopback (:mod:`bench.fake`) or the
 model. Server CPU time and memory come from ``/proc/<pid>``. Layout:
 
 * :mod:`bench.__main__`: the command line; runs the workloads, prints and writes the results.
-* :mod:`bench.workloads`: W1 throughput, W2 latency, W3 fan-out, W4 memory, W5 chaos.
+* :mod:`bench.workloads`: W1 throughput, W2 latency, W3 fan-out, W4 memory, W5 chaos (one
+  module each, on the building blocks of :mod:`bench.workloads.common`).
 * :mod:`bench.client`: the client worker processes (load generators) and why some of them
   read raw frames.
 * :mod:`bench.procs`: child processes, the JSON-line protocol with them, ``/proc`` readings.

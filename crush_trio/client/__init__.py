@@ -3,10 +3,15 @@
 Layers, from the socket up:
 
 * :mod:`.connection`: :func:`connect` / :func:`embedded` and :class:`Client` (HTTP, errors).
-* :mod:`.workspace`: :class:`WorkspaceClient`, one open workspace with its one event stream
-  (reader task, reconnect with ``since``, refetch after a ``gap``).
+* :mod:`.transport`: opening one websocket to a workspace's event stream, up to its ``hello``.
+* :mod:`.stream`: :class:`~.stream.EventStream`, a workspace's one event stream: the reader task,
+  reconnect with ``since``, websocket commands, refetch after a ``gap``.
+* :mod:`.workspace`: :class:`WorkspaceClient`, one open workspace: its HTTP operations, its
+  prompts, and the lifecycle of its event stream.
 * :mod:`.runs`: :class:`RunHandle`, one prompt's events and final record, with the rules that
-  tell a run's own events from everyone else's.
+  tell a run's own events from everyone else's; it asks the stream for I/O through
+  :class:`~.runs.RunFeed`.
+* :mod:`.subscription`: :class:`Subscription`, every event of a workspace.
 * :mod:`.events`: decoded events and the bounded mailboxes between the reader and consumers.
 * :mod:`.eventsocket`: :func:`open_event_socket`, one raw connection to a workspace's event
   stream (frames as text, not decoded), for callers that want the stream as the server sends it.
@@ -54,15 +59,10 @@ from .errors import (
 from .events import DEFAULT_MAILBOX_SIZE, Event, Gap
 from .eventsocket import EventSocket, open_event_socket
 from .runs import DEFAULT_RUN_TIMEOUT, RunEvents, RunHandle, is_own_agent_event
+from .stream import DEFAULT_RECONNECT_TIMEOUT, StreamStats
+from .subscription import Subscription
 from .transcript import Transcript
-from .workspace import (
-    DEFAULT_RECONNECT_TIMEOUT,
-    StreamStats,
-    Subscription,
-    WorkspaceClient,
-    latest_session,
-    resolve_session_prefix,
-)
+from .workspace import WorkspaceClient, latest_session, resolve_session_prefix
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT",

@@ -12,10 +12,10 @@ import logging
 import os
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import attrs
@@ -25,9 +25,11 @@ import trio
 
 from .. import wire
 from ..wire import Workspace
-from .errors import AuthError, CrushError, Timeout, Unreachable, error_for_status
+from .errors import AuthError, Timeout, Unreachable, error_for_status, single_errors
 from .events import DEFAULT_MAILBOX_SIZE
-from .workspace import CLOSE_TIMEOUT, DEFAULT_RECONNECT_TIMEOUT, WorkspaceClient
+from .stream import DEFAULT_RECONNECT_TIMEOUT
+from .transport import bearer_headers, websocket_base
+from .workspace import WorkspaceClient, open_workspace
 
 if TYPE_CHECKING:
     from ..server.serve import ServeOptions, ServerHandle
@@ -69,49 +71,6 @@ def parse_server_url(url: str, token: str | None = None) -> tuple[str, str | Non
     return f"{parts.scheme}://{parts.netloc}", token, None
 
 
-def _only_error(group: BaseExceptionGroup[Any]) -> BaseException | None:
-    """The one exception a group stands for: its single leaf, or its single non-Cancelled leaf."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    if len(leaves) == 1:
-        return leaves[0]
-    real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
-    return real[0] if len(real) == 1 else None
-
-
-def _reraise(exc: BaseException) -> NoReturn:
-    context = exc.__context__
-    try:
-        raise exc
-    finally:
-        exc.__context__ = context
-        del exc, context
-
-
-def _absolute(path: str | os.PathLike[str]) -> str:
-    return os.path.abspath(os.fspath(path))
-
-
-@contextmanager
-def single_errors() -> Iterator[None]:
-    """Let one exception out of nurseries as itself, not inside an exception group."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        only = _only_error(group)
-        if only is None:
-            raise
-        _reraise(only)
-
-
 class Client:
     """A connection to one server. Get it from :func:`connect` or :func:`embedded`.
 
@@ -137,7 +96,7 @@ class Client:
         self.http = http
         self.base_url = url
         self.url = f"unix:{unix_path}" if unix_path is not None else url
-        self.ws_base = url.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        self.ws_base = websocket_base(url)
         self.token = token
         self.unix_path = unix_path
         self.client_id = client_id or str(uuid.uuid4())
@@ -147,9 +106,8 @@ class Client:
         self.server: ServerHandle | None = None
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
-        if not self.token:
-            return []
-        return [(b"Authorization", f"Bearer {self.token}".encode())]
+        """The websocket handshake's ``Authorization`` header (none without a token)."""
+        return bearer_headers(self.token)
 
     async def request(
         self,
@@ -239,45 +197,8 @@ class Client:
             ShuttingDown: the server is shutting down.
             Unreachable, AuthError: the server or its event stream cannot be reached.
         """
-        absolute = _absolute(path)
-        data = await self.request(
-            "POST", "/v1/workspaces", json={"path": absolute, "client_id": self.client_id}
-        )
-        info = wire.converter.structure(data, Workspace)
-        ws = WorkspaceClient(
-            self,
-            info,
-            mailbox_size=self.mailbox_size,
-            reconnect_timeout=self.reconnect_timeout,
-        )
-        try:
-            with single_errors():
-                async with trio.open_nursery() as nursery:
-                    ws._nursery = nursery
-                    if events:
-                        await nursery.start(ws._stream)
-                        nursery.start_soon(ws._resync_worker)
-                    try:
-                        yield ws
-                    finally:
-                        try:
-                            if events:
-                                await ws._close_stream()
-                        finally:
-                            ws._close()
-                            nursery.cancel_scope.cancel()
-        finally:
-            ws._close()
-            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
-                try:
-                    await self.request(
-                        "DELETE",
-                        f"/v1/workspaces/{info.id}",
-                        params={"client_id": self.client_id},
-                        timeout=CLOSE_TIMEOUT,
-                    )
-                except CrushError as exc:
-                    log.debug("releasing workspace %s: %s", info.id, exc)
+        async with open_workspace(self, path, events=events) as ws:
+            yield ws
 
 
 @asynccontextmanager

@@ -9,7 +9,11 @@ wait ran out of time, a run failed.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final, NoReturn
+
+import trio
 
 from ..errors import (
     BadRequest,
@@ -39,6 +43,7 @@ __all__ = [
     "Unreachable",
     "UnsupportedMediaType",
     "error_for_status",
+    "single_errors",
 ]
 
 
@@ -87,3 +92,42 @@ def error_for_status(status: int, message: str) -> CrushError:
     """The client-side error for an HTTP (or websocket reply) ``status`` and server message."""
     cls = _BY_STATUS.get(status, CrushError)
     return cls(message)
+
+
+def _only_error(group: BaseExceptionGroup[Any]) -> BaseException | None:
+    """The one exception a group stands for: its single leaf, or its single non-Cancelled leaf."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    if len(leaves) == 1:
+        return leaves[0]
+    real = [e for e in leaves if not isinstance(e, trio.Cancelled)]
+    return real[0] if len(real) == 1 else None
+
+
+def _reraise(exc: BaseException) -> NoReturn:
+    context = exc.__context__
+    try:
+        raise exc
+    finally:
+        exc.__context__ = context
+        del exc, context
+
+
+@contextmanager
+def single_errors() -> Iterator[None]:
+    """Let one exception out of nurseries as itself, not inside an exception group."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        only = _only_error(group)
+        if only is None:
+            raise
+        _reraise(only)

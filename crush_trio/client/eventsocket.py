@@ -17,7 +17,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import orjson
 import trio
@@ -29,14 +28,18 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
-from .connection import parse_server_url, single_errors
-from .errors import CrushError, Timeout, Unreachable
-from .workspace import (
+from .connection import parse_server_url
+from .errors import CrushError, Timeout, Unreachable, single_errors
+from .transport import (
     HELLO_TIMEOUT,
     MAX_EVENT_BYTES,
     WS_QUEUE_SIZE,
+    bearer_headers,
     open_stream_socket,
+    receive_hello,
     rejection_error,
+    stream_resource,
+    websocket_base,
 )
 
 __all__ = ["EventSocket", "open_event_socket"]
@@ -138,18 +141,15 @@ async def open_event_socket(
     """
     base, token, unix_path = parse_server_url(url, token)
     client_id = client_id or str(uuid.uuid4())
-    query: dict[str, Any] = {"client_id": client_id}
-    if since is not None:
-        query["since"] = since
-    resource = f"/v1/workspaces/{quote(workspace_id, safe='')}/ws?{urlencode(query)}"
-    headers = [(b"Authorization", f"Bearer {token}".encode())] if token else []
+    resource = stream_resource(workspace_id, client_id, since)
+    headers = bearer_headers(token)
     where = f"the event stream of workspace {workspace_id} at {url.split('?')[0]}"
     with single_errors():
         async with AsyncExitStack() as stack:
             try:
                 conn = await stack.enter_async_context(
                     open_stream_socket(
-                        base.replace("https://", "wss://", 1).replace("http://", "ws://", 1),
+                        websocket_base(base),
                         unix_path,
                         resource,
                         headers,
@@ -158,8 +158,7 @@ async def open_event_socket(
                         max_message_size=max_message_size,
                     )
                 )
-                with trio.fail_after(timeout):
-                    hello = orjson.loads(await conn.get_message())
+                hello = await receive_hello(conn, where, timeout)
             except (
                 ConnectionClosed,
                 HandshakeError,
@@ -168,10 +167,6 @@ async def open_event_socket(
                 orjson.JSONDecodeError,
             ) as exc:
                 raise _open_failure(where, exc, timeout) from exc
-            if not isinstance(hello, dict) or hello.get("type") != "hello":
-                raise Unreachable(
-                    f"{where} did not start with a hello frame; is this a crush_trio server?"
-                )
             yield EventSocket(conn, hello, client_id)
 
 

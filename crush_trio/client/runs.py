@@ -2,7 +2,7 @@
 
 :meth:`WorkspaceClient.prompt <crush_trio.client.WorkspaceClient.prompt>` registers a
 :class:`RunHandle` *before* it sends the prompt, so no event of the run can be missed, then the
-workspace's reader task offers it every event of the workspace. The handle keeps only those that
+workspace's event stream offers it every event of the workspace. The handle keeps only those that
 belong to its run, by these rules (the same as ``crush-trio run``'s):
 
 * ``run_complete`` ends the run when its ``run_id`` is the handle's. Another run's
@@ -21,7 +21,8 @@ belong to its run, by these rules (the same as ``crush-trio run``'s):
   ``message`` event with the call may have been dropped); it is passed on once it matches. So
   ``auto_approve`` never answers another run's request, even in the same session.
 
-The logic here is synchronous; the workspace's tasks do the I/O it asks for (refetches, grants).
+The logic here is synchronous; the workspace's event stream does the I/O it asks for (refetches,
+grants) through the small protocol :class:`RunFeed`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import collections
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import trio
 
@@ -54,6 +55,22 @@ if TYPE_CHECKING:
 
 #: Default bound on waiting for a run's end or its next event (seconds).
 DEFAULT_RUN_TIMEOUT: Final = 600.0
+
+GrantAction = Literal["allow", "allow_session", "deny"]
+
+
+class RunFeed(Protocol):
+    """What a run handle asks of the event stream that offers it events
+    (:class:`~crush_trio.client.stream.EventStream`). Each call returns at once."""
+
+    def resync(self, handle: RunHandle, *, messages: bool) -> None:
+        """Re-read the run's record (and its session's messages) over HTTP: events may be lost."""
+
+    def grant_soon(self, permission_id: str, action: GrantAction) -> None:
+        """Answer a permission request of the run (``auto_approve``)."""
+
+    def forget(self, handle: RunHandle) -> None:
+        """The run has ended: offer it no more events."""
 
 
 def is_own_agent_event(event: AgentEvent, run_id: str, session_id: str) -> bool:
@@ -128,10 +145,12 @@ class RunHandle:
         run_id: str,
         prompt: str,
         *,
+        feed: RunFeed,
         auto_approve: bool = False,
         mailbox_size: int = DEFAULT_MAILBOX_SIZE,
     ) -> None:
         self.workspace = workspace
+        self._feed = feed
         self.session_id = session_id
         self.run_id = run_id
         self.prompt = prompt
@@ -193,7 +212,7 @@ class RunHandle:
             f"with RunHandle.cancel()"
         )
 
-    # -- routing (called by the workspace's reader task; never blocks) -------------------------
+    # -- routing (called by the event stream's reader task; never blocks) -------------------------
 
     def offer(self, event: Event) -> None:
         """Take ``event`` if it belongs to this run (see the module docstring)."""
@@ -225,7 +244,7 @@ class RunHandle:
                     self._accept_permission(event, payload)
                 else:
                     self._unconfirmed.append(event)
-                    self.workspace._schedule_resync(self, messages=True)
+                    self._feed.resync(self, messages=True)
         elif event.type == "permission_notification":
             assert isinstance(payload, PermissionNotification)
             if any(
@@ -271,7 +290,7 @@ class RunHandle:
         self._asked_wakeup.set()
         self._deliver(event)
         if self.auto_approve:
-            self.workspace._schedule_grant(request.id, "allow")
+            self._feed.grant_soon(request.id, "allow")
 
     def _deliver(self, event: Event) -> None:
         self.events_received += 1
@@ -293,9 +312,9 @@ class RunHandle:
         self._mailbox.close()
         self._done.set()
         self._asked_wakeup.set()
-        self.workspace._forget(self)
+        self._feed.forget(self)
 
-    # -- refetched state (called by the workspace's resync task) -------------------------------
+    # -- refetched state (called by the event stream's resync task) -------------------------------
 
     def refetched_run(self, run: Run) -> None:
         """The run record read over HTTP after events may have been missed."""
@@ -334,7 +353,7 @@ class RunHandle:
         self._mailbox.close()
         self._done.set()
         self._asked_wakeup.set()
-        self.workspace._forget(self)
+        self._feed.forget(self)
 
     # -- consumer API ----------------------------------------------------------------------------
 

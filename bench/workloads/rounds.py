@@ -1,0 +1,128 @@
+"""Rounds of concurrent one-prompt sessions, measured from client worker processes (W1, W2)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from ..procs import (
+    ServerProcess,
+)
+from .common import (
+    Ctx,
+    all_events,
+    broadcast,
+    split,
+    workers,
+)
+
+#: A phase of runs gives up when no run has ended for this long (seconds).
+STALL_AFTER: Final = 30.0
+
+
+@dataclass
+class LevelResult:
+    mode: str
+    n: int
+    runs: int = 0
+    completed: int = 0
+    failed: int = 0
+    missing: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    tokens: int = 0
+    events: int = 0
+    hwm: int = 0
+    gaps: int = 0
+    first_text: list[float] = field(default_factory=list)
+    #: Each measured round's first-text samples, in round order.
+    round_first_text: list[list[float]] = field(default_factory=list)
+    #: Submit → the model sent the run's first token (with a stamping model).
+    first_token_sent: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def runs_per_s(self) -> float:
+        return self.runs / self.wall if self.wall else float("nan")
+
+    @property
+    def cpu_per_run(self) -> float:
+        return self.cpu / self.runs if self.runs else float("nan")
+
+
+async def run_rounds(
+    ctx: Ctx,
+    server: ServerProcess,
+    project: Path,
+    level: LevelResult,
+    prompt_text: str,
+    *,
+    rounds: int,
+    stamp: bool = False,
+    warm_up: str | None = None,
+) -> list[float]:
+    """Run ``rounds`` rounds of ``level.n`` concurrent one-prompt sessions; returns the token
+    latencies (when stamped). With ``warm_up``, one round of that prompt goes first, unmeasured,
+    in the same client processes: it warms the server (provider client, connection pool, code
+    paths) and the clients (connections, the client library's decoders)."""
+    procs = 1 if level.n <= 10 else 2
+    shares = split(level.n, procs)
+    cfg = {
+        "url": server.url,
+        "project": str(project),
+        "stamp": stamp,
+        "connections": max(shares) + 8,
+    }
+    token_latency: list[float] = []
+    async with workers(ctx, "runs", [cfg] * procs, f"w-{level.mode}-{level.n}") as ws:
+
+        async def one_round(text: str) -> tuple[list[dict[str, Any]], float, float]:
+            """The workers' ``done`` events, the server's CPU seconds and the start time."""
+            for child, share in zip(ws, shares, strict=True):
+                await child.send({"cmd": "sessions", "count": share})
+            await all_events(ws, "sessions", 120)
+            cpu0, t0 = server.cpu(), time.time()
+            command = {
+                "cmd": "go",
+                "prompt": text,
+                "timeout": ctx.sizes.phase_timeout,
+                "stall": STALL_AFTER,
+            }
+            await broadcast(ws, command)
+            done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
+            return done, server.cpu() - cpu0, t0
+
+        await all_events(ws, "ready", 60)
+        if warm_up is not None:
+            await one_round(warm_up)
+        for r in range(rounds):
+            done, cpu, t0 = await one_round(prompt_text)
+            level.cpu += cpu
+            level.wall += max(d["finished"] for d in done) - t0
+            level.events += done[0]["frames"]
+            level.round_first_text.append([x for d in done for x in d["first_text"]])
+            for d in done:
+                level.runs += d["runs"]
+                level.completed += d["completed"]
+                level.failed += d["failed"]
+                level.missing += d["missing"]
+                level.tokens += d["tokens"]
+                level.gaps += d["gaps"]
+                level.first_text += d["first_text"]
+                level.first_token_sent += d.get("first_token_sent", [])
+                level.latency += d["latency"]
+                level.errors += d["errors"]
+                token_latency += d["token_latency"]
+                if d["drops"]:
+                    level.errors.append(
+                        f"the event stream dropped {d['drops']} time(s) (the client library "
+                        "re-opened it with since)"
+                    )
+            if rounds > 1 and (r + 1) % max(1, rounds // 5) == 0:
+                ctx.log(f"  round {r + 1}/{rounds}")
+        await broadcast(ws, {"cmd": "quit"})
+    level.hwm = server.memory().hwm
+    return token_latency

@@ -1,0 +1,94 @@
+"""Every size of the benchmark, with the full and the smoke presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+
+@dataclass
+class Sizes:
+    """Every size of the benchmark; :data:`FULL` and :data:`SMOKE` are the presets."""
+
+    w1_levels: list[int]
+    w1_min_runs: int
+    w1_tokens: int
+    w1_modes: list[str]
+    w2_runs: int
+    #: Measured rounds of ``w2_runs`` concurrent runs; the percentiles pool every round's runs.
+    w2_rounds: int
+    w2_tokens: int
+    w2_delay_ms: float
+    w3_clients: list[int]
+    w3_updates: int
+    w3_delay_ms: float
+    w4_idle: int
+    w4_updates: int
+    w4_delay_ms: float
+    soak_runs: int
+    soak_concurrency: int
+    soak_per_session: int
+    w5_seconds: float
+    w5_workers: int
+    w5_sessions: int
+    w5_actors: int
+    #: Bound on one measured phase (seconds); a hung phase fails the workload.
+    phase_timeout: float = 180.0
+    #: Settling time before an idle RSS reading (seconds).
+    settle: float = 2.0
+    #: W4: a warm-up run before the measured ones.
+    w4_warmup: bool = True
+    smoke: bool = False
+
+
+FULL: Final = Sizes(
+    w1_levels=[1, 10, 50, 200],
+    w1_min_runs=100,
+    w1_tokens=200,
+    w1_modes=["fake", "echo"],
+    w2_runs=50,
+    w2_rounds=5,
+    w2_tokens=200,
+    w2_delay_ms=20.0,
+    w3_clients=[10, 100, 1000],
+    w3_updates=5000,
+    w3_delay_ms=1.0,
+    w4_idle=1000,
+    w4_updates=5000,
+    w4_delay_ms=1.0,
+    soak_runs=10_000,
+    soak_concurrency=8,
+    soak_per_session=10,
+    w5_seconds=60.0,
+    w5_workers=2,
+    w5_sessions=4,
+    w5_actors=6,
+)
+
+SMOKE: Final = Sizes(
+    w1_levels=[2],
+    w1_min_runs=2,
+    w1_tokens=20,
+    w1_modes=["fake", "echo"],
+    w2_runs=3,
+    w2_rounds=2,
+    w2_tokens=10,
+    w2_delay_ms=20.0,
+    w3_clients=[3],
+    w3_updates=50,
+    w3_delay_ms=1.0,
+    w4_idle=10,
+    w4_updates=100,
+    w4_delay_ms=1.0,
+    soak_runs=20,
+    soak_concurrency=2,
+    soak_per_session=5,
+    w5_seconds=3.0,
+    w5_workers=1,
+    w5_sessions=2,
+    w5_actors=3,
+    phase_timeout=60.0,
+    settle=0.3,
+    w4_warmup=False,
+    smoke=True,
+)

@@ -1,0 +1,252 @@
+"""W3, fan-out: one run streaming to N websocket clients, against a bare trio-websocket server
+pushing the same recorded frames to the same clients."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+
+from .. import charts
+from ..procs import (
+    child_process,
+    cpu_seconds,
+    python,
+    server_process,
+)
+from ..report import Table, Target, WorkloadResult
+from .common import (
+    CLIENTS_PER_PROCESS,
+    Ctx,
+    all_events,
+    bare_url,
+    broadcast,
+    fake_config,
+    fast_stream,
+    hold_workspace,
+    processes_for,
+    rate,
+    share,
+    split,
+    workers,
+)
+
+# Target (issue "Load benchmarks"): see docs/performance.md.
+W3_RATIO_TARGET: Final = 0.50
+
+#: How a recorded ``message``/``updated`` envelope continues after its ``seq`` field.
+UPDATED_MESSAGE: Final = ',"type":"message","payload":{"type":"updated"'
+
+
+@dataclass
+class FanOut:
+    clients: int
+    deliveries: int = 0
+    cpu: float = 0.0
+    wall: float = 0.0
+    updates: int = 0
+    frames: int = 0
+    gaps: int = 0
+    complete: int = 0
+    closes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def per_cpu(self) -> float:
+        """NaN when the CPU time was too short to measure (under one clock tick)."""
+        return self.deliveries / self.cpu if self.cpu > 0 else float("nan")
+
+
+async def watch_until_done(
+    ctx: Ctx,
+    name: str,
+    url: str,
+    wid: str,
+    clients: int,
+    start: Callable[[], Any],
+    measure: Callable[[], float],
+    record: Path | None = None,
+    within: float | None = None,
+) -> FanOut:
+    """Connect ``clients`` watchers of workspace ``wid`` at ``url`` over several processes, call
+    ``start`` (async), and wait until every watcher saw ``run_complete`` (within ``within`` seconds,
+    by default the phase timeout); ``measure`` reads the server's CPU seconds."""
+    procs = processes_for(clients)
+    configs = [
+        {
+            "url": url,
+            "wid": wid,
+            "count": share,
+            "record": str(record) if record and i == 0 else None,
+        }
+        for i, share in enumerate(split(clients, procs))
+    ]
+    fan = FanOut(clients)
+    async with workers(ctx, "watch", configs, name) as ws:
+        ready = await all_events(ws, "ready", 300)
+        failed = sum(r["failed"] for r in ready)
+        if failed:
+            raise RuntimeError(f"{name}: {failed} of {clients} websocket clients failed to connect")
+        cpu0, t0 = measure(), time.time()
+        await start()
+        done = await all_events(ws, "done", within or ctx.sizes.phase_timeout)
+        fan.cpu = measure() - cpu0
+        fan.wall = max(d["last_end"] for d in done) - t0
+        fan.deliveries = sum(d["frames"] for d in done)
+        fan.gaps = sum(d["gaps"] for d in done)
+        fan.complete = sum(d["run_complete"] for d in done)
+        for d in done:
+            for code, n in d["closes"].items():
+                fan.closes[code] = fan.closes.get(code, 0) + n
+        await broadcast(ws, {"cmd": "quit"})
+    return fan
+
+
+async def w3(ctx: Ctx) -> WorkloadResult:
+    s = ctx.sizes
+    result = WorkloadResult("W3", "Fan-out")
+    table = Table(
+        f"One run streaming {s.w3_updates:,} tokens (fake model, {s.w3_delay_ms:g} ms per token, "
+        "debounce off, so up to one update per token) to N websocket clients, against a bare "
+        "trio-websocket server pushing the same recorded frames to the same clients",
+        [
+            "clients",
+            "client procs",
+            "updates published",
+            "server: deliveries",
+            "server: msgs/CPU-s",
+            "server: wall",
+            "gaps",
+            "bare: msgs/CPU-s",
+            "bare: wall",
+            "ratio",
+        ],
+    )
+    rows: list[dict[str, Any]] = []
+    stream = fast_stream(ctx, "w3-fake", s.w3_updates, s.w3_delay_ms)
+    async with stream as fake_url:
+        for n in s.w3_clients:
+            rows.append(await w3_level(ctx, n, fake_url, result, table))
+    result.tables.append(table)
+    result.notes += [
+        "Deliveries are websocket frames received by all clients from the prompt to the last "
+        "client's `run_complete`; msgs/CPU-s divides them by the server process's CPU seconds "
+        "over that interval (the run's own work: reading the model's stream, store writes, "
+        "encoding, is included).",
+        "The bare server replays exactly the frames the first client received from the real "
+        "server (same count, same bytes) to the same number of clients from the same client "
+        "processes. Each `message` event carries the whole message so far (here up to "
+        f"{2 * s.w3_updates:,} characters of text); when the server falls behind the model it "
+        "coalesces tokens into fewer updates, so the update count drops as clients grow.",
+        f"Clients are spread over one process per {CLIENTS_PER_PROCESS} clients.",
+    ]
+    result.raw = {"levels": rows}
+    result.chart = lambda path: charts.w3(path, result.raw)
+    return result
+
+
+async def w3_level(
+    ctx: Ctx, n: int, fake_url: str, result: WorkloadResult, table: Table
+) -> dict[str, Any]:
+    """One client count: the real server, then the bare ceiling with the recorded frames."""
+    ctx.log(f"[W3] {n} clients: server")
+    config = fake_config(fake_url, options={"debounce_ms": 0})
+    work = ctx.dir(f"w3-{n}")
+    record = work / "frames.json"
+    async with (
+        server_process(config, work) as server,
+        hold_workspace(server, work / "project") as ws,
+    ):
+        session = await ws.create_session("bench")
+
+        async def start() -> None:
+            await ws.prompt(session.id, "Stream your tokens.")
+
+        real = await watch_until_done(
+            ctx, f"w3-{n}-watch", server.url, ws.id, n, start, server.cpu, record
+        )
+    real.updates = sum(
+        1 for frame in _read_frames(record) if frame.startswith(UPDATED_MESSAGE, frame.find(","))
+    )
+    ctx.log(
+        f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s, "
+        f"run_complete {real.complete}/{n}, closes {real.closes or 'none'}; bare ceiling"
+    )
+    argv = python("-m", "bench.bare", "--port", "0", "--frames", str(record))
+    async with child_process(f"w3-{n}-bare", argv, work, "bare-ws listening on ") as (bare, line):
+
+        async def go() -> None:
+            assert bare.process.stdin is not None
+            await bare.process.stdin.send_all(b"go\n")
+
+        # The bare server sends every recorded frame as fast as the clients read them: as many
+        # bytes as the real run moved, which at 1,000 clients can take longer than a phase.
+        ceiling = await watch_until_done(
+            ctx,
+            f"w3-{n}-bare-watch",
+            bare_url(line),
+            "bare",
+            n,
+            go,
+            partial(cpu_seconds, bare.pid),
+            within=max(ctx.sizes.phase_timeout, BARE_TIMEOUT_FACTOR * real.wall),
+        )
+    ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
+    ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
+    table.add(
+        n,
+        processes_for(n),
+        f"{real.updates:,}",
+        f"{real.deliveries:,}",
+        rate(real.per_cpu),
+        f"{real.wall:.2f} s",
+        real.gaps,
+        rate(ceiling.per_cpu),
+        f"{ceiling.wall:.2f} s",
+        share(ratio),
+    )
+    result.targets.append(
+        Target(
+            f"msgs per CPU-second vs bare ceiling, {n} clients",
+            share(ratio),
+            "≥ 50%",
+            ratio >= W3_RATIO_TARGET,
+        )
+    )
+    result.targets.append(
+        Target(
+            f"every client got run_complete, {n} clients",
+            f"{real.complete}/{n}",
+            "all",
+            real.complete == n,
+        )
+    )
+    return {
+        "clients": n,
+        "updates": real.updates,
+        "deliveries": real.deliveries,
+        "server_cpu": real.cpu,
+        "server_per_cpu": real.per_cpu,
+        "server_wall": real.wall,
+        "gaps": real.gaps,
+        "closes": real.closes,
+        "run_complete": real.complete,
+        "bare_deliveries": ceiling.deliveries,
+        "bare_cpu": ceiling.cpu,
+        "bare_per_cpu": ceiling.per_cpu,
+        "bare_wall": ceiling.wall,
+        "ratio": ratio,
+    }
+
+
+#: The bare ceiling of W3 gets this many times the real server's wall time (at least a phase).
+BARE_TIMEOUT_FACTOR: Final = 6.0
+
+
+def _read_frames(path: Path) -> list[str]:
+    frames: list[str] = orjson.loads(path.read_bytes())
+    return frames
