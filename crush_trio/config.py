@@ -131,6 +131,12 @@ DEFAULT_WS_PING_INTERVAL: Final = 20.0
 #: ``TCP_USER_TIMEOUT`` on accepted sockets, in milliseconds (0 leaves the OS default).
 DEFAULT_TCP_USER_TIMEOUT_MS: Final = 2000
 
+# Bounds on queued prompts (per session).
+#: Prompts one session may have waiting in its queue (a busy session's later prompts).
+DEFAULT_MAX_QUEUED_PROMPTS: Final = 256
+#: UTF-8 bytes of prompt text one session may have waiting in its queue (16 MiB).
+DEFAULT_MAX_QUEUED_PROMPT_BYTES: Final = 16 * 1024 * 1024
+
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
 
@@ -244,6 +250,9 @@ class ServerOptions:
     ws_ping_interval: float = _positive(DEFAULT_WS_PING_INTERVAL)
     tcp_user_timeout_ms: int = DEFAULT_TCP_USER_TIMEOUT_MS
     allow_origins: list[str] = attrs.field(factory=list)
+    # Bounds on queued prompts, per session (429 past either).
+    max_queued_prompts: int = _positive(DEFAULT_MAX_QUEUED_PROMPTS)
+    max_queued_prompt_bytes: int = _positive(DEFAULT_MAX_QUEUED_PROMPT_BYTES)
 
 
 @attrs.frozen

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from ..agent.runner import Agent
-from ..agent.runs import RunBook, save_run
+from ..agent.runs import RunBook
 from ..broker import Broker
 from ..config import Config, ServerOptions
 from ..errors import Conflict
@@ -39,7 +39,6 @@ from ..wire import (
     FinishPart,
     FinishReason,
     Message,
-    Role,
     RunStatus,
     Session,
     new_id,
@@ -198,6 +197,8 @@ class Workspace:
                         provider_factory=self.provider_factory,
                         tools=self._make_tools(),
                         on_idle=self.poke,
+                        max_queued_prompts=self.server.max_queued_prompts,
+                        max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -251,23 +252,36 @@ class Workspace:
             self._changed = trio.Event()
 
     async def _recover_stopped_runs(self) -> None:
-        """Runs a killed process left running or queued end ``failed``; their assistant messages
-        get a finish part so nothing stays hanging."""
+        """End what a killed process left behind, before any new prompt is accepted.
+
+        Every run it left ``running`` or ``queued`` (each one was answered 202, so each has a
+        record) ends ``failed`` with :data:`STOPPED_RUN_ERROR`, saved in one transaction; each
+        assistant message it left without a finish part (streaming at the kill, in any session)
+        gets ``finish {"reason": "error"}``. They are failed rather than run again: a run that
+        was streaming may have run tools with side effects, and one that was queued may be
+        stale by now; the client sees the failure in ``GET runs/{id}`` and decides whether to
+        send the prompt again (docs/protocol.md "Durability of an accepted prompt").
+        """
         stale = await self.store.list_runs({RunStatus.RUNNING, RunStatus.QUEUED})
-        sessions = {run.session_id for run in stale}
+        finished = now()
         for run in stale:
             run.status = RunStatus.FAILED
             run.error = STOPPED_RUN_ERROR
-            run.finished_at = now()
-            await save_run(self.store, run)
-        for session_id in sessions:
-            for msg in await self.store.list_messages(session_id):
-                if msg.role is Role.ASSISTANT and msg.finish() is None:
-                    msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
-                    msg.updated_at = now()
-                    await self.store.update_message(msg)
+            run.finished_at = finished
         if stale:
-            log.warning("marked %d runs left by a stopped server as failed", len(stale))
+            await self.store.save_runs(stale)
+        unfinished = await self.store.unfinished_assistant_messages()
+        for msg in unfinished:
+            msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
+            msg.updated_at = finished
+        if unfinished:
+            await self.store.write_messages(unfinished)
+        if stale or unfinished:
+            log.warning(
+                "marked %d runs and %d assistant messages left by a stopped server as failed",
+                len(stale),
+                len(unfinished),
+            )
 
     # -- sessions -------------------------------------------------------------------------------
 

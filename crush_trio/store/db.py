@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -95,9 +95,17 @@ CREATE TABLE runs (
 CREATE INDEX idx_runs_status ON runs (status);
 """
 
+# Version 2: a run record keeps its prompt, written in the same transaction that makes the run
+# exist (a 202 is sent only after that commit), and streaming messages can be found by index
+# when a killed process left them unfinished.
+_MIGRATION_2: Final = """
+ALTER TABLE runs ADD COLUMN prompt TEXT NOT NULL DEFAULT '';
+CREATE INDEX idx_messages_unfinished ON messages (role) WHERE finished_at IS NULL;
+"""
+
 #: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
 #: ``i + 1``. Append new scripts; never edit one that has shipped.
-MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2)
 
 #: The schema version this code writes (``PRAGMA user_version`` after opening).
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -680,9 +688,14 @@ class Store:
 
         await self._call(f"creating run {run.run_id!r}", op)
 
-    async def save_runs(self, runs: list[Run]) -> None:
-        """Insert or update several run records in one transaction."""
-        rows = [_run_row(run) for run in runs]
+    async def save_runs(self, runs: list[Run], prompts: Mapping[str, str] | None = None) -> None:
+        """Insert or update several run records in one transaction.
+
+        ``prompts`` gives the prompt text of runs being inserted (by run id); it is written only
+        when the row is created, never by an update.
+        """
+        prompts = prompts or {}
+        rows = [(*_run_row(run), prompts.get(run.run_id, "")) for run in runs]
         for run in runs:
             self._run_ids.add(run.run_id)
 
@@ -690,7 +703,7 @@ class Store:
             _transaction(
                 conn,
                 lambda c: c.executemany(
-                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    f"INSERT INTO runs ({_RUN_COLUMNS}, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
                     "message_id = excluded.message_id, text = excluded.text, "
                     "error = excluded.error, finished_at = excluded.finished_at",
@@ -728,6 +741,28 @@ class Store:
             return cur.rowcount > 0
 
         return await self._call(f"updating run {run.run_id!r}", op)
+
+    async def get_run_prompt(self, run_id: str) -> str | None:
+        """The prompt text stored with a run, or None when there is no such run."""
+
+        def op(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT prompt FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            return None if row is None else str(row[0])
+
+        return await self._call(f"reading the prompt of run {run_id!r}", op)
+
+    async def unfinished_assistant_messages(self) -> list[Message]:
+        """Assistant messages with no finish part (streaming when a process was killed)."""
+
+        def op(conn: sqlite3.Connection) -> list[Message]:
+            rows = conn.execute(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+                "WHERE finished_at IS NULL AND role = ? ORDER BY created_at, rowid",
+                (Role.ASSISTANT.value,),
+            ).fetchall()
+            return [_message_from_row(r) for r in rows]
+
+        return await self._call("listing unfinished assistant messages", op)
 
     async def get_run(self, run_id: str) -> Run | None:
         def op(conn: sqlite3.Connection) -> Run | None:
