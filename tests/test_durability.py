@@ -432,6 +432,12 @@ async def _one_round(
         sid = r.json()["id"]
         text = {"tool": "use the tool please"}.get(phase, f"{phase} prompt")
 
+        # accept and queue: the kill follows a random 202 at once (the moment a run used to be
+        # lost); the other phases: a random moment.
+        right_after = phase in ("accept", "queue")
+        kill_after = rng.randint(1, 30)
+        kill_now = trio.Event()
+
         async def prompter(n: int) -> None:
             for _ in range(n):
                 run_id = uuid.uuid4().hex
@@ -445,15 +451,18 @@ async def _one_round(
                     return  # killed
                 if r.status_code == 202:
                     accepted.add(run_id)
+                    if right_after and len(accepted) - before >= kill_after:
+                        kill_now.set()
 
+        before = len(accepted)
         async with trio.open_nursery() as nursery:
-            bursts = 3 if phase in ("accept", "queue") else 1
-            for _ in range(bursts):
-                nursery.start_soon(prompter, 20 if phase in ("accept", "queue") else 2)
+            for _ in range(3 if right_after else 1):
+                nursery.start_soon(prompter, 20 if right_after else 2)
             if phase == "shutdown":
                 await trio.sleep(rng.uniform(0.0, 0.15))  # a random moment
                 nursery.start_soon(_post_quietly, http, "/v1/control", {"command": "shutdown"})
-            await trio.sleep(rng.uniform(0.0, 0.3))  # the kill lands at a random moment
+            with trio.move_on_after(WAIT if right_after else rng.uniform(0.0, 0.3)):
+                await kill_now.wait()
             await proc.kill()
             nursery.cancel_scope.cancel()
 
