@@ -416,7 +416,7 @@ async def _post(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> http
 
 async def _open_workspace(http: httpx.AsyncClient, project: Path) -> str:
     """Open the project (a restarted server recovers the killed run's leftovers here)."""
-    r = await _post(http, "/v1/workspaces", {"path": str(project), "client_id": "k"})
+    r = await _post(http, "/v1/workspaces", {"path": str(project), "client_id": str(uuid.uuid4())})
     assert r.status_code == 200, r.text
     return str(r.json()["id"])
 
@@ -461,7 +461,7 @@ async def _one_round(
             if phase == "shutdown":
                 await trio.sleep(rng.uniform(0.0, 0.15))  # a random moment
                 nursery.start_soon(_post_quietly, http, "/v1/control", {"command": "shutdown"})
-            with trio.move_on_after(WAIT if right_after else rng.uniform(0.0, 0.3)):
+            with trio.move_on_after(WAIT if right_after else rng.uniform(0.05, 0.8)):
                 await kill_now.wait()
             await proc.kill()
             nursery.cancel_scope.cancel()
