@@ -9,6 +9,7 @@ moments, then checks after each restart that every run answered 202 has a termin
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import os
@@ -32,11 +33,25 @@ import trio
 import trio.testing
 
 from crush_trio.agent.runs import RECENT_RUNS_BYTES, RECENT_RUNS_KEPT
+from crush_trio.backend.workspace import STOPPED_RUN_ERROR, data_dir_for
 from crush_trio.client import WorkspaceClient
+from crush_trio.config import Config
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.store import Store
 from crush_trio.store.db import DB_FILENAME
 from crush_trio.testing import CrushServer
-from crush_trio.wire import Run
+from crush_trio.wire import (
+    FinishPart,
+    FinishReason,
+    Message,
+    Role,
+    Run,
+    RunStatus,
+    Session,
+    TextPart,
+    ToolCallPart,
+    ToolResultPart,
+)
 
 from .conftest import WAIT, completes_run, event_socket, ws_url
 from .fake_llm import FakeLLM, RecordedRequest, Reply, ToolCall
@@ -193,6 +208,54 @@ async def test_a_failed_commit_answers_an_error_and_accepts_nothing(
 
 
 # ---------------------------------------------------------------------------------------------
+# Recovery
+
+
+async def test_recovery_fails_every_accepted_run_and_repairs_the_history(
+    crush_server: CrushServer, crush_client: Any
+) -> None:
+    """What a killed process leaves (runs running and queued, a reply mid-stream with a tool
+    call half sent, a tool that was running) is ended when the workspace opens again."""
+    project = crush_server.project()
+    data_dir = data_dir_for(project.resolve(), Config(), crush_server.root / "data")
+    store = await Store.open(data_dir)
+    try:
+        await store.create_session(Session("s1"))
+        await store.create_session(Session("s2"))
+        await store.save_runs(
+            [Run("r-running", "s1", RunStatus.RUNNING), Run("r-queued", "s1", RunStatus.QUEUED)],
+            {"r-running": "first", "r-queued": "second"},
+        )
+        await store.save_runs([Run("r-tool", "s2", RunStatus.RUNNING)], {"r-tool": "third"})
+        streaming = Message("m1", "s1", Role.ASSISTANT, [TextPart("half a re")])
+        streaming.parts.append(ToolCallPart("c1", "bash", '{"comm'))
+        tool_use = Message(
+            "m2", "s2", Role.ASSISTANT, [ToolCallPart("c2", "bash", "{}", finished=True)]
+        )
+        tool_use.parts.append(FinishPart(FinishReason.TOOL_USE))
+        await store.write_messages([streaming, tool_use])
+    finally:
+        await store.aclose()
+
+    async with crush_client.workspace(project) as ws:
+        for run_id in ("r-running", "r-queued", "r-tool"):
+            run = await ws.get_run(run_id)
+            assert run.status is RunStatus.FAILED
+            assert run.error == STOPPED_RUN_ERROR
+        s1 = await ws.messages("s1")
+        s2 = await ws.messages("s2")
+    finish = s1[0].finish()
+    assert finish is not None and finish.reason is FinishReason.ERROR
+    assert s1[0].tool_calls()[0].input == "{}" and s1[0].tool_calls()[0].finished
+    # Both sessions' tool calls got an error result right after their message.
+    for history, call_id in ((s1, "c1"), (s2, "c2")):
+        assert [m.role for m in history] == [Role.ASSISTANT, Role.TOOL]
+        result = history[1].parts[0]
+        assert isinstance(result, ToolResultPart)
+        assert result.tool_call_id == call_id and result.is_error
+
+
+# ---------------------------------------------------------------------------------------------
 # Bounds on queued prompts
 
 
@@ -308,7 +371,6 @@ async def test_cancelled_queued_prompts_do_not_stay_in_memory(
 
 def test_finished_runs_kept_in_memory_are_bounded_by_bytes() -> None:
     from crush_trio.agent.runs import RunBook
-    from crush_trio.wire import RunStatus
 
     book = RunBook(store=None)  # type: ignore[arg-type]
     size = RECENT_RUNS_BYTES // 10
@@ -497,6 +559,18 @@ def _check_db(data_dir: Path, accepted: set[str]) -> None:
             "SELECT count(*) FROM messages WHERE role = 'assistant' AND finished_at IS NULL"
         ).fetchone()[0]
         assert unfinished == 0
+        # Every tool call has a result, so the history stays valid for any provider.
+        history = conn.execute("SELECT session_id, role, parts FROM messages ORDER BY rowid")
+        calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        results: collections.Counter[tuple[str, str]] = collections.Counter()
+        for session_id, role, parts in history:
+            for part in orjson.loads(parts):
+                if part["type"] == "tool_call":
+                    calls[session_id, part["data"]["id"]] += 1
+                elif part["type"] == "tool_result" and role == "tool":
+                    results[session_id, part["data"]["tool_call_id"]] += 1
+        missing = calls - results
+        assert not missing, f"tool calls without a result: {missing}"
     finally:
         conn.close()
 

@@ -737,6 +737,11 @@ def _error_text(exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__}: {exc}); this is a bug, please report it"
 
 
+def repair_tool_calls(msg: Message) -> None:
+    """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
+    _repair_tool_calls(msg, set(), cancelled=True)
+
+
 def _repair_tool_calls(msg: Message, results: set[str], *, cancelled: bool) -> None:
     """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
     for call in msg.tool_calls():

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from ..agent.runner import Agent
+from ..agent.runner import Agent, repair_tool_calls
 from ..agent.runs import RunBook
 from ..broker import Broker
 from ..config import Config, ServerOptions
@@ -39,8 +39,11 @@ from ..wire import (
     FinishPart,
     FinishReason,
     Message,
+    Part,
+    Role,
     RunStatus,
     Session,
+    ToolResultPart,
     new_id,
     now,
 )
@@ -50,6 +53,37 @@ from .holds import Holds
 log = logging.getLogger(__name__)
 
 STOPPED_RUN_ERROR = "server stopped before the run finished"
+STOPPED_TOOL_RESULT = "Error: the server stopped before the tool call finished"
+
+
+def _missing_tool_results(history: list[Message]) -> list[Message]:
+    """Error results for the tool calls of ``history`` that have none (each assistant message's
+    calls are answered by the tool messages that follow it, before the next other message)."""
+    made: list[Message] = []
+    owner: Message | None = None
+    pending: dict[str, str] = {}
+
+    def flush() -> None:
+        if owner is not None and pending:
+            parts: list[Part] = [
+                ToolResultPart(call_id, name, STOPPED_TOOL_RESULT, is_error=True)
+                for call_id, name in pending.items()
+            ]
+            made.append(
+                Message(new_id(), owner.session_id, Role.TOOL, parts, created_at=owner.created_at)
+            )
+
+    for msg in history:
+        if msg.role is Role.TOOL:
+            for part in msg.parts:
+                if isinstance(part, ToolResultPart):
+                    pending.pop(part.tool_call_id, None)
+            continue
+        flush()
+        owner = msg
+        pending = {c.id: c.name for c in msg.tool_calls()} if msg.role is Role.ASSISTANT else {}
+    flush()
+    return made
 
 
 class WorkspaceState(enum.StrEnum):
@@ -272,15 +306,26 @@ class Workspace:
             await self.store.save_runs(stale)
         unfinished = await self.store.unfinished_assistant_messages()
         for msg in unfinished:
+            repair_tool_calls(msg)
             msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
             msg.updated_at = finished
         if unfinished:
             await self.store.write_messages(unfinished)
+        # A tool call whose tool was running at the kill has no result: the session's history
+        # would be refused by the providers, so it gets an error result.
+        results: list[Message] = []
+        for session_id in {r.session_id for r in stale} | {m.session_id for m in unfinished}:
+            if self.store.session_exists(session_id):
+                results += _missing_tool_results(await self.store.list_messages(session_id))
+        if results:
+            await self.store.write_messages(results)
         if stale or unfinished:
             log.warning(
-                "marked %d runs and %d assistant messages left by a stopped server as failed",
+                "marked %d runs, %d assistant messages and %d tool calls left by a stopped "
+                "server as failed",
                 len(stale),
                 len(unfinished),
+                sum(len(m.parts) for m in results),
             )
 
     # -- sessions -------------------------------------------------------------------------------
