@@ -180,12 +180,20 @@ class Agent:
                 accepted.
         """
         accepted = await self.accept(session_id, text, run_id)
-        try:
-            await self.runs.wait_inserted(accepted.run_id)
-        except StoreError:
-            self.cancel_run(accepted.run_id)
-            raise
+        await self.durable(accepted.run_id)
         return accepted
+
+    async def durable(self, run_id: str) -> None:
+        """Return once the record of a run accepted by :meth:`accept` is committed.
+
+        Raises:
+            StoreError: it could not be stored; the run is cancelled (nothing was accepted).
+        """
+        try:
+            await self.runs.wait_inserted(run_id)
+        except StoreError:
+            self.cancel_run(run_id)
+            raise
 
     async def accept(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
         """Take the decision on a prompt (PROTOCOL §3); its record is not durable yet (see
