@@ -98,8 +98,17 @@ class RunBook:
         if insert.error is not None:
             raise StoreError(
                 f"run {run_id!r} could not be saved ({insert.error}); the prompt was not "
-                "accepted, check the data directory's disk and send it again"
+                "accepted: send it again (if this repeats, check the data directory's disk)"
             ) from insert.error
+
+    def fail_pending_inserts(self, why: str) -> None:
+        """The store is going away: every handler still waiting for a record's commit gets an
+        error (no 202) instead of waiting forever."""
+        for insert in self._inserts.values():
+            if not insert.done.is_set():
+                insert.error = StoreError(why)
+                insert.done.set()
+        self._inserts.clear()
 
     @property
     def inserts_pending(self) -> int:

@@ -252,6 +252,7 @@ class Workspace:
                 await self.messages.flush_all()
             with trio.move_on_after(save_timeout, shield=True):
                 await self.runs.save_now()
+            self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
                 with trio.move_on_after(save_timeout, shield=True):
                     await agent.aclose()
