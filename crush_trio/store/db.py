@@ -1,10 +1,11 @@
 """The embedded database of one workspace: sessions, messages and run records in SQLite.
 
 One :class:`Store` owns one ``sqlite3`` connection to ``<data_dir>/crush.db`` (WAL mode, foreign
-keys on, a busy timeout). The event loop never blocks on the database: every public method is one
-call into a worker thread through :func:`trio.to_thread.run_sync`, serialized by a
-``CapacityLimiter(1)`` so the single connection (opened with ``check_same_thread=False``) is only
-ever used by one thread at a time.
+keys on, a busy timeout), plus a second one that only writes run records (so that the commit a
+prompt's 202 waits for never queues behind other calls). The event loop never blocks on the
+database: every public method is one call into a worker thread through
+:func:`trio.to_thread.run_sync`, serialized per connection by a ``CapacityLimiter(1)`` so each
+connection (opened with ``check_same_thread=False``) is only ever used by one thread at a time.
 
 Rows are encoded on the calling (event loop) side before the thread starts, so an object the caller
 keeps mutating (a streaming message) is captured at the moment of the call; rows are decoded into
@@ -38,8 +39,8 @@ T = TypeVar("T")
 DB_FILENAME: Final = "crush.db"
 
 #: How long sqlite waits for a lock held by another connection before failing with "database is
-#: locked" (milliseconds). Only another process on the same file can hold one: this process uses a
-#: single connection.
+#: locked" (milliseconds). In this process the lock passes between the store's two connections,
+#: each holding it for one short transaction; another process on the same file can hold it too.
 BUSY_TIMEOUT_MS: Final = 5_000
 
 _MIGRATION_1: Final = """
@@ -370,11 +371,18 @@ class Store:
         Callers queue on the limiter; there is no other buffer.
     """
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, runs_conn: sqlite3.Connection | None = None
+    ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = conn
         self._path = path
         self._limiter = trio.CapacityLimiter(1)
+        #: Run records are written through a second connection with its own worker thread, so
+        #: the commit a prompt's answer waits for never queues behind the other calls (message
+        #: writes, reads): it only waits for SQLite's write lock, held for one transaction.
+        self._runs_conn = runs_conn
+        self._runs_limiter = trio.CapacityLimiter(1)
         #: Ids of the sessions that exist, kept in memory so the hot existence checks of the
         #: agent need no thread hop (every session write goes through this object).
         self._session_ids: set[str] = set()
@@ -394,7 +402,12 @@ class Store:
         """
         path = Path(data_dir) / DB_FILENAME
         conn = await trio.to_thread.run_sync(_open_in_thread, path)
-        store = cls(conn, path)
+        try:
+            runs_conn = await trio.to_thread.run_sync(_open_in_thread, path)
+        except BaseException:
+            conn.close()
+            raise
+        store = cls(conn, path, runs_conn)
         store._session_ids = await store._call(
             "listing session ids",
             lambda c: {row[0] for row in c.execute("SELECT id FROM sessions")},
@@ -437,16 +450,21 @@ class Store:
         """
         if self._conn is None:
             return
-        conn = self._conn
-        self._conn = None
+        conn, runs_conn = self._conn, self._runs_conn
+        self._conn = self._runs_conn = None
 
-        def close() -> None:
-            try:
-                conn.close()
-            except sqlite3.Error as exc:
-                raise StoreError(f"closing database {self._path} failed: {exc}") from exc
+        def closer(c: sqlite3.Connection) -> Callable[[], None]:
+            def close() -> None:
+                try:
+                    c.close()
+                except sqlite3.Error as exc:
+                    raise StoreError(f"closing database {self._path} failed: {exc}") from exc
 
-        await trio.to_thread.run_sync(close, limiter=self._limiter)
+            return close
+
+        if runs_conn is not None:
+            await trio.to_thread.run_sync(closer(runs_conn), limiter=self._runs_limiter)
+        await trio.to_thread.run_sync(closer(conn), limiter=self._limiter)
 
     def _closed_error(self) -> StoreError:
         return StoreError(
@@ -454,13 +472,17 @@ class Store:
             "again to use it"
         )
 
-    async def _call(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in the worker thread, translating sqlite errors."""
+    async def _call(
+        self, what: str, fn: Callable[[sqlite3.Connection], T], *, runs: bool = False
+    ) -> T:
+        """Run ``fn(conn)`` in the worker thread, translating sqlite errors (``runs``: on the
+        run-record connection, when there is one)."""
         if self._conn is None:
             raise self._closed_error()
+        use_runs = runs and self._runs_conn is not None
 
         def in_thread() -> T:
-            conn = self._conn
+            conn = self._runs_conn if use_runs else self._conn
             if conn is None:  # closed while this call waited for its turn
                 raise self._closed_error()
             try:
@@ -468,7 +490,8 @@ class Store:
             except sqlite3.Error as exc:
                 raise StoreError(f"database {self._path}: {what} failed: {exc}") from exc
 
-        return await trio.to_thread.run_sync(in_thread, limiter=self._limiter)
+        limiter = self._runs_limiter if use_runs else self._limiter
+        return await trio.to_thread.run_sync(in_thread, limiter=limiter)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -712,7 +735,7 @@ class Store:
             )
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
-        await self._call(what, op)
+        await self._call(what, op, runs=True)
 
     async def save_run(self, run: Run) -> None:
         """Insert or update one run record (an upsert: safe for concurrent savers)."""
