@@ -155,7 +155,9 @@ class RunBook:
             except BaseException as exc:
                 for run in batch:
                     self._dirty.setdefault(run.run_id, run)
-                if not isinstance(exc, trio.Cancelled):
+                if isinstance(exc, trio.Cancelled):
+                    self._wake.set()  # a caller gave up (timeout): the writer takes over
+                else:
                     # The waiting handlers answer with an error (no 202); the records stay
                     # dirty and are retried with the next change.
                     for insert in inserts.values():
