@@ -38,7 +38,7 @@ from crush_trio.client import WorkspaceClient
 from crush_trio.config import Config
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.store import Store
-from crush_trio.store.db import DB_FILENAME
+from crush_trio.store.db import DB_FILENAME, MIGRATIONS
 from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     FinishPart,
@@ -623,3 +623,23 @@ async def test_kill_9_loop_loses_no_accepted_run(tmp_path: Path) -> None:
             await proc.terminate()
             nursery.cancel_scope.cancel()
     assert len(accepted) > KILLS
+
+
+async def test_a_version_1_database_gets_the_prompt_column(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / DB_FILENAME)
+    conn.executescript(f"BEGIN;\n{MIGRATIONS[0]}\nPRAGMA user_version = 1;\nCOMMIT;")
+    conn.execute(
+        "INSERT INTO runs (run_id, session_id, status, created_at) VALUES ('old', 's', 'running', 1)"
+    )
+    conn.commit()
+    conn.close()
+    store = await Store.open(tmp_path)
+    try:
+        assert await store.get_run_prompt("old") == ""
+        await store.save_runs([Run("new", "s", RunStatus.QUEUED)], {"new": "the prompt"})
+        # An update never touches the prompt.
+        await store.save_runs([Run("new", "s", RunStatus.CANCELLED)], {"new": "other"})
+        assert await store.get_run_prompt("new") == "the prompt"
+        assert [r.run_id for r in await store.list_runs({RunStatus.RUNNING})] == ["old"]
+    finally:
+        await store.aclose()
