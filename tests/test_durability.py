@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
@@ -136,29 +136,34 @@ async def test_websocket_prompt_reply_waits_for_the_commit(
     crush_workspace: WorkspaceClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The reply to agent.prompt waits for the commit; the connection's next commands are
+    answered meanwhile."""
     ws = crush_workspace
     sid = (await ws.create_session()).id
     workspace = crush_server.backend.get(ws.id)
     writer = _HeldWriter(workspace.store, monkeypatch)
-    replies: list[dict[str, Any]] = []
     url = ws_url(crush_server.url, ws.id, str(uuid.uuid4()), token=crush_server.token)
+
+    def is_reply(request_id: int) -> Callable[[dict[str, Any]], bool]:
+        return lambda f: f.get("type") == "reply" and f.get("id") == request_id
+
     with trio.fail_after(WAIT):
-        async with event_socket(url) as sock, trio.open_nursery() as nursery:
-
-            async def prompt() -> None:
-                replies.append(
-                    await sock.command(
-                        "agent.prompt", session_id=sid, prompt="keep me too", run_id="held-ws"
-                    )
-                )
-
-            nursery.start_soon(prompt)
+        async with event_socket(url) as sock:
+            params = {"session_id": sid, "prompt": "keep me too", "run_id": "held-ws"}
+            for request_id, method, body in (
+                (1, "agent.prompt", params),
+                (2, "runs.get", {"run_id": "held-ws"}),
+            ):
+                frame = {"id": request_id, "method": method, "params": body}
+                await sock.conn.send_message(orjson.dumps(frame).decode())
+            seen = await sock.until(is_reply(2))
+            assert seen[-1]["ok"] and seen[-1]["result"]["status"] == "running"
             await writer.reached.wait()
-            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
-            assert workspace.runs.known("held-ws")
-            assert replies == []
+            assert not [f for f in seen if is_reply(1)(f)]
+            assert _db_rows(workspace.store.path, ["held-ws"]) == {}
             writer.release.set()
-    assert replies[0]["ok"] is True, replies[0]
+            prompt_reply = (await sock.until(is_reply(1)))[-1]
+    assert prompt_reply["ok"] is True, prompt_reply
     assert _db_rows(workspace.store.path, ["held-ws"])["held-ws"][1] == "keep me too"
 
 
