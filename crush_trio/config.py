@@ -139,6 +139,12 @@ DEFAULT_RETIRED_CLIENT_TTL: Final = 3600.0
 #: Retired client ids remembered at once (the oldest are forgotten first).
 DEFAULT_MAX_RETIRED_CLIENTS: Final = 10_000
 
+# Bounds on queued prompts (per session).
+#: Prompts one session may have waiting in its queue (a busy session's later prompts).
+DEFAULT_MAX_QUEUED_PROMPTS: Final = 256
+#: UTF-8 bytes of prompt text one session may have waiting in its queue (16 MiB).
+DEFAULT_MAX_QUEUED_PROMPT_BYTES: Final = 16 * 1024 * 1024
+
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
 
@@ -259,6 +265,9 @@ class ServerOptions:
     max_workspaces: int = _positive(DEFAULT_MAX_WORKSPACES)
     retired_client_ttl: float = DEFAULT_RETIRED_CLIENT_TTL
     max_retired_clients: int = DEFAULT_MAX_RETIRED_CLIENTS
+    # Bounds on queued prompts, per session (429 past either).
+    max_queued_prompts: int = _positive(DEFAULT_MAX_QUEUED_PROMPTS)
+    max_queued_prompt_bytes: int = _positive(DEFAULT_MAX_QUEUED_PROMPT_BYTES)
 
 
 @attrs.frozen

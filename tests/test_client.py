@@ -185,7 +185,7 @@ async def test_prompt_whose_reply_is_lost_is_settled_by_the_runs_record(
     ws = crush_workspace
     sid = (await ws.create_session()).id
     accepted: list[str] = []
-    real = Api.prompt
+    real = Api.accept_prompt
 
     async def accept_then_lose_the_stream(self: Api, workspace: Any, body: Any) -> Any:
         result = await real(self, workspace, body)
@@ -193,7 +193,7 @@ async def test_prompt_whose_reply_is_lost_is_settled_by_the_runs_record(
         ws.drop_stream()  # before the reply is sent
         return result
 
-    monkeypatch.setattr(Api, "prompt", accept_then_lose_the_stream)
+    monkeypatch.setattr(Api, "accept_prompt", accept_then_lose_the_stream)
     seen = record_requests(ws, monkeypatch)
     with trio.fail_after(CAP):
         handle = await ws.prompt(sid, "lost reply")
@@ -210,7 +210,7 @@ async def test_prompt_lost_before_the_server_took_it_is_posted_again(
     ws = crush_workspace
     sid = (await ws.create_session()).id
     lost: list[str] = []
-    real = Api.prompt
+    real = Api.accept_prompt
 
     async def lose_the_first(self: Api, workspace: Any, body: Any) -> Any:
         if not lost:
@@ -220,7 +220,7 @@ async def test_prompt_lost_before_the_server_took_it_is_posted_again(
             raise ServerConflict("this reply never reaches the client")
         return await real(self, workspace, body)
 
-    monkeypatch.setattr(Api, "prompt", lose_the_first)
+    monkeypatch.setattr(Api, "accept_prompt", lose_the_first)
     seen = record_requests(ws, monkeypatch)
     with trio.fail_after(CAP):
         handle = await ws.prompt(sid, "sent twice, run once")

@@ -23,7 +23,16 @@ import orjson
 import trio
 
 from .. import wire
-from ..errors import BadRequest, ConfigError, Conflict, CrushError, ProviderError
+from ..config import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
+from ..errors import (
+    BadRequest,
+    ConfigError,
+    Conflict,
+    CrushError,
+    ProviderError,
+    StoreError,
+    TooManyRequests,
+)
 from ..providers import base as pb
 from ..wire import (
     AgentEvent,
@@ -102,6 +111,8 @@ class Agent:
         background_nursery: titles and other work not bound to a run.
         save_timeout: bound on each shielded final save (seconds).
         tools: the tools offered to the model (an object with ``specs()`` and ``call``) or None.
+        max_queued_prompts, max_queued_prompt_bytes: the bound on each session's queue
+            (``server.max_queued_prompts``, ``server.max_queued_prompt_bytes``).
     """
 
     def __init__(
@@ -118,6 +129,8 @@ class Agent:
         provider_factory: ProviderFactory,
         tools: Any = None,
         on_idle: Callable[[], None] = lambda: None,
+        max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
+        max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
     ) -> None:
         self.store = store
         self.messages = messages
@@ -137,6 +150,8 @@ class Agent:
         self._live: set[str] = set()
         self._on_idle = on_idle
         self.closing = False
+        self.max_queued_prompts = max_queued_prompts
+        self.max_queued_prompt_bytes = max_queued_prompt_bytes
 
     # -- public operations (called from request handlers: synchronous decisions only) ----------
 
@@ -150,12 +165,39 @@ class Agent:
         return self.state.is_busy(session_id)
 
     async def submit(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
-        """Accept a prompt; returns at once with the run's id and status (PROTOCOL §3).
+        """Accept a prompt; returns the run's id and status once its record is durable.
+
+        The decision is taken at once (the run may start streaming right away); the return waits
+        for the transaction that stores the run's record with its prompt, shared with every other
+        run accepted meanwhile (docs/protocol.md "Durability of an accepted prompt").
 
         Raises:
             Conflict: the workspace is closing.
             BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
+            TooManyRequests: the session's queue is full (``server.max_queued_prompts`` or
+                ``server.max_queued_prompt_bytes``).
+            StoreError: the record could not be stored; the run is cancelled, nothing was
+                accepted.
         """
+        accepted = await self.accept(session_id, text, run_id)
+        await self.durable(accepted.run_id)
+        return accepted
+
+    async def durable(self, run_id: str) -> None:
+        """Return once the record of a run accepted by :meth:`accept` is committed.
+
+        Raises:
+            StoreError: it could not be stored; the run is cancelled (nothing was accepted).
+        """
+        try:
+            await self.runs.wait_inserted(run_id)
+        except StoreError:
+            self.cancel_run(run_id)
+            raise
+
+    async def accept(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+        """Take the decision on a prompt (PROTOCOL §3); its record is not durable yet (see
+        :meth:`submit` and :meth:`RunBook.wait_inserted`)."""
         if self.closing:
             raise Conflict("workspace closing: it is shutting down; open it again and resend")
         if not text.strip():
@@ -179,16 +221,35 @@ class Agent:
             # The same run_id sent twice at once (a client resending over another connection):
             # both passed the store check above while it ran; the first to get here wins.
             raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
+        size = len(text.encode())
+        if self.state.would_queue(session_id):
+            self._check_queue_bound(session_id, size)
         explicit = run_id is not None
         prompt, admission, turn = self.state.accept(
-            session_id, run_id or new_id(), text, explicit=explicit
+            session_id, run_id or new_id(), text, explicit=explicit, size=size
         )
-        self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)))
+        self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
         if turn is not None:
             self._publish_busy(session_id)
             self._runs_nursery.start_soon(self._drive, turn, name=f"session-{session_id}")
         return wire.AcceptedPrompt(prompt.run_id, session_id, admission.value)  # type: ignore[arg-type]
+
+    def _check_queue_bound(self, session_id: str, size: int) -> None:
+        count, queued_bytes = self.state.queue_size(session_id)
+        if count + 1 > self.max_queued_prompts:
+            raise TooManyRequests(
+                f"session {session_id!r} already has {count} queued prompts, the limit "
+                f"(server.max_queued_prompts) is {self.max_queued_prompts}; wait for a run to "
+                "end, or cancel or clear the queue, then send it again"
+            )
+        if queued_bytes + size > self.max_queued_prompt_bytes:
+            raise TooManyRequests(
+                f"session {session_id!r} has {queued_bytes} bytes of queued prompts; this "
+                f"{size}-byte prompt would pass the limit (server.max_queued_prompt_bytes) of "
+                f"{self.max_queued_prompt_bytes} bytes; wait for a run to end, or cancel or clear "
+                "the queue, then send it again"
+            )
 
     def cancel(self, session_id: str) -> None:
         """Cancel the session's active turn and drop its queue; a no-op when idle."""
@@ -682,6 +743,11 @@ def _error_text(exc: BaseException) -> str:
     if isinstance(exc, CrushError):
         return exc.message
     return f"internal error ({type(exc).__name__}: {exc}); this is a bug, please report it"
+
+
+def repair_tool_calls(msg: Message) -> None:
+    """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
+    _repair_tool_calls(msg, set(), cancelled=True)
 
 
 def _repair_tool_calls(msg: Message, results: set[str], *, cancelled: bool) -> None:

@@ -2,9 +2,20 @@
 
 A run record is created when a prompt is accepted (``queued`` or ``running``) and ends
 ``completed``, ``failed`` or ``cancelled``. Live runs are answered from memory (so ``GET runs/{id}``
-is right the moment a prompt is accepted, before any disk write); every change marks the run dirty
-and a writer task saves it. Terminal states are saved at once by the run's owner inside a shielded,
-time-bounded scope (:meth:`RunBook.save_now`).
+is right the moment a prompt is accepted); every change marks the run dirty and a writer task saves
+it. Terminal states are saved at once by the run's owner inside a shielded, time-bounded scope
+(:meth:`RunBook.save_now`).
+
+Durable acceptance (docs/protocol.md "Durability of an accepted prompt"): a new run's record and
+its prompt text are inserted by the same writer, and :meth:`RunBook.wait_inserted` returns once
+that transaction committed; the request handler answers 202 only then. Every run made dirty
+while a transaction is in flight goes into the next one, so a burst of prompts shares a few
+commits (group commit) instead of one each.
+
+Memory: the prompt text is held only until its insert commits (the agent's queue keeps its own
+copy while the run waits). Finished runs stay in memory after their final save, for quick
+``GET runs/{id}`` answers, up to :data:`RECENT_RUNS_KEPT` runs and :data:`RECENT_RUNS_BYTES` bytes
+of text; older ones are read from the store.
 """
 
 from __future__ import annotations
@@ -13,8 +24,10 @@ import collections
 import logging
 from typing import TYPE_CHECKING, Final
 
+import attrs
 import trio
 
+from ..errors import StoreError
 from ..wire import Run, RunStatus, check_run_transition, now
 
 if TYPE_CHECKING:
@@ -24,6 +37,21 @@ log = logging.getLogger(__name__)
 
 #: Finished runs kept in memory after they were saved (older ones are read from the store).
 RECENT_RUNS_KEPT: Final = 1000
+#: Bound on the text (reply and error, UTF-8 bytes) of the finished runs kept in memory.
+RECENT_RUNS_BYTES: Final = 8 * 1024 * 1024
+
+
+@attrs.define(eq=False)
+class _Insert:
+    """A new run waiting for the commit of its record: set when committed (or when it failed)."""
+
+    prompt: str
+    done: trio.Event = attrs.field(factory=trio.Event)
+    error: BaseException | None = None
+
+
+def _text_bytes(run: Run) -> int:
+    return len(run.text.encode()) + len((run.error or "").encode())
 
 
 class RunBook:
@@ -32,10 +60,16 @@ class RunBook:
     def __init__(self, store: Store) -> None:
         self._store = store
         self._runs: dict[str, Run] = {}
-        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Finished, saved runs still in memory, oldest first, with their text's size.
+        self._recent: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._recent_bytes = 0
         self._dirty: dict[str, Run] = {}
+        #: New runs whose record is not committed yet (their prompt text is held here until then).
+        self._inserts: dict[str, _Insert] = {}
         self._wake = trio.Event()
         self._writes_in_flight = 0
+        #: Transactions that saved run records (tests and benchmarks read it).
+        self.commits = 0
 
     def known(self, run_id: str) -> bool:
         return run_id in self._runs
@@ -43,9 +77,43 @@ class RunBook:
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
 
-    def add(self, run: Run) -> None:
+    def add(self, run: Run, prompt: str = "") -> None:
+        """A newly accepted run: its record (with ``prompt``) goes into the next transaction;
+        :meth:`wait_inserted` tells when it committed."""
         self._runs[run.run_id] = run
+        self._inserts[run.run_id] = _Insert(prompt)
         self._mark(run)
+
+    async def wait_inserted(self, run_id: str) -> None:
+        """Return once the record of ``run_id`` (added with :meth:`add`) is committed.
+
+        Raises:
+            StoreError: the transaction that carried it failed (the writer retries it later).
+        """
+        insert = self._inserts.get(run_id)
+        if insert is None:
+            await trio.lowlevel.checkpoint()
+            return
+        await insert.done.wait()
+        if insert.error is not None:
+            raise StoreError(
+                f"run {run_id!r} could not be saved ({insert.error}); the prompt was not "
+                "accepted: send it again (if this repeats, check the data directory's disk)"
+            ) from insert.error
+
+    def fail_pending_inserts(self, why: str) -> None:
+        """The store is going away: every handler still waiting for a record's commit gets an
+        error (no 202) instead of waiting forever."""
+        for insert in self._inserts.values():
+            if not insert.done.is_set():
+                insert.error = StoreError(why)
+                insert.done.set()
+        self._inserts.clear()
+
+    @property
+    def inserts_pending(self) -> int:
+        """New runs whose record is not committed yet."""
+        return len(self._inserts)
 
     def set_status(
         self,
@@ -79,24 +147,44 @@ class RunBook:
         while self._dirty:
             batch = list(self._dirty.values())
             self._dirty.clear()
+            inserts = {r.run_id: i for r in batch if (i := self._inserts.get(r.run_id))}
+            prompts = {run_id: insert.prompt for run_id, insert in inserts.items()}
             self._writes_in_flight += 1
             try:
-                await self._store.save_runs(batch)
-            except BaseException:
+                await self._store.save_runs(batch, prompts)
+            except BaseException as exc:
                 for run in batch:
                     self._dirty.setdefault(run.run_id, run)
+                if isinstance(exc, trio.Cancelled):
+                    self._wake.set()  # a caller gave up (timeout): the writer takes over
+                else:
+                    # The waiting handlers answer with an error (no 202); the records stay
+                    # dirty and are retried with the next change.
+                    for insert in inserts.values():
+                        if not insert.done.is_set():
+                            insert.error = exc
+                            insert.done.set()
                 raise
             finally:
                 self._writes_in_flight -= 1
+            self.commits += 1
+            for run_id, insert in inserts.items():
+                if self._inserts.get(run_id) is insert:
+                    del self._inserts[run_id]
+                insert.done.set()
             for run in batch:
                 if run.status.terminal:
                     self._retire(run)
 
     def _retire(self, run: Run) -> None:
-        self._recent[run.run_id] = None
-        self._recent.move_to_end(run.run_id)
-        while len(self._recent) > RECENT_RUNS_KEPT:
-            old, _ = self._recent.popitem(last=False)
+        size = _text_bytes(run)
+        self._recent_bytes += size - self._recent.pop(run.run_id, 0)
+        self._recent[run.run_id] = size
+        while self._recent and (
+            len(self._recent) > RECENT_RUNS_KEPT or self._recent_bytes > RECENT_RUNS_BYTES
+        ):
+            old, old_size = self._recent.popitem(last=False)
+            self._recent_bytes -= old_size
             stale = self._runs.get(old)
             if stale is not None and stale.status.terminal and old not in self._dirty:
                 del self._runs[old]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 
@@ -45,6 +45,8 @@ class Prompt:
     text: str
     accept_seq: int
     explicit: bool
+    #: UTF-8 size of ``text`` (counted against the session's queue bound while it waits).
+    size: int = 0
 
 
 @attrs.define(eq=False)
@@ -69,10 +71,40 @@ class CancelOutcome:
     dropped: list[Prompt]
 
 
+class _Queue(collections.deque[Prompt]):
+    """A session's queued prompts, with the sum of their sizes kept up to date."""
+
+    def __init__(self, prompts: Iterable[Prompt] = ()) -> None:
+        super().__init__()
+        self.size = 0
+        self.extend(prompts)
+
+    def append(self, prompt: Prompt) -> None:
+        super().append(prompt)
+        self.size += prompt.size
+
+    def extend(self, prompts: Iterable[Prompt]) -> None:
+        for prompt in prompts:
+            self.append(prompt)
+
+    def popleft(self) -> Prompt:
+        prompt = super().popleft()
+        self.size -= prompt.size
+        return prompt
+
+    def remove(self, prompt: Prompt) -> None:
+        super().remove(prompt)
+        self.size -= prompt.size
+
+    def clear(self) -> None:
+        super().clear()
+        self.size = 0
+
+
 @attrs.define
 class _Session:
     active: Turn | None = None
-    queue: collections.deque[Prompt] = attrs.field(factory=collections.deque)
+    queue: _Queue = attrs.field(factory=_Queue)
     cancel_mark: int = 0
 
     @property
@@ -116,6 +148,16 @@ class AgentState:
         state = self._sessions.get(session_id)
         return list(state.queue) if state else []
 
+    def queue_size(self, session_id: str) -> tuple[int, int]:
+        """How many prompts the session has queued, and their total size."""
+        state = self._sessions.get(session_id)
+        return (len(state.queue), state.queue.size) if state else (0, 0)
+
+    def would_queue(self, session_id: str) -> bool:
+        """Whether a prompt accepted now would wait in the queue (the session is busy)."""
+        state = self._sessions.get(session_id)
+        return state is not None and not state.idle
+
     def busy_sessions(self) -> list[str]:
         return [sid for sid, s in self._sessions.items() if s.active is not None]
 
@@ -135,11 +177,11 @@ class AgentState:
     # -- transitions ----------------------------------------------------------------------------
 
     def accept(
-        self, session_id: str, run_id: str, text: str, *, explicit: bool
+        self, session_id: str, run_id: str, text: str, *, explicit: bool, size: int = 0
     ) -> tuple[Prompt, Admission, Turn | None]:
         """Accept a prompt. Returns it, whether it runs or is queued, and the new turn if any."""
         self.accept_seq += 1
-        prompt = Prompt(session_id, run_id, text, self.accept_seq, explicit)
+        prompt = Prompt(session_id, run_id, text, self.accept_seq, explicit, size)
         state = self._session(session_id)
         if state.active is None and not state.queue:
             state.active = Turn(session_id, prompt)
@@ -156,7 +198,7 @@ class AgentState:
             return []
         folded = [p for p in state.queue if not p.explicit]
         if folded:
-            state.queue = collections.deque(p for p in state.queue if p.explicit)
+            state.queue = _Queue(p for p in state.queue if p.explicit)
             state.active.folded.extend(folded)
         return folded
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import trio
 
-from ..agent.runner import Agent
-from ..agent.runs import RunBook, save_run
+from ..agent.runner import Agent, repair_tool_calls
+from ..agent.runs import RunBook
 from ..broker import Broker
 from ..config import Config, ServerOptions
 from ..errors import Conflict
@@ -39,9 +39,11 @@ from ..wire import (
     FinishPart,
     FinishReason,
     Message,
+    Part,
     Role,
     RunStatus,
     Session,
+    ToolResultPart,
     new_id,
     now,
 )
@@ -51,6 +53,37 @@ from .holds import Holds
 log = logging.getLogger(__name__)
 
 STOPPED_RUN_ERROR = "server stopped before the run finished"
+STOPPED_TOOL_RESULT = "Error: the server stopped before the tool call finished"
+
+
+def _missing_tool_results(history: list[Message]) -> list[Message]:
+    """Error results for the tool calls of ``history`` that have none (each assistant message's
+    calls are answered by the tool messages that follow it, before the next other message)."""
+    made: list[Message] = []
+    owner: Message | None = None
+    pending: dict[str, str] = {}
+
+    def flush() -> None:
+        if owner is not None and pending:
+            parts: list[Part] = [
+                ToolResultPart(call_id, name, STOPPED_TOOL_RESULT, is_error=True)
+                for call_id, name in pending.items()
+            ]
+            made.append(
+                Message(new_id(), owner.session_id, Role.TOOL, parts, created_at=owner.created_at)
+            )
+
+    for msg in history:
+        if msg.role is Role.TOOL:
+            for part in msg.parts:
+                if isinstance(part, ToolResultPart):
+                    pending.pop(part.tool_call_id, None)
+            continue
+        flush()
+        owner = msg
+        pending = {c.id: c.name for c in msg.tool_calls()} if msg.role is Role.ASSISTANT else {}
+    flush()
+    return made
 
 
 class WorkspaceState(enum.StrEnum):
@@ -200,6 +233,8 @@ class Workspace:
                         provider_factory=self.provider_factory,
                         tools=self._make_tools(),
                         on_idle=self.poke,
+                        max_queued_prompts=self.server.max_queued_prompts,
+                        max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -219,6 +254,7 @@ class Workspace:
                 await self.messages.flush_all()
             with trio.move_on_after(save_timeout, shield=True):
                 await self.runs.save_now()
+            self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
                 with trio.move_on_after(save_timeout, shield=True):
                     await agent.aclose()
@@ -253,23 +289,47 @@ class Workspace:
             self._changed = trio.Event()
 
     async def _recover_stopped_runs(self) -> None:
-        """Runs a killed process left running or queued end ``failed``; their assistant messages
-        get a finish part so nothing stays hanging."""
+        """End what a killed process left behind, before any new prompt is accepted.
+
+        Every run it left ``running`` or ``queued`` (each one was answered 202, so each has a
+        record) ends ``failed`` with :data:`STOPPED_RUN_ERROR`, saved in one transaction; each
+        assistant message it left without a finish part (streaming at the kill, in any session)
+        gets ``finish {"reason": "error"}``. They are failed rather than run again: a run that
+        was streaming may have run tools with side effects, and one that was queued may be
+        stale by now; the client sees the failure in ``GET runs/{id}`` and decides whether to
+        send the prompt again (docs/protocol.md "Durability of an accepted prompt").
+        """
         stale = await self.store.list_runs({RunStatus.RUNNING, RunStatus.QUEUED})
-        sessions = {run.session_id for run in stale}
+        finished = now()
         for run in stale:
             run.status = RunStatus.FAILED
             run.error = STOPPED_RUN_ERROR
-            run.finished_at = now()
-            await save_run(self.store, run)
-        for session_id in sessions:
-            for msg in await self.store.list_messages(session_id):
-                if msg.role is Role.ASSISTANT and msg.finish() is None:
-                    msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
-                    msg.updated_at = now()
-                    await self.store.update_message(msg)
+            run.finished_at = finished
         if stale:
-            log.warning("marked %d runs left by a stopped server as failed", len(stale))
+            await self.store.save_runs(stale)
+        unfinished = await self.store.unfinished_assistant_messages()
+        for msg in unfinished:
+            repair_tool_calls(msg)
+            msg.parts.append(FinishPart(FinishReason.ERROR, message=STOPPED_RUN_ERROR))
+            msg.updated_at = finished
+        if unfinished:
+            await self.store.write_messages(unfinished)
+        # A tool call whose tool was running at the kill has no result: the session's history
+        # would be refused by the providers, so it gets an error result.
+        results: list[Message] = []
+        for session_id in {r.session_id for r in stale} | {m.session_id for m in unfinished}:
+            if self.store.session_exists(session_id):
+                results += _missing_tool_results(await self.store.list_messages(session_id))
+        if results:
+            await self.store.write_messages(results)
+        if stale or unfinished:
+            log.warning(
+                "marked %d runs, %d assistant messages and %d tool calls left by a stopped "
+                "server as failed",
+                len(stale),
+                len(unfinished),
+                sum(len(m.parts) for m in results),
+            )
 
     # -- sessions -------------------------------------------------------------------------------
 

@@ -109,8 +109,14 @@ class Api:
         )
 
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
+        """Accept a prompt and return once its run record is committed (the 202's promise)."""
         ws.check_open()
         return await ws.agent.submit(body.session_id, body.prompt, body.run_id)
+
+    async def accept_prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
+        """Accept a prompt; the caller answers after ``ws.agent.durable(run_id)`` returns."""
+        ws.check_open()
+        return await ws.agent.accept(body.session_id, body.prompt, body.run_id)
 
     async def cancel(self, ws: Workspace, session_id: str) -> dict[str, Any]:
         ws.agent.cancel(session_id)

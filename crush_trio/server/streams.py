@@ -33,7 +33,14 @@ from ..errors import (
     CrushError,
     NotFound,
 )
-from ..wire import AgentMessage, CreateSessionRequest, GrantRequest, RunRef, SessionRef
+from ..wire import (
+    AcceptedPrompt,
+    AgentMessage,
+    CreateSessionRequest,
+    GrantRequest,
+    RunRef,
+    SessionRef,
+)
 
 if TYPE_CHECKING:
     from ..backend.workspace import Workspace
@@ -86,9 +93,7 @@ async def serve_websocket(
             nursery.start_soon(writer)
             while True:
                 raw = await websocket.receive()
-                reply = await _run_command(raw, ws, api)
-                if reply is not None:
-                    await stream.send_reply(_reply_frame(reply))
+                await answer_command(raw, ws, api, stream, nursery)
     finally:
         stream.close()
         ws.detach(client_id)
@@ -116,8 +121,40 @@ _METHODS: Final = {
 }
 
 
+class _AcceptedPrompt(dict[str, Any]):
+    """The reply to an accepted ``agent.prompt``, to be sent once its run record is committed."""
+
+    def __init__(self, reply: dict[str, Any], run_id: str) -> None:
+        super().__init__(reply)
+        self.run_id = run_id
+
+    async def send_when_durable(self, ws: Workspace, stream: Any) -> None:
+        reply: dict[str, Any] = self
+        try:
+            await ws.agent.durable(self.run_id)
+        except CrushError as exc:
+            reply = {**self, "ok": False, "status": exc.status, "message": exc.message}
+            del reply["result"]
+        await stream.send_reply(_reply_frame(reply))
+
+
+async def answer_command(
+    raw: str | bytes, ws: Workspace, api: Api, stream: Any, nursery: trio.Nursery
+) -> None:
+    """Run one websocket command and queue its reply. The reply to ``agent.prompt`` waits for
+    the commit of its run record (docs/protocol.md "Durability of an accepted prompt") in a task
+    of its own in ``nursery``, so the commands after it are read meanwhile and a burst of prompts
+    on one connection shares its commits."""
+    reply = await _run_command(raw, ws, api)
+    if isinstance(reply, _AcceptedPrompt):
+        nursery.start_soon(reply.send_when_durable, ws, stream)
+    elif reply is not None:
+        await stream.send_reply(_reply_frame(reply))
+
+
 async def _run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, Any] | None:
-    """Run one websocket command; returns the reply (PROTOCOL §5 "Websocket commands")."""
+    """Run one websocket command; returns the reply (PROTOCOL §5 "Websocket commands"). An
+    accepted ``agent.prompt`` returns an :class:`_AcceptedPrompt` (see :func:`answer_command`)."""
     if isinstance(raw, bytes):
         return {"type": "error", "message": "binary frames are not accepted; send JSON text"}
     try:
@@ -147,12 +184,15 @@ async def _run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, A
         if not has_id:
             return {"type": "error", "message": message}
         return {"type": "reply", "id": request_id, "ok": False, "status": 500, "message": message}
-    return {
+    reply = {
         "type": "reply",
         "id": request_id,
         "ok": True,
         "result": wire.converter.unstructure(result),
     }
+    if isinstance(result, AcceptedPrompt):
+        return _AcceptedPrompt(reply, result.run_id)
+    return reply
 
 
 async def _dispatch(method: str, params: dict[str, Any], ws: Workspace, api: Api) -> Any:
@@ -160,7 +200,7 @@ async def _dispatch(method: str, params: dict[str, Any], ws: Workspace, api: Api
         raise NotFound(f"unknown method {method!r}; methods are {', '.join(sorted(_METHODS))}")
     what = f"params of {method}"
     if method == "agent.prompt":
-        return await api.prompt(ws, wire.structure(params, AgentMessage, what=what))
+        return await api.accept_prompt(ws, wire.structure(params, AgentMessage, what=what))
     if method == "agent.cancel":
         ref = wire.structure(params, SessionRef, what=what)
         await api.get_session(ws, ref.session_id, in_body=True)

@@ -31,7 +31,7 @@ from ..errors import WS_CLOSE_GOING_AWAY, CrushError
 from .app import Settings, _parse_seq, check_request_origin, check_request_token
 from .listener import PrefixedStream
 from .security import check_request_host
-from .streams import CLOSE_TIMEOUT, _reply_frame, _run_command
+from .streams import CLOSE_TIMEOUT, answer_command
 
 if TYPE_CHECKING:
     from .api import Api
@@ -158,9 +158,7 @@ async def _serve(
                     raw = await conn.get_message()
                 except ConnectionClosed:
                     break  # the client left (or sent an oversized frame: closed with 1009)
-                reply = await _run_command(raw, ws, api)
-                if reply is not None:
-                    await stream.send_reply(_reply_frame(reply))
+                await answer_command(raw, ws, api, stream, nursery)
             nursery.cancel_scope.cancel()
     finally:
         stream.close()

@@ -1,10 +1,11 @@
 """The embedded database of one workspace: sessions, messages and run records in SQLite.
 
 One :class:`Store` owns one ``sqlite3`` connection to ``<data_dir>/crush.db`` (WAL mode, foreign
-keys on, a busy timeout). The event loop never blocks on the database: every public method is one
-call into a worker thread through :func:`trio.to_thread.run_sync`, serialized by a
-``CapacityLimiter(1)`` so the single connection (opened with ``check_same_thread=False``) is only
-ever used by one thread at a time.
+keys on, a busy timeout), plus a second one that only writes run records (so that the commit a
+prompt's 202 waits for never queues behind other calls). The event loop never blocks on the
+database: every public method is one call into a worker thread through
+:func:`trio.to_thread.run_sync`, serialized per connection by a ``CapacityLimiter(1)`` so each
+connection (opened with ``check_same_thread=False``) is only ever used by one thread at a time.
 
 Rows are encoded on the calling (event loop) side before the thread starts, so an object the caller
 keeps mutating (a streaming message) is captured at the moment of the call; rows are decoded into
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -39,8 +40,8 @@ T = TypeVar("T")
 DB_FILENAME: Final = "crush.db"
 
 #: How long sqlite waits for a lock held by another connection before failing with "database is
-#: locked" (milliseconds). Only another process on the same file can hold one: this process uses a
-#: single connection.
+#: locked" (milliseconds). In this process the lock passes between the store's two connections,
+#: each holding it for one short transaction; another process on the same file can hold it too.
 BUSY_TIMEOUT_MS: Final = 5_000
 
 _MIGRATION_1: Final = """
@@ -96,9 +97,17 @@ CREATE TABLE runs (
 CREATE INDEX idx_runs_status ON runs (status);
 """
 
+# Version 2: a run record keeps its prompt, written in the same transaction that makes the run
+# exist (a 202 is sent only after that commit), and streaming messages can be found by index
+# when a killed process left them unfinished.
+_MIGRATION_2: Final = """
+ALTER TABLE runs ADD COLUMN prompt TEXT NOT NULL DEFAULT '';
+CREATE INDEX idx_messages_unfinished ON messages (role) WHERE finished_at IS NULL;
+"""
+
 #: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
 #: ``i + 1``. Append new scripts; never edit one that has shipped.
-MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2)
 
 #: The schema version this code writes (``PRAGMA user_version`` after opening).
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -363,11 +372,18 @@ class Store:
         Callers queue on the limiter; there is no other buffer.
     """
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, runs_conn: sqlite3.Connection | None = None
+    ) -> None:
         """Wrap an open connection; use :meth:`open` instead."""
         self._conn: sqlite3.Connection | None = conn
         self._path = path
         self._limiter = trio.CapacityLimiter(1)
+        #: Run records are written through a second connection with its own worker thread, so
+        #: the commit a prompt's answer waits for never queues behind the other calls (message
+        #: writes, reads): it only waits for SQLite's write lock, held for one transaction.
+        self._runs_conn = runs_conn
+        self._runs_limiter = trio.CapacityLimiter(1)
         #: Ids of the sessions that exist, kept in memory so the hot existence checks of the
         #: agent need no thread hop (every session write goes through this object).
         self._session_ids: set[str] = set()
@@ -387,7 +403,12 @@ class Store:
         """
         path = Path(data_dir) / DB_FILENAME
         conn = await trio.to_thread.run_sync(_open_in_thread, path)
-        store = cls(conn, path)
+        try:
+            runs_conn = await trio.to_thread.run_sync(_open_in_thread, path)
+        except BaseException:
+            conn.close()
+            raise
+        store = cls(conn, path, runs_conn)
         store._session_ids = await store._call(
             "listing session ids",
             lambda c: {row[0] for row in c.execute("SELECT id FROM sessions")},
@@ -430,16 +451,21 @@ class Store:
         """
         if self._conn is None:
             return
-        conn = self._conn
-        self._conn = None
+        conn, runs_conn = self._conn, self._runs_conn
+        self._conn = self._runs_conn = None
 
-        def close() -> None:
-            try:
-                conn.close()
-            except sqlite3.Error as exc:
-                raise StoreError(f"closing database {self._path} failed: {exc}") from exc
+        def closer(c: sqlite3.Connection) -> Callable[[], None]:
+            def close() -> None:
+                try:
+                    c.close()
+                except sqlite3.Error as exc:
+                    raise StoreError(f"closing database {self._path} failed: {exc}") from exc
 
-        await trio.to_thread.run_sync(close, limiter=self._limiter)
+            return close
+
+        if runs_conn is not None:
+            await trio.to_thread.run_sync(closer(runs_conn), limiter=self._runs_limiter)
+        await trio.to_thread.run_sync(closer(conn), limiter=self._limiter)
 
     def _closed_error(self) -> StoreError:
         return StoreError(
@@ -447,13 +473,17 @@ class Store:
             "again to use it"
         )
 
-    async def _call(self, what: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` in the worker thread, translating sqlite errors."""
+    async def _call(
+        self, what: str, fn: Callable[[sqlite3.Connection], T], *, runs: bool = False
+    ) -> T:
+        """Run ``fn(conn)`` in the worker thread, translating sqlite errors (``runs``: on the
+        run-record connection, when there is one)."""
         if self._conn is None:
             raise self._closed_error()
+        use_runs = runs and self._runs_conn is not None
 
         def in_thread() -> T:
-            conn = self._conn
+            conn = self._runs_conn if use_runs else self._conn
             if conn is None:  # closed while this call waited for its turn
                 raise self._closed_error()
             try:
@@ -461,7 +491,8 @@ class Store:
             except sqlite3.Error as exc:
                 raise StoreError(f"database {self._path}: {what} failed: {exc}") from exc
 
-        return await trio.to_thread.run_sync(in_thread, limiter=self._limiter)
+        limiter = self._runs_limiter if use_runs else self._limiter
+        return await trio.to_thread.run_sync(in_thread, limiter=limiter)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -681,9 +712,14 @@ class Store:
 
         await self._call(f"creating run {run.run_id!r}", op)
 
-    async def save_runs(self, runs: list[Run]) -> None:
-        """Insert or update several run records in one transaction."""
-        rows = [_run_row(run) for run in runs]
+    async def save_runs(self, runs: list[Run], prompts: Mapping[str, str] | None = None) -> None:
+        """Insert or update several run records in one transaction.
+
+        ``prompts`` gives the prompt text of runs being inserted (by run id); it is written only
+        when the row is created, never by an update.
+        """
+        prompts = prompts or {}
+        rows = [(*_run_row(run), prompts.get(run.run_id, "")) for run in runs]
         for run in runs:
             self._run_ids.add(run.run_id)
 
@@ -691,7 +727,7 @@ class Store:
             _transaction(
                 conn,
                 lambda c: c.executemany(
-                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    f"INSERT INTO runs ({_RUN_COLUMNS}, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
                     "message_id = excluded.message_id, text = excluded.text, "
                     "error = excluded.error, finished_at = excluded.finished_at",
@@ -700,7 +736,7 @@ class Store:
             )
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
-        await self._call(what, op)
+        await self._call(what, op, runs=True)
 
     async def save_run(self, run: Run) -> None:
         """Insert or update one run record (an upsert: safe for concurrent savers)."""
@@ -729,6 +765,28 @@ class Store:
             return cur.rowcount > 0
 
         return await self._call(f"updating run {run.run_id!r}", op)
+
+    async def get_run_prompt(self, run_id: str) -> str | None:
+        """The prompt text stored with a run, or None when there is no such run."""
+
+        def op(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT prompt FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            return None if row is None else str(row[0])
+
+        return await self._call(f"reading the prompt of run {run_id!r}", op)
+
+    async def unfinished_assistant_messages(self) -> list[Message]:
+        """Assistant messages with no finish part (streaming when a process was killed)."""
+
+        def op(conn: sqlite3.Connection) -> list[Message]:
+            rows = conn.execute(
+                f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+                "WHERE finished_at IS NULL AND role = ? ORDER BY created_at, rowid",
+                (Role.ASSISTANT.value,),
+            ).fetchall()
+            return [_message_from_row(r) for r in rows]
+
+        return await self._call("listing unfinished assistant messages", op)
 
     async def get_run(self, run_id: str) -> Run | None:
         def op(conn: sqlite3.Connection) -> Run | None:
