@@ -83,9 +83,7 @@ class PermissionService:
     def pending(self) -> list[PermissionRequest]:
         return [p.request for p in self._pending.values()]
 
-    def _pre_approved(
-        self, session_id: str, tool_name: str, action: str, scope: str
-    ) -> bool:
+    def _pre_approved(self, session_id: str, tool_name: str, action: str, scope: str) -> bool:
         return (
             self.skip
             or tool_name in self.allowed_tools
