@@ -1035,6 +1035,86 @@ def load_config_report(
     return LoadedConfig(config=config, trusted=trusted, warnings=tuple(warnings))
 
 
+@attrs.frozen
+class TrustChange:
+    """What :func:`set_workspace_trust` did.
+
+    Attributes:
+        file: the user file written.
+        trusted: whether the workspace is trusted now.
+        changed: whether the file changed.
+        still_trusted_by: when untrusting, the entries (parents of the workspace) that keep it
+            trusted; remove them from the file to untrust it.
+    """
+
+    file: Path
+    trusted: bool
+    changed: bool
+    still_trusted_by: tuple[str, ...] = ()
+
+
+def set_workspace_trust(
+    workspace: Path,
+    trusted: bool,
+    *,
+    env: Mapping[str, str] | None = None,
+    user_config_dir: Path | None = None,
+) -> TrustChange:
+    """Add ``workspace`` to (or remove it from) ``trusted_workspaces`` of the user's file.
+
+    The rest of the file is kept as it is (its formatting is not: it is written back indented).
+    A missing file or directory is created (mode 0600 / 0700); the new file replaces the old
+    one atomically. Blocking: call it from a worker thread in async code.
+
+    Raises:
+        ConfigError: ``workspace`` is not an existing directory, or the user file cannot be read
+            (invalid JSON, not a regular file, ...) or written; nothing was changed.
+    """
+    real = Path(os.path.realpath(workspace.expanduser()))
+    if not real.is_dir():
+        raise ConfigError(f"{workspace}: not a directory; give the workspace's directory")
+    file = user_config_file(env=env, user_config_dir=user_config_dir)
+    target = Path(os.path.realpath(file))  # write through a symlinked dotfile, not over it
+    data = _read_json(target, required=False) or {}
+    entries = data.get("trusted_workspaces", [])
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(
+            f"{file}: $.trusted_workspaces: expected an array of directory paths; fix it first"
+        )
+    if trusted:
+        changed = not any(_real(e) == real for e in entries)
+        if changed:
+            entries = [*entries, str(real)]
+    else:
+        kept = [e for e in entries if _real(e) != real]
+        changed = len(kept) != len(entries)
+        entries = kept
+    if changed:
+        data["trusted_workspaces"] = entries
+        _write_user_file(target, data)
+    now = is_trusted(real, entries)
+    parents = tuple(e for e in entries if now and _real(e) != real and is_trusted(real, [e]))
+    return TrustChange(file=file, trusted=now, changed=changed, still_trusted_by=parents)
+
+
+def _write_user_file(target: Path, data: dict[str, Any]) -> None:
+    body = orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n"
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb", closefd=True) as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, target)
+    except OSError as exc:
+        raise ConfigError(
+            f"{target}: cannot write the user config file ({exc.strerror or exc}); check the "
+            "permissions of its directory"
+        ) from None
+
+
 def config_to_json(config: Config) -> dict[str, Any]:
     """The configuration as JSON data for display, with secrets redacted.
 
