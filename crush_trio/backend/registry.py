@@ -11,12 +11,21 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ..config import Config, ServerOptions, load_config
+from ..config import (
+    Config,
+    LoadedConfig,
+    ServerOptions,
+    TrustChange,
+    load_config,
+    load_config_report,
+    set_workspace_trust,
+)
 from ..errors import BadRequest, ConfigError, Conflict, CrushError, NotFound, ShuttingDown
 from ..wire import validate_client_id
 from .workspace import Workspace, data_dir_for
@@ -111,21 +120,16 @@ class Backend:
             await pending.wait()
         done = self._opening[path] = trio.Event()
         try:
-            try:
-                config = load_config(
-                    config_file=self.config_file,
-                    workspace=path,
-                    user_config_dir=self.user_config_dir,
-                )
-            except ConfigError as exc:
-                raise BadRequest(f"the workspace's configuration is invalid: {exc}") from None
+            loaded = await self._load_config(path)
             ws = Workspace(
                 path=path,
-                config=config,
+                config=loaded.config,
                 server=self.server,
-                data_dir=data_dir_for(path, config, self.data_dir),
+                data_dir=data_dir_for(path, loaded.config, self.data_dir),
                 version=self.version,
                 provider_factory=self.provider_factory,
+                trusted=loaded.trusted,
+                warnings=loaded.warnings,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")
@@ -144,6 +148,58 @@ class Backend:
         finally:
             del self._opening[path]
             done.set()
+
+    async def _load_config(self, path: Path) -> LoadedConfig:
+        """The workspace's configuration, read in a worker thread (files may be slow or odd)."""
+        try:
+            return await trio.to_thread.run_sync(
+                partial(
+                    load_config_report,
+                    config_file=self.config_file,
+                    workspace=path,
+                    user_config_dir=self.user_config_dir,
+                ),
+                abandon_on_cancel=True,
+            )
+        except ConfigError as exc:
+            raise BadRequest(f"the workspace's configuration is invalid: {exc}") from None
+
+    async def set_trust(self, ws: Workspace, trusted: bool) -> TrustChange:
+        """Mark the workspace trusted (or not) in the user's config file, then reload its
+        configuration so the change applies from the next turn on.
+
+        Raises:
+            Conflict: the server reads only ``--config FILE``, so workspace files are never read.
+            BadRequest: the user file cannot be read or written, or the reloaded configuration is
+                invalid (the trust change is kept; fix the file named in the message).
+        """
+        if self.config_file is not None:
+            raise Conflict(
+                f"the server reads only --config {self.config_file}; workspace config files are "
+                "not read, so trusting a workspace changes nothing. Restart the server without "
+                "--config to use workspace files"
+            )
+        ws.check_open()
+        try:
+            change = await trio.to_thread.run_sync(
+                partial(set_workspace_trust, ws.path, trusted, user_config_dir=self.user_config_dir)
+            )
+        except ConfigError as exc:
+            raise BadRequest(f"cannot change the workspace's trust: {exc}") from None
+        loaded = await self._load_config(ws.path)
+        ws.apply_config(
+            loaded.config,
+            data_dir=data_dir_for(ws.path, loaded.config, self.data_dir),
+            trusted=loaded.trusted,
+            warnings=loaded.warnings,
+        )
+        log.info(
+            "workspace %s (%s) is now %s",
+            ws.id,
+            ws.path,
+            "trusted" if change.trusted else "untrusted",
+        )
+        return change
 
     async def _serve_workspace(
         self, ws: Workspace, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
