@@ -535,7 +535,8 @@ def _merge_into(
         path = (*prefix, key)
         current = base.get(key)
         if isinstance(value, dict) and isinstance(current, dict):
-            origins.set(path, source, replace=False)
+            # Not recorded: the keys inside keep the file that set each of them (a value's
+            # origin decides whether ``$VAR`` in it expands).
             _merge_into(current, value, source, origins, path)
         else:
             base[key] = value
