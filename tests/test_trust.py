@@ -13,11 +13,15 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import orjson
 import pytest
 import trio
@@ -30,7 +34,7 @@ from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.tools import ToolContext, call_tool, default_tools
 from crush_trio.tools.base import ToolResult
 
-from .conftest import WAIT
+from .conftest import WAIT, running_server
 
 #: A code path that blocks on a FIFO is unblocked after this long (seconds), so that it fails
 #: its assertions instead of hanging the test run.
@@ -43,6 +47,21 @@ async def unblock_fifo_writer_after(fifo: Path, delay: float) -> None:
     fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     await trio.sleep(delay)
     os.close(fd)
+
+
+def unblock_fifo_reader(fifo: Path, done: threading.Event) -> None:
+    """Unless ``done`` is set within :data:`FALLBACK_UNBLOCK`, write ``{}`` into ``fifo``: a
+    server blocked reading it then goes on (and the test fails instead of hanging)."""
+    if done.wait(FALLBACK_UNBLOCK):
+        return
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # nobody is reading it
+    try:
+        os.write(fd, b"{}")
+    finally:
+        os.close(fd)
 
 
 def is_type(event_type: str) -> Callable[[Event], bool]:
@@ -502,8 +521,17 @@ def test_config_file_that_is_a_fifo_is_a_clear_error_without_blocking(
 ) -> None:
     _, ws = dirs
     os.mkfifo(ws / "crush.json")
-    with pytest.raises(ConfigError, match=r"crush\.json: is a FIFO, not a regular file"):
-        load(dirs)
+    done = threading.Event()
+    watchdog = threading.Thread(
+        target=unblock_fifo_reader, args=(ws / "crush.json", done), daemon=True
+    )
+    watchdog.start()
+    try:
+        with pytest.raises(ConfigError, match=r"crush\.json: is a FIFO, not a regular file"):
+            load(dirs)
+    finally:
+        done.set()
+        watchdog.join()
 
 
 def test_config_file_over_the_size_limit_is_a_clear_error(dirs: tuple[Path, Path]) -> None:
@@ -566,3 +594,124 @@ def test_cli_trust_refuses_to_overwrite_a_broken_user_file(
     assert cli_main(["trust", str(ws)]) == 2
     assert "invalid JSON" in capsys.readouterr().err
     assert broken.read_text() == '{"providers": '
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the server: warnings a client sees, the trust route, a FIFO crush.json
+
+
+#: The server must answer ``/v1/health`` within this long while a workspace with a FIFO
+#: ``crush.json`` opens (seconds).
+HEALTH_BOUND = 0.1
+
+
+async def test_a_fifo_crush_json_leaves_health_answering_and_the_open_fails_clearly(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "fifo-project"
+    project.mkdir()
+    os.mkfifo(project / "crush.json")
+    done = threading.Event()
+    watchdog = threading.Thread(
+        target=unblock_fifo_reader, args=(project / "crush.json", done), daemon=True
+    )
+    watchdog.start()
+    try:
+        async with running_server(tmp_path) as srv:
+            opened: list[httpx.Response] = []
+            latencies: list[float] = []
+
+            async def open_it() -> None:
+                body = {"path": str(project), "client_id": str(uuid.uuid4())}
+                opened.append(await srv.http.post("/v1/workspaces", json=body))
+
+            with trio.fail_after(WAIT):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(open_it)
+                    for _ in range(5):
+                        started = time.perf_counter()
+                        health = await srv.http.get("/v1/health")
+                        latencies.append(time.perf_counter() - started)
+                        assert health.status_code == 200
+    finally:
+        done.set()
+        watchdog.join()
+    assert max(latencies) < HEALTH_BOUND, latencies
+    (answer,) = opened
+    assert answer.status_code == 400, answer.text
+    assert "crush.json: is a FIFO, not a regular file" in answer.json()["message"]
+
+
+async def test_untrusted_workspace_reports_ignored_keys_and_the_trust_route_applies_them(
+    tmp_path: Path,
+) -> None:
+    project = tmp_path / "project"
+    write_json(
+        project / "crush.json",
+        {"permissions": {"allowed_tools": ["write"]}, "options": {"max_steps": 3}},
+    )
+    async with running_server(tmp_path) as srv:
+        info = await srv.open_workspace(project)
+        wid = info["id"]
+        assert info["trusted"] is False
+        (warning,) = info["warnings"]
+        assert warning.startswith(f"{project.resolve() / 'crush.json'}: $.permissions: ignored")
+        workspace = srv.backend.get(wid)
+        assert workspace.permissions.allowed_tools == frozenset()
+        assert workspace.config.options.max_steps == 3  # a harmless option applies anyway
+
+        r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": True})
+        assert r.status_code == 200, r.text
+        result = r.json()
+        assert (result["workspace"]["trusted"], result["workspace"]["warnings"]) == (True, [])
+        assert result["changed"] is True
+        user_file = Path(result["file"])
+        assert user_file == tmp_path / "user-config" / "crush.json"
+        saved = orjson.loads(await trio.Path(user_file).read_bytes())
+        assert saved["trusted_workspaces"] == [str(project.resolve())]
+        assert workspace.permissions.allowed_tools == frozenset({"write"})
+        r = await srv.http.get(f"/v1/workspaces/{wid}")
+        assert r.json()["trusted"] is True
+
+        r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["workspace"]["trusted"] is False
+        assert workspace.permissions.allowed_tools == frozenset()
+
+    # The next server (or the next open) reads the trust from the user file.
+    write_json(user_file, {"trusted_workspaces": [str(project)]})
+    async with running_server(tmp_path) as srv:
+        info = await srv.open_workspace(project)
+        assert (info["trusted"], info["warnings"]) == (True, [])
+
+
+async def test_trust_route_needs_the_token_and_refuses_other_sites(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    async with running_server(tmp_path) as srv:
+        wid = (await srv.open_workspace(project))["id"]
+        url = f"{srv.url}/v1/workspaces/{wid}/trust"
+        async with httpx.AsyncClient(timeout=WAIT) as anonymous:
+            r = await anonymous.post(url, json={"trusted": True})
+            assert r.status_code == 401, r.text
+        r = await srv.http.post(
+            url, json={"trusted": True}, headers={"Origin": "http://attacker.example"}
+        )
+        assert r.status_code == 403, r.text
+        r = await srv.http.post(
+            url, content=b"trusted=1", headers={"Content-Type": "application/x-www-form-urlencoded"}
+        )
+        assert r.status_code == 415, r.text
+        assert srv.backend.get(wid).trusted is False
+        assert not (tmp_path / "user-config" / "crush.json").exists()
+
+
+async def test_trust_route_with_an_explicit_config_file_is_a_conflict(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    only = write_json(tmp_path / "only.json", {})
+    async with running_server(tmp_path, config_file=only) as srv:
+        wid = (await srv.open_workspace(project))["id"]
+        r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": True})
+        assert r.status_code == 409, r.text
+        assert "--config" in r.json()["message"]
