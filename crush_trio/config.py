@@ -10,13 +10,17 @@ path (``/p/crush.json: $.providers.local.type: ...``) before giving up:
 1. **Lookup** (:func:`config_files`): ``--config FILE`` alone, or else the user file
    ``$XDG_CONFIG_HOME/crush-trio/crush.json`` with the workspace's ``crush.json`` and then
    ``.crush.json`` merged over it. Objects merge key by key, later files win, lists are replaced.
-   The merge remembers which file set which key, so an error names the file to edit.
+   The merge remembers which file set which key, so an error names the file to edit. Files must
+   be regular files of at most :data:`CONFIG_MAX_BYTES`.
+   **Workspace trust**: unless ``trusted_workspaces`` in the user file lists the workspace (or a
+   parent), its files may set only the allow-listed keys (``UNTRUSTED_*`` below: models and
+   harmless options); every other key is ignored with a warning (:class:`LoadedConfig`).
 2. **Shape**: every object, map and list is where the classes expect one, and unknown keys are
    logged (one warning each, naming the path) and ignored, so a full Crush file works unchanged.
 3. **Types**: the project's one converter (:data:`crush_trio.wire.converter`) structures the tree;
    it is strict, so ``"5"`` is not an int.
 4. **Meaning**: numbers are within their bounds, ``$VAR``/``${VAR}`` in ``api_key``, ``base_url``
-   and ``extra_headers`` expand from the environment, and ``models.large``/``models.small`` name a
+   and ``extra_headers`` expand from the environment (only in values a trusted file set), and ``models.large``/``models.small`` name a
    configured provider and model (:meth:`Config.resolve_model`).
 
 Every failure is a :class:`~crush_trio.errors.ConfigError` whose message names the file, the path
