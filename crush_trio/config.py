@@ -20,8 +20,9 @@ path (``/p/crush.json: $.providers.local.type: ...``) before giving up:
 3. **Types**: the project's one converter (:data:`crush_trio.wire.converter`) structures the tree;
    it is strict, so ``"5"`` is not an int.
 4. **Meaning**: numbers are within their bounds, ``$VAR``/``${VAR}`` in ``api_key``, ``base_url``
-   and ``extra_headers`` expand from the environment (only in values a trusted file set), and ``models.large``/``models.small`` name a
-   configured provider and model (:meth:`Config.resolve_model`).
+   and ``extra_headers`` expand from the environment (only in values a trusted file set), and
+   ``models.large``/``models.small`` name a configured provider and model
+   (:meth:`Config.resolve_model`).
 
 Every failure is a :class:`~crush_trio.errors.ConfigError` whose message names the file, the path
 and the fix.

@@ -715,3 +715,31 @@ async def test_trust_route_with_an_explicit_config_file_is_a_conflict(tmp_path: 
         r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": True})
         assert r.status_code == 409, r.text
         assert "--config" in r.json()["message"]
+
+
+async def test_untrusted_workspace_whose_data_directory_is_a_symlink_out_is_refused(
+    tmp_path: Path,
+) -> None:
+    project, other = tmp_path / "project", tmp_path / "other-project" / ".crush"
+    project.mkdir()
+    other.mkdir(parents=True)
+    (project / ".crush").symlink_to(other, target_is_directory=True)
+    async with running_server(tmp_path, data_dir=None) as srv:
+        body = {"path": str(project), "client_id": str(uuid.uuid4())}
+        r = await srv.http.post("/v1/workspaces", json=body)
+        assert r.status_code == 400, r.text
+        assert "outside the workspace" in r.json()["message"]
+        assert list(other.iterdir()) == []  # no database was opened there
+
+
+async def test_user_file_may_put_every_data_directory_elsewhere(tmp_path: Path) -> None:
+    project, elsewhere = tmp_path / "project", tmp_path / "all-data"
+    project.mkdir()
+    write_json(
+        tmp_path / "user-config" / "crush.json",
+        {"options": {"data_directory": str(elsewhere)}},
+    )
+    async with running_server(tmp_path, data_dir=None) as srv:
+        info = await srv.open_workspace(project)
+        assert info["data_dir"] == str(elsewhere)
+        assert info["trusted"] is False

@@ -121,11 +121,16 @@ class Backend:
         done = self._opening[path] = trio.Event()
         try:
             loaded = await self._load_config(path)
+            data_dir = data_dir_for(path, loaded.config, self.data_dir)
+            if self.data_dir is None and not loaded.trusted:
+                await trio.to_thread.run_sync(
+                    _check_data_dir_inside, path, data_dir, loaded.config.options.data_directory
+                )
             ws = Workspace(
                 path=path,
                 config=loaded.config,
                 server=self.server,
-                data_dir=data_dir_for(path, loaded.config, self.data_dir),
+                data_dir=data_dir,
                 version=self.version,
                 provider_factory=self.provider_factory,
                 trusted=loaded.trusted,
@@ -271,3 +276,18 @@ class Backend:
 def load_server_options(config_file: Path | None, user_config_dir: Path | None = None) -> Config:
     """The configuration read at start (``--config`` or the user file), validated up front."""
     return load_config(config_file=config_file, workspace=None, user_config_dir=user_config_dir)
+
+
+def _check_data_dir_inside(path: Path, data_dir: Path, configured: str) -> None:
+    """An untrusted workspace's relative data directory must really be inside it: a repository
+    could ship ``.crush`` as a symlink to another project's data directory. (An absolute one can
+    only come from the user's own file.)"""
+    if os.path.isabs(os.path.expanduser(configured)):
+        return
+    real = Path(os.path.realpath(data_dir))
+    if real == path or path not in real.parents:
+        raise BadRequest(
+            f"the workspace's data directory {data_dir} leads to {real}, outside the workspace "
+            "(a symlink?); remove it, or mark the workspace trusted (crush-trio trust DIR) if "
+            "that is intended"
+        )
