@@ -743,3 +743,18 @@ async def test_user_file_may_put_every_data_directory_elsewhere(tmp_path: Path) 
         info = await srv.open_workspace(project)
         assert info["data_dir"] == str(elsewhere)
         assert info["trusted"] is False
+
+
+async def test_edit_of_a_file_removed_during_the_wait_creates_nothing(
+    layout: tuple[Path, Path],
+) -> None:
+    ws, _ = layout
+    gone = ws / "sub" / "gone.py"
+    gone.write_text("x = 1\n")
+    asker = HookAsker(during_wait=gone.unlink)
+    result = await call(
+        make_ctx(ws, asker), "edit", path="sub/gone.py", old_string="x = 1", new_string="x = 2"
+    )
+    assert result.is_error, result.content
+    assert "removed while waiting for permission" in result.content
+    assert not gone.exists()

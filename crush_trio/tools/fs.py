@@ -888,25 +888,39 @@ def _check_single_link(st: os.stat_result, shown: str, tool_name: str) -> None:
         )
 
 
-def _open_for_write(path: Path, shown: str, tool_name: str, *, create: bool, read: bool) -> int:
+def _open_for_write(
+    path: Path, shown: str, tool_name: str, *, new: bool, may_create: bool, read: bool
+) -> int:
     """Open the approved real ``path`` for writing without following any symlink.
 
     Args:
-        create: the file was approved as new: create it (``O_CREAT|O_EXCL``, so a file that
-            appeared during the wait is not overwritten); otherwise it is created only when it
-            vanished meanwhile.
+        new: the file was approved as new: create it with ``O_CREAT|O_EXCL``, so a file that
+            appeared during the wait is not overwritten.
+        may_create: create the file (and missing parent directories) when it is missing
+            (``write`` re-creates a file removed during the wait; ``edit`` of an existing file
+            does not).
         read: open it for reading too (``edit``).
 
     Raises:
-        ToolError: a symlink, a non-regular file or a hard-linked file is in the way.
+        ToolError: a symlink, a non-regular file or a hard-linked file is in the way, or the
+            file is gone.
     """
-    parent = _open_parent(path, shown, create=True)
-    flags = (os.O_RDWR if read else os.O_WRONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    flags |= os.O_CREAT | os.O_EXCL if create else os.O_CREAT
+    access = os.O_RDWR if read else os.O_WRONLY
+    flags = access | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if new:
+        flags |= os.O_CREAT | os.O_EXCL
+    elif may_create:
+        flags |= os.O_CREAT
     try:
-        fd = os.open(path.name, flags, 0o666, dir_fd=parent)
+        parent = _open_parent(path, shown, create=new or may_create)
+        try:
+            fd = os.open(path.name, flags, 0o666, dir_fd=parent)
+        finally:
+            os.close(parent)
     except FileExistsError:
         raise _refuse_changed(shown, "the file appeared") from None
+    except FileNotFoundError:
+        raise _refuse_changed(shown, "the file was removed") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise _refuse_changed(shown, "the file became a symlink") from None
@@ -916,8 +930,6 @@ def _open_for_write(path: Path, shown: str, tool_name: str, *, create: bool, rea
                 "regular file"
             ) from None
         raise
-    finally:
-        os.close(parent)
     try:
         _check_single_link(os.fstat(fd), shown, tool_name)
         os.set_blocking(fd, True)
@@ -950,7 +962,7 @@ def _write_file(
     ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str, content: str, exists: bool
 ) -> None:
     _recheck(ctx, raw, approved, shown)
-    fd = _open_for_write(approved.path, shown, "write", create=not exists, read=False)
+    fd = _open_for_write(approved.path, shown, "write", new=not exists, may_create=True, read=False)
     _write_fd(fd, content.encode("utf-8", errors="surrogateescape"))
 
 
@@ -1119,7 +1131,9 @@ def _apply_edit(
     # while the user thought.
     _recheck(ctx, raw, approved, shown)
     created = old == ""
-    fd = _open_for_write(approved.path, shown, "edit", create=created, read=not created)
+    fd = _open_for_write(
+        approved.path, shown, "edit", new=created, may_create=created, read=not created
+    )
     try:
         if created:
             plan = _EditPlan(text=new, count=1, first_index=0, new_string=new, created=True)
