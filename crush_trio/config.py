@@ -616,7 +616,37 @@ def _filter_project(
             kept[key] = _filter_providers(value, known_providers, dropped)
         else:
             dropped.append((path, _untrusted_reason(path)))
+    if not trusted:
+        _drop_selections_of_ignored_providers(kept, known_providers, dropped)
     return kept, dropped
+
+
+def _drop_selections_of_ignored_providers(
+    kept: dict[str, Any], known: set[str], dropped: list[tuple[PathParts, str]]
+) -> None:
+    """A model selection naming a provider this file defined but may not: ignored too (it would
+    otherwise fail as an unknown provider, hiding the reason)."""
+    models = kept.get("models")
+    if not isinstance(models, dict):
+        return
+    providers = kept.get("providers")
+    defined = known | (set(providers) if isinstance(providers, dict) else set())
+    ignored = {p[1] for p, _ in dropped if len(p) == 2 and p[0] == "providers"}
+    for role in ("large", "small"):
+        selection = models.get(role)
+        if not isinstance(selection, dict):
+            continue
+        name = selection.get("provider")
+        if name in ignored and name not in defined:
+            del models[role]
+            where: PathParts = ("models", role)
+            dropped.append(
+                (
+                    where,
+                    f"ignored: it names provider {name!r}, which an untrusted workspace may not "
+                    "define; mark the workspace trusted to use it",
+                )
+            )
 
 
 def _filter_options(
@@ -1001,6 +1031,23 @@ def load_config_report(
             loaded.append(path)
     logger.debug("config files read: %s", ", ".join(map(str, loaded)) or "none (defaults)")
 
+    try:
+        return _finish_loading(merged, origins, env, trusted, trusted_sources, warnings)
+    except ConfigError as exc:
+        if not warnings:
+            raise
+        # What was ignored may be why the rest is wrong: say it with the error.
+        raise ConfigError("\n".join([exc.message, *warnings])) from None
+
+
+def _finish_loading(
+    merged: dict[str, Any],
+    origins: _Origins,
+    env: Mapping[str, str],
+    trusted: bool,
+    trusted_sources: set[Path],
+    warnings: list[str],
+) -> LoadedConfig:
     problems: list[_Problem] = []
     unknown: list[PathParts] = []
     _check_shape(merged, Config, (), problems, unknown)

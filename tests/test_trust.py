@@ -758,3 +758,33 @@ async def test_edit_of_a_file_removed_during_the_wait_creates_nothing(
     assert result.is_error, result.content
     assert "removed while waiting for permission" in result.content
     assert not gone.exists()
+
+
+def test_untrusted_selection_of_an_ignored_provider_is_ignored_too(
+    dirs: tuple[Path, Path],
+) -> None:
+    _, ws = dirs
+    write_json(
+        ws / "crush.json",
+        {
+            "providers": {"theirs": {"type": "openai", "api_key": "$OTHER_SECRET"}},
+            "models": {"large": {"provider": "theirs", "model": "gpt"}},
+        },
+    )
+    loaded = load(dirs)
+    assert loaded.config.resolve_model("large")[0] == "main"  # the user's choice stands
+    assert [w.split(": ")[1] for w in loaded.warnings] == ["$.providers.theirs", "$.models.large"]
+
+
+def test_a_config_error_comes_with_what_was_ignored(dirs: tuple[Path, Path]) -> None:
+    user, ws = dirs
+    write_json(user / "crush.json", {})
+    write_json(
+        ws / "crush.json",
+        {"providers": {"theirs": {"type": "openai"}}, "models": {"small": {"provider": "echo"}}},
+    )
+    with pytest.raises(ConfigError) as caught:
+        load(dirs)
+    message = caught.value.message
+    assert "$.models.small.model" in message  # the error itself
+    assert "$.providers.theirs: ignored" in message  # and what trust left out
