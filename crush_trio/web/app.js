@@ -995,7 +995,17 @@ class App {
           "div",
           { class: "permission-actions" },
           h("button", { type: "button", class: "primary", dataset: { action: "allow" }, text: "Allow", onclick: () => answer("allow") }),
-          h("button", { type: "button", dataset: { action: "allow_session" }, text: "Allow for session", onclick: () => answer("allow_session") }),
+          h("button", {
+            type: "button",
+            dataset: { action: "allow_session" },
+            text: "Allow for session",
+            // What the server remembers (docs/tools.md, "Permission scope").
+            title:
+              typeof req.params?.command === "string"
+                ? "Run this exact command again in this session without asking"
+                : "Allow this tool on this path again in this session without asking",
+            onclick: () => answer("allow_session"),
+          }),
           h("button", { type: "button", class: "danger", dataset: { action: "deny" }, text: "Deny", onclick: () => answer("deny") }),
         ),
       );
