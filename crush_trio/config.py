@@ -34,7 +34,9 @@ import logging
 import math
 import os
 import re
+import secrets
 import stat
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -1126,6 +1128,13 @@ def set_workspace_trust(
     real = Path(os.path.realpath(workspace.expanduser()))
     if not real.is_dir():
         raise ConfigError(f"{workspace}: not a directory; give the workspace's directory")
+    with _USER_FILE_LOCK:  # one read-modify-write at a time in this process
+        return _set_trust(real, trusted, env=env, user_config_dir=user_config_dir)
+
+
+def _set_trust(
+    real: Path, trusted: bool, *, env: Mapping[str, str] | None, user_config_dir: Path | None
+) -> TrustChange:
     file = user_config_file(env=env, user_config_dir=user_config_dir)
     target = Path(os.path.realpath(file))  # write through a symlinked dotfile, not over it
     data = _read_json(target, required=False) or {}
@@ -1150,17 +1159,24 @@ def set_workspace_trust(
     return TrustChange(file=file, trusted=now, changed=changed, still_trusted_by=parents)
 
 
+_USER_FILE_LOCK: Final = threading.Lock()
+
+
 def _write_user_file(target: Path, data: dict[str, Any]) -> None:
     body = orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n"
+    temp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with open(fd, "wb", closefd=True) as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, target)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
     except OSError as exc:
         raise ConfigError(
             f"{target}: cannot write the user config file ({exc.strerror or exc}); check the "
