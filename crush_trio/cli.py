@@ -1,4 +1,4 @@
-"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1) and ``run`` (PROTOCOL §8).
+"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1), ``run`` (PROTOCOL §8) and ``trust``.
 
 argparse (stdlib) is enough for these flat flag sets and keeps start-up fast for ``run``.
 """
@@ -65,11 +65,54 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
 
+def _trust_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "trust",
+        help="trust a workspace's own crush.json",
+        description=(
+            "Add a workspace directory to trusted_workspaces in the user's crush.json, so its "
+            "own crush.json and .crush.json apply in full (providers, environment variables, "
+            "pre-approved tools, data directory). Untrusted workspaces may only choose models "
+            "and tune harmless options. A running server applies the change to an open "
+            "workspace when it is next opened."
+        ),
+    )
+    p.add_argument("path", type=Path, nargs="?", default=None, help="workspace (default: .)")
+    p.add_argument(
+        "--untrust", action="store_true", help="remove the workspace from trusted_workspaces"
+    )
+
+
+def _trust_main(args: argparse.Namespace) -> int:
+    from .config import set_workspace_trust
+
+    path: Path = args.path if args.path is not None else Path.cwd()
+    try:
+        change = set_workspace_trust(path, not args.untrust)
+    except ConfigError as bad:
+        print(f"crush-trio: {bad}", file=sys.stderr)
+        return EXIT_USAGE
+    real = path.expanduser().resolve()
+    state = "trusted" if change.trusted else "not trusted"
+    note = "" if change.changed else " (no change)"
+    print(f"{real}: {state}{note}; {change.file}")
+    if change.still_trusted_by:
+        print(
+            "crush-trio: still trusted through "
+            + ", ".join(change.still_trusted_by)
+            + f"; remove that entry from {change.file} to untrust it",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="crush-trio", description=__doc__)
     parser.add_argument("--version", action="version", version=f"crush-trio {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _trust_parser(sub)
     try:
         from .run_cmd import add_run_parser
     except ImportError:  # pragma: no cover - the run command is optional during development
@@ -134,6 +177,8 @@ def unwrap_group(exc: BaseException) -> BaseException:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "trust":
+        return _trust_main(args)
     if args.command == "serve":
         from .server.serve import ServeOptions
 

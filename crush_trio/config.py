@@ -10,14 +10,19 @@ path (``/p/crush.json: $.providers.local.type: ...``) before giving up:
 1. **Lookup** (:func:`config_files`): ``--config FILE`` alone, or else the user file
    ``$XDG_CONFIG_HOME/crush-trio/crush.json`` with the workspace's ``crush.json`` and then
    ``.crush.json`` merged over it. Objects merge key by key, later files win, lists are replaced.
-   The merge remembers which file set which key, so an error names the file to edit.
+   The merge remembers which file set which key, so an error names the file to edit. Files must
+   be regular files of at most :data:`CONFIG_MAX_BYTES`.
+   **Workspace trust**: unless ``trusted_workspaces`` in the user file lists the workspace (or a
+   parent), its files may set only the allow-listed keys (``UNTRUSTED_*`` below: models and
+   harmless options); every other key is ignored with a warning (:class:`LoadedConfig`).
 2. **Shape**: every object, map and list is where the classes expect one, and unknown keys are
    logged (one warning each, naming the path) and ignored, so a full Crush file works unchanged.
 3. **Types**: the project's one converter (:data:`crush_trio.wire.converter`) structures the tree;
    it is strict, so ``"5"`` is not an int.
 4. **Meaning**: numbers are within their bounds, ``$VAR``/``${VAR}`` in ``api_key``, ``base_url``
-   and ``extra_headers`` expand from the environment, and ``models.large``/``models.small`` name a
-   configured provider and model (:meth:`Config.resolve_model`).
+   and ``extra_headers`` expand from the environment (only in values a trusted file set), and
+   ``models.large``/``models.small`` name a configured provider and model
+   (:meth:`Config.resolve_model`).
 
 Every failure is a :class:`~crush_trio.errors.ConfigError` whose message names the file, the path
 and the fix.
@@ -29,6 +34,9 @@ import logging
 import math
 import os
 import re
+import secrets
+import stat
+import threading
 import types
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -62,6 +70,45 @@ ECHO_MODEL: Final = "echo"
 REDACTED: Final = "***"
 #: Top-level keys accepted silently although they configure nothing (editors' schema hint).
 IGNORED_TOP_LEVEL_KEYS: Final = frozenset({"$schema"})
+#: Largest config file read, in bytes (1 MiB); a larger one is an error.
+CONFIG_MAX_BYTES: Final = 1024 * 1024
+
+# What an untrusted workspace's config file may set (an allow-list: every other key is ignored
+# with a warning, so keys added later are refused until someone decides they are harmless).
+#: Top-level keys an untrusted workspace may set as a whole.
+UNTRUSTED_TOP_LEVEL_KEYS: Final = frozenset({"$schema", "models"})
+#: Keys of ``options`` an untrusted workspace may set (``data_directory`` only inside itself).
+UNTRUSTED_OPTION_KEYS: Final = frozenset(
+    {
+        "data_directory",
+        "max_steps",
+        "debounce_ms",
+        "title_max_words",
+        "permission_timeout",
+        "tool_timeout",
+        "bash_output_limit",
+        "context_paths",
+    }
+)
+#: Keys of a provider entry an untrusted workspace may set: the model list and the bounds, never
+#: where requests go or what credentials they carry (``type``, ``base_url``, ``api_key``,
+#: ``extra_headers``).
+UNTRUSTED_PROVIDER_KEYS: Final = frozenset(
+    {
+        "models",
+        "delay_ms",
+        "connect_timeout",
+        "first_byte_timeout",
+        "chunk_timeout",
+        "max_retries",
+        "retry_base_delay",
+        "retry_max_delay",
+    }
+)
+#: Provider types an untrusted workspace may define anew (they send nothing anywhere).
+UNTRUSTED_NEW_PROVIDER_TYPES: Final = frozenset({"echo"})
+#: Keys only the user's own file (or ``--config``) may set, trusted workspace or not.
+USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces"})
 
 ProviderType = Literal["openai-compat", "openai", "anthropic", "echo"]
 #: The allowed values of ``providers.<name>.type``.
@@ -279,6 +326,9 @@ class Config:
     options: Options = attrs.field(factory=Options)
     permissions: Permissions = attrs.field(factory=Permissions)
     server: ServerOptions = attrs.field(factory=ServerOptions)
+    #: Workspace directories whose own config files are applied in full (each entry and every
+    #: directory below it); read from the user's file only.
+    trusted_workspaces: list[str] = attrs.field(factory=list)
 
     def resolve_model(
         self, role: Literal["large", "small"]
@@ -420,9 +470,62 @@ def config_files(
     return files
 
 
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _check_regular(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(
+            f"{path}: is {_file_kind(st.st_mode)}, not a regular file; a config file must be a "
+            "regular file: replace it with one or remove it"
+        )
+    if st.st_size > CONFIG_MAX_BYTES:
+        raise ConfigError(_too_large(path))
+
+
+def _too_large(path: Path) -> str:
+    return (
+        f"{path}: larger than the {CONFIG_MAX_BYTES} byte limit of a config file "
+        "(CONFIG_MAX_BYTES); a crush.json is a few kilobytes: remove what does not belong in it"
+    )
+
+
+def _read_bounded(path: Path) -> bytes:
+    """The bytes of a regular file of at most :data:`CONFIG_MAX_BYTES`.
+
+    The file is checked with ``stat`` before it is opened and with ``fstat`` after (it is
+    opened with ``O_NONBLOCK``, so a FIFO swapped in between cannot block the open), and at most
+    one byte over the limit is read.
+    """
+    _check_regular(path, os.stat(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        _check_regular(path, os.fstat(fd))
+        os.set_blocking(fd, True)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= CONFIG_MAX_BYTES and (chunk := os.read(fd, CONFIG_MAX_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > CONFIG_MAX_BYTES:
+        raise ConfigError(_too_large(path))
+    return b"".join(chunks)
+
+
 def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(path)
     except FileNotFoundError:
         if required:
             raise ConfigError(
@@ -461,11 +564,174 @@ def _merge_into(
         path = (*prefix, key)
         current = base.get(key)
         if isinstance(value, dict) and isinstance(current, dict):
-            origins.set(path, source, replace=False)
+            # Not recorded: the keys inside keep the file that set each of them (a value's
+            # origin decides whether ``$VAR`` in it expands).
             _merge_into(current, value, source, origins, path)
         else:
             base[key] = value
             origins.set(path, source, replace=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workspace trust
+
+
+def _trust_entries(user_data: Mapping[str, Any] | None) -> list[str]:
+    """The well-formed entries of ``trusted_workspaces`` in the user's own file (a malformed
+    value is reported by the shape check later)."""
+    value = (user_data or {}).get("trusted_workspaces")
+    if not isinstance(value, list):
+        return []
+    return [entry for entry in value if isinstance(entry, str)]
+
+
+def _real(raw: str) -> Path | None:
+    path = Path(raw).expanduser()
+    return Path(os.path.realpath(path)) if path.is_absolute() else None
+
+
+def is_trusted(workspace: Path, entries: list[str]) -> bool:
+    """Whether ``workspace`` (a real path) is an entry of ``trusted_workspaces`` or below one.
+
+    Entries are absolute paths (``~`` expands); symlinks in them are resolved; relative entries
+    trust nothing.
+    """
+    for entry in entries:
+        real = _real(entry)
+        if real is not None and (workspace == real or real in workspace.parents):
+            return True
+    return False
+
+
+def _untrusted_reason(path: PathParts) -> str:
+    return (
+        f"ignored: an untrusted workspace may not set {format_path(path)}; mark the workspace "
+        "trusted (crush-trio trust DIR, the web page's Trust button, or trusted_workspaces in "
+        "the user's crush.json) to apply it"
+    )
+
+
+def _filter_project(
+    data: dict[str, Any],
+    *,
+    trusted: bool,
+    workspace: Path,
+    known_providers: set[str],
+) -> tuple[dict[str, Any], list[tuple[PathParts, str]]]:
+    """What a workspace's own config file may set: everything when trusted, else the allow-list
+    (:data:`UNTRUSTED_TOP_LEVEL_KEYS`, :data:`UNTRUSTED_OPTION_KEYS`,
+    :data:`UNTRUSTED_PROVIDER_KEYS`, new providers of :data:`UNTRUSTED_NEW_PROVIDER_TYPES`).
+
+    Returns the kept tree and each ignored path with the reason.
+    """
+    dropped: list[tuple[PathParts, str]] = []
+    kept: dict[str, Any] = {}
+    for key, value in data.items():
+        path: PathParts = (key,)
+        if key in USER_ONLY_KEYS:
+            dropped.append(
+                (path, f"ignored: only the user's own crush.json may set {format_path(path)}")
+            )
+        elif trusted or key in UNTRUSTED_TOP_LEVEL_KEYS:
+            kept[key] = value
+        elif key == "options" and isinstance(value, dict):
+            kept[key] = _filter_options(value, workspace, dropped)
+        elif key == "providers" and isinstance(value, dict):
+            kept[key] = _filter_providers(value, known_providers, dropped)
+        else:
+            dropped.append((path, _untrusted_reason(path)))
+    if not trusted:
+        _drop_selections_of_ignored_providers(kept, known_providers, dropped)
+    return kept, dropped
+
+
+def _drop_selections_of_ignored_providers(
+    kept: dict[str, Any], known: set[str], dropped: list[tuple[PathParts, str]]
+) -> None:
+    """A model selection naming a provider this file defined but may not: ignored too (it would
+    otherwise fail as an unknown provider, hiding the reason)."""
+    models = kept.get("models")
+    if not isinstance(models, dict):
+        return
+    providers = kept.get("providers")
+    defined = known | (set(providers) if isinstance(providers, dict) else set())
+    ignored = {p[1] for p, _ in dropped if len(p) == 2 and p[0] == "providers"}
+    for role in ("large", "small"):
+        selection = models.get(role)
+        if not isinstance(selection, dict):
+            continue
+        name = selection.get("provider")
+        if name in ignored and name not in defined:
+            del models[role]
+            where: PathParts = ("models", role)
+            dropped.append(
+                (
+                    where,
+                    f"ignored: it names provider {name!r}, which an untrusted workspace may not "
+                    "define; mark the workspace trusted to use it",
+                )
+            )
+
+
+def _filter_options(
+    options: dict[str, Any], workspace: Path, dropped: list[tuple[PathParts, str]]
+) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    for key, value in options.items():
+        path: PathParts = ("options", key)
+        if key not in UNTRUSTED_OPTION_KEYS:
+            dropped.append((path, _untrusted_reason(path)))
+        elif key == "data_directory" and isinstance(value, str) and not _inside(workspace, value):
+            dropped.append(
+                (
+                    path,
+                    f"ignored: {value!r} is outside the workspace, and an untrusted workspace may "
+                    "put its data directory only inside itself; use a relative path such as "
+                    '".crush", or mark the workspace trusted',
+                )
+            )
+        else:
+            kept[key] = value
+    return kept
+
+
+def _inside(workspace: Path, raw: str) -> bool:
+    """Whether ``raw`` (relative to ``workspace``) names the workspace or a path below it, with
+    every symlink on the way resolved."""
+    if not raw or raw.startswith("~") or Path(raw).is_absolute():
+        return False
+    real = Path(os.path.realpath(workspace / raw))
+    return real != workspace and workspace in real.parents
+
+
+def _filter_providers(
+    providers: dict[str, Any], known: set[str], dropped: list[tuple[PathParts, str]]
+) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    for name, entry in providers.items():
+        path: PathParts = ("providers", name)
+        if not isinstance(entry, dict):
+            kept[name] = entry  # the shape check reports it
+            continue
+        if name not in known and entry.get("type") not in UNTRUSTED_NEW_PROVIDER_TYPES:
+            dropped.append(
+                (
+                    path,
+                    f"ignored: an untrusted workspace may define only providers of type "
+                    f"{', '.join(sorted(UNTRUSTED_NEW_PROVIDER_TYPES))} (others send requests "
+                    "where the file says); mark the workspace trusted to apply it",
+                )
+            )
+            continue
+        allowed = UNTRUSTED_PROVIDER_KEYS if name in known else UNTRUSTED_PROVIDER_KEYS | {"type"}
+        kept_entry: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key in allowed:
+                kept_entry[key] = value
+            else:
+                dropped.append(((*path, key), _untrusted_reason((*path, key))))
+        kept[name] = kept_entry
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,38 +861,55 @@ def _check_bounds(obj: Any, path: PathParts, problems: list[_Problem]) -> None:
 _ENV_REF: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
-def _expand(text: str, env: Mapping[str, str], path: PathParts, origins: _Origins) -> str:
-    """Expand ``$VAR`` and ``${VAR}``; an unset variable becomes "" and is logged."""
+@attrs.define
+class _Expander:
+    """Expands ``$VAR``/``${VAR}`` in values that a trusted file set, and collects warnings."""
 
-    def replace(match: re.Match[str]) -> str:
-        name = match.group(1) or match.group(2)
-        value = env.get(name)
-        if value is None:
-            logger.warning(
-                "%s: %s: environment variable %s is not set; it expands to an empty string",
-                origins.source_of(path),
-                format_path(path),
-                name,
+    env: Mapping[str, str]
+    origins: _Origins
+    trusted_sources: set[Path]
+    warnings: list[str]
+
+    def expand(self, text: str, path: PathParts) -> str:
+        """Expand ``$VAR`` and ``${VAR}``; an unset variable becomes "" and is logged.
+
+        A value from an untrusted workspace's file is kept as written: such a file cannot read
+        the server's environment (the keys that expand are not on its allow-list either).
+        """
+        source = self.origins.source_of(path)
+        if not _ENV_REF.search(text):
+            return text
+        if source not in self.trusted_sources:
+            self.warnings.append(
+                f"{source}: {format_path(path)}: environment variables are not expanded in an "
+                "untrusted workspace's file; the value is used as written"
             )
-            return ""
-        return value
+            return text
 
-    return _ENV_REF.sub(replace, text)
+        def replace(match: re.Match[str]) -> str:
+            name = match.group(1) or match.group(2)
+            value = self.env.get(name)
+            if value is None:
+                self.warnings.append(
+                    f"{source}: {format_path(path)}: environment variable {name} is not set; "
+                    "it expands to an empty string"
+                )
+                return ""
+            return value
 
+        return _ENV_REF.sub(replace, text)
 
-def _expand_provider(
-    name: str, provider: ProviderConfig, env: Mapping[str, str], origins: _Origins
-) -> ProviderConfig:
-    base: PathParts = ("providers", name)
-    return attrs.evolve(
-        provider,
-        api_key=_expand(provider.api_key, env, (*base, "api_key"), origins),
-        base_url=_expand(provider.base_url, env, (*base, "base_url"), origins),
-        extra_headers={
-            header: _expand(value, env, (*base, "extra_headers", header), origins)
-            for header, value in provider.extra_headers.items()
-        },
-    )
+    def provider(self, name: str, provider: ProviderConfig) -> ProviderConfig:
+        base: PathParts = ("providers", name)
+        return attrs.evolve(
+            provider,
+            api_key=self.expand(provider.api_key, (*base, "api_key")),
+            base_url=self.expand(provider.base_url, (*base, "base_url")),
+            extra_headers={
+                header: self.expand(value, (*base, "extra_headers", header))
+                for header, value in provider.extra_headers.items()
+            },
+        )
 
 
 def _resolve_model(
@@ -682,6 +965,24 @@ def _resolve_model(
 # Public entry points
 
 
+@attrs.frozen
+class LoadedConfig:
+    """A configuration with what loading it found worth telling the user.
+
+    Attributes:
+        config: the configuration.
+        trusted: the workspace is trusted (``trusted_workspaces`` of the user's file), so its
+            own files were applied in full; False without a workspace.
+        warnings: one line per key ignored (unknown, or not allowed from an untrusted workspace)
+            or value not expanded, naming the file, the JSON path and what to do. They are
+            logged too.
+    """
+
+    config: Config
+    trusted: bool = False
+    warnings: tuple[str, ...] = ()
+
+
 def load_config(
     *,
     config_file: Path | None,
@@ -689,42 +990,94 @@ def load_config(
     env: Mapping[str, str] | None = None,
     user_config_dir: Path | None = None,
 ) -> Config:
+    """Find, merge, check and structure the configuration (see :func:`load_config_report`)."""
+    return load_config_report(
+        config_file=config_file, workspace=workspace, env=env, user_config_dir=user_config_dir
+    ).config
+
+
+def load_config_report(
+    *,
+    config_file: Path | None,
+    workspace: Path | None,
+    env: Mapping[str, str] | None = None,
+    user_config_dir: Path | None = None,
+) -> LoadedConfig:
     """Find, merge, check and structure the configuration (see the module docstring).
+
+    Blocking (it reads files): call it from a worker thread in async code.
 
     Args:
         config_file: ``--config FILE``; when given, only this file is read and it must exist.
-        workspace: The workspace directory whose ``crush.json`` and ``.crush.json`` merge over
-            the user file; ``None`` reads the user file only.
+        workspace: The workspace directory (a real path) whose ``crush.json`` and
+            ``.crush.json`` merge over the user file; ``None`` reads the user file only. Unless
+            the user file's ``trusted_workspaces`` trusts it, only the keys on the untrusted
+            allow-list are taken from its files; the others are ignored with a warning.
         env: Variables for ``$VAR`` expansion and ``XDG_CONFIG_HOME``; default ``os.environ``.
         user_config_dir: Replaces ``$XDG_CONFIG_HOME/crush-trio`` as the user file's directory.
 
     Raises:
-        ConfigError: unreadable file, invalid JSON, wrong shape or type, out-of-bounds number,
-            or a model selection that names nothing; the message names the file, the JSON path
-            and the fix (one line per problem).
+        ConfigError: unreadable, non-regular or too large file, invalid JSON, wrong shape or
+            type, out-of-bounds number, or a model selection that names nothing; the message
+            names the file, the JSON path and the fix (one line per problem).
     """
     env = os.environ if env is None else env
+    if workspace is not None:
+        workspace = Path(os.path.realpath(workspace))
     files = config_files(
         config_file=config_file, workspace=workspace, env=env, user_config_dir=user_config_dir
     )
     merged: dict[str, Any] = {}
     origins = _Origins()
     loaded: list[Path] = []
-    for path in files:
+    warnings: list[str] = []
+    trusted_sources: set[Path] = set()
+    trusted = False
+    for index, path in enumerate(files):
         data = _read_json(path, required=config_file is not None)
+        if index == 0:
+            # --config FILE or the user's own file: trusted by definition.
+            trusted_sources.add(path)
+            if workspace is not None:
+                trusted = is_trusted(workspace, _trust_entries(data))
+        elif data is not None:
+            assert workspace is not None
+            providers = merged.get("providers")
+            known = set(providers) if isinstance(providers, dict) else set()
+            data, dropped = _filter_project(
+                data, trusted=trusted, workspace=workspace, known_providers=known
+            )
+            warnings += [f"{path}: {format_path(where)}: {why}" for where, why in dropped]
+            if trusted:
+                trusted_sources.add(path)
         if data is not None:
             _merge_into(merged, data, path, origins)
             loaded.append(path)
     logger.debug("config files read: %s", ", ".join(map(str, loaded)) or "none (defaults)")
 
+    try:
+        return _finish_loading(merged, origins, env, trusted, trusted_sources, warnings)
+    except ConfigError as exc:
+        if not warnings:
+            raise
+        # What was ignored may be why the rest is wrong: say it with the error.
+        raise ConfigError("\n".join([exc.message, *warnings])) from None
+
+
+def _finish_loading(
+    merged: dict[str, Any],
+    origins: _Origins,
+    env: Mapping[str, str],
+    trusted: bool,
+    trusted_sources: set[Path],
+    warnings: list[str],
+) -> LoadedConfig:
     problems: list[_Problem] = []
     unknown: list[PathParts] = []
     _check_shape(merged, Config, (), problems, unknown)
     for path_parts in unknown:
-        logger.warning(
-            "%s: %s: unknown key ignored",
-            origins.source_of(path_parts),
-            format_path(path_parts),
+        warnings.append(
+            f"{origins.source_of(path_parts)}: {format_path(path_parts)}: unknown key ignored"
         )
     _raise_problems(problems, origins)
 
@@ -737,11 +1090,11 @@ def load_config(
     _check_bounds(config, (), problems)
     _raise_problems(problems, origins)
 
+    expander = _Expander(env, origins, trusted_sources, warnings)
     config = attrs.evolve(
         config,
         providers={
-            name: _expand_provider(name, provider, env, origins)
-            for name, provider in config.providers.items()
+            name: expander.provider(name, provider) for name, provider in config.providers.items()
         },
     )
 
@@ -754,7 +1107,103 @@ def load_config(
         except _Problem as problem:
             problems.append(problem)
     _raise_problems(problems, origins)
-    return config
+    for line in warnings:
+        logger.warning("%s", line)
+    return LoadedConfig(config=config, trusted=trusted, warnings=tuple(warnings))
+
+
+@attrs.frozen
+class TrustChange:
+    """What :func:`set_workspace_trust` did.
+
+    Attributes:
+        file: the user file written.
+        trusted: whether the workspace is trusted now.
+        changed: whether the file changed.
+        still_trusted_by: when untrusting, the entries (parents of the workspace) that keep it
+            trusted; remove them from the file to untrust it.
+    """
+
+    file: Path
+    trusted: bool
+    changed: bool
+    still_trusted_by: tuple[str, ...] = ()
+
+
+def set_workspace_trust(
+    workspace: Path,
+    trusted: bool,
+    *,
+    env: Mapping[str, str] | None = None,
+    user_config_dir: Path | None = None,
+) -> TrustChange:
+    """Add ``workspace`` to (or remove it from) ``trusted_workspaces`` of the user's file.
+
+    The rest of the file is kept as it is (its formatting is not: it is written back indented).
+    A missing file or directory is created (mode 0600 / 0700); the new file replaces the old
+    one atomically. Blocking: call it from a worker thread in async code.
+
+    Raises:
+        ConfigError: ``workspace`` is not an existing directory, or the user file cannot be read
+            (invalid JSON, not a regular file, ...) or written; nothing was changed.
+    """
+    real = Path(os.path.realpath(workspace.expanduser()))
+    if not real.is_dir():
+        raise ConfigError(f"{workspace}: not a directory; give the workspace's directory")
+    with _USER_FILE_LOCK:  # one read-modify-write at a time in this process
+        return _set_trust(real, trusted, env=env, user_config_dir=user_config_dir)
+
+
+def _set_trust(
+    real: Path, trusted: bool, *, env: Mapping[str, str] | None, user_config_dir: Path | None
+) -> TrustChange:
+    file = user_config_file(env=env, user_config_dir=user_config_dir)
+    target = Path(os.path.realpath(file))  # write through a symlinked dotfile, not over it
+    data = _read_json(target, required=False) or {}
+    entries = data.get("trusted_workspaces", [])
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(
+            f"{file}: $.trusted_workspaces: expected an array of directory paths; fix it first"
+        )
+    if trusted:
+        changed = not any(_real(e) == real for e in entries)
+        if changed:
+            entries = [*entries, str(real)]
+    else:
+        kept = [e for e in entries if _real(e) != real]
+        changed = len(kept) != len(entries)
+        entries = kept
+    if changed:
+        data["trusted_workspaces"] = entries
+        _write_user_file(target, data)
+    now = is_trusted(real, entries)
+    parents = tuple(e for e in entries if now and _real(e) != real and is_trusted(real, [e]))
+    return TrustChange(file=file, trusted=now, changed=changed, still_trusted_by=parents)
+
+
+_USER_FILE_LOCK: Final = threading.Lock()
+
+
+def _write_user_file(target: Path, data: dict[str, Any]) -> None:
+    body = orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n"
+    temp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ConfigError(
+            f"{target}: cannot write the user config file ({exc.strerror or exc}); check the "
+            "permissions of its directory"
+        ) from None
 
 
 def config_to_json(config: Config) -> dict[str, Any]:

@@ -4,7 +4,10 @@ Order of checks for one request (docs/tools.md):
 
 1. workspace-wide skip (``POST permissions/skip``) → allowed;
 2. ``permissions.allowed_tools`` contains the tool, or ``tool:action`` → allowed;
-3. an ``allow_session`` grant for (session, tool, path) → allowed;
+3. an ``allow_session`` grant for the same session, tool, action and scope → allowed. The scope
+   of a call that carries a ``command`` parameter (``bash``) is that exact command string, byte
+   for byte, so approving ``npm test`` for the session approves ``npm test`` again and nothing
+   else; the scope of every other call is its real path (:func:`grant_scope`);
 4. otherwise a must-deliver ``permission_request`` goes to every client and the tool waits until
    one answers (``POST permissions/grant`` or the websocket ``permissions.grant``), the optional
    ``options.permission_timeout`` passes (denied), or the run is cancelled. The first answer wins;
@@ -39,6 +42,19 @@ class _Pending:
     allowed: bool = False
 
 
+def grant_scope(tool_name: str, params: dict[str, Any], path: str) -> str:
+    """What an ``allow_session`` answer approves besides the session, tool and action.
+
+    A call with a ``command`` parameter (``bash``) is scoped to the exact command string: its
+    ``path`` is always the workspace, so a path scope would approve every later command. Every
+    other call is scoped to its real path.
+    """
+    command = params.get("command")
+    if isinstance(command, str):
+        return f"command:{command}"
+    return f"path:{path}"
+
+
 class PermissionService:
     """The permission state of one workspace.
 
@@ -56,7 +72,8 @@ class PermissionService:
         self.allowed_tools = frozenset(allowed_tools)
         self.timeout = timeout
         self.skip = False
-        self._grants: set[tuple[str, str, str]] = set()
+        #: ``allow_session`` answers: (session, tool, action, :func:`grant_scope`).
+        self._grants: set[tuple[str, str, str, str]] = set()
         self._pending: dict[str, _Pending] = {}
 
     def set_skip(self, skip: bool) -> None:
@@ -66,12 +83,12 @@ class PermissionService:
     def pending(self) -> list[PermissionRequest]:
         return [p.request for p in self._pending.values()]
 
-    def _pre_approved(self, session_id: str, tool_name: str, action: str, path: str) -> bool:
+    def _pre_approved(self, session_id: str, tool_name: str, action: str, scope: str) -> bool:
         return (
             self.skip
             or tool_name in self.allowed_tools
             or f"{tool_name}:{action}" in self.allowed_tools
-            or (session_id, tool_name, path) in self._grants
+            or (session_id, tool_name, action, scope) in self._grants
         )
 
     async def request(
@@ -90,7 +107,7 @@ class PermissionService:
         Cancellation: a cancelled run stops waiting; the request is withdrawn and reported as
         denied so every client can drop it.
         """
-        if self._pre_approved(session_id, tool_name, action, path):
+        if self._pre_approved(session_id, tool_name, action, grant_scope(tool_name, params, path)):
             return True
         request = PermissionRequest(
             id=new_id(),
@@ -130,7 +147,8 @@ class PermissionService:
         pending.allowed = action in ("allow", "allow_session")
         if action == "allow_session":
             req = pending.request
-            self._grants.add((req.session_id, req.tool_name, req.path))
+            scope = grant_scope(req.tool_name, req.params, req.path)
+            self._grants.add((req.session_id, req.tool_name, req.action, scope))
         pending.done.set()
         await self._notify(pending)
         return True

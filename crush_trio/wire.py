@@ -116,6 +116,10 @@ class Workspace:
     id: str
     path: str
     data_dir: str
+    #: The workspace's own config files are applied in full (``trusted_workspaces``).
+    trusted: bool = False
+    #: Config keys ignored (untrusted workspace, unknown key) and other config warnings.
+    warnings: list[str] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -302,6 +306,27 @@ class GrantRequest:
 @attrs.define
 class SkipRequest:
     skip: bool
+
+
+@attrs.define
+class TrustRequest:
+    """``POST /v1/workspaces/{wid}/trust``: trust the workspace's own config files, or stop."""
+
+    trusted: bool = True
+
+
+@attrs.define
+class TrustResult:
+    """The answer of ``POST /v1/workspaces/{wid}/trust``."""
+
+    #: The workspace after the change (its ``trusted`` and ``warnings`` reloaded).
+    workspace: Workspace
+    #: The user config file that holds ``trusted_workspaces``.
+    file: str
+    #: Whether the file changed (False: it already said so).
+    changed: bool
+    #: Entries that still trust the workspace (its parents) after ``"trusted": false``.
+    still_trusted_by: list[str] = attrs.field(factory=list)
 
 
 @attrs.define

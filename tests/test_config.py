@@ -141,6 +141,8 @@ def test_workspace_files_merge_over_user_file(dirs: tuple[Path, Path]) -> None:
             "providers": {"p": {"type": "openai", "api_key": "u", "models": [{"id": "m1"}]}},
             "options": {"max_steps": 3, "tool_timeout": 9},
             "permissions": {"allowed_tools": ["view", "ls"]},
+            # Only a trusted workspace's files may change a provider or pre-approve tools.
+            "trusted_workspaces": [str(workspace)],
         },
     )
     write(

@@ -186,7 +186,13 @@ async def test_workspace_dedup_by_path_and_symlink(
         assert a.path == str(project.resolve())
         assert [w.id for w in await crush_client.workspaces()] == [a.id]
         one = await crush_client.request("GET", f"/v1/workspaces/{a.id}")
-        assert one == {"id": a.id, "path": a.path, "data_dir": a.info.data_dir}
+        assert one == {
+            "id": a.id,
+            "path": a.path,
+            "data_dir": a.info.data_dir,
+            "trusted": False,
+            "warnings": [],
+        }
 
 
 async def test_workspace_bad_paths(server: Server, tmp_path: Path) -> None:

@@ -655,3 +655,47 @@ def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
         [source for source, _ in MARKDOWN_CASES],
     )
     assert html == [expected for _, expected in MARKDOWN_CASES]
+
+
+def test_trust_bar_lists_ignored_keys_and_its_button_trusts_the_workspace(
+    pages: Pages, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An untrusted workspace's crush.json that pre-approves tools shows the trust bar; its button
+    (after the confirmation dialog) records the trust and applies the file."""
+    monkeypatch.setenv("CRUSH_TRIO_DEBUG_ROUTES", "1")
+    user_config = tmp_path / "user-config"
+    user_config.mkdir()
+    (user_config / "crush.json").write_text(json.dumps(ECHO_CONFIG))
+    project = tmp_path / "untrusted"
+    project.mkdir()
+    (project / "crush.json").write_text(json.dumps({"permissions": {"allowed_tools": ["bash"]}}))
+    server = ThreadServer(
+        ServeOptions(
+            host="127.0.0.1",
+            port=0,
+            data_dir=tmp_path / "data",
+            token=TOKEN,
+            user_config_dir=user_config,
+            access_log=False,
+        )
+    )
+    server.start()
+    try:
+        page = pages.open(server)
+        open_workspace(page, project)
+        bar = page.locator("#trust-bar")
+        expect(bar).to_be_visible()
+        expect(page.locator("#trust-warnings li")).to_have_count(1)
+        expect(page.locator("#trust-warnings li")).to_contain_text("$.permissions")
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#trust-workspace")
+        expect(bar).to_be_hidden()
+        saved = json.loads((user_config / "crush.json").read_text())
+        assert saved["trusted_workspaces"] == [str(project.resolve())]
+        assert saved["providers"] == ECHO_CONFIG["providers"]
+        with server.http() as http:
+            (info,) = http.get("/v1/workspaces").json()
+        assert info["trusted"] is True
+        assert server.workspace(info["id"]).permissions.allowed_tools == frozenset({"bash"})
+    finally:
+        server.stop()

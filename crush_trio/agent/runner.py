@@ -143,6 +143,7 @@ class Agent:
         self.save_timeout = save_timeout
         self._provider_factory = provider_factory
         self._providers: dict[str, pb.Provider] = {}
+        self._replaced_providers: list[pb.Provider] = []
         self.tools = tools
         self._scopes: dict[int, trio.CancelScope] = {}
         #: Runs accepted and not yet ended: a run_complete is published only for a run still in
@@ -154,6 +155,15 @@ class Agent:
         self.max_queued_prompt_bytes = max_queued_prompt_bytes
 
     # -- public operations (called from request handlers: synchronous decisions only) ----------
+
+    def replace_config(self, config: Config, tools: Any) -> None:
+        """Use ``config`` and ``tools`` for turns started from now on (providers are set up
+        again from the new configuration)."""
+        self.config = config
+        self.tools = tools
+        # A running turn may still use them: they are closed with the others at shutdown.
+        self._replaced_providers += self._providers.values()
+        self._providers = {}
 
     def model_info(self) -> dict[str, Any]:
         name, provider, model = self.config.resolve_model("large")
@@ -291,10 +301,11 @@ class Agent:
                 self._runs_nursery.start_soon(self._complete_dropped, outcome.dropped)
 
     async def aclose(self) -> None:
-        for provider in self._providers.values():
+        for provider in [*self._providers.values(), *self._replaced_providers]:
             with trio.move_on_after(self.save_timeout, shield=True):
                 await provider.aclose()
         self._providers.clear()
+        self._replaced_providers.clear()
 
     # -- drivers --------------------------------------------------------------------------------
 

@@ -12,12 +12,21 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ..config import Config, ServerOptions, load_config
+from ..config import (
+    Config,
+    LoadedConfig,
+    ServerOptions,
+    TrustChange,
+    load_config,
+    load_config_report,
+    set_workspace_trust,
+)
 from ..errors import (
     BadRequest,
     ConfigError,
@@ -128,21 +137,21 @@ class Backend:
             )
         done = self._opening[path] = trio.Event()
         try:
-            try:
-                config = load_config(
-                    config_file=self.config_file,
-                    workspace=path,
-                    user_config_dir=self.user_config_dir,
+            loaded = await self._load_config(path)
+            data_dir = data_dir_for(path, loaded.config, self.data_dir)
+            if self.data_dir is None and not loaded.trusted:
+                await trio.to_thread.run_sync(
+                    _check_data_dir_inside, path, data_dir, loaded.config.options.data_directory
                 )
-            except ConfigError as exc:
-                raise BadRequest(f"the workspace's configuration is invalid: {exc}") from None
             ws = Workspace(
                 path=path,
-                config=config,
+                config=loaded.config,
                 server=self.server,
-                data_dir=data_dir_for(path, config, self.data_dir),
+                data_dir=data_dir,
                 version=self.version,
                 provider_factory=self.provider_factory,
+                trusted=loaded.trusted,
+                warnings=loaded.warnings,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")
@@ -161,6 +170,58 @@ class Backend:
         finally:
             del self._opening[path]
             done.set()
+
+    async def _load_config(self, path: Path) -> LoadedConfig:
+        """The workspace's configuration, read in a worker thread (files may be slow or odd)."""
+        try:
+            return await trio.to_thread.run_sync(
+                partial(
+                    load_config_report,
+                    config_file=self.config_file,
+                    workspace=path,
+                    user_config_dir=self.user_config_dir,
+                ),
+                abandon_on_cancel=True,
+            )
+        except ConfigError as exc:
+            raise BadRequest(f"the workspace's configuration is invalid: {exc}") from None
+
+    async def set_trust(self, ws: Workspace, trusted: bool) -> TrustChange:
+        """Mark the workspace trusted (or not) in the user's config file, then reload its
+        configuration so the change applies from the next turn on.
+
+        Raises:
+            Conflict: the server reads only ``--config FILE``, so workspace files are never read.
+            BadRequest: the user file cannot be read or written, or the reloaded configuration is
+                invalid (the trust change is kept; fix the file named in the message).
+        """
+        if self.config_file is not None:
+            raise Conflict(
+                f"the server reads only --config {self.config_file}; workspace config files are "
+                "not read, so trusting a workspace changes nothing. Restart the server without "
+                "--config to use workspace files"
+            )
+        ws.check_open()
+        try:
+            change = await trio.to_thread.run_sync(
+                partial(set_workspace_trust, ws.path, trusted, user_config_dir=self.user_config_dir)
+            )
+        except ConfigError as exc:
+            raise BadRequest(f"cannot change the workspace's trust: {exc}") from None
+        loaded = await self._load_config(ws.path)
+        ws.apply_config(
+            loaded.config,
+            data_dir=data_dir_for(ws.path, loaded.config, self.data_dir),
+            trusted=loaded.trusted,
+            warnings=loaded.warnings,
+        )
+        log.info(
+            "workspace %s (%s) is now %s",
+            ws.id,
+            ws.path,
+            "trusted" if change.trusted else "untrusted",
+        )
+        return change
 
     async def _serve_workspace(
         self, ws: Workspace, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
@@ -255,3 +316,18 @@ class Backend:
 def load_server_options(config_file: Path | None, user_config_dir: Path | None = None) -> Config:
     """The configuration read at start (``--config`` or the user file), validated up front."""
     return load_config(config_file=config_file, workspace=None, user_config_dir=user_config_dir)
+
+
+def _check_data_dir_inside(path: Path, data_dir: Path, configured: str) -> None:
+    """An untrusted workspace's relative data directory must really be inside it: a repository
+    could ship ``.crush`` as a symlink to another project's data directory. (An absolute one can
+    only come from the user's own file.)"""
+    if os.path.isabs(os.path.expanduser(configured)):
+        return
+    real = Path(os.path.realpath(data_dir))
+    if real == path or path not in real.parents:
+        raise BadRequest(
+            f"the workspace's data directory {data_dir} leads to {real}, outside the workspace "
+            "(a symlink?); remove it, or mark the workspace trusted (crush-trio trust DIR) if "
+            "that is intended"
+        )

@@ -123,10 +123,14 @@ class Workspace:
         data_dir: Path,
         version: str,
         provider_factory: Any = None,
+        trusted: bool = False,
+        warnings: tuple[str, ...] = (),
     ) -> None:
         self.id = new_id()
         self.path = path
         self.config = config
+        self.trusted = trusted
+        self.warnings = list(warnings)
         self.server = server
         self.data_dir = data_dir
         self.version = version
@@ -155,7 +159,27 @@ class Workspace:
 
     @property
     def info(self) -> WorkspaceInfo:
-        return WorkspaceInfo(self.id, str(self.path), str(self.data_dir))
+        return WorkspaceInfo(
+            self.id, str(self.path), str(self.data_dir), self.trusted, list(self.warnings)
+        )
+
+    def apply_config(
+        self, config: Config, *, data_dir: Path, trusted: bool, warnings: tuple[str, ...]
+    ) -> None:
+        """Use a reloaded configuration (after the workspace's trust changed) from the next
+        tool call and model turn on; a running turn finishes with what it started with. The
+        data directory stays where it is until the workspace is opened again."""
+        self.trusted = trusted
+        self.warnings = list(warnings)
+        if data_dir != self.data_dir:
+            self.warnings.append(
+                "options.data_directory changed: it applies when the workspace is next opened"
+            )
+        self.config = config
+        self.permissions.allowed_tools = frozenset(config.permissions.allowed_tools)
+        self.permissions.timeout = config.options.permission_timeout
+        if hasattr(self, "agent"):
+            self.agent.replace_config(config, self._make_tools())
 
     def _move(self, new: WorkspaceState) -> None:
         if new not in _TRANSITIONS[self.state]:

@@ -21,6 +21,8 @@ from ..wire import (
     Run,
     Session,
     SkipRequest,
+    TrustRequest,
+    TrustResult,
 )
 
 
@@ -157,3 +159,14 @@ class Api:
     async def skip(self, ws: Workspace, body: SkipRequest) -> dict[str, Any]:
         ws.permissions.set_skip(body.skip)
         return {}
+
+    # -- trust ----------------------------------------------------------------------------------
+
+    async def trust(self, ws: Workspace, body: TrustRequest) -> TrustResult:
+        change = await self.backend.set_trust(ws, body.trusted)
+        return TrustResult(
+            workspace=ws.info,
+            file=str(change.file),
+            changed=change.changed,
+            still_trusted_by=list(change.still_trusted_by),
+        )

@@ -41,6 +41,7 @@ from ..wire import (
     CreateWorkspaceRequest,
     GrantRequest,
     SkipRequest,
+    TrustRequest,
     UpdateSessionRequest,
 )
 from .api import Api
@@ -356,6 +357,13 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     async def skip(wid: str) -> Response:
         ws = api.workspace(wid)
         return json_response(await api.skip(ws, await body(SkipRequest)))
+
+    # -- trust ----------------------------------------------------------------------------------
+
+    @app.post("/v1/workspaces/<wid>/trust")
+    async def trust(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(await api.trust(ws, await body(TrustRequest)))
 
     # -- test hooks (off unless CRUSH_TRIO_DEBUG_ROUTES=1) -----------------------------------
 

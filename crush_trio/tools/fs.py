@@ -12,6 +12,8 @@ data directory.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -826,20 +828,159 @@ class GrepTool:
 # write
 
 
-def _write_file(path: Path, content: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8", errors="surrogateescape", newline="") as f:
-        f.write(content)
+#: Flags of the directories opened on the way to a written file: never through a symlink, and
+#: (where the OS has ``O_PATH``) without needing read permission on them.
+_DIR_OPEN_FLAGS: Final = (
+    getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+)
+
+
+def _refuse_changed(shown: str, why: str) -> ToolError:
+    return ToolError(
+        f"refused to write {shown}: {why} while waiting for permission; nothing was written. "
+        "Look at the path again (ls) and make the call again if it is still wanted"
+    )
+
+
+def _open_parent(path: Path, shown: str, *, create: bool) -> int:
+    """Open the directory of the real ``path`` one component at a time from ``/``.
+
+    Every component is opened relative to the one before (``dir_fd``) with ``O_NOFOLLOW``, so a
+    symlink put anywhere on the approved path after it was resolved is refused instead of
+    followed. Missing directories are created when ``create`` is true.
+    """
+    fd = os.open("/", _DIR_OPEN_FLAGS)
+    try:
+        for name in path.parent.parts[1:]:
+            try:
+                try:
+                    child = os.open(name, _DIR_OPEN_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    child = os.open(name, _DIR_OPEN_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refuse_changed(
+                        shown, f"the directory {name!r} on its path became a symlink or a file"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_single_link(st: os.stat_result, shown: str, tool_name: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolError(
+            f"{tool_name} refused: {shown} is not a regular file (a FIFO, socket or device); "
+            "give the path of a regular file"
+        )
+    if st.st_nlink > 1:
+        raise ToolError(
+            f"{tool_name} refused: {shown} has {st.st_nlink} hard links, and its other names may "
+            "lie outside the workspace; copy it to a new file (or remove the other links) first"
+        )
+
+
+def _open_for_write(
+    path: Path, shown: str, tool_name: str, *, new: bool, may_create: bool, read: bool
+) -> int:
+    """Open the approved real ``path`` for writing without following any symlink.
+
+    Args:
+        new: the file was approved as new: create it with ``O_CREAT|O_EXCL``, so a file that
+            appeared during the wait is not overwritten.
+        may_create: create the file (and missing parent directories) when it is missing
+            (``write`` re-creates a file removed during the wait; ``edit`` of an existing file
+            does not).
+        read: open it for reading too (``edit``).
+
+    Raises:
+        ToolError: a symlink, a non-regular file or a hard-linked file is in the way, or the
+            file is gone.
+    """
+    access = os.O_RDWR if read else os.O_WRONLY
+    flags = access | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    if new:
+        flags |= os.O_CREAT | os.O_EXCL
+    elif may_create:
+        flags |= os.O_CREAT
+    try:
+        parent = _open_parent(path, shown, create=new or may_create)
+        try:
+            fd = os.open(path.name, flags, 0o666, dir_fd=parent)
+        finally:
+            os.close(parent)
+    except FileExistsError:
+        raise _refuse_changed(shown, "the file appeared") from None
+    except FileNotFoundError:
+        raise _refuse_changed(shown, "the file was removed") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse_changed(shown, "the file became a symlink") from None
+        if exc.errno == errno.ENXIO:
+            raise ToolError(
+                f"{tool_name} refused: {shown} is a FIFO, not a regular file; give the path of a "
+                "regular file"
+            ) from None
+        raise
+    try:
+        _check_single_link(os.fstat(fd), shown, tool_name)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    """Replace the whole content of the open file ``fd`` with ``data``, then close it."""
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _recheck(ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str) -> None:
+    """After the permission wait: the model's path must still lead where it was approved."""
+    now = resolve_path(ctx, raw)
+    if now.path != approved.path:
+        raise _refuse_changed(shown, f"its path now leads to {now.path}")
+
+
+def _write_file(
+    ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str, content: str, exists: bool
+) -> None:
+    _recheck(ctx, raw, approved, shown)
+    fd = _open_for_write(approved.path, shown, "write", new=not exists, may_create=True, read=False)
+    _write_fd(fd, content.encode("utf-8", errors="surrogateescape"))
 
 
 def _check_write_target(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> bool:
-    """Refuse data-dir and directory targets; return whether the file exists."""
+    """Refuse data-dir, directory, non-regular and hard-linked targets; return whether the file
+    exists. The same checks run again on the opened file after the permission answer."""
     check_writable(ctx, tool_name, resolved)
-    if resolved.path.is_dir():
-        raise ToolError(
-            f"{display_path(ctx, resolved.path)} is a directory; give the path of a file"
-        )
-    return resolved.path.exists()
+    shown = display_path(ctx, resolved.path)
+    try:
+        st = os.lstat(resolved.path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise ToolError(f"cannot write {shown}: {exc.strerror or exc}") from exc
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolError(f"{shown} is a directory; give the path of a file")
+    _check_single_link(st, shown, tool_name)
+    return True
 
 
 def _outside_note(ctx: ToolContext, resolved: ResolvedPath) -> str:
@@ -889,7 +1030,18 @@ class WriteTool:
             path=resolved.path,
         )
         try:
-            await run_blocking(ctx, "write", _write_file, resolved.path, content, abandon=False)
+            await run_blocking(
+                ctx,
+                "write",
+                _write_file,
+                ctx,
+                params["path"],
+                resolved,
+                shown,
+                content,
+                exists,
+                abandon=False,
+            )
         except OSError as exc:
             raise ToolError(f"could not write {shown}: {exc.strerror or exc}") from exc
         done = "Overwrote" if exists else "Created"
@@ -923,6 +1075,10 @@ def _plan_edit(path: Path, shown: str, old: str, new: str, replace_all: bool) ->
             f"file not found: {shown}; to create it, use write or edit with an empty old_string"
         )
     text = _read_text_file(path, shown, EDIT_MAX_FILE_BYTES, "edit")
+    return _plan_replacement(text, shown, old, new, replace_all)
+
+
+def _plan_replacement(text: str, shown: str, old: str, new: str, replace_all: bool) -> _EditPlan:
     count = text.count(old)
     if count == 0 and "\r\n" in text and "\n" in old and "\r\n" not in old:
         # The file uses CRLF line ends and the model wrote LF ones: match in the file's style.
@@ -941,10 +1097,52 @@ def _plan_edit(path: Path, shown: str, old: str, new: str, replace_all: bool) ->
     return _EditPlan(text=updated, count=count, first_index=first, new_string=new, created=False)
 
 
-def _apply_edit(path: Path, shown: str, old: str, new: str, replace_all: bool) -> _EditPlan:
-    # Planned again after the permission answer: the file may have changed while the user thought.
-    plan = _plan_edit(path, shown, old, new, replace_all)
-    _write_file(path, plan.text)
+def _read_fd_text(fd: int, shown: str) -> str:
+    """The text of the open file ``fd``, with the size and binary checks of ``edit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := os.read(fd, 1024 * 1024):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > EDIT_MAX_FILE_BYTES:
+            raise ToolError(
+                f"{shown} is over the {EDIT_MAX_FILE_BYTES} byte limit of edit; use bash with "
+                "sed for large files"
+            )
+    data = b"".join(chunks)
+    if _is_binary(data[:BINARY_SNIFF_BYTES]):
+        raise ToolError(
+            f"{shown} looks like a binary file (it contains NUL bytes); edit works on text files "
+            "only"
+        )
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+def _apply_edit(
+    ctx: ToolContext,
+    raw: str,
+    approved: ResolvedPath,
+    shown: str,
+    old: str,
+    new: str,
+    replace_all: bool,
+) -> _EditPlan:
+    # Planned again after the permission answer, on the file actually opened: it may have changed
+    # while the user thought.
+    _recheck(ctx, raw, approved, shown)
+    created = old == ""
+    fd = _open_for_write(
+        approved.path, shown, "edit", new=created, may_create=created, read=not created
+    )
+    try:
+        if created:
+            plan = _EditPlan(text=new, count=1, first_index=0, new_string=new, created=True)
+        else:
+            plan = _plan_replacement(_read_fd_text(fd, shown), shown, old, new, replace_all)
+    except BaseException:
+        os.close(fd)
+        raise
+    _write_fd(fd, plan.text.encode("utf-8", errors="surrogateescape"))
     return plan
 
 
@@ -1026,7 +1224,9 @@ class EditTool:
                 ctx,
                 "edit",
                 _apply_edit,
-                resolved.path,
+                ctx,
+                params["path"],
+                resolved,
                 shown,
                 old,
                 new,

@@ -88,4 +88,5 @@ export const api = {
     request("GET", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/prompts/list`),
   agentInfo: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/agent`),
   pendingPermissions: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/permissions`),
+  setTrust: (wid, trusted) => request("POST", `/v1/workspaces/${enc(wid)}/trust`, { trusted }),
 };

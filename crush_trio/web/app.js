@@ -73,6 +73,7 @@ class App {
   // -- start-up ---------------------------------------------------------------------------------
 
   init() {
+    $("trust-workspace").addEventListener("click", () => this.trustWorkspace());
     $("workspace-form").addEventListener("submit", (ev) => {
       ev.preventDefault();
       this.openWorkspace($("workspace-path").value);
@@ -226,19 +227,14 @@ class App {
     this.wid = info.id;
     this.path = info.path;
     $("workspace-path").value = info.path;
+    this.renderTrust(info);
     document.title = `${baseName(info.path)} · crush_trio`;
     this.remember(info.path);
     this.writeHash();
     this.setEnabled(true);
     this.renderSessions();
     this.renderSessionHead();
-    api
-      .agentInfo(info.id)
-      .then((agent) => {
-        const m = agent.model || {};
-        $("model-name").textContent = m.model ? `model: ${m.provider}/${m.model}` : "";
-      })
-      .catch(() => {});
+    this.showModel();
     this.reopen = false;
     const stream = new EventStream({
       prepare: () => this.prepareStream(),
@@ -252,6 +248,56 @@ class App {
     this.stream = stream;
     stream.start();
     $("prompt").focus();
+  }
+
+  showModel() {
+    const wid = this.wid;
+    api
+      .agentInfo(wid)
+      .then((agent) => {
+        if (wid !== this.wid) return;
+        const m = agent.model || {};
+        $("model-name").textContent = m.model ? `model: ${m.provider}/${m.model}` : "";
+      })
+      .catch(() => {});
+  }
+
+  /**
+   * The trust bar: shown when the workspace is untrusted and its own crush.json set keys that
+   * were ignored for that reason (the server's `warnings`), with a button that trusts it.
+   */
+  renderTrust(info) {
+    const warnings = Array.isArray(info?.warnings) ? info.warnings : [];
+    const ignored = warnings.filter((w) => /untrusted workspace/.test(w));
+    const bar = $("trust-bar");
+    bar.hidden = !info || info.trusted || ignored.length === 0;
+    if (bar.hidden) return;
+    $("trust-summary").textContent =
+      `${ignored.length} setting(s) of its own crush.json were ignored (providers, environment ` +
+      "variables, pre-approved tools and an outside data directory need trust).";
+    const list = $("trust-warnings");
+    clear(list);
+    for (const line of ignored) list.append(h("li", {}, line));
+  }
+
+  async trustWorkspace() {
+    const wid = this.wid;
+    if (!wid) return;
+    const ok = window.confirm(
+      `Trust ${this.path}? Its crush.json may then choose where model requests go (with your ` +
+        "API keys), read environment variables and pre-approve tools. Trust only projects you " +
+        "wrote or checked.",
+    );
+    if (!ok) return;
+    try {
+      const result = await api.setTrust(wid, true);
+      if (wid !== this.wid) return;
+      this.renderTrust(result.workspace);
+      this.showModel();
+      this.toast(`Trusted: ${this.path} (saved in ${result.file})`, "info");
+    } catch (err) {
+      this.toast(`Cannot trust the workspace: ${err.message}`, "error");
+    }
   }
 
   async openOnServer(path) {
@@ -949,7 +995,17 @@ class App {
           "div",
           { class: "permission-actions" },
           h("button", { type: "button", class: "primary", dataset: { action: "allow" }, text: "Allow", onclick: () => answer("allow") }),
-          h("button", { type: "button", dataset: { action: "allow_session" }, text: "Allow for session", onclick: () => answer("allow_session") }),
+          h("button", {
+            type: "button",
+            dataset: { action: "allow_session" },
+            text: "Allow for session",
+            // What the server remembers (docs/tools.md, "Permission scope").
+            title:
+              typeof req.params?.command === "string"
+                ? "Run this exact command again in this session without asking"
+                : "Allow this tool on this path again in this session without asking",
+            onclick: () => answer("allow_session"),
+          }),
           h("button", { type: "button", class: "danger", dataset: { action: "deny" }, text: "Deny", onclick: () => answer("deny") }),
         ),
       );
@@ -986,6 +1042,7 @@ class App {
     this.replaceMessages([]);
     $("empty-state").hidden = false;
     $("model-name").textContent = "";
+    this.renderTrust(null);
     this.renderSessions();
     this.renderSessionHead();
     this.renderRuns();
