@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from ..config import Config, ServerOptions, load_config
+from ..config import Config, ServerOptions, load_config, user_config_file
 from ..errors import BadRequest, ConfigError, Conflict, CrushError, NotFound, ShuttingDown
 from ..wire import validate_client_id
 from .workspace import Workspace, data_dir_for
@@ -33,6 +33,11 @@ class Backend:
         data_dir: ``--data-dir``: when given, workspace databases live under it.
         version: the server version reported in ``hello`` frames.
     """
+
+    def _sandbox_hidden(self) -> tuple[Path, ...]:
+        """The server's own directories, hidden from sandboxed bash commands."""
+        config_dir = user_config_file(user_config_dir=self.user_config_dir).parent
+        return tuple(p for p in (self.data_dir, config_dir) if p is not None)
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class Backend:
                 data_dir=data_dir_for(path, config, self.data_dir),
                 version=self.version,
                 provider_factory=self.provider_factory,
+                sandbox_hidden=self._sandbox_hidden(),
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")

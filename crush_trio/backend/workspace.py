@@ -34,6 +34,8 @@ from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
 from ..tools import Toolbox
+from ..tools.sandbox import Sandbox
+from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
     EventKind,
     FinishPart,
@@ -41,6 +43,7 @@ from ..wire import (
     Message,
     Role,
     RunStatus,
+    SandboxInfo,
     Session,
     new_id,
     now,
@@ -90,6 +93,7 @@ class Workspace:
         data_dir: Path,
         version: str,
         provider_factory: Any = None,
+        sandbox_hidden: tuple[Path, ...] = (),
     ) -> None:
         self.id = new_id()
         self.path = path
@@ -98,6 +102,11 @@ class Workspace:
         self.data_dir = data_dir
         self.version = version
         self.provider_factory = provider_factory or make_provider
+        #: Directories the bash sandbox hides (the server's data and config directories).
+        self.sandbox_hidden = sandbox_hidden
+        #: The bash sandbox, set when the workspace opens (None: none, every command asks).
+        self.sandbox: Sandbox | None = None
+        self.sandbox_info = SandboxInfo(reason="the workspace is not open yet")
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
         self.broker = Broker(
@@ -171,6 +180,7 @@ class Workspace:
         self, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
+        await self._set_up_sandbox()
         self.store = await Store.open(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout
         self.messages = MessageService(
@@ -230,6 +240,27 @@ class Workspace:
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
 
+    async def _set_up_sandbox(self) -> None:
+        settings = self.config.options.sandbox
+        if not settings.enabled:
+            self.sandbox_info = SandboxInfo(
+                reason="turned off by options.sandbox.enabled; every bash command asks"
+            )
+            log.warning("workspace %s: bash sandbox turned off by its config", self.path)
+            return
+        status = await trio.to_thread.run_sync(sandbox_probe)  # tested once per process
+        if status.bwrap is None:
+            self.sandbox_info = SandboxInfo(reason=status.reason)
+            return
+        self.sandbox = Sandbox(
+            bwrap=status.bwrap,
+            network=settings.network,
+            deny_read=tuple(settings.deny_read),
+            read_only_paths=tuple(settings.read_only_paths),
+            hidden=self.sandbox_hidden,
+        )
+        self.sandbox_info = SandboxInfo(active=True, network=settings.network)
+
     def _make_tools(self) -> Toolbox:
         options = self.config.options
         return Toolbox(
@@ -238,6 +269,7 @@ class Workspace:
             permissions=self.permissions,
             timeout=options.tool_timeout,
             bash_output_limit=options.bash_output_limit,
+            sandbox=self.sandbox,
         )
 
     async def _watch_holds(self) -> None:
