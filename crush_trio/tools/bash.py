@@ -66,8 +66,9 @@ GIT_READ_ONLY_SUBCOMMANDS: Final = frozenset({"status", "log", "diff"})
 #: substitutions, background jobs, variables and multiple lines), quoted or not.
 SHELL_SPECIAL_CHARS: Final = frozenset(";&|<>`$\n\r")
 #: Characters that, unquoted, make the shell expand a word (braces, tilde, extended globs) or
-#: start a comment or subshell: such a command is not read-only.
-UNQUOTED_EXPANSION_CHARS: Final = frozenset("{}()~!#")
+#: start a subshell: such a command is not read-only (nor is one with an unquoted word that
+#: starts with ``#``, a comment).
+UNQUOTED_EXPANSION_CHARS: Final = frozenset("{}()~!")
 #: Unquoted glob characters: the shell expands them to names; each name must pass the checks.
 GLOB_CHARS: Final = frozenset("*?[")
 #: Most names one glob may expand to before the command stops counting as read-only.
@@ -108,7 +109,16 @@ GIT_SEARCH_DEPTH: Final = 64
 GIT_UNSAFE_SECTIONS: Final = frozenset({"filter", "include", "includeif", "pager"})
 #: Repository config keys (any section) that name programs or move the work tree.
 GIT_UNSAFE_KEYS: Final = frozenset(
-    {"fsmonitor", "external", "textconv", "showsignature", "worktree", "hookspath", "editor"}
+    {
+        "fsmonitor",
+        "external",
+        "textconv",
+        "showsignature",
+        "worktree",
+        "hookspath",
+        "editor",
+        "pager",
+    }
 )
 #: Suffixes of config keys that name programs (``diff.<driver>.command``, ``gpg.program``...).
 GIT_UNSAFE_KEY_SUFFIXES: Final = ("command", "program", "cmd", "hook", "askpass")
@@ -289,8 +299,8 @@ def is_read_only(command: str, workspace: Path) -> bool:
     outside the workspace, write, or run another program. True only when:
 
     * the command is one simple command: no ``;``, ``&``, ``|``, ``<``, ``>``, backquote, ``$``
-      or newline anywhere, not even quoted; no unquoted brace, tilde, parenthesis, ``!`` or
-      ``#`` (brace expansion such as ``cat {/etc/passwd,x}`` reads any file);
+      or newline anywhere, not even quoted; no unquoted brace, tilde, parenthesis or ``!``, and
+      no comment (brace expansion such as ``cat {/etc/passwd,x}`` reads any file);
     * its program is in :data:`READ_ONLY_COMMANDS` (``git`` only with a subcommand in
       :data:`GIT_READ_ONLY_SUBCOMMANDS`, and only when the repository's config names no program
       and includes no file: ``core.fsmonitor``, ``diff.external``, textconv, filters...);
@@ -312,6 +322,8 @@ def is_read_only(command: str, workspace: Path) -> bool:
     words = _split_words(command)
     if not words or any(w.has_unquoted(UNQUOTED_EXPANSION_CHARS) for w in words):
         return False
+    if any(w.text.startswith("#") and w.unquoted[0] for w in words):
+        return False  # a comment: the shell would not run what follows as written
     if words[0].has_unquoted(GLOB_CHARS) or words[0].text not in READ_ONLY_COMMANDS:
         return False
     name = words[0].text
