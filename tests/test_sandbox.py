@@ -34,6 +34,7 @@ from crush_trio.tools import (
     is_read_only,
 )
 from crush_trio.tools import bash as bash_module
+from crush_trio.tools import sandbox as sandbox_module
 from crush_trio.tools.base import TOOL_THREAD_LIMIT, run_blocking, tool_thread_limiter
 from crush_trio.tools.fs import GrepTool
 from crush_trio.tools.sandbox import SANDBOX_HOME, Sandbox, probe, shell_env
@@ -386,6 +387,27 @@ async def test_agent_info_reports_the_sandbox(
     assert info.sandbox.network is False
     if not STATUS.available:
         assert info.sandbox.reason == STATUS.reason
+    workspace = crush_server.backend.workspaces[crush_workspace.id]
+    assert (workspace.sandbox is not None) is STATUS.available
+
+
+def test_a_failing_self_test_means_no_sandbox_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    broken = tmp_path / "bwrap"
+    broken.write_text(
+        "#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    monkeypatch.setattr(sandbox_module, "find_bwrap", lambda: str(broken))
+    monkeypatch.setattr(sandbox_module, "_probed", None)
+    with caplog.at_level("WARNING", logger="crush_trio.tools.sandbox"):
+        status = probe()
+        assert probe() is status  # tested once, reported once
+    assert not status.available
+    assert "failed its self-test (exit 1): bwrap: No permissions" in status.reason
+    [record] = caplog.records
+    assert "every bash command will ask for permission" in record.getMessage()
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from ..backend.registry import Backend
 from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
+from ..tools.sandbox import probe as sandbox_probe
 from .app import Settings, create_app
 from .listener import PrefixedStream, serve_dispatching
 from .security import HostPolicy
@@ -184,6 +185,8 @@ async def serve(
     try:
         async with backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
+            # The bash sandbox's one self-test, so its outcome is logged at startup.
+            nursery.start_soon(trio.to_thread.run_sync, sandbox_probe)
             http_stop = trio.Event()
             wrapped = wrap_app(app, hconfig.wsgi_max_body_size, None)
             if server_opts.ws_transport == "trio-websocket" and not unix:
