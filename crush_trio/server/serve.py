@@ -186,7 +186,7 @@ async def serve(
         async with backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
-            nursery.start_soon(trio.to_thread.run_sync, sandbox_probe)
+            nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
             http_stop = trio.Event()
             wrapped = wrap_app(app, hconfig.wsgi_max_body_size, None)
             if server_opts.ws_transport == "trio-websocket" and not unix:
