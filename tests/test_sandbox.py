@@ -254,6 +254,34 @@ async def test_secrets_inside_a_mounted_workspace_are_hidden(
 
 @needs_sandbox
 @pytest.mark.slow
+async def test_other_workspaces_data_directories_are_hidden(tmp_path: Path, home: Path) -> None:
+    """The server's data directory and other open workspaces' data directories are hidden, even
+    where they lie inside the workspace; the workspace's own stays readable (not writable)."""
+    server_data = home / "server-data"
+    for name in ("mine", "theirs"):
+        (server_data / name).mkdir(parents=True)
+        (server_data / name / "crush.db").write_text(f"{name}-{SECRET}\n")
+    nested = home / "project" / ".crush"
+    nested.mkdir(parents=True)
+    (nested / "crush.db").write_text(f"nested-{SECRET}\n")
+    box = sandbox(hidden=(server_data,), more_hidden=lambda: [nested, server_data / "mine"])
+    ctx = make_ctx(home, Asker(allow=True), box)
+    ctx.data_dir = server_data / "mine"
+    result = await bash(
+        ctx,
+        f"cat {server_data}/mine/crush.db; cat {server_data}/theirs/crush.db; "
+        "cat project/.crush/crush.db; echo x > project/.crush/crush.db; "
+        f"echo x > {server_data}/mine/crush.db; ls -a {server_data}",
+    )
+    assert result.content.startswith(f"mine-{SECRET}\n")
+    assert f"theirs-{SECRET}" not in result.content
+    assert f"nested-{SECRET}" not in result.content
+    assert (nested / "crush.db").read_text() == f"nested-{SECRET}\n"
+    assert (server_data / "mine" / "crush.db").read_text() == f"mine-{SECRET}\n"
+
+
+@needs_sandbox
+@pytest.mark.slow
 async def test_read_only_command_runs_without_asking_with_the_workspace_read_only(
     ws: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -39,6 +39,10 @@ class Backend:
         config_dir = user_config_file(user_config_dir=self.user_config_dir).parent
         return tuple(p for p in (self.data_dir, config_dir) if p is not None)
 
+    def _open_data_dirs(self) -> list[Path]:
+        """The data directories of the open workspaces (each hides the others' from bash)."""
+        return [ws.data_dir for ws in self.workspaces.values()]
+
     def __init__(
         self,
         *,
@@ -132,6 +136,7 @@ class Backend:
                 version=self.version,
                 provider_factory=self.provider_factory,
                 sandbox_hidden=self._sandbox_hidden(),
+                sandbox_more_hidden=self._open_data_dirs,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")

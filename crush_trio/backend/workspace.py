@@ -20,6 +20,7 @@ import enum
 import hashlib
 import logging
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ class Workspace:
         version: str,
         provider_factory: Any = None,
         sandbox_hidden: tuple[Path, ...] = (),
+        sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
     ) -> None:
         self.id = new_id()
         self.path = path
@@ -104,6 +106,8 @@ class Workspace:
         self.provider_factory = provider_factory or make_provider
         #: Directories the bash sandbox hides (the server's data and config directories).
         self.sandbox_hidden = sandbox_hidden
+        #: Called before each bash command: the data directories of the other open workspaces.
+        self.sandbox_more_hidden = sandbox_more_hidden
         #: The bash sandbox, set when the workspace opens (None: none, every command asks).
         self.sandbox: Sandbox | None = None
         self.sandbox_info = SandboxInfo(reason="the workspace is not open yet")
@@ -258,6 +262,7 @@ class Workspace:
             deny_read=tuple(settings.deny_read),
             read_only_paths=tuple(settings.read_only_paths),
             hidden=self.sandbox_hidden,
+            more_hidden=self.sandbox_more_hidden,
         )
         self.sandbox_info = SandboxInfo(active=True, network=settings.network)
 

@@ -528,6 +528,7 @@ async def run_shell(
     output = _OutputBuffer(max(output_limit, 2))
     argv = ["bash", "-c", command]
     if sandbox is not None:
+        extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden is not None else ()
         argv = await trio.to_thread.run_sync(
             partial(
                 sandbox.command,
@@ -536,6 +537,7 @@ async def run_shell(
                 data_dir=data_dir,
                 writable=writable,
                 network=network,
+                extra_hidden=extra_hidden,
             ),
             limiter=tool_thread_limiter(),
         )

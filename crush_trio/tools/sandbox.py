@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -192,6 +192,8 @@ class Sandbox:
         read_only_paths: extra paths mounted read-only (toolchains outside the system
             directories, for example).
         hidden: directories hidden as well: the server's data and config directories.
+        more_hidden: called (on the event loop) before each command for more directories to
+            hide: the data directories of the server's other open workspaces.
     """
 
     bwrap: str
@@ -199,6 +201,7 @@ class Sandbox:
     deny_read: tuple[str, ...] = ()
     read_only_paths: tuple[str, ...] = ()
     hidden: tuple[Path, ...] = ()
+    more_hidden: Callable[[], Iterable[Path]] | None = None
 
     def command(
         self,
@@ -208,6 +211,7 @@ class Sandbox:
         data_dir: Path | None,
         writable: bool,
         network: bool | None = None,
+        extra_hidden: Iterable[Path] = (),
     ) -> list[str]:
         """The ``bwrap`` command line that runs ``argv`` in the sandbox.
 
@@ -217,6 +221,8 @@ class Sandbox:
             data_dir: the workspace's data directory (real path), mounted read-only.
             writable: whether the workspace is writable.
             network: override :attr:`network` for this call.
+            extra_hidden: more directories to hide (the data directories of the server's other
+                workspaces).
 
         Blocking:
             Checks which paths exist; call it in a worker thread.
@@ -238,19 +244,26 @@ class Sandbox:
             mounted.append(extra)
         args += ["--bind" if writable else "--ro-bind", str(workspace), str(workspace)]
         mounted.append(workspace)
-        denied = _expand((*DEFAULT_DENY_READ, *self.deny_read, *map(str, self.hidden)))
+        denied = _expand(
+            (*DEFAULT_DENY_READ, *self.deny_read, *map(str, (*self.hidden, *extra_hidden)))
+        )
+        own_data = Path(os.path.realpath(data_dir)) if data_dir is not None else None
+        hidden_dirs: list[Path] = []
         for path in sorted(set(denied)):
-            if data_dir is not None and _within(data_dir, path):
-                # The workspace's own data directory is shown read-only below.
-                continue
+            if path == own_data or (own_data is not None and _within(path, own_data)):
+                continue  # the workspace's own data directory is shown read-only below
             if not any(_within(path, root) for root in mounted):
                 continue  # not visible in the sandbox at all
             if path.is_dir():
-                args += ["--tmpfs", str(path), "--remount-ro", str(path)]
+                args += ["--tmpfs", str(path)]
+                hidden_dirs.append(path)
             else:
                 args += ["--ro-bind", "/dev/null", str(path)]
-        if data_dir is not None and os.path.isdir(data_dir):
-            args += ["--ro-bind", str(data_dir), str(data_dir)]
+        if own_data is not None and own_data.is_dir():
+            # Also where it lies inside a hidden directory (the server's data directory).
+            args += ["--ro-bind", str(own_data), str(own_data)]
+        for path in hidden_dirs:
+            args += ["--remount-ro", str(path)]
         env = shell_env(home=SANDBOX_HOME, tmpdir="/tmp")
         args += ["--chdir", str(workspace), "--clearenv"]
         for key, value in sorted(env.items()):
