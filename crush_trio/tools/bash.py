@@ -94,6 +94,7 @@ UNSAFE_OPTIONS: Final = {
     "grep": ("--dereference-recursive",),
     "git": ("--output", "--ext-diff", "--textconv", "--open-files-in-pager"),
     "date": ("-s", "--set", "-f", "--file", "-r", "--reference"),
+    "wc": ("--files0-from",),
 }
 #: Single-letter options that are unsafe even when combined with others (``-rR``, ``-uf``).
 UNSAFE_SHORT_LETTERS: Final = {"grep": "R", "rg": "Lz", "date": "sfr", "git": "O"}
@@ -197,9 +198,17 @@ def _split_words(command: str) -> list[_Word] | None:
 
 def _has_unsafe_option(name: str, args: list[str]) -> bool:
     letters = UNSAFE_SHORT_LETTERS.get(name, "")
+    unsafe = UNSAFE_OPTIONS.get(name, ())
     for arg in args:
-        for option in UNSAFE_OPTIONS.get(name, ()):
+        if arg == "--":
+            break  # operands follow
+        for option in unsafe:
             if arg == option or arg.startswith(option + "="):
+                return True
+        if arg.startswith("--") and len(arg) > 2:
+            # GNU tools and git accept any unambiguous prefix of a long option (--fil=F).
+            given = arg[2:].split("=", 1)[0]
+            if any(o.startswith("--") and o[2:].startswith(given) for o in unsafe):
                 return True
         if name == "git" and arg.startswith("--output"):
             return True
@@ -347,9 +356,13 @@ def is_read_only(command: str, workspace: Path) -> bool:
         return False
     if name in NON_PATH_COMMANDS:
         return True
+    operands = False
     for arg in args:
-        value = arg.partition("=")[2] if arg.startswith("-") else arg
-        if not value or value.startswith("-"):
+        if arg == "--" and not operands:
+            operands = True
+            continue
+        value = arg.partition("=")[2] if arg.startswith("-") and not operands else arg
+        if not value or (value.startswith("-") and not operands):
             continue
         if value.startswith("~") or not _path_is_safe(workspace, value):
             return False
@@ -527,24 +540,25 @@ async def run_shell(
     """
     output = _OutputBuffer(max(output_limit, 2))
     argv = ["bash", "-c", command]
-    if sandbox is not None:
-        extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden is not None else ()
-        argv = await trio.to_thread.run_sync(
-            partial(
-                sandbox.command,
-                argv,
-                workspace=cwd,
-                data_dir=data_dir,
-                writable=writable,
-                network=network,
-                extra_hidden=extra_hidden,
-            ),
-            limiter=tool_thread_limiter(),
-        )
     pgid: int | None = None
     exit_code: int | None = None
     try:
         with trio.move_on_after(time_limit):
+            if sandbox is not None:
+                extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden else ()
+                argv = await trio.to_thread.run_sync(
+                    partial(
+                        sandbox.command,
+                        argv,
+                        workspace=cwd,
+                        data_dir=data_dir,
+                        writable=writable,
+                        network=network,
+                        extra_hidden=extra_hidden,
+                    ),
+                    abandon_on_cancel=True,
+                    limiter=tool_thread_limiter(),
+                )
             async with trio.open_nursery() as nursery:
                 process: trio.Process = await nursery.start(
                     partial(
