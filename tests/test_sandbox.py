@@ -12,6 +12,7 @@ The sandboxed tests are skipped only when ``bwrap`` cannot run here at all.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -598,19 +599,39 @@ async def test_fifo_views_leave_the_server_answering(
         params = orjson.dumps({"path": f"fifo{i}"}).decode()
         results.append(await call_tool(default_tools(), "view", params, ctx))
 
+    # Before the fix each view opened its FIFO and blocked a thread of Trio's default limiter for
+    # good (40 of them), and the store, which runs in those threads, stopped answering.
+    ctx.timeout = 1.0
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             for i in range(50):
                 nursery.start_soon(view, i)
-            started = time.monotonic()
-            assert await crush_client.request("GET", "/v1/health") == {"status": "ok"}
-            assert time.monotonic() - started < 0.1
     assert len(results) == 50
     assert all(r.is_error and "is a FIFO, not a regular file" in r.content for r in results)
+    # A full garbage collection of a large test process can pause for longer than the bound
+    # measured here; it is done before, so that only the server's answer is timed.
+    gc.collect()
+    started = time.monotonic()
+    with trio.fail_after(1):
+        assert await crush_client.request("GET", "/v1/health") == {"status": "ok"}
+    assert time.monotonic() - started < 0.1
     # The store still answers: a new session is created and listed.
-    with trio.fail_after(5):
+    with trio.fail_after(1):
         session = await crush_workspace.create_session("after fifos")
         assert session.id in {s.id for s in await crush_workspace.sessions()}
+
+
+async def test_view_asks_before_reading_a_hard_linked_file(ws: Path, home: Path) -> None:
+    plant_hard_link(ws, home)
+    asker = Asker(allow=False)
+    ctx = make_ctx(ws, asker, None)
+    with trio.fail_after(5):
+        result = await call_tool(default_tools(), "view", '{"path": "hardlink"}', ctx)
+        plain = await call_tool(default_tools(), "view", '{"path": "hello.txt"}', ctx)
+    [request] = asker.requests
+    assert "1 other name(s) (hard links)" in request["description"]
+    assert result.stop_turn and SECRET not in result.content
+    assert plain.content == "     1|hi there"
 
 
 async def test_view_refuses_devices(tmp_path: Path) -> None:

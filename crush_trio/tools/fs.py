@@ -450,6 +450,15 @@ def _read_text_file(path: Path, shown: str, max_bytes: int, tool_name: str) -> s
     return data.decode("utf-8", errors="surrogateescape")
 
 
+def _other_names(path: Path) -> int:
+    """How many other hard links a regular file has (0 for anything else or on error)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0
+    return st.st_nlink - 1 if stat.S_ISREG(st.st_mode) else 0
+
+
 def _split_lines(text: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -513,6 +522,21 @@ class ViewTool:
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
         await check_read(ctx, "view", resolved)
+        if resolved.inside:
+            links = await run_blocking(ctx, "view", _other_names, resolved.path)
+            if links:
+                # A hard link is the same file as its other names, which may be outside.
+                await ask_permission(
+                    ctx,
+                    tool_name="view",
+                    action="read",
+                    description=(
+                        f"view wants to read {shown}, a file with {links} other name(s) (hard "
+                        "links) that may be outside the workspace"
+                    ),
+                    params={"path": str(resolved.path)},
+                    path=resolved.path,
+                )
         text = await run_blocking(
             ctx, "view", _read_text_file, resolved.path, shown, VIEW_MAX_FILE_BYTES, "view"
         )
