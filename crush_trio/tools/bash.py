@@ -65,10 +65,10 @@ GIT_READ_ONLY_SUBCOMMANDS: Final = frozenset({"status", "log", "diff"})
 #: Characters that make a command more than one simple command (lists, pipes, redirections,
 #: substitutions, background jobs, variables and multiple lines), quoted or not.
 SHELL_SPECIAL_CHARS: Final = frozenset(";&|<>`$\n\r")
-#: Characters that, unquoted, make the shell expand a word (braces, tilde, extended globs) or
-#: start a subshell: such a command is not read-only (nor is one with an unquoted word that
-#: starts with ``#``, a comment).
-UNQUOTED_EXPANSION_CHARS: Final = frozenset("{}()~!")
+#: Characters that, unquoted, make the shell expand a word (braces, extended globs) or start a
+#: subshell: such a command is not read-only (nor is one with an unquoted word that starts with
+#: ``#``, a comment, or an unquoted ``~`` that the shell expands, see :meth:`_Word.has_tilde`).
+UNQUOTED_EXPANSION_CHARS: Final = frozenset("{}()!")
 #: Unquoted glob characters: the shell expands them to names; each name must pass the checks.
 GLOB_CHARS: Final = frozenset("*?[")
 #: Most names one glob may expand to before the command stops counting as read-only.
@@ -134,6 +134,14 @@ class _Word:
 
     def has_unquoted(self, chars: frozenset[str]) -> bool:
         return any(q and c in chars for c, q in zip(self.text, self.unquoted, strict=True))
+
+    def has_tilde(self) -> bool:
+        """An unquoted ``~`` that bash expands: at the start, or after ``=`` or ``:`` (as in
+        ``a=~/x``). ``HEAD~1`` is left alone, as bash leaves it."""
+        for index, (c, q) in enumerate(zip(self.text, self.unquoted, strict=True)):
+            if c == "~" and q and (index == 0 or self.text[index - 1] in "=:"):
+                return True
+        return False
 
     def glob_pattern(self) -> str:
         """The word as a :mod:`glob` pattern: quoted characters escaped."""
@@ -330,6 +338,8 @@ def is_read_only(command: str, workspace: Path) -> bool:
         return False
     words = _split_words(command)
     if not words or any(w.has_unquoted(UNQUOTED_EXPANSION_CHARS) for w in words):
+        return False
+    if any(w.has_tilde() for w in words):
         return False
     if any(w.text.startswith("#") and w.unquoted[0] for w in words):
         return False  # a comment: the shell would not run what follows as written
