@@ -315,7 +315,8 @@ async def test_git_repository_config_cannot_run_programs(ws: Path) -> None:
     assert not (ws / "pwned").exists(), result.content
 
 
-def _host_processes_with(marker: str) -> list[int]:
+def _host_processes_with(marker: str, *, start: bool = False) -> list[int]:
+    """Live host processes whose command line contains ``marker`` (or starts with it)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -325,7 +326,8 @@ def _host_processes_with(marker: str) -> list[int]:
             state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
         except (OSError, IndexError):
             continue
-        if marker in cmdline and state != "Z":
+        found_it = cmdline.startswith(marker) if start else marker in cmdline
+        if found_it and state != "Z":
             found.append(int(entry.name))
     return found
 
@@ -341,6 +343,29 @@ async def test_every_process_dies_with_the_call(ws: Path) -> None:
     result = await bash(ctx, "sleep 986.25 & sleep 986.5")
     assert "timed out" in result.content
     assert _host_processes_with("sleep 986.") == []
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_cancel_ends_every_sandboxed_process(ws: Path) -> None:
+    # The command reports through a FIFO in the workspace that it has started its processes.
+    fifo = ws / "started"
+    os.mkfifo(fifo)
+    stream = trio.lowlevel.FdStream(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+    ctx = make_ctx(ws, Asker(allow=True), sandbox())
+    returned: list[ToolResult] = []
+
+    async def call() -> None:
+        returned.append(await bash(ctx, "sleep 985.25 & sleep 985.5 & echo go > started; wait"))
+
+    with trio.fail_after(15):
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            assert await stream.receive_some() == b"go\n"
+            assert len(_host_processes_with("sleep 985.", start=True)) == 2
+            nursery.cancel_scope.cancel()
+    assert returned == []
+    assert _host_processes_with("sleep 985.") == []
 
 
 @needs_sandbox
@@ -511,6 +536,27 @@ async def test_sandbox_turned_off_by_config_is_reported(
 def test_is_read_only_does_not_lie(command: str, read_only: bool, ws: Path, home: Path) -> None:
     plant_hard_link(ws, home)
     assert is_read_only(command, Path(os.path.realpath(ws))) is read_only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        "cat a 'b c' \"d e\" f\\ g",
+        "grep -n 'it'\\''s' \"say \\\"hi\\\"\" x\\\\y",
+        "ls ''  \"\" a''b",
+        "echo \"back\\slash\" 'back\\slash' back\\slash",
+        "head\t-n 3\t\t'tab\there'",
+    ],
+)
+async def test_words_are_split_as_bash_splits_them(command: str) -> None:
+    words = bash_module._split_words(command)
+    assert words is not None
+    done = await trio.run_process(
+        ["bash", "-c", "printf '%s\\0' " + command.split(None, 1)[1]],
+        capture_stdout=True,
+    )
+    assert [w.text for w in words[1:]] == done.stdout.decode().split("\0")[:-1]
 
 
 @pytest.mark.parametrize(
