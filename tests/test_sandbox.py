@@ -408,6 +408,26 @@ async def test_network_is_off_until_the_user_grants_it(ws: Path) -> None:
     assert accepted == 2
 
 
+def test_sandbox_layout_resolver_and_deny_entries_around_the_workspace(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the network, the resolver file is reachable even where /etc/resolv.conf links out of
+    /etc; a deny entry that contains the workspace is not mounted over it."""
+    target = tmp_path / "run" / "stub-resolv.conf"
+    target.parent.mkdir()
+    target.write_text("nameserver 127.0.0.53\n")
+    link = tmp_path / "resolv.conf"
+    link.symlink_to(target)
+    monkeypatch.setattr(sandbox_module, "RESOLV_CONF", str(link))
+    box = Sandbox("bwrap", deny_read=(str(tmp_path),))
+    real_ws = Path(os.path.realpath(ws))
+    offline = box.command(["true"], workspace=real_ws, data_dir=None, writable=True)
+    online = box.command(["true"], workspace=real_ws, data_dir=None, writable=True, network=True)
+    assert str(target) not in offline and "--share-net" not in offline
+    assert online[online.index(str(target)) - 1] == "--ro-bind" and "--share-net" in online
+    assert str(Path(os.path.realpath(tmp_path))) not in offline
+
+
 # ---------------------------------------------------------------------------------------------
 # the same suite without a sandbox
 

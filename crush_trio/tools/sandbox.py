@@ -101,6 +101,8 @@ DEFAULT_DENY_READ: Final = (
 ENV_ALLOW: Final = frozenset({"PATH", "LANG", "LANGUAGE", "TERM", "TZ", "COLORTERM", "NO_COLOR"})
 #: ``HOME`` inside the sandbox (in its private ``/tmp``).
 SANDBOX_HOME: Final = "/tmp/home"
+#: The resolver configuration, whose target is mounted too when a command gets the network.
+RESOLV_CONF: Final = "/etc/resolv.conf"
 #: Seconds the one-time self-test of ``bwrap`` may take.
 PROBE_TIMEOUT: Final = 10.0
 
@@ -228,7 +230,8 @@ class Sandbox:
             Checks which paths exist; call it in a worker thread.
         """
         args = [self.bwrap, "--die-with-parent", "--unshare-all", "--new-session"]
-        if self.network if network is None else network:
+        with_network = self.network if network is None else network
+        if with_network:
             args.append("--share-net")
         args += ["--cap-drop", "ALL"]
         mounted: list[Path] = []
@@ -239,6 +242,11 @@ class Sandbox:
                 args += ["--ro-bind", system, system]
                 mounted.append(Path(system))
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", SANDBOX_HOME]
+        if with_network:
+            # Name resolution: /etc/resolv.conf is often a link into /run (systemd-resolved).
+            resolver = os.path.realpath(RESOLV_CONF)
+            if not resolver.startswith("/etc/") and os.path.isfile(resolver):
+                args += ["--ro-bind", resolver, resolver]
         for extra in _expand(self.read_only_paths):
             args += ["--ro-bind", str(extra), str(extra)]
             mounted.append(extra)
@@ -252,6 +260,8 @@ class Sandbox:
         for path in sorted(set(denied)):
             if path == own_data or (own_data is not None and _within(path, own_data)):
                 continue  # the workspace's own data directory is shown read-only below
+            if _within(workspace, path):
+                continue  # hiding it would hide the workspace itself
             if not any(_within(path, root) for root in mounted):
                 continue  # not visible in the sandbox at all
             if path.is_dir():
