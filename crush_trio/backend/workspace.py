@@ -35,7 +35,7 @@ from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
 from ..tools import Toolbox
-from ..tools.sandbox import Sandbox
+from ..tools.sandbox import Sandbox, SandboxStatus
 from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
     EventKind,
@@ -70,6 +70,10 @@ _TRANSITIONS = {
     WorkspaceState.CLOSING: {WorkspaceState.CLOSED},
     WorkspaceState.CLOSED: set(),
 }
+
+
+#: The agent info's sandbox ``reason`` when the config turns the sandbox off.
+SANDBOX_OFF_REASON = "turned off by options.sandbox.enabled; every bash command asks"
 
 
 def data_dir_for(path: Path, config: Config, server_data_dir: Path | None) -> Path:
@@ -111,6 +115,7 @@ class Workspace:
         #: The bash sandbox, set when the workspace opens (None: none, every command asks).
         self.sandbox: Sandbox | None = None
         self.sandbox_info = SandboxInfo(reason="the workspace is not open yet")
+        self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
         self.broker = Broker(
@@ -245,29 +250,40 @@ class Workspace:
         self.broker.publish(message, kind)
 
     async def _set_up_sandbox(self) -> None:
+        """Test (once per process) whether a sandbox can run; :meth:`_make_tools` then builds it
+        from the current config."""
+        self._sandbox_status = await trio.to_thread.run_sync(sandbox_probe)
+
+    def _configure_sandbox(self) -> None:
+        """Set :attr:`sandbox` and :attr:`sandbox_info` from ``options.sandbox`` (again after a
+        config reload) and the probe's answer."""
         settings = self.config.options.sandbox
+        status = self._sandbox_status
         if not settings.enabled:
+            off = SandboxInfo(reason=SANDBOX_OFF_REASON)
+            if self.sandbox_info != off:
+                log.warning("workspace %s: bash sandbox turned off by its config", self.path)
+            self.sandbox = None
+            self.sandbox_info = off
+        elif status is None or status.bwrap is None:
+            self.sandbox = None
             self.sandbox_info = SandboxInfo(
-                reason="turned off by options.sandbox.enabled; every bash command asks"
+                reason=status.reason if status is not None else "the sandbox was not tested yet"
             )
-            log.warning("workspace %s: bash sandbox turned off by its config", self.path)
-            return
-        status = await trio.to_thread.run_sync(sandbox_probe)  # tested once per process
-        if status.bwrap is None:
-            self.sandbox_info = SandboxInfo(reason=status.reason)
-            return
-        self.sandbox = Sandbox(
-            bwrap=status.bwrap,
-            network=settings.network,
-            deny_read=tuple(settings.deny_read),
-            read_only_paths=tuple(settings.read_only_paths),
-            hidden=self.sandbox_hidden,
-            more_hidden=self.sandbox_more_hidden,
-        )
-        self.sandbox_info = SandboxInfo(active=True, network=settings.network)
+        else:
+            self.sandbox = Sandbox(
+                bwrap=status.bwrap,
+                network=settings.network,
+                deny_read=tuple(settings.deny_read),
+                read_only_paths=tuple(settings.read_only_paths),
+                hidden=self.sandbox_hidden,
+                more_hidden=self.sandbox_more_hidden,
+            )
+            self.sandbox_info = SandboxInfo(active=True, network=settings.network)
 
     def _make_tools(self) -> Toolbox:
         options = self.config.options
+        self._configure_sandbox()
         return Toolbox(
             workspace=self.path,
             data_dir=self.data_dir,
