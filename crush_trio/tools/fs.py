@@ -269,6 +269,9 @@ async def _resolve_search_root(
         raise ToolError(
             f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
         )
+    if not resolved.path.is_dir() and not resolved.path.is_file():
+        mode = resolved.path.stat().st_mode
+        raise _not_regular(display_path(ctx, resolved.path), mode, tool_name)
     await check_read(ctx, tool_name, resolved)
     return resolved
 

@@ -229,7 +229,10 @@ class Sandbox:
         Blocking:
             Checks which paths exist; call it in a worker thread.
         """
-        args = [self.bwrap, "--die-with-parent", "--unshare-all", "--new-session"]
+        # No --new-session: the sandbox's processes stay in the process group of bwrap (which
+        # the caller starts in a session of its own, with no terminal), so ending that group
+        # ends them and waiting for it waits for them too.
+        args = [self.bwrap, "--die-with-parent", "--unshare-all"]
         with_network = self.network if network is None else network
         if with_network:
             args.append("--share-net")
