@@ -3,16 +3,17 @@
 Inside the sandbox a command sees:
 
 * the system directories (:data:`SYSTEM_READ_ONLY_PATHS`, those that exist) read-only, with the
-  files of :data:`DEFAULT_DENY_READ` (password hashes, host keys) replaced by empty ones;
+  files of :data:`DEFAULT_DENY_READ` (password hashes, host keys) hidden;
 * the workspace, writable (read-only for a command that runs without asking), with the
   workspace's data directory read-only;
 * a private ``/tmp`` (a fresh in-memory file system, gone when the call ends) holding the
   sandbox's ``HOME`` (:data:`SANDBOX_HOME`);
 * fresh ``/proc`` and ``/dev``; no ``/sys``, ``/run``, ``/var``, ``/home`` or ``/root``, so the
   user's secret stores (``~/.ssh``, ``~/.aws``, ...) are not there at all. Where one of them lies
-  inside a directory that is mounted (a workspace that is the home directory), it is hidden by an
-  empty directory or file; the same holds for the server's data and config directories and for
-  the paths of ``options.sandbox.deny_read``;
+  inside a directory that is mounted (a workspace that is the home directory), it is hidden by
+  an empty read-only directory or an unreadable file; the same holds for the server's data and
+  config directories, the other open workspaces' data directories and the paths of
+  ``options.sandbox.deny_read``;
 * no network (a new network namespace with only its own loopback) unless
   ``options.sandbox.network`` is true or the user allowed the call's ``network`` request;
 * only the environment variables of :data:`ENV_ALLOW` (and ``LC_*``), plus ``HOME``, ``TMPDIR``
