@@ -260,6 +260,21 @@ class Models:
 
 
 @attrs.frozen
+class SandboxOptions:
+    """``options.sandbox``: the OS sandbox ``bash`` commands run in (docs/tools.md, Security
+    model). Only the user's config (or a trusted workspace's) should loosen it."""
+
+    #: False runs commands without a sandbox; every ``bash`` command then asks for permission.
+    enabled: bool = True
+    #: Commands get the network without asking (otherwise a call's ``network`` request asks).
+    network: bool = False
+    #: Paths hidden from commands besides the built-in secret stores (``~`` and globs allowed).
+    deny_read: list[str] = attrs.field(factory=list)
+    #: Extra paths commands may read (toolchains outside ``/usr``, ``/opt``...).
+    read_only_paths: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class Options:
     """Workspace and agent options."""
 
@@ -274,6 +289,7 @@ class Options:
     bash_output_limit: int = _positive(DEFAULT_BASH_OUTPUT_LIMIT)
     #: Accepted for compatibility; not used yet.
     context_paths: list[str] = attrs.field(factory=list)
+    sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
 
 
 @attrs.frozen

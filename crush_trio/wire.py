@@ -242,10 +242,24 @@ class PermissionNotification:
 
 
 @attrs.define
+class SandboxInfo:
+    """Whether ``bash`` commands run in the OS sandbox (docs/tools.md, Security model).
+
+    ``active`` false means every ``bash`` command asks for permission; ``reason`` says why there
+    is no sandbox. ``network`` is whether sandboxed commands get the network without asking.
+    """
+
+    active: bool = False
+    network: bool = False
+    reason: str = ""
+
+
+@attrs.define
 class AgentInfo:
     is_busy: bool
     is_ready: bool
     model: dict[str, Any]
+    sandbox: SandboxInfo = attrs.field(factory=SandboxInfo)
 
 
 @attrs.define

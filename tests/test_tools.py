@@ -727,14 +727,17 @@ async def wait_process_gone(pid: int) -> None:
 
 
 @pytest.mark.slow
-async def test_bash_read_only_command_runs_without_asking(
+async def test_bash_without_a_sandbox_asks_even_for_a_read_only_command(
     ctx: ToolContext, asker: FakeAsker, ws: Path
 ) -> None:
+    # ctx has no sandbox; tests/test_sandbox.py covers the sandboxed tool.
     (ws / "hello.txt").write_text("hi there\n")
     result = await run(ctx, "bash", command="cat hello.txt")
     assert result.content == "hi there\nexit code: 0"
     assert not result.is_error
-    assert asker.requests == []
+    [request] = asker.requests
+    assert request["params"]["sandboxed"] is False
+    assert "with no sandbox" in request["description"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from ..config import (
     load_config,
     load_config_report,
     set_workspace_trust,
+    user_config_file,
 )
 from ..errors import (
     BadRequest,
@@ -51,6 +52,15 @@ class Backend:
         data_dir: ``--data-dir``: when given, workspace databases live under it.
         version: the server version reported in ``hello`` frames.
     """
+
+    def _sandbox_hidden(self) -> tuple[Path, ...]:
+        """The server's own directories, hidden from sandboxed bash commands."""
+        config_dir = user_config_file(user_config_dir=self.user_config_dir).parent
+        return tuple(p for p in (self.data_dir, config_dir) if p is not None)
+
+    def _open_data_dirs(self) -> list[Path]:
+        """The data directories of the open workspaces (each hides the others' from bash)."""
+        return [ws.data_dir for ws in self.workspaces.values()]
 
     def __init__(
         self,
@@ -152,6 +162,8 @@ class Backend:
                 provider_factory=self.provider_factory,
                 trusted=loaded.trusted,
                 warnings=loaded.warnings,
+                sandbox_hidden=self._sandbox_hidden(),
+                sandbox_more_hidden=self._open_data_dirs,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")

@@ -20,6 +20,7 @@ import enum
 import hashlib
 import logging
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
 from ..tools import Toolbox
+from ..tools.sandbox import Sandbox, SandboxStatus
+from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
     EventKind,
     FinishPart,
@@ -42,6 +45,7 @@ from ..wire import (
     Part,
     Role,
     RunStatus,
+    SandboxInfo,
     Session,
     ToolResultPart,
     new_id,
@@ -101,6 +105,10 @@ _TRANSITIONS = {
 }
 
 
+#: The agent info's sandbox ``reason`` when the config turns the sandbox off.
+SANDBOX_OFF_REASON = "turned off by options.sandbox.enabled; every bash command asks"
+
+
 def data_dir_for(path: Path, config: Config, server_data_dir: Path | None) -> Path:
     """Where a workspace keeps its database: ``<data-dir>/<name>-<hash>`` when the server has
     ``--data-dir``, else ``options.data_directory`` inside the project (default ``.crush``)."""
@@ -125,6 +133,8 @@ class Workspace:
         provider_factory: Any = None,
         trusted: bool = False,
         warnings: tuple[str, ...] = (),
+        sandbox_hidden: tuple[Path, ...] = (),
+        sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
     ) -> None:
         self.id = new_id()
         self.path = path
@@ -135,6 +145,14 @@ class Workspace:
         self.data_dir = data_dir
         self.version = version
         self.provider_factory = provider_factory or make_provider
+        #: Directories the bash sandbox hides (the server's data and config directories).
+        self.sandbox_hidden = sandbox_hidden
+        #: Called before each bash command: the data directories of the other open workspaces.
+        self.sandbox_more_hidden = sandbox_more_hidden
+        #: The bash sandbox, set when the workspace opens (None: none, every command asks).
+        self.sandbox: Sandbox | None = None
+        self.sandbox_info = SandboxInfo(reason="the workspace is not open yet")
+        self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
         self.broker = Broker(
@@ -229,6 +247,7 @@ class Workspace:
         self, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
+        await self._set_up_sandbox()
         self.store = await Store.open(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout
         self.messages = MessageService(
@@ -292,14 +311,48 @@ class Workspace:
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
 
+    async def _set_up_sandbox(self) -> None:
+        """Test (once per process) whether a sandbox can run; :meth:`_make_tools` then builds it
+        from the current config."""
+        self._sandbox_status = await trio.to_thread.run_sync(sandbox_probe)
+
+    def _configure_sandbox(self) -> None:
+        """Set :attr:`sandbox` and :attr:`sandbox_info` from ``options.sandbox`` (again after a
+        config reload) and the probe's answer."""
+        settings = self.config.options.sandbox
+        status = self._sandbox_status
+        if not settings.enabled:
+            off = SandboxInfo(reason=SANDBOX_OFF_REASON)
+            if self.sandbox_info != off:
+                log.warning("workspace %s: bash sandbox turned off by its config", self.path)
+            self.sandbox = None
+            self.sandbox_info = off
+        elif status is None or status.bwrap is None:
+            self.sandbox = None
+            self.sandbox_info = SandboxInfo(
+                reason=status.reason if status is not None else "the sandbox was not tested yet"
+            )
+        else:
+            self.sandbox = Sandbox(
+                bwrap=status.bwrap,
+                network=settings.network,
+                deny_read=tuple(settings.deny_read),
+                read_only_paths=tuple(settings.read_only_paths),
+                hidden=self.sandbox_hidden,
+                more_hidden=self.sandbox_more_hidden,
+            )
+            self.sandbox_info = SandboxInfo(active=True, network=settings.network)
+
     def _make_tools(self) -> Toolbox:
         options = self.config.options
+        self._configure_sandbox()
         return Toolbox(
             workspace=self.path,
             data_dir=self.data_dir,
             permissions=self.permissions,
             timeout=options.tool_timeout,
             bash_output_limit=options.bash_output_limit,
+            sandbox=self.sandbox,
         )
 
     async def _watch_holds(self) -> None:

@@ -107,7 +107,10 @@ class Api:
 
     def agent_info(self, ws: Workspace) -> AgentInfo:
         return AgentInfo(
-            is_busy=ws.agent.is_busy(), is_ready=not ws.closing, model=ws.agent.model_info()
+            is_busy=ws.agent.is_busy(),
+            is_ready=not ws.closing,
+            model=ws.agent.model_info(),
+            sandbox=ws.sandbox_info,
         )
 
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:

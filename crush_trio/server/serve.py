@@ -31,6 +31,7 @@ from ..backend.registry import Backend
 from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
+from ..tools.sandbox import probe as sandbox_probe
 from .app import Settings, create_app
 from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
 from .security import HostPolicy
@@ -182,6 +183,8 @@ async def serve(
     try:
         async with backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
+            # The bash sandbox's one self-test, so its outcome is logged at startup.
+            nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
             http_stop = trio.Event()
             wrapped = wrap_app(ConnectionRules(app), hconfig.wsgi_max_body_size, "asgi")
             ws_handler: WsHandler | None = None

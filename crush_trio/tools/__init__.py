@@ -37,6 +37,7 @@ from .base import (
 from .bash import BashTool, is_read_only
 from .fs import EditTool, GlobTool, GrepTool, LsTool, ViewTool, WriteTool
 from .paths import ResolvedPath, resolve_path
+from .sandbox import Sandbox
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
@@ -244,6 +245,7 @@ class Toolbox:
         tools: the tools on offer (default: :func:`default_tools`).
         timeout: the tool timeout in seconds.
         bash_output_limit: bytes of ``bash`` output kept.
+        sandbox: the OS sandbox ``bash`` runs in; None: none, every ``bash`` command asks.
     """
 
     workspace: Path
@@ -252,6 +254,7 @@ class Toolbox:
     tools: list[Tool] = attrs.field(factory=default_tools)
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
+    sandbox: Sandbox | None = None
 
     def specs(self) -> list[ToolSpec]:
         """The specs of the tools, for the model request."""
@@ -273,5 +276,6 @@ class Toolbox:
             permissions=self.permissions,
             timeout=self.timeout,
             bash_output_limit=self.bash_output_limit,
+            sandbox=self.sandbox,
         )
         return await call_tool(self.tools, name, input_json, ctx)

@@ -13,8 +13,8 @@ tool timeout and output limits.
 Permission rules (the permission service implements :class:`PermissionAsker`):
 
 * writing (``write``, ``edit``) always asks, with action ``"write"``;
-* ``bash`` asks with action ``"execute"`` unless the command is one simple read-only command (see
-  :mod:`crush_trio.tools.bash`);
+* ``bash`` asks with action ``"execute"`` unless it runs in the OS sandbox and the command is one
+  simple read-only command (see :mod:`crush_trio.tools.bash` and :mod:`crush_trio.tools.sandbox`);
 * any path outside the workspace asks, read tools included (action ``"read"``);
 * a path inside the data directory is never written, whatever the answer would be;
 * a denial ends the turn: the result has ``is_error`` and ``stop_turn`` set.
@@ -33,6 +33,7 @@ import trio
 
 from ..errors import CrushError
 from ..providers.base import ToolSpec
+from .sandbox import Sandbox
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
@@ -47,6 +48,7 @@ __all__ = [
     "ask_permission",
     "run_blocking",
     "run_tool",
+    "tool_thread_limiter",
 ]
 
 #: Default tool timeout in seconds (``ToolContext.timeout``): the longest a tool may work once it
@@ -57,6 +59,23 @@ DEFAULT_TOOL_TIMEOUT: Final = 120.0
 #: Default cap, in bytes, on the ``bash`` output returned to the model
 #: (``ToolContext.bash_output_limit``); the head and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
+
+#: Worker threads tool calls may use at once, in a limiter of their own: a call that times out
+#: leaves its thread behind until the blocking work ends, and those threads must never take the
+#: threads the rest of the server (the store) runs in, which use Trio's default limiter.
+TOOL_THREAD_LIMIT: Final = 16
+
+_tool_threads: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("tool_threads")
+
+
+def tool_thread_limiter() -> trio.CapacityLimiter:
+    """The limiter of the tools' worker threads (:data:`TOOL_THREAD_LIMIT`), one per Trio run."""
+    try:
+        return _tool_threads.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(TOOL_THREAD_LIMIT)
+        _tool_threads.set(limiter)
+        return limiter
 
 
 @attrs.define
@@ -132,6 +151,8 @@ class ToolContext:
         permissions: asks the workspace's clients for permission.
         timeout: seconds a tool may work once allowed (:data:`DEFAULT_TOOL_TIMEOUT`).
         bash_output_limit: bytes of ``bash`` output kept (:data:`DEFAULT_BASH_OUTPUT_LIMIT`).
+        sandbox: how ``bash`` commands are confined; None when no OS sandbox is available (or
+            it is turned off), and then every ``bash`` command asks for permission.
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -141,6 +162,7 @@ class ToolContext:
     permissions: PermissionAsker
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
+    sandbox: Sandbox | None = None
 
 
 class Tool(Protocol):
@@ -230,6 +252,8 @@ async def run_blocking(
             result is simply discarded); False for writes, so a cancelled call never leaves a
             write running behind the caller's back.
 
+    The thread comes from :func:`tool_thread_limiter`, never from the limiter the store uses.
+
     Raises:
         ToolError: the work took longer than ``ctx.timeout``.
 
@@ -238,7 +262,9 @@ async def run_blocking(
         it the call waits for the (short) write to finish first.
     """
     with trio.move_on_after(ctx.timeout):
-        return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon)
+        return await trio.to_thread.run_sync(
+            fn, *args, abandon_on_cancel=abandon, limiter=tool_thread_limiter()
+        )
     raise ToolError(
         f"{tool_name} timed out after {ctx.timeout:g} s; narrow the path or pattern and try again"
     )

@@ -19,6 +19,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -27,8 +28,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import attrs
+import orjson
 import trio
 
+from . import grep_worker
 from .base import (
     ToolContext,
     ToolError,
@@ -38,6 +41,7 @@ from .base import (
     run_blocking,
     run_tool,
 )
+from .grep_worker import walk_files
 from .paths import (
     ResolvedPath,
     check_read,
@@ -146,34 +150,13 @@ def _walk_files(
     tool_name: str,
 ) -> Iterator[Path]:
     """Yield the regular files below ``root`` in path order (symlinks are not followed)."""
-    stack: list[Iterator[os.DirEntry[str]]] = []
-
-    def entries(directory: str) -> Iterator[os.DirEntry[str]]:
-        try:
-            with os.scandir(directory) as it:
-                found = sorted(it, key=lambda e: e.name)
-        except OSError:
-            return iter(())
-        return iter(found)
-
-    stack.append(entries(str(root)))
-    while stack:
-        _check_deadline(deadline, tool_name)
-        entry = next(stack[-1], None)
-        if entry is None:
-            stack.pop()
-            continue
-        if skip_hidden and entry.name.startswith("."):
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                if entry.name in IGNORED_DIR_NAMES or Path(entry.path) == data_dir:
-                    continue
-                stack.append(entries(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                yield Path(entry.path)
-        except OSError:
-            continue
+    return walk_files(
+        root,
+        data_dir=data_dir,
+        skip_hidden=skip_hidden,
+        ignored=IGNORED_DIR_NAMES,
+        check=partial(_check_deadline, deadline, tool_name),
+    )
 
 
 def compile_glob(pattern: str) -> Callable[[str], bool]:
@@ -186,6 +169,15 @@ def compile_glob(pattern: str) -> Callable[[str], bool]:
     Raises:
         ToolError: the pattern is malformed.
     """
+    regex, by_name = _glob_regex(pattern)
+    if by_name:
+        return lambda rel: regex.fullmatch(rel.rsplit("/", 1)[-1]) is not None
+    return lambda rel: regex.fullmatch(rel) is not None
+
+
+def _glob_regex(pattern: str) -> tuple[re.Pattern[str], bool]:
+    """The regular expression of a glob (see :func:`compile_glob`) and whether it matches names
+    only (no ``/`` in it)."""
     pattern = pattern.removeprefix("./")
     by_name = "/" not in pattern
     out: list[str] = []
@@ -247,9 +239,7 @@ def compile_glob(pattern: str) -> Callable[[str], bool]:
         regex = re.compile("".join(out), re.DOTALL)
     except re.error as exc:
         raise ToolError(f"invalid glob {pattern!r}: {exc}") from exc
-    if by_name:
-        return lambda rel: regex.fullmatch(rel.rsplit("/", 1)[-1]) is not None
-    return lambda rel: regex.fullmatch(rel) is not None
+    return regex, by_name
 
 
 def _split_absolute_glob(pattern: str) -> tuple[str, str]:
@@ -281,6 +271,9 @@ async def _resolve_search_root(
         raise ToolError(
             f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
         )
+    if not resolved.path.is_dir() and not resolved.path.is_file():
+        mode = resolved.path.stat().st_mode
+        raise _not_regular(display_path(ctx, resolved.path), mode, tool_name)
     await check_read(ctx, tool_name, resolved)
     return resolved
 
@@ -402,29 +395,73 @@ class LsTool:
 # view
 
 
+def _not_regular(shown: str, mode: int, tool_name: str) -> ToolError:
+    kind = (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a device"
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )
+    return ToolError(f"{shown} is {kind}, not a regular file; {tool_name} reads regular files only")
+
+
 def _read_text_file(path: Path, shown: str, max_bytes: int, tool_name: str) -> str:
-    """Read a text file, refusing directories, large files and binary files."""
+    """Read a text file, refusing directories, FIFOs, devices, large files and binary files.
+
+    A FIFO or device is refused before it is opened (opening or reading one can block forever);
+    the open itself does not block either (``O_NONBLOCK``), in case one was put in the file's
+    place after the check.
+    """
     try:
         st = path.stat()
     except FileNotFoundError:
         raise ToolError(f"file not found: {shown}; use ls or glob to find the right path")
+    except OSError as exc:
+        raise ToolError(f"could not read {shown}: {exc.strerror or exc}") from exc
     if stat.S_ISDIR(st.st_mode):
         raise ToolError(f"{shown} is a directory; use ls to list it")
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(shown, st.st_mode, tool_name)
     if st.st_size > max_bytes:
         raise ToolError(
             f"{shown} is {st.st_size} bytes, over the {max_bytes} byte limit of {tool_name}; "
             "use grep to find the part you need, or bash with head/tail/sed"
         )
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ToolError(f"could not read {shown}: {exc.strerror or exc}") from exc
+    with open(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(shown, mode, tool_name)
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise ToolError(f"could not read {shown}: {exc.strerror or exc}") from exc
+    if len(data) > max_bytes:
+        raise ToolError(
+            f"{shown} grew over the {max_bytes} byte limit of {tool_name} while it was read; "
+            "use grep to find the part you need, or bash with head/tail/sed"
+        )
     if _is_binary(data[:BINARY_SNIFF_BYTES]):
         raise ToolError(
             f"{shown} looks like a binary file (it contains NUL bytes); {tool_name} works on "
             "text files only"
         )
     return data.decode("utf-8", errors="surrogateescape")
+
+
+def _other_names(path: Path) -> int:
+    """How many other hard links a regular file has (0 for anything else or on error)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0
+    return st.st_nlink - 1 if stat.S_ISREG(st.st_mode) else 0
 
 
 def _split_lines(text: str) -> list[str]:
@@ -490,6 +527,21 @@ class ViewTool:
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
         await check_read(ctx, "view", resolved)
+        if resolved.inside:
+            links = await run_blocking(ctx, "view", _other_names, resolved.path)
+            if links:
+                # A hard link is the same file as its other names, which may be outside.
+                await ask_permission(
+                    ctx,
+                    tool_name="view",
+                    action="read",
+                    description=(
+                        f"view wants to read {shown}, a file with {links} other name(s) (hard "
+                        "links) that may be outside the workspace"
+                    ),
+                    params={"path": str(resolved.path)},
+                    path=resolved.path,
+                )
         text = await run_blocking(
             ctx, "view", _read_text_file, resolved.path, shown, VIEW_MAX_FILE_BYTES, "view"
         )
@@ -601,44 +653,51 @@ def _cut_line(text: str) -> str:
     return text
 
 
-def _grep_python(
+async def _grep_python(
     root: Path,
-    regex: re.Pattern[str],
-    include: Callable[[str], bool] | None,
-    data_dir: Path,
-    deadline: float,
+    pattern: str,
+    include: str | None,
+    ctx: ToolContext,
 ) -> tuple[list[_Match], bool]:
-    """Search with Python's ``re``; returns the first matches and whether there were more."""
+    """Search with Python's ``re`` in a child process (:mod:`.grep_worker`).
+
+    A regular expression that backtracks for ever cannot be stopped in a thread; the child is
+    killed when the call's timeout cancels this.
+    """
+    include_regex, by_name = _glob_regex(include) if include else (None, False)
+    job = {
+        "root": str(root),
+        "pattern": pattern,
+        "include": include_regex.pattern if include_regex is not None else None,
+        "include_by_name": by_name,
+        "data_dir": str(ctx.data_dir),
+        "ignored": sorted(IGNORED_DIR_NAMES),
+        "max_matches": GREP_MAX_MATCHES,
+        "max_file_bytes": GREP_MAX_FILE_BYTES,
+        "sniff_bytes": BINARY_SNIFF_BYTES,
+        "max_line_chars": GREP_MAX_LINE_CHARS,
+    }
+    command = [sys.executable, "-I", "-S", str(Path(grep_worker.__file__))]
+    result = await trio.run_process(
+        command,
+        stdin=orjson.dumps(job),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
     matches: list[_Match] = []
-    if root.is_file():
-        files: Iterator[Path] = iter([root])
-        base = root.parent
-    else:
-        files = _walk_files(
-            root, data_dir=data_dir, skip_hidden=True, deadline=deadline, tool_name="grep"
-        )
-        base = root
-    for path in files:
-        rel = path.relative_to(base).as_posix()
-        if include is not None and not include(rel):
-            continue
-        try:
-            if path.stat().st_size > GREP_MAX_FILE_BYTES:
-                continue
-            with path.open("rb") as f:
-                if _is_binary(f.read(BINARY_SNIFF_BYTES)):
-                    continue
-                f.seek(0)
-                for number, raw in enumerate(f, start=1):
-                    line = raw.decode("utf-8", errors="replace")
-                    if regex.search(line):
-                        if len(matches) == GREP_MAX_MATCHES:
-                            return matches, True
-                        matches.append(_Match(path, number, _cut_line(line)))
-        except OSError:
-            continue
-        _check_deadline(deadline, "grep")
-    return matches, False
+    more = None
+    for line in result.stdout.splitlines():
+        item = orjson.loads(line)
+        if isinstance(item, dict):
+            more = bool(item["more"])
+        else:
+            path, number, text = item
+            matches.append(_Match(Path(path), int(number), _cut_line(text)))
+    if more is None:
+        message = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise ToolError(f"grep failed: {message[-1] if message else 'the search process died'}")
+    return matches, more
 
 
 async def _drain(stream: trio.abc.ReceiveStream, into: bytearray, limit: int) -> None:
@@ -783,33 +842,25 @@ class GrepTool:
             raise ToolError("parameter 'pattern' must not be empty")
         include: str | None = params.get("include") or None
         rg = self._rg()
-        regex: re.Pattern[str] | None = None
         if rg is None:
             try:
-                regex = re.compile(pattern)
+                re.compile(pattern)
             except re.error as exc:
                 raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
-        include_match = compile_glob(include) if include else None
+        if include:
+            compile_glob(include)  # a malformed include is an error before any search
         root = await _resolve_search_root(ctx, "grep", params.get("path") or "", want_dir=False)
-        if rg is not None:
-            with trio.move_on_after(ctx.timeout):
+        with trio.move_on_after(ctx.timeout):
+            if rg is not None:
                 matches, more = await _grep_rg(rg, root.path, pattern, include, ctx)
-                return self._render(ctx, matches, more, pattern)
-            raise ToolError(
-                f"grep timed out after {ctx.timeout:g} s; narrow the path, pattern or include"
-            )
-        assert regex is not None
-        matches, more = await run_blocking(
-            ctx,
-            "grep",
-            _grep_python,
-            root.path,
-            regex,
-            include_match,
-            ctx.data_dir,
-            _deadline(ctx),
+            else:
+                matches, more = await _grep_python(root.path, pattern, include, ctx)
+            return self._render(ctx, matches, more, pattern)
+        raise ToolError(
+            f"grep timed out after {ctx.timeout:g} s and was stopped; narrow the path, pattern "
+            "or include, or simplify the pattern (nested repetition such as '(a+)+' can take "
+            "for ever)"
         )
-        return self._render(ctx, matches, more, pattern)
 
     @staticmethod
     def _render(ctx: ToolContext, matches: list[_Match], more: bool, pattern: str) -> ToolResult:

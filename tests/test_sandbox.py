@@ -1,0 +1,739 @@
+"""The agent's boundary: ``bash`` in the OS sandbox, an honest read-only list, tool threads that
+cannot starve the server.
+
+The escape suite plants secrets in a temporary ``HOME`` (and provider keys and a token in the
+server's environment) and tries every known trick to read them, to write outside the workspace
+and to reach the network. With the sandbox, each attempt fails with a clear tool result (the
+read-only shortcut refuses it, or the command fails inside the sandbox); the network works again
+when the user grants it. With the sandbox turned off, every ``bash`` call asks.
+
+The sandboxed tests are skipped only when ``bwrap`` cannot run here at all.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+
+from crush_trio import wire
+from crush_trio.client import Client, WorkspaceClient
+from crush_trio.testing import CrushServer
+from crush_trio.tools import (
+    ToolContext,
+    ToolError,
+    ToolResult,
+    call_tool,
+    default_tools,
+    is_read_only,
+)
+from crush_trio.tools import bash as bash_module
+from crush_trio.tools import sandbox as sandbox_module
+from crush_trio.tools.base import TOOL_THREAD_LIMIT, run_blocking, tool_thread_limiter
+from crush_trio.tools.fs import GrepTool
+from crush_trio.tools.sandbox import SANDBOX_HOME, Sandbox, probe, shell_env
+
+SECRET = "TOP-SECRET-7f3a9c"
+PROVIDER_KEY = "sk-provider-key-4b1d8e"
+SERVER_TOKEN = "server-token-9e2c5a"
+
+STATUS = probe()
+needs_sandbox = pytest.mark.skipif(
+    not STATUS.available, reason=f"bwrap cannot run here: {STATUS.reason}"
+)
+
+
+class Asker:
+    """Records permission requests and answers them all alike."""
+
+    def __init__(self, allow: bool) -> None:
+        self.allow = allow
+        self.requests: list[dict[str, Any]] = []
+
+    async def request(self, **request: Any) -> bool:
+        self.requests.append(request)
+        await trio.lowlevel.checkpoint()
+        return self.allow
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary HOME holding secrets; provider keys and a token in the environment."""
+    home = tmp_path / "home"
+    for rel in (".ssh/id_ed25519", ".aws/credentials", ".netrc", ".config/crush-trio/crush.json"):
+        (home / rel).parent.mkdir(parents=True, exist_ok=True)
+        (home / rel).write_text(f"{SECRET}\n")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("OPENAI_API_KEY", PROVIDER_KEY)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PROVIDER_KEY)
+    monkeypatch.setenv("CRUSH_TRIO_TOKEN", SERVER_TOKEN)
+    monkeypatch.setenv("BASH_ENV", str(home / ".ssh" / "id_ed25519"))
+    return home
+
+
+@pytest.fixture
+def ws(tmp_path: Path, home: Path) -> Path:
+    workspace = tmp_path / "ws"
+    (workspace / ".crush").mkdir(parents=True)
+    (workspace / ".crush" / "crush.db").write_text("history\n")
+    (workspace / "hello.txt").write_text("hi there\n")
+    # The tricks a hostile repository can carry:
+    (workspace / "link").symlink_to(home / ".ssh" / "id_ed25519")
+    (workspace / "sshdir").symlink_to(home / ".ssh")
+    return workspace
+
+
+def plant_hard_link(ws: Path, home: Path) -> None:
+    """A second name of ~/.netrc inside the workspace. No mount can hide it (it is the same
+    file), so only tests that expect the read-only check to refuse it plant it."""
+    os.link(home / ".netrc", ws / "hardlink")
+
+
+def make_ctx(ws: Path, asker: Asker, sandbox: Sandbox | None) -> ToolContext:
+    return ToolContext(
+        workspace=ws,
+        data_dir=ws / ".crush",
+        session_id="s1",
+        tool_call_id="c1",
+        permissions=asker,
+        timeout=20.0,
+        sandbox=sandbox,
+    )
+
+
+async def bash(ctx: ToolContext, command: str, **more: Any) -> ToolResult:
+    with trio.fail_after(30):
+        params = orjson.dumps({"command": command, **more}).decode()
+        return await call_tool(default_tools(), "bash", params, ctx)
+
+
+def sandbox(**kwargs: Any) -> Sandbox:
+    assert STATUS.bwrap is not None
+    return Sandbox(STATUS.bwrap, **kwargs)
+
+
+def tricks(home: Path, outside: Path) -> dict[str, str]:
+    """Commands that try to read the planted secrets or write outside the workspace."""
+    key = home / ".ssh" / "id_ed25519"
+    return {
+        "braces": f"cat {{{key},hello.txt}}",
+        "braces-proc-environ": "head -c 4000 {/proc/self/environ,}",
+        "date-f": f"date -f {key}",
+        "date-f-glued": f"date -uf{key}",
+        "symlink": "cat link",
+        "glob-through-symlink": "cat sshdir/*",
+        "grep-R-following-symlinks": f"grep -R {SECRET[:6]} .",
+        "hard-link": "cat hardlink",
+        "absolute-path": f"cat {key}",
+        "tilde": "cat ~/.ssh/id_ed25519",
+        "proc-environ": "cat /proc/self/environ",
+        "aws": f"cat {home}/.aws/credentials",
+        "user-config": f"cat {home}/.config/crush-trio/crush.json",
+        "env": "env",
+        "write-outside": f"echo pwned > {outside}",
+        "write-system": "touch /usr/pwned-by-crush-trio-test",
+        "write-home": f"echo pwned >> {home}/.bashrc",
+        "write-data-dir": "echo pwned > .crush/crush.db",
+    }
+
+
+def assert_no_leak(result: ToolResult) -> None:
+    for secret in (SECRET, PROVIDER_KEY, SERVER_TOKEN):
+        assert secret not in result.content, result.content
+
+
+def assert_nothing_written(ws: Path, home: Path, outside: Path) -> None:
+    assert not outside.exists()
+    assert not (home / ".bashrc").exists()
+    assert not Path("/usr/pwned-by-crush-trio-test").exists()
+    assert (ws / ".crush" / "crush.db").read_text() == "history\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the escape suite, sandboxed
+
+
+@needs_sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "trick",
+    sorted(tricks(Path("/h"), Path("/o"))),
+)
+async def test_escape_denied_by_the_user_runs_nothing(
+    trick: str, ws: Path, home: Path, tmp_path: Path
+) -> None:
+    """None of the tricks passes as read-only: each asks, and a denial runs nothing."""
+    outside = tmp_path / "outside.txt"
+    plant_hard_link(ws, home)
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, sandbox()), tricks(home, outside)[trick])
+    assert len(asker.requests) == 1, asker.requests
+    assert result.is_error and result.stop_turn
+    assert result.content.startswith("permission denied: ")
+    assert_no_leak(result)
+    assert_nothing_written(ws, home, outside)
+
+
+@needs_sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "trick",
+    sorted(set(tricks(Path("/h"), Path("/o"))) - {"hard-link"}),
+)
+async def test_escape_allowed_by_the_user_still_fails_in_the_sandbox(
+    trick: str, ws: Path, home: Path, tmp_path: Path
+) -> None:
+    """Even when the user allows the command, the sandbox keeps the secrets and the host safe.
+
+    (A hard link is the same file under a second name, so no mount can hide it; it is left to
+    the read-only check, which makes it ask, see the test above and docs/tools.md.)
+    """
+    outside = tmp_path / "outside.txt"
+    asker = Asker(allow=True)
+    result = await bash(make_ctx(ws, asker, sandbox()), tricks(home, outside)[trick])
+    assert_no_leak(result)
+    assert_nothing_written(ws, home, outside)
+    # The environment tricks succeed but show a scrubbed environment; the write outside
+    # succeeds into the sandbox's private /tmp (the test's directories are under /tmp), not the
+    # host's, as assert_nothing_written proves.
+    if trick not in ("env", "proc-environ", "braces-proc-environ", "write-outside"):
+        # The command failed, and the result says why.
+        assert "exit code: 0" not in result.content, result.content
+        assert "note: the command ran in a sandbox" in result.content
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_environment_is_an_allow_list(ws: Path, home: Path) -> None:
+    result = await bash(make_ctx(ws, Asker(allow=True), sandbox()), "env")
+    names = {line.split("=", 1)[0] for line in result.content.splitlines() if "=" in line}
+    assert "OPENAI_API_KEY" not in names and "CRUSH_TRIO_TOKEN" not in names
+    assert "BASH_ENV" not in names
+    assert f"HOME={SANDBOX_HOME}\n" in result.content
+    assert "PATH=" in result.content
+    # The same allow-list applies without a sandbox.
+    env = shell_env()
+    assert "OPENAI_API_KEY" not in env and "CRUSH_TRIO_TOKEN" not in env and "BASH_ENV" not in env
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_workspace_is_writable_and_data_directory_is_read_only(ws: Path) -> None:
+    asker = Asker(allow=True)
+    result = await bash(make_ctx(ws, asker, sandbox()), "echo made > new.txt && cat new.txt")
+    assert result.content.startswith("made\nexit code: 0")
+    assert (ws / "new.txt").read_text() == "made\n"
+    result = await bash(make_ctx(ws, asker, sandbox()), "touch .crush/x")
+    assert "Read-only file system" in result.content
+    assert not (ws / ".crush" / "x").exists()
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_secrets_inside_a_mounted_workspace_are_hidden(
+    tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workspace that is the home directory still does not show ~/.ssh or the deny list."""
+    (home / "notes.txt").write_text("mine\n")
+    (home / "private").mkdir()
+    (home / "private" / "key").write_text(f"{SECRET}\n")
+    box = sandbox(deny_read=("~/private",))
+    asker = Asker(allow=True)
+    ctx = make_ctx(home, asker, box)
+    ctx.data_dir = tmp_path / "data"
+    result = await bash(ctx, "cat notes.txt; cat .ssh/id_ed25519; cat private/key; ls -a .ssh")
+    assert result.content.startswith("mine\n")
+    assert_no_leak(result)
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_other_workspaces_data_directories_are_hidden(tmp_path: Path, home: Path) -> None:
+    """The server's data directory and other open workspaces' data directories are hidden, even
+    where they lie inside the workspace; the workspace's own stays readable (not writable)."""
+    server_data = home / "server-data"
+    for name in ("mine", "theirs"):
+        (server_data / name).mkdir(parents=True)
+        (server_data / name / "crush.db").write_text(f"{name}-{SECRET}\n")
+    nested = home / "project" / ".crush"
+    nested.mkdir(parents=True)
+    (nested / "crush.db").write_text(f"nested-{SECRET}\n")
+    box = sandbox(hidden=(server_data,), more_hidden=lambda: [nested, server_data / "mine"])
+    ctx = make_ctx(home, Asker(allow=True), box)
+    ctx.data_dir = server_data / "mine"
+    result = await bash(
+        ctx,
+        f"cat {server_data}/mine/crush.db; cat {server_data}/theirs/crush.db; "
+        "cat project/.crush/crush.db; echo x > project/.crush/crush.db; "
+        f"echo x > {server_data}/mine/crush.db; ls -a {server_data}",
+    )
+    assert result.content.startswith(f"mine-{SECRET}\n")
+    assert f"theirs-{SECRET}" not in result.content
+    assert f"nested-{SECRET}" not in result.content
+    assert (nested / "crush.db").read_text() == f"nested-{SECRET}\n"
+    assert (server_data / "mine" / "crush.db").read_text() == f"mine-{SECRET}\n"
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_read_only_command_runs_without_asking_with_the_workspace_read_only(
+    ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asker = Asker(allow=False)
+    ctx = make_ctx(ws, asker, sandbox())
+    result = await bash(ctx, "cat hello.txt")
+    assert result.content == "hi there\nexit code: 0"
+    assert asker.requests == []
+    # Were the read-only check ever wrong, the command that ran without asking still could not
+    # write: the workspace is mounted read-only for it.
+    monkeypatch.setattr(bash_module, "is_read_only", lambda command, workspace: True)
+    result = await bash(ctx, "touch planted")
+    assert asker.requests == []
+    assert "Read-only file system" in result.content
+    assert "the workspace was read-only" in result.content
+    assert not (ws / "planted").exists()
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_git_repository_config_cannot_run_programs(ws: Path) -> None:
+    await trio.run_process(["git", "init", "-q", str(ws)], env=shell_env())
+    with (ws / ".git" / "config").open("a") as f:
+        f.write(f'[core]\n\tfsmonitor = "touch {ws}/pwned; false"\n')
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, sandbox()), "git status")
+    assert len(asker.requests) == 1 and result.stop_turn
+    # Allowed, git still runs with the monitor turned off.
+    result = await bash(make_ctx(ws, Asker(allow=True), sandbox()), "git status")
+    assert not (ws / "pwned").exists(), result.content
+
+
+def _host_processes_with(marker: str) -> list[int]:
+    """Live host processes whose command line contains ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        found_it = marker in cmdline
+        if found_it and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_every_process_dies_with_the_call(ws: Path) -> None:
+    ctx = make_ctx(ws, Asker(allow=True), sandbox())
+    result = await bash(ctx, "sleep 987.25 & sleep 987.5 & echo started")
+    assert result.content.startswith("started\nexit code: 0")
+    assert _host_processes_with("sleep 987.") == []
+    ctx.timeout = 1.0
+    result = await bash(ctx, "sleep 986.25 & sleep 986.5")
+    assert "timed out" in result.content
+    assert _host_processes_with("sleep 986.") == []
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_cancel_ends_every_sandboxed_process(ws: Path) -> None:
+    # The command reports through a FIFO in the workspace that it has started its processes.
+    fifo = ws / "started"
+    os.mkfifo(fifo)
+    stream = trio.lowlevel.FdStream(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+    ctx = make_ctx(ws, Asker(allow=True), sandbox())
+    returned: list[ToolResult] = []
+
+    async def call() -> None:
+        returned.append(await bash(ctx, "sleep 985.25 & sleep 985.5 & echo go > started; wait"))
+
+    with trio.fail_after(15):
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            assert await stream.receive_some() == b"go\n"
+            # (A background job may still be between fork and exec here, so it is not counted.)
+            assert _host_processes_with("sleep 985.")
+            nursery.cancel_scope.cancel()
+    assert returned == []
+    assert _host_processes_with("sleep 985.") == []
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_network_is_off_until_the_user_grants_it(ws: Path) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    accepted = 0
+
+    async def accept() -> None:
+        nonlocal accepted
+        while True:
+            stream = await listeners[0].accept()
+            accepted += 1
+            await stream.aclose()
+
+    command = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected"
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        asker = Asker(allow=True)
+        result = await bash(make_ctx(ws, asker, sandbox()), command)
+        assert "connected\n" not in result.content
+        assert "Connection refused" in result.content
+        assert "pass network=true to ask the user" in result.content
+        assert asker.requests[-1]["params"]["network"] is False
+        # The model asks for the network and the user allows it.
+        result = await bash(make_ctx(ws, asker, sandbox()), command, network=True)
+        assert result.content.startswith("connected\n"), result.content
+        assert asker.requests[-1]["params"]["network"] is True
+        assert "with network access" in asker.requests[-1]["description"]
+        # Asking for the network asks even for a read-only command, and a denial runs nothing.
+        denier = Asker(allow=False)
+        result = await bash(make_ctx(ws, denier, sandbox()), "cat hello.txt", network=True)
+        assert len(denier.requests) == 1 and result.stop_turn
+        # The workspace's config grants it for every command.
+        result = await bash(make_ctx(ws, asker, sandbox(network=True)), command)
+        assert result.content.startswith("connected\n"), result.content
+        nursery.cancel_scope.cancel()
+    await listeners[0].aclose()
+    assert accepted == 2
+
+
+def test_sandbox_layout_resolver_and_deny_entries_around_the_workspace(
+    tmp_path: Path, ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the network, the resolver file is reachable even where /etc/resolv.conf links out of
+    /etc; a deny entry that contains the workspace is not mounted over it."""
+    target = tmp_path / "run" / "stub-resolv.conf"
+    target.parent.mkdir()
+    target.write_text("nameserver 127.0.0.53\n")
+    link = tmp_path / "resolv.conf"
+    link.symlink_to(target)
+    monkeypatch.setattr(sandbox_module, "RESOLV_CONF", str(link))
+    box = Sandbox("bwrap", deny_read=(str(tmp_path),))
+    real_ws = Path(os.path.realpath(ws))
+    offline = box.command(["true"], workspace=real_ws, data_dir=None, writable=True)
+    online = box.command(["true"], workspace=real_ws, data_dir=None, writable=True, network=True)
+    assert str(target) not in offline and "--share-net" not in offline
+    assert online[online.index(str(target)) - 1] == "--ro-bind" and "--share-net" in online
+    assert str(Path(os.path.realpath(tmp_path))) not in offline
+
+
+# ---------------------------------------------------------------------------------------------
+# the same suite without a sandbox
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    sorted({*tricks(Path("/h"), Path("/o")), "cat hello.txt", "ls", "git status", "pwd"}),
+)
+async def test_without_a_sandbox_every_bash_call_asks(
+    command: str, ws: Path, home: Path, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside.txt"
+    plant_hard_link(ws, home)
+    command = tricks(home, outside).get(command, command)
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, None), command)
+    [request] = asker.requests
+    assert request["params"]["sandboxed"] is False
+    assert "with no sandbox" in request["description"]
+    assert result.stop_turn and result.content.startswith("permission denied: ")
+    assert_nothing_written(ws, home, outside)
+
+
+@pytest.mark.slow
+async def test_agent_info_reports_the_sandbox(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    info = await crush_workspace.agent_info()
+    assert info.sandbox.active is STATUS.available
+    assert info.sandbox.network is False
+    if not STATUS.available:
+        assert info.sandbox.reason == STATUS.reason
+    workspace = crush_server.backend.workspaces[crush_workspace.id]
+    assert (workspace.sandbox is not None) is STATUS.available
+
+
+def test_a_failing_self_test_means_no_sandbox_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    broken = tmp_path / "bwrap"
+    broken.write_text(
+        "#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    monkeypatch.setattr(sandbox_module, "find_bwrap", lambda: str(broken))
+    monkeypatch.setattr(sandbox_module, "_probed", None)
+    with caplog.at_level("WARNING", logger="crush_trio.tools.sandbox"):
+        status = probe()
+        assert probe() is status  # tested once, reported once
+    assert not status.available
+    assert "failed its self-test (exit 1): bwrap: No permissions" in status.reason
+    [record] = caplog.records
+    assert "every bash command will ask for permission" in record.getMessage()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crush_config", [{"options": {"sandbox": {"enabled": False}}}])
+async def test_sandbox_turned_off_by_config_is_reported(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    info = await crush_workspace.agent_info()
+    assert info.sandbox == wire.SandboxInfo(
+        active=False,
+        network=False,
+        reason="turned off by options.sandbox.enabled; every bash command asks",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# is_read_only does not lie
+
+
+@pytest.mark.parametrize(
+    ("command", "read_only"),
+    [
+        ("cat hello.txt", True),
+        ("cat 'hello.txt'", True),
+        ("cat *.txt", True),
+        ("ls \\{a,b\\}", True),
+        ("grep -rn 'a{2}' .", True),
+        ("find . -name '*.py'", True),
+        ("date +%s", True),
+        ("cat {/etc/passwd,/etc/hostname}", False),
+        ("cat {hello.txt,hello.txt}", False),
+        ("head -c 4000 {/proc/self/environ,}", False),
+        ("date -f /etc/passwd", False),
+        ("date --file=/etc/passwd", False),
+        ("date -uf/etc/passwd", False),
+        ("date -r /etc/passwd", False),
+        ("date --fil=/etc/passwd", False),
+        ("grep --dereference-r x .", False),
+        ("git diff --ext", False),
+        ("rg --hostname=./x foo", False),
+        ("wc --files0-from=hello.txt", False),
+        ("cat -- link", False),
+        ("cat -- -n hello.txt", True),
+        ("cat link", False),
+        ("cat sshdir/*", False),
+        ("cat *", False),
+        ("ls s*", False),
+        ("cat hardlink", False),
+        ("grep -R x .", False),
+        ("grep -rR x .", False),
+        ("grep --dereference-recursive x .", False),
+        ("grep -f/etc/passwd hello.txt", False),
+        ("rg --pre=./x foo", False),
+        ("rg --hostname-bin=./x --hyperlink-format=default foo", False),
+        ("rg -L foo", False),
+        ("rg --follow foo", False),
+        ("find -L . -name x", False),
+        ("find . -follow", False),
+        ("cat ~/.ssh/id_rsa", False),
+        ("cat ~root/.ssh/id_rsa", False),
+        ("wc --files0-from=~/list", False),
+        ("echo a=~/x", False),
+        ("echo '~'", True),
+        ("git diff HEAD~1", True),
+        ("cat x#y", True),
+        ("cat (x)", False),
+        ("echo 'unclosed", False),
+        ("git diff --ext-diff", False),
+        ("git -c core.pager=sh log", False),
+    ],
+)
+def test_is_read_only_does_not_lie(command: str, read_only: bool, ws: Path, home: Path) -> None:
+    plant_hard_link(ws, home)
+    assert is_read_only(command, Path(os.path.realpath(ws))) is read_only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        "cat a 'b c' \"d e\" f\\ g",
+        "grep -n 'it'\\''s' \"say \\\"hi\\\"\" x\\\\y",
+        "ls ''  \"\" a''b",
+        "echo \"back\\slash\" 'back\\slash' back\\slash",
+        "head\t-n 3\t\t'tab\there'",
+    ],
+)
+async def test_words_are_split_as_bash_splits_them(command: str) -> None:
+    words = bash_module._split_words(command)
+    assert words is not None
+    done = await trio.run_process(
+        ["bash", "-c", "printf '%s\\0' " + command.split(None, 1)[1]],
+        capture_stdout=True,
+    )
+    assert [w.text for w in words[1:]] == done.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "[core]\n\tfsmonitor = ./x\n",
+        "[diff]\n\texternal = ./x\n",
+        '[diff "bin"]\n\ttextconv = ./x\n',
+        '[diff "bin"]\n\tcommand = ./x\n',
+        '[filter "lfs"]\n\tclean = ./x\n',
+        "[include]\n\tpath = ../x\n",
+        '[includeIf "gitdir:/"]\n\tpath = ../x\n',
+        "[log]\n\tshowSignature = true\n",
+        "[gpg]\n\tprogram = ./x\n",
+        "[core]\n\tpager = ./x\n",
+        "[pager]\n\tlog = ./x\n",
+        "[core]\n\tworktree = /etc\n",
+        "[core] fsmonitor = ./x\n",
+    ],
+)
+def test_git_with_a_repository_config_that_runs_programs_is_not_read_only(
+    config: str, tmp_path: Path
+) -> None:
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_text("[core]\n\tbare = false\n" + config)
+    for command in ("git status", "git log", "git diff"):
+        assert not is_read_only(command, tmp_path), (command, config)
+
+
+def test_git_with_a_plain_repository_config_is_read_only(tmp_path: Path) -> None:
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_text(
+        "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
+        '[remote "origin"]\n\turl = https://example.com/filter-repo.git\n'
+        '\tfetch = +refs/heads/*:refs/remotes/origin/*\n[branch "main"]\n\tremote = origin\n'
+    )
+    assert is_read_only("git status", tmp_path)
+    # A .git file points to a repository elsewhere: not read-only.
+    other = tmp_path / "linked"
+    other.mkdir()
+    (other / ".git").write_text("gitdir: /elsewhere\n")
+    assert not is_read_only("git status", other)
+
+
+# ---------------------------------------------------------------------------------------------
+# tool threads cannot starve the server
+
+
+async def test_abandoned_tool_threads_leave_the_default_limiter_free(tmp_path: Path) -> None:
+    """Tool work that never ends fills only the tools' own limiter; the store's threads (Trio's
+    default limiter) stay available."""
+    release = threading.Event()
+    ctx = make_ctx(tmp_path, Asker(allow=True), None)
+    ctx.timeout = 0.05
+    timed_out = 0
+
+    async def stuck_call() -> None:
+        nonlocal timed_out
+        try:
+            await run_blocking(ctx, "view", release.wait)
+        except ToolError:
+            timed_out += 1
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(50):
+                    nursery.start_soon(stuck_call)
+        assert timed_out == 50
+        # Every call timed out; their threads are still blocked and hold the tool limiter.
+        assert tool_thread_limiter().borrowed_tokens == TOOL_THREAD_LIMIT
+        started = time.monotonic()
+        with trio.fail_after(1):
+            assert await trio.to_thread.run_sync(lambda: 42) == 42
+        assert time.monotonic() - started < 0.1
+    finally:
+        release.set()
+
+
+@pytest.mark.slow
+async def test_fifo_views_leave_the_server_answering(
+    crush_client: Client, crush_workspace: WorkspaceClient
+) -> None:
+    workspace = Path(crush_workspace.path)
+    for i in range(50):
+        os.mkfifo(workspace / f"fifo{i}")
+    ctx = make_ctx(workspace, Asker(allow=True), None)
+    results: list[ToolResult] = []
+
+    async def view(i: int) -> None:
+        params = orjson.dumps({"path": f"fifo{i}"}).decode()
+        results.append(await call_tool(default_tools(), "view", params, ctx))
+
+    # Before the fix each view opened its FIFO and blocked a thread of Trio's default limiter for
+    # good (40 of them), and the store, which runs in those threads, stopped answering.
+    ctx.timeout = 1.0
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(view, i)
+    assert len(results) == 50
+    assert all(r.is_error and "is a FIFO, not a regular file" in r.content for r in results)
+    # A full garbage collection of a large test process can pause for longer than the bound
+    # measured here; it is done before, so that only the server's answer is timed.
+    gc.collect()
+    started = time.monotonic()
+    with trio.fail_after(1):
+        assert await crush_client.request("GET", "/v1/health") == {"status": "ok"}
+    assert time.monotonic() - started < 0.1
+    # The store still answers: a new session is created and listed.
+    with trio.fail_after(1):
+        session = await crush_workspace.create_session("after fifos")
+        assert session.id in {s.id for s in await crush_workspace.sessions()}
+
+
+async def test_view_asks_before_reading_a_hard_linked_file(ws: Path, home: Path) -> None:
+    plant_hard_link(ws, home)
+    asker = Asker(allow=False)
+    ctx = make_ctx(ws, asker, None)
+    with trio.fail_after(5):
+        result = await call_tool(default_tools(), "view", '{"path": "hardlink"}', ctx)
+        plain = await call_tool(default_tools(), "view", '{"path": "hello.txt"}', ctx)
+    [request] = asker.requests
+    assert "1 other name(s) (hard links)" in request["description"]
+    assert result.stop_turn and SECRET not in result.content
+    assert plain.content == "     1|hi there"
+
+
+@pytest.mark.parametrize("use_rg", [False, True])
+async def test_grep_refuses_a_fifo(tmp_path: Path, use_rg: bool) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    ctx = make_ctx(tmp_path, Asker(allow=True), None)
+    with trio.fail_after(5):
+        result = await call_tool(
+            [GrepTool(use_rg=use_rg)], "grep", '{"pattern": "x", "path": "fifo"}', ctx
+        )
+    assert result.is_error and "fifo is a FIFO, not a regular file; grep reads" in result.content
+
+
+async def test_view_refuses_devices(tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path, Asker(allow=True), None)
+    params = orjson.dumps({"path": "/dev/zero"}).decode()
+    with trio.fail_after(5):
+        result = await call_tool(default_tools(), "view", params, ctx)
+    assert result.is_error and "is a device, not a regular file" in result.content
+
+
+@pytest.mark.slow
+async def test_python_grep_with_a_catastrophic_regex_is_stopped(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("a" * 64 + "b\n")
+    ctx = make_ctx(tmp_path, Asker(allow=True), None)
+    ctx.timeout = 1.0
+    params = orjson.dumps({"pattern": "(a+)+$"}).decode()
+    started = time.monotonic()
+    with trio.fail_after(10):
+        result = await call_tool([GrepTool(use_rg=False)], "grep", params, ctx)
+    assert result.is_error and "grep timed out after 1 s and was stopped" in result.content
+    assert time.monotonic() - started < 8
+    assert _host_processes_with("grep_worker.py") == []
