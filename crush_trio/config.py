@@ -142,9 +142,12 @@ DEFAULT_DEBOUNCE_MS: Final = 33.0
 DEFAULT_TITLE_MAX_WORDS: Final = 8
 #: Longest wait for a permission answer; ``None`` waits until the run is cancelled.
 DEFAULT_PERMISSION_TIMEOUT: Final[float | None] = None
-#: Longest run of one tool call.
+#: Longest run of one tool call, in seconds (``ToolContext.timeout``): the longest a tool may
+#: work once it has permission; a ``bash`` command may ask for less, never more. Waiting for a
+#: permission answer does not count.
 DEFAULT_TOOL_TIMEOUT: Final = 120.0
-#: Characters of bash output kept in a tool result.
+#: Bytes of ``bash`` output kept in a tool result (``ToolContext.bash_output_limit``); the head
+#: and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
 
 # Server bounds.

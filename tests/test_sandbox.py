@@ -35,9 +35,10 @@ from crush_trio.tools import (
     is_read_only,
 )
 from crush_trio.tools import bash as bash_module
+from crush_trio.tools import readonly as readonly_module
 from crush_trio.tools import sandbox as sandbox_module
 from crush_trio.tools.base import TOOL_THREAD_LIMIT, run_blocking, tool_thread_limiter
-from crush_trio.tools.fs import GrepTool
+from crush_trio.tools.grep import GrepTool
 from crush_trio.tools.sandbox import SANDBOX_HOME, Sandbox, probe, shell_env
 
 SECRET = "TOP-SECRET-7f3a9c"
@@ -571,7 +572,7 @@ def test_is_read_only_does_not_lie(command: str, read_only: bool, ws: Path, home
     ],
 )
 async def test_words_are_split_as_bash_splits_them(command: str) -> None:
-    words = bash_module._split_words(command)
+    words = readonly_module._split_words(command)
     assert words is not None
     done = await trio.run_process(
         ["bash", "-c", "printf '%s\\0' " + command.split(None, 1)[1]],

@@ -34,8 +34,9 @@ from crush_trio.tools import (
     is_read_only,
     resolve_path,
 )
-from crush_trio.tools import bash as bash_module
-from crush_trio.tools.fs import GLOB_MAX_RESULTS, GREP_MAX_MATCHES, VIEW_MAX_FILE_BYTES
+from crush_trio.tools import shell as shell_module
+from crush_trio.tools.grep import GREP_MAX_MATCHES
+from crush_trio.tools.read import GLOB_MAX_RESULTS, VIEW_MAX_FILE_BYTES
 
 HAS_RG = shutil.which("rg") is not None
 
@@ -840,7 +841,7 @@ async def test_bash_group_ignoring_sigterm_gets_sigkill(
     ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A short grace keeps the test quick; the escalation is the same at any grace.
-    monkeypatch.setattr(bash_module, "KILL_GRACE", 0.2)
+    monkeypatch.setattr(shell_module, "KILL_GRACE", 0.2)
     ctx.timeout = 0.5
     command = "trap '' TERM; echo $$; sleep 100 & echo $!; wait"
     result = await run(ctx, "bash", command=command)

@@ -5,8 +5,12 @@ Layers, from the bottom:
 * :mod:`.base` — the interface: :class:`ToolResult`, :class:`ToolContext`, :class:`Tool` and the
   :class:`PermissionAsker` the permission service implements.
 * :mod:`.paths` — confinement: resolving a path and telling whether it stays in the workspace.
-* :mod:`.fs` — ``ls``, ``view``, ``glob``, ``grep``, ``write``, ``edit``.
-* :mod:`.bash` — ``bash``.
+* :mod:`.files` and :mod:`.globs` — reading text files safely; the glob dialect.
+* :mod:`.read` — ``ls``, ``view``, ``glob``; :mod:`.grep` — ``grep`` (with :mod:`.grep_worker`).
+* :mod:`.write` — ``write``, and opening for writing without following symlinks;
+  :mod:`.edit` — ``edit``.
+* :mod:`.bash` — ``bash``, built on :mod:`.readonly` (which commands may run without asking),
+  :mod:`.shell` (running a command in its own process group) and :mod:`.sandbox`.
 * this module — :func:`default_tools` and :func:`call_tool`, which parses the model's JSON input,
   checks it against the tool's parameter schema, runs the tool and turns every failure into an
   error result the model can read. See ``docs/tools.md``.
@@ -34,10 +38,14 @@ from .base import (
     ToolResult,
     ToolSpec,
 )
-from .bash import BashTool, is_read_only
-from .fs import EditTool, GlobTool, GrepTool, LsTool, ViewTool, WriteTool
+from .bash import BashTool
+from .edit import EditTool
+from .grep import GrepTool
 from .paths import ResolvedPath, resolve_path
+from .read import GlobTool, LsTool, ViewTool
+from .readonly import is_read_only
 from .sandbox import Sandbox
+from .write import WriteTool
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
@@ -223,7 +231,7 @@ async def call_tool(
         checked = check_params(tool.spec, params)
         return await tool.run(checked, ctx)
     except ToolError as exc:
-        return ToolResult(content=exc.message, is_error=True, stop_turn=exc.stop_turn)
+        return exc.result()
     except Exception as exc:
         logger.exception(
             "tool %s failed (session %s, call %s)", name, ctx.session_id, ctx.tool_call_id

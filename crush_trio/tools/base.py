@@ -31,6 +31,7 @@ from typing import Any, Final, Protocol
 import attrs
 import trio
 
+from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
 from ..errors import CrushError
 from ..providers.base import ToolSpec
 from .sandbox import Sandbox
@@ -41,24 +42,15 @@ __all__ = [
     "PermissionAsker",
     "PermissionDenied",
     "Tool",
+    "ToolBase",
     "ToolContext",
     "ToolError",
     "ToolResult",
     "ToolSpec",
     "ask_permission",
     "run_blocking",
-    "run_tool",
     "tool_thread_limiter",
 ]
-
-#: Default tool timeout in seconds (``ToolContext.timeout``): the longest a tool may work once it
-#: has permission; a ``bash`` command may ask for less, never more. Waiting for a permission
-#: answer does not count.
-DEFAULT_TOOL_TIMEOUT: Final = 120.0
-
-#: Default cap, in bytes, on the ``bash`` output returned to the model
-#: (``ToolContext.bash_output_limit``); the head and tail are kept, the middle is cut.
-DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
 
 #: Worker threads tool calls may use at once, in a limiter of their own: a call that times out
 #: leaves its thread behind until the blocking work ends, and those threads must never take the
@@ -189,6 +181,10 @@ class ToolError(CrushError):
     status = 400
     stop_turn: bool = False
 
+    def result(self) -> ToolResult:
+        """The error result the model reads."""
+        return ToolResult(content=self.message, is_error=True, stop_turn=self.stop_turn)
+
 
 class PermissionDenied(ToolError):
     """The user denied a permission: the call did nothing and the turn ends."""
@@ -196,17 +192,23 @@ class PermissionDenied(ToolError):
     stop_turn = True
 
 
-async def run_tool(tool: Any, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
-    """Run ``tool.execute(params, ctx)``, turning a :class:`ToolError` into an error result.
+class ToolBase:
+    """The ``run`` of the tools of this package: ``execute``, with a :class:`ToolError` turned into
+    an error result, so an expected failure can be raised from any helper and still reach the
+    model as a result."""
 
-    The tools of this package implement ``run`` as this wrapper around their ``execute``, so an
-    expected failure can be raised from any helper and still reach the model as a result.
-    """
-    try:
-        result: ToolResult = await tool.execute(params, ctx)
-    except ToolError as exc:
-        return ToolResult(content=exc.message, is_error=True, stop_turn=exc.stop_turn)
-    return result
+    __slots__ = ()
+
+    async def run(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """Run one call (see :meth:`Tool.run`)."""
+        try:
+            return await self.execute(params, ctx)
+        except ToolError as exc:
+            return exc.result()
+
+    async def execute(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
+        """The tool's work; raises :class:`ToolError` for a failure the model can act on."""
+        raise NotImplementedError
 
 
 async def ask_permission(

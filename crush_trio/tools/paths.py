@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 
 from .base import ToolContext, ToolError, ask_permission
+from .files import not_regular
 
 __all__ = [
     "ResolvedPath",
@@ -27,6 +28,7 @@ __all__ = [
     "in_data_dir",
     "is_within",
     "resolve_path",
+    "resolve_search_root",
 ]
 
 
@@ -115,3 +117,28 @@ def check_writable(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> 
             f"{tool_name} refused: {resolved.path} is inside the server's data directory "
             f"{ctx.data_dir}, which tools never write; choose a path elsewhere in the workspace"
         )
+
+
+async def resolve_search_root(
+    ctx: ToolContext, tool_name: str, raw: str, *, want_dir: bool
+) -> ResolvedPath:
+    """Resolve the root of ``ls``/``glob``/``grep``, asking when it is outside the workspace."""
+    resolved = resolve_path(ctx, raw)
+    if in_data_dir(ctx, resolved.path):
+        raise ToolError(
+            f"{tool_name} refused: {resolved.path} is inside the server's data directory "
+            f"{ctx.data_dir}, which tools do not list or search"
+        )
+    if not resolved.path.exists():
+        raise ToolError(
+            f"path not found: {display_path(ctx, resolved.path)}; use ls to see what exists"
+        )
+    if want_dir and not resolved.path.is_dir():
+        raise ToolError(
+            f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
+        )
+    if not resolved.path.is_dir() and not resolved.path.is_file():
+        mode = resolved.path.stat().st_mode
+        raise not_regular(display_path(ctx, resolved.path), mode, tool_name)
+    await check_read(ctx, tool_name, resolved)
+    return resolved

@@ -1,0 +1,245 @@
+"""Running one shell command in its own process group, in the OS sandbox when there is one.
+
+The command runs as ``bash -c COMMAND`` in a new session and so its own process group, with
+stdin closed and stdout and stderr merged into one captured stream. When the command returns,
+times out or is cancelled, the whole process group is ended (SIGTERM, then SIGKILL after
+:data:`KILL_GRACE` seconds), so no process it started outlives the call, background ones
+(``sleep 100 &``) included.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from functools import partial
+from pathlib import Path
+from typing import Final
+
+import attrs
+import trio
+
+from .base import tool_thread_limiter
+from .sandbox import Sandbox, shell_env
+
+__all__ = ["CLEANUP_MARGIN", "KILL_GRACE", "ShellOutcome", "run_shell"]
+
+#: Seconds a process group gets between SIGTERM and SIGKILL.
+KILL_GRACE: Final = 2.0
+#: Seconds between checks that a process group has ended. No OS event reports the exit of a
+#: process that is not our child (a background grandchild), so this one wait polls.
+GROUP_POLL_INTERVAL: Final = 0.05
+#: Seconds to wait for the output pipe to close once the process group has ended (a process that
+#: left the group may still hold it).
+OUTPUT_DRAIN_TIMEOUT: Final = 1.0
+#: Extra seconds the shielded final clean-up may take beyond :data:`KILL_GRACE`.
+CLEANUP_MARGIN: Final = 1.0
+
+
+@attrs.define
+class ShellOutcome:
+    """What a finished, timed-out or failed command left.
+
+    Attributes:
+        output: merged stdout and stderr, head and tail kept within the limit.
+        cut_bytes: bytes cut from the middle of the output (0 when it all fit).
+        exit_code: the shell's exit status; negative for a signal; None if it timed out.
+        timed_out: the command was stopped at its timeout.
+    """
+
+    output: str
+    cut_bytes: int
+    exit_code: int | None
+    timed_out: bool
+
+
+@attrs.define
+class _OutputBuffer:
+    """Keeps the first and last bytes of a stream, counting what falls between."""
+
+    limit: int
+    head: bytearray = attrs.field(factory=bytearray)
+    tail: bytearray = attrs.field(factory=bytearray)
+    total: int = 0
+
+    def add(self, chunk: bytes | bytearray) -> None:
+        self.total += len(chunk)
+        head_room = self.limit // 2 - len(self.head)
+        if head_room > 0:
+            self.head += chunk[:head_room]
+            chunk = chunk[head_room:]
+        if chunk:
+            self.tail += chunk
+            tail_limit = self.limit - self.limit // 2
+            if len(self.tail) > tail_limit:
+                del self.tail[: len(self.tail) - tail_limit]
+
+    def render(self) -> tuple[str, int]:
+        cut = self.total - len(self.head) - len(self.tail)
+        head = self.head.decode("utf-8", errors="replace")
+        tail = self.tail.decode("utf-8", errors="replace")
+        if cut > 0:
+            return f"{head}\n\n[... {cut} bytes of output cut from the middle ...]\n\n{tail}", cut
+        return head + tail, 0
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    """Whether a process group still has a member that is not a zombie.
+
+    An orphaned zombie stays a member until init reaps it, and some container inits never do;
+    where ``/proc`` exists, members are read from it so such zombies do not count.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Format: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) >= 3 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+async def _end_group(pgid: int) -> None:
+    """End every process of group ``pgid``: SIGTERM, then SIGKILL after :data:`KILL_GRACE`.
+
+    Cancellation:
+        Call it under a shielded, bounded scope when cleaning up after a cancel.
+    """
+    limiter = tool_thread_limiter()
+    if not await trio.to_thread.run_sync(_group_has_live_members, pgid, limiter=limiter):
+        return
+    _signal_group(pgid, signal.SIGTERM)
+    with trio.move_on_after(KILL_GRACE):
+        # Polling is the only way: the OS gives no event for the exit of a process that is not
+        # our child, and this wait is bounded by KILL_GRACE.
+        while await trio.to_thread.run_sync(  # noqa: ASYNC110
+            _group_has_live_members, pgid, limiter=limiter
+        ):
+            await trio.sleep(GROUP_POLL_INTERVAL)
+        return
+    _signal_group(pgid, signal.SIGKILL)
+
+
+async def _deliver_cancel(process: trio.Process) -> None:
+    """``trio.run_process``'s cancel hook: end the shell's whole group, not just the shell."""
+    _signal_group(process.pid, signal.SIGTERM)
+    await trio.sleep(KILL_GRACE)
+    _signal_group(process.pid, signal.SIGKILL)
+
+
+async def _collect(stream: trio.abc.ReceiveStream, into: _OutputBuffer, done: trio.Event) -> None:
+    async with stream:
+        async for chunk in stream:
+            into.add(chunk)
+    done.set()
+
+
+async def run_shell(
+    command: str,
+    *,
+    cwd: Path,
+    time_limit: float,
+    output_limit: int,
+    sandbox: Sandbox | None = None,
+    data_dir: Path | None = None,
+    writable: bool = True,
+    network: bool | None = None,
+) -> ShellOutcome:
+    """Run ``bash -c command`` in ``cwd`` in its own process group, in ``sandbox`` if given.
+
+    The command gets the environment of :func:`~crush_trio.tools.sandbox.shell_env` (an
+    allow-list: no provider keys, no server token).
+
+    Args:
+        command: the shell command.
+        cwd: its working directory (the workspace's real path when sandboxed).
+        time_limit: seconds before the command is stopped.
+        output_limit: bytes of merged output kept (half from the start, half from the end).
+        sandbox: the OS sandbox to run in; None runs the command directly.
+        data_dir: the workspace's data directory, read-only in the sandbox.
+        writable: the workspace is writable in the sandbox.
+        network: grant the network in the sandbox for this call (None: the sandbox's setting).
+
+    Returns:
+        The output and how the command ended. When the command returns, its process group is
+        ended too, so background processes it started do not outlive it.
+
+    Cancellation:
+        The process group gets SIGTERM, then SIGKILL after :data:`KILL_GRACE`; the final clean-up
+        is shielded for at most ``KILL_GRACE + CLEANUP_MARGIN`` seconds, then ``trio.Cancelled``
+        propagates.
+    """
+    output = _OutputBuffer(max(output_limit, 2))
+    argv = ["bash", "-c", command]
+    pgid: int | None = None
+    exit_code: int | None = None
+    try:
+        with trio.move_on_after(time_limit):
+            if sandbox is not None:
+                extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden else ()
+                argv = await trio.to_thread.run_sync(
+                    partial(
+                        sandbox.command,
+                        argv,
+                        workspace=cwd,
+                        data_dir=data_dir,
+                        writable=writable,
+                        network=network,
+                        extra_hidden=extra_hidden,
+                    ),
+                    abandon_on_cancel=True,
+                    limiter=tool_thread_limiter(),
+                )
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    partial(
+                        trio.run_process,
+                        argv,
+                        cwd=cwd,
+                        env=shell_env(),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        check=False,
+                        deliver_cancel=_deliver_cancel,
+                    )
+                )
+                pgid = process.pid
+                assert process.stdout is not None
+                drained = trio.Event()
+                nursery.start_soon(_collect, process.stdout, output, drained)
+                exit_code = await process.wait()
+                # A background process still holds the output pipe; end it so the pipe closes.
+                await _end_group(pgid)
+                with trio.move_on_after(OUTPUT_DRAIN_TIMEOUT):
+                    await drained.wait()
+                nursery.cancel_scope.cancel()
+    finally:
+        if pgid is not None:
+            with trio.move_on_after(KILL_GRACE + CLEANUP_MARGIN, shield=True):
+                await _end_group(pgid)
+    text, cut = output.render()
+    return ShellOutcome(
+        output=text, cut_bytes=cut, exit_code=exit_code, timed_out=exit_code is None
+    )
