@@ -22,7 +22,7 @@ from .base import (
     ask_permission,
     run_blocking,
 )
-from .files import BINARY_SNIFF_BYTES, is_binary, number_lines, read_text_file, split_lines
+from .files import decode_text, number_lines, read_text_file, split_lines
 from .paths import ResolvedPath, display_path, resolve_path
 from .write import check_write_target, open_for_write, outside_note, recheck_path, write_fd
 
@@ -93,13 +93,7 @@ def _read_fd_text(fd: int, shown: str) -> str:
                 f"{shown} is over the {EDIT_MAX_FILE_BYTES} byte limit of edit; use bash with "
                 "sed for large files"
             )
-    data = b"".join(chunks)
-    if is_binary(data[:BINARY_SNIFF_BYTES]):
-        raise ToolError(
-            f"{shown} looks like a binary file (it contains NUL bytes); edit works on text files "
-            "only"
-        )
-    return data.decode("utf-8", errors="surrogateescape")
+    return decode_text(b"".join(chunks), shown, "edit")
 
 
 def _apply_edit(

@@ -17,7 +17,7 @@ __all__ = [
     "BINARY_SNIFF_BYTES",
     "IGNORED_DIR_NAMES",
     "VIEW_MAX_LINE_CHARS",
-    "is_binary",
+    "decode_text",
     "not_regular",
     "number_lines",
     "read_text_file",
@@ -42,12 +42,8 @@ IGNORED_DIR_NAMES: Final = frozenset(
 #: Bytes read from the start of a file to tell binary (a NUL byte) from text.
 BINARY_SNIFF_BYTES: Final = 8192
 
-#: ``view``: longer lines are cut to this many characters.
+#: ``view`` (and the snippet ``edit`` returns): longer lines are cut to this many characters.
 VIEW_MAX_LINE_CHARS: Final = 2000
-
-
-def is_binary(head: bytes) -> bool:
-    return b"\0" in head
 
 
 def not_regular(shown: str, mode: int, tool_name: str) -> ToolError:
@@ -102,7 +98,13 @@ def read_text_file(path: Path, shown: str, max_bytes: int, tool_name: str) -> st
             f"{shown} grew over the {max_bytes} byte limit of {tool_name} while it was read; "
             "use grep to find the part you need, or bash with head/tail/sed"
         )
-    if is_binary(data[:BINARY_SNIFF_BYTES]):
+    return decode_text(data, shown, tool_name)
+
+
+def decode_text(data: bytes, shown: str, tool_name: str) -> str:
+    """The text of a file's bytes, refusing a binary file (a NUL byte in its first
+    :data:`BINARY_SNIFF_BYTES`); undecodable bytes are kept as surrogate escapes."""
+    if b"\0" in data[:BINARY_SNIFF_BYTES]:
         raise ToolError(
             f"{shown} looks like a binary file (it contains NUL bytes); {tool_name} works on "
             "text files only"
