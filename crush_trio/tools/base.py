@@ -14,7 +14,7 @@ Permission rules (the permission service implements :class:`PermissionAsker`):
 
 * writing (``write``, ``edit``) always asks, with action ``"write"``;
 * ``bash`` asks with action ``"execute"`` unless it runs in the OS sandbox and the command is one
-  simple read-only command (see :mod:`crush_trio.tools.bash` and :mod:`crush_trio.tools.sandbox`);
+  simple read-only command (see :mod:`.readonly` and :mod:`.sandbox`);
 * any path outside the workspace asks, read tools included (action ``"read"``);
 * a path inside the data directory is never written, whatever the answer would be;
 * a denial ends the turn: the result has ``is_error`` and ``stop_turn`` set.

@@ -10,11 +10,11 @@ writes only inside the workspace and a private ``/tmp``, the user's secrets abse
 unless granted, a scrubbed environment. Every process dies with the call.
 
 Permission (action ``"execute"``): in the sandbox, every command asks except one simple read-only
-command (:func:`is_read_only`), which then runs with the workspace read-only too; a call that
-asks for the network (``network: true``) asks unless ``options.sandbox.network`` grants it.
-Without a sandbox (not Linux, no user namespaces, ``options.sandbox.enabled: false``) every
-command asks, read-only or not, and runs with the server user's rights (but the same scrubbed
-environment).
+command (:func:`~crush_trio.tools.readonly.is_read_only`), which then runs with the workspace
+read-only too; a call that asks for the network (``network: true``) asks unless
+``options.sandbox.network`` grants it. Without a sandbox (not Linux, no user namespaces,
+``options.sandbox.enabled: false``) every command asks, read-only or not, and runs with the server
+user's rights (but the same scrubbed environment).
 """
 
 from __future__ import annotations
@@ -33,18 +33,10 @@ from .base import (
     ask_permission,
     run_blocking,
 )
-from .readonly import GIT_READ_ONLY_SUBCOMMANDS, READ_ONLY_COMMANDS, is_read_only
-from .shell import KILL_GRACE, ShellOutcome, run_shell
+from .readonly import is_read_only
+from .shell import ShellOutcome, run_shell
 
-__all__ = [
-    "GIT_READ_ONLY_SUBCOMMANDS",
-    "KILL_GRACE",
-    "READ_ONLY_COMMANDS",
-    "BashTool",
-    "ShellOutcome",
-    "is_read_only",
-    "run_shell",
-]
+__all__ = ["BashTool"]
 
 
 def _status_line(outcome: ShellOutcome, timeout: float, max_timeout: float) -> str:
