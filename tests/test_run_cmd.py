@@ -326,14 +326,14 @@ async def test_run_queued_behind_a_foreign_run_in_the_same_session(
     await gate.reached.wait()
     agent = crush_server.backend.get(ws.id).agent
     submitted = trio.Event()
-    original = agent.submit
+    original = agent.accept
 
-    async def submit(*args: Any, **kwargs: Any) -> Any:
+    async def accept(*args: Any, **kwargs: Any) -> Any:
         accepted = await original(*args, **kwargs)
         submitted.set()
         return accepted
 
-    agent.submit = submit
+    agent.accept = accept
     async with cli(
         "-s", session.id, "our prompt", tmp_path=tmp_path, server=crush_server, cwd=Path(ws.path)
     ) as running:
