@@ -19,7 +19,6 @@ from importlib import resources
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode
 
-import orjson
 from quart import Response, redirect, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -58,7 +57,7 @@ DEBUG_ROUTES_ENV: Final = "CRUSH_TRIO_DEBUG_ROUTES"
 
 
 def json_response(data: Any, status: int = 200) -> Response:
-    body = orjson.dumps(wire.converter.unstructure(data))
+    body = wire.dumps(data)
     return Response(body, status=status, content_type="application/json")
 
 

@@ -79,7 +79,7 @@ async def run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, An
         "type": "reply",
         "id": request_id,
         "ok": True,
-        "result": wire.converter.unstructure(result),
+        "result": wire.unstructure(result),
     }
 
 
