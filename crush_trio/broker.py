@@ -22,7 +22,7 @@ disconnected too, even while nothing must be delivered (:meth:`Broker.watch_stal
 client that stops reading cannot pin its queue while the workspace is idle.
 
 The broker never touches a socket: each transport runs one writer task per connection that drains
-the client's queue (see ``server/streams.py``).
+the client's queue (see ``server/connection.py``).
 """
 
 from __future__ import annotations
