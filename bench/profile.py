@@ -23,7 +23,16 @@ LAYERS: Final = (
     ("agent loop", ("crush_trio/agent/",)),
     ("store (sqlite calls, message buffer)", ("crush_trio/store/",)),
     ("broker (sequence, encode, fan-out)", ("crush_trio/broker.py",)),
-    ("event streams (websocket/SSE writers)", ("crush_trio/server/streams.py",)),
+    (
+        "event streams (websocket/SSE writers)",
+        (
+            "crush_trio/server/connection.py",
+            "crush_trio/server/ws_trio.py",
+            "crush_trio/server/ws_asgi.py",
+            "crush_trio/server/sse.py",
+            "crush_trio/server/commands.py",
+        ),
+    ),
     ("HTTP routes", ("crush_trio/server/app.py", "crush_trio/server/api.py")),
     ("quart / hypercorn / wsproto", ("quart", "hypercorn/", "wsproto/", "werkzeug/")),
 )

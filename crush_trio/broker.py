@@ -22,7 +22,7 @@ disconnected too, even while nothing must be delivered (:meth:`Broker.watch_stal
 client that stops reading cannot pin its queue while the workspace is idle.
 
 The broker never touches a socket: each transport runs one writer task per connection that drains
-the client's queue (see ``server/streams.py``).
+the client's queue (see ``server/connection.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import orjson
 import trio
 
 from . import wire
+from .errors import WS_CLOSE_TRY_AGAIN_LATER
 from .wire import EventKind
 
 log = logging.getLogger(__name__)
@@ -283,7 +284,7 @@ class ClientStream:
         self._md_waiting = 0
         self.killed = trio.Event()
         self.kill_reason = ""
-        self.kill_code = 1013
+        self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
         self.on_kill: Callable[[], object] | None = None
         self.closed = False
@@ -404,7 +405,7 @@ class ClientStream:
         if self._md_waiting == 0:
             self._flush_gap_nowait()
 
-    def kill(self, reason: str, code: int = 1013) -> None:
+    def kill(self, reason: str, code: int = WS_CLOSE_TRY_AGAIN_LATER) -> None:
         """Disconnect this client (by default: it could not take a must-deliver event in time);
         the transport closes it with ``code`` and ``reason``. What was queued is dropped."""
         if not self.killed.is_set():

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import ClassVar, Final
 
-#: Websocket close codes used by the server.
+# Websocket close codes the server sends (PROTOCOL §5). A frame over ``server.max_body_bytes``
+# is closed with 1009 by the websocket library itself.
+#: The client left, or the server ended the stream with nothing wrong.
+WS_CLOSE_NORMAL: Final = 1000
+#: The workspace (or the server) is closing.
 WS_CLOSE_GOING_AWAY: Final = 1001
-WS_CLOSE_PROTOCOL_ERROR: Final = 1002
-WS_CLOSE_POLICY: Final = 1008
-WS_CLOSE_TOO_BIG: Final = 1009
+#: Streams dropped on purpose (the debug route): reconnect with ``since``.
+WS_CLOSE_SERVICE_RESTART: Final = 1012
+#: The client could not take a must-deliver event in time (``too slow``).
 WS_CLOSE_TRY_AGAIN_LATER: Final = 1013
 
 

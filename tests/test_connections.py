@@ -28,7 +28,7 @@ import trio_websocket
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from crush_trio.server import app as app_module
-from crush_trio.server import listener, wsendpoint
+from crush_trio.server import listener, ws_trio
 from crush_trio.server.listener import HEAD_LIMIT, contained
 
 from .conftest import TOKEN, WAIT, Server, running_server
@@ -217,7 +217,7 @@ async def test_an_exception_in_a_connection_closes_it_with_one_warning(
     async def broken_handshake(*args: Any, **kwargs: Any) -> Any:
         raise UnicodeDecodeError("ascii", b"\xff", 0, 1, "a library choked on the handshake")
 
-    monkeypatch.setattr(wsendpoint, "wrap_server_stream", broken_handshake)
+    monkeypatch.setattr(ws_trio, "wrap_server_stream", broken_handshake)
     caplog.set_level(logging.WARNING)
     answer = await exchange(server, upgrade_head(server, b"/v1/workspaces/x/ws"))
     assert answer == b""  # closed, nothing written

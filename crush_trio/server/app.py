@@ -1,16 +1,16 @@
-"""The HTTP application: ``/v1`` routes, authentication, origin checks and the error table.
+"""The HTTP application: the ``/v1`` routes, the error table and the browser client's files.
 
 Routes are thin: parse and validate input with the wire converter, call :class:`Api`, encode the
 result. Every :class:`~crush_trio.errors.CrushError` becomes ``{"message": ...}`` with its status;
-anything else is a 500 whose message says it is a bug. Tokens are compared in constant time and
-never logged (the access log redacts ``token`` after URL-decoding). The ``Host`` allow-list,
-the cross-site and content-type checks of state-changing requests and the per-port cookie name
-live in :mod:`crush_trio.server.security`.
+anything else is a 500 whose message says it is a bug. The token, origin and ``Host`` checks, the
+cross-site and content-type checks of state-changing requests and the per-port cookie name live in
+:mod:`crush_trio.server.security` (tokens are compared in constant time and never logged: the
+access log redacts ``token`` after URL-decoding); the event streams in :mod:`.sse` and
+:mod:`.ws_asgi`.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import re
@@ -19,21 +19,12 @@ from importlib import resources
 from typing import Any, Final
 from urllib.parse import parse_qsl, urlencode
 
-import attrs
-import orjson
 from quart import Response, redirect, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
-from ..backend.registry import Backend
-from ..errors import (
-    BadRequest,
-    CrushError,
-    Forbidden,
-    NotFound,
-    Unauthorized,
-)
+from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge
 from ..wire import (
     AgentMessage,
     ControlRequest,
@@ -45,80 +36,29 @@ from ..wire import (
     UpdateSessionRequest,
 )
 from .api import Api
+from .connection import check_upgrade
 from .security import (
-    HostPolicy,
     check_request_host,
+    check_request_origin,
+    check_request_token,
     check_state_change,
+    parse_seq,
     redact_target,
     token_cookie_name,
 )
-from .streams import serve_sse, serve_websocket
+from .settings import Settings
+from .sse import serve_sse
+from .ws_asgi import serve_asgi_websocket
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("crush_trio.access")
 
 #: Environment variable that enables test-only routes (``/debug/...``); never set in production.
 DEBUG_ROUTES_ENV: Final = "CRUSH_TRIO_DEBUG_ROUTES"
-#: Close code for streams dropped by the debug route ("service restart": reconnect).
-WS_CLOSE_SERVICE_RESTART: Final = 1012
-
-
-@attrs.define
-class Settings:
-    """What the app needs to know about how it is served."""
-
-    token: str
-    allow_origins: list[str] = attrs.field(factory=list)
-    unix: bool = False
-    max_body_bytes: int = 4 * 1024 * 1024
-    sse_ping_interval: float = 15.0
-    #: Host names served (loopback, ``server.allowed_hosts``, ``--allow-host``, the bind address).
-    hosts: HostPolicy = attrs.field(factory=HostPolicy)
-
-
-def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
-    """The token a request carries: bearer header, then ``?token=``, then the cookie of the port
-    the browser used (:func:`~crush_trio.server.security.token_cookie_name`)."""
-    auth = headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return str(auth[7:].strip())
-    if "token" in args:
-        return str(args["token"])
-    cookie = cookies.get(token_cookie_name(headers))
-    return str(cookie) if cookie is not None else None
-
-
-def check_request_token(settings: Settings, headers: Any, args: Any, cookies: Any) -> None:
-    """Raise :class:`Unauthorized` unless the request carries the server's token."""
-    if settings.unix or not settings.token:
-        return
-    given = presented_token(headers, args, cookies)
-    if given is None:
-        raise Unauthorized(
-            "missing token: send 'Authorization: Bearer TOKEN' or add ?token=TOKEN "
-            "(the token is printed by 'crush-trio serve')"
-        )
-    if not hmac.compare_digest(given.encode(), settings.token.encode()):
-        raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
-
-
-def check_request_origin(settings: Settings, headers: Any, scheme: str) -> None:
-    """Raise :class:`Forbidden` for an ``Origin`` that is neither ours nor allowed."""
-    origin = headers.get("Origin")
-    if origin is None:
-        return
-    host = headers.get("Host", "")
-    own = f"{'https' if scheme in ('https', 'wss') else 'http'}://{host}"
-    if origin == own or origin in settings.allow_origins:
-        return
-    raise Forbidden(
-        f"origin {origin!r} is not allowed; connect from {own} or start the server with "
-        f"--allow-origin {origin}"
-    )
 
 
 def json_response(data: Any, status: int = 200) -> Response:
-    body = orjson.dumps(wire.converter.unstructure(data))
+    body = wire.dumps(data)
     return Response(body, status=status, content_type="application/json")
 
 
@@ -129,8 +69,8 @@ def error_response(exc: CrushError) -> Response:
     return response
 
 
-def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None) -> QuartTrio:
-    """Build the ASGI app serving ``backend``.
+def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> QuartTrio:
+    """Build the ASGI app serving ``api``'s backend.
 
     Args:
         on_shutdown: called (synchronously) by ``POST /v1/control`` to stop the server.
@@ -139,16 +79,9 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
-    api = Api(backend)
-    app.extensions["crush_trio"] = {"backend": backend, "api": api, "settings": settings}
+    backend = api.backend
 
     # -- auth, origin, logging ------------------------------------------------------------------
-
-    def check_token(headers: Any, args: Any, cookies: Any) -> None:
-        check_request_token(settings, headers, args, cookies)
-
-    def check_origin(headers: Any, scheme: str) -> None:
-        check_request_origin(settings, headers, scheme)
 
     @app.before_request
     async def _auth() -> Response | None:
@@ -157,9 +90,9 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
             check_request_host(settings, request.headers)
             if request.path == "/v1/health":
                 return None
-            check_token(request.headers, request.args, request.cookies)
+            check_request_token(settings, request.headers, request.args, request.cookies)
             if request.path.endswith("/events"):
-                check_origin(request.headers, request.scheme)
+                check_request_origin(settings, request.headers, request.scheme)
             check_state_change(settings, request.method, request.headers, request.scheme)
         except CrushError as exc:
             response = error_response(exc)
@@ -187,15 +120,12 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
 
     @app.errorhandler(RequestEntityTooLarge)
     async def _too_large(exc: RequestEntityTooLarge) -> Response:
-        response = json_response(
-            {
-                "message": f"request body too large: the limit is {settings.max_body_bytes} "
+        return error_response(
+            TooLarge(
+                f"request body too large: the limit is {settings.max_body_bytes} "
                 "bytes (server.max_body_bytes); send a smaller body"
-            },
-            413,
+            )
         )
-        response.headers["Connection"] = "close"
-        return response
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -382,22 +312,24 @@ def create_app(backend: Backend, settings: Settings, *, on_shutdown: Any = None)
         ws = api.workspace(wid)
         client_id = wire.validate_client_id(request.args.get("client_id"))
         last = request.headers.get("Last-Event-ID") or request.args.get("since")
-        since = _parse_seq(last, "Last-Event-ID")
+        since = parse_seq(last, "Last-Event-ID")
         return await serve_sse(ws, client_id, since, settings)
 
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
-            check_request_host(settings, websocket.headers)
-            check_token(websocket.headers, websocket.args, websocket.cookies)
-            check_origin(websocket.headers, websocket.scheme)
-            ws = api.workspace(wid)
-            client_id = wire.validate_client_id(websocket.args.get("client_id"))
-            since = _parse_seq(websocket.args.get("since"), "since")
-            ws.check_open()
+            ws, client_id, since = check_upgrade(
+                settings,
+                api,
+                wid,
+                websocket.headers,
+                websocket.args,
+                websocket.cookies,
+                websocket.scheme,
+            )
         except CrushError as exc:
             return error_response(exc)
-        await serve_websocket(ws, client_id, since, api, settings)
+        await serve_asgi_websocket(ws, client_id, since, api)
         return None
 
     # -- the browser client ---------------------------------------------------------------------
@@ -467,15 +399,3 @@ def _static(name: str) -> Response:
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "no-referrer"
     return response
-
-
-def _parse_seq(value: str | None, name: str) -> int | None:
-    if value is None or value == "":
-        return None
-    try:
-        seq = int(value)
-    except ValueError:
-        raise BadRequest(f"{name} must be an integer event seq, got {value!r}") from None
-    if seq < 0:
-        raise BadRequest(f"{name} must not be negative")
-    return seq

@@ -4,7 +4,7 @@ Each accepted connection's request head is read first and checked (see :func:`ch
 head that is too long, too slow, malformed, or carries non-ASCII bytes in a header that a library
 decodes later gets its error status here and the connection is closed. An upgrade to the event
 websocket (``GET /v1/workspaces/{wid}/ws`` with ``Upgrade: websocket``) is then served by
-trio-websocket directly (:mod:`crush_trio.server.wsendpoint`); everything else, including websocket
+trio-websocket directly (:mod:`crush_trio.server.ws_trio`); everything else, including websocket
 upgrades arriving on a reused keep-alive connection, goes to hypercorn (:class:`HttpConnection`)
 with the bytes already read put back in front of the stream.
 

@@ -1,21 +1,23 @@
-"""Browser-facing request rules: the ``Host`` allow-list, cross-site checks of state-changing
-requests, the JSON content type, the per-port token cookie and token redaction in logs.
+"""Request rules: the token, the ``Origin`` of event streams, the ``Host`` allow-list, cross-site
+checks of state-changing requests, the JSON content type, the per-port token cookie, token
+redaction in logs, and the ``since``/``Last-Event-ID`` seq.
 
 Every function here is pure (headers in, verdict out) so that both HTTP paths (the quart app and
-the trio-websocket endpoint) apply the same rules.
+the trio-websocket endpoint) apply the same rules. Tokens are compared in constant time.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl, quote, urlencode
 
-from ..errors import Forbidden, MisdirectedRequest, UnsupportedMediaType
+from ..errors import BadRequest, Forbidden, MisdirectedRequest, Unauthorized, UnsupportedMediaType
 
 if TYPE_CHECKING:
-    from .app import Settings
+    from .settings import Settings
 
 #: Host names every server answers to (any port).
 LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -115,6 +117,64 @@ def check_request_host(settings: Settings, headers: Any) -> None:
 def own_origin(headers: Any, scheme: str) -> str:
     """This server's origin as the client sees it: scheme + the ``Host`` header."""
     return f"{'https' if scheme in ('https', 'wss') else 'http'}://{headers.get('Host', '')}"
+
+
+def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
+    """The token a request carries: bearer header, then ``?token=``, then the cookie of the port
+    the browser used (:func:`token_cookie_name`)."""
+    auth = headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return str(auth[7:].strip())
+    if "token" in args:
+        return str(args["token"])
+    cookie = cookies.get(token_cookie_name(headers))
+    return str(cookie) if cookie is not None else None
+
+
+def check_request_token(settings: Settings, headers: Any, args: Any, cookies: Any) -> None:
+    """Raise :class:`Unauthorized` unless the request carries the server's token."""
+    if settings.unix or not settings.token:
+        return
+    given = presented_token(headers, args, cookies)
+    if given is None:
+        raise Unauthorized(
+            "missing token: send 'Authorization: Bearer TOKEN' or add ?token=TOKEN "
+            "(the token is printed by 'crush-trio serve')"
+        )
+    if not hmac.compare_digest(given.encode(), settings.token.encode()):
+        raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
+
+
+def check_request_origin(settings: Settings, headers: Any, scheme: str) -> None:
+    """Raise :class:`Forbidden` for an ``Origin`` that is neither ours nor allowed (event
+    streams: any method)."""
+    origin = headers.get("Origin")
+    if origin is None:
+        return
+    own = own_origin(headers, scheme)
+    if origin == own or origin in settings.allow_origins:
+        return
+    raise Forbidden(
+        f"origin {origin!r} is not allowed; connect from {own} or start the server with "
+        f"--allow-origin {origin}"
+    )
+
+
+def parse_seq(value: str | None, name: str) -> int | None:
+    """The event seq a client resumes after (``since``, ``Last-Event-ID``); ``None`` when absent.
+
+    Raises:
+        BadRequest: not a non-negative integer; the message names ``name``.
+    """
+    if value is None or value == "":
+        return None
+    try:
+        seq = int(value)
+    except ValueError:
+        raise BadRequest(f"{name} must be an integer event seq, got {value!r}") from None
+    if seq < 0:
+        raise BadRequest(f"{name} must not be negative")
+    return seq
 
 
 def check_state_change(settings: Settings, method: str, headers: Any, scheme: str) -> None:

@@ -32,10 +32,12 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from ..tools.sandbox import probe as sandbox_probe
-from .app import Settings, create_app
+from .api import Api
+from .app import create_app
 from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
 from .security import HostPolicy
-from .wsendpoint import serve_event_websocket
+from .settings import Settings
+from .ws_trio import serve_event_websocket
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +169,12 @@ async def serve(
         unix=unix,
         max_body_bytes=server_opts.max_body_bytes,
         sse_ping_interval=server_opts.sse_ping_interval,
+        ws_ping_interval=server_opts.ws_ping_interval,
         hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
     )
     stop = trio.Event()
-    app = create_app(backend, settings, on_shutdown=stop.set)
+    api = Api(backend)
+    app = create_app(api, settings, on_shutdown=stop.set)
     hconfig = HypercornConfig()
     hconfig.accesslog = None
     hconfig.errorlog = logging.getLogger("crush_trio.http")
@@ -189,10 +193,9 @@ async def serve(
             wrapped = wrap_app(ConnectionRules(app), hconfig.wsgi_max_body_size, "asgi")
             ws_handler: WsHandler | None = None
             if server_opts.ws_transport == "trio-websocket" and not unix:
-                api = app.extensions["crush_trio"]["api"]
 
                 async def serve_ws(stream: PrefixedStream) -> None:
-                    await serve_event_websocket(stream, api, settings, server_opts.ws_ping_interval)
+                    await serve_event_websocket(stream, api, settings)
 
                 ws_handler = serve_ws
             # Every transport goes through the dispatcher: head checks and containment.

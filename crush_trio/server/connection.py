@@ -1,0 +1,185 @@
+"""One event-stream connection's lifecycle, the same for every transport.
+
+A transport (:mod:`.ws_trio`, :mod:`.ws_asgi`) checks the upgrade with :func:`check_upgrade`,
+answers it, and hands an :class:`EventSocket` to :func:`serve_connection`, which:
+
+1. subscribes to the workspace's broker, takes the ``hello`` frame in the same tick (so its seq
+   cannot move) and holds the workspace for the client (:func:`subscribed`; SSE does the same);
+2. runs the **writer** (the only task that writes events and replies to the socket: it drains the
+   client's bounded queue, several frames per write where the transport allows, and pings an idle
+   client where the transport asks it to);
+3. runs the **reader** in the handler's task: every text frame is a command
+   (:func:`~.commands.run_command`) whose reply waits for room in the same queue, so a client that
+   floods commands without reading is slowed, then disconnected;
+4. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
+   client (1013 ``too slow``, 1012 ``dropped``), 1001 when the workspace closes, else 1000.
+
+The broker kills a client by cancelling its writer
+(:attr:`~crush_trio.broker.ClientStream.on_kill`), so a client stalled in a cancellable send is cut
+off at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import trio
+
+from .. import __version__, wire
+from ..broker import ClientStream, Event
+from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL
+from .commands import answer_command
+from .security import check_request_host, check_request_origin, check_request_token, parse_seq
+
+if TYPE_CHECKING:
+    from ..backend.workspace import Workspace
+    from .api import Api
+    from .settings import Settings
+
+#: Bound on sending a close frame (or a refusal) to a client (seconds).
+CLOSE_TIMEOUT: Final = 2.0
+#: Close reason when the workspace closes under a connection.
+WORKSPACE_CLOSED: Final = "workspace closed"
+
+
+class PeerGone(Exception):
+    """The client left while the writer was sending; the connection ends quietly."""
+
+
+class EventSocket(Protocol):
+    """What :func:`serve_connection` needs of a websocket transport."""
+
+    #: Most queued frames written in one send (1: one frame per send).
+    max_batch: int
+    #: Idle time after which the writer pings the client (0: the transport pings by itself).
+    ping_interval: float
+
+    async def send_frames(self, frames: Sequence[Event]) -> None:
+        """Send these frames, in order; raise :class:`PeerGone` when the client has left."""
+
+    async def ping(self) -> bool:
+        """Ping the client; ``False`` when no pong came back in time (the connection is dead);
+        raise :class:`PeerGone` when the client has left."""
+
+    async def receive(self) -> str | bytes | None:
+        """The next frame from the client; ``None`` once it has left."""
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close the connection with ``code``; bounded, never raises."""
+
+
+def check_upgrade(
+    settings: Settings,
+    api: Api,
+    wid: str,
+    headers: Any,
+    args: Any,
+    cookies: Any,
+    scheme: str,
+) -> tuple[Workspace, str, int | None]:
+    """Check a websocket upgrade: host, token, origin, workspace, ``client_id``, ``since``.
+
+    Returns ``(workspace, client_id, since)``; raises the :class:`~crush_trio.errors.CrushError`
+    whose status the upgrade is refused with (PROTOCOL §5).
+    """
+    check_request_host(settings, headers)
+    check_request_token(settings, headers, args, cookies)
+    check_request_origin(settings, headers, scheme)
+    ws = api.workspace(wid)
+    client_id = wire.validate_client_id(args.get("client_id"))
+    since = parse_seq(args.get("since"), "since")
+    ws.check_open()
+    return ws, client_id, since
+
+
+@contextmanager
+def subscribed(
+    ws: Workspace, client_id: str, since: int | None
+) -> Iterator[tuple[ClientStream, Event, list[Event]]]:
+    """Subscribe ``client_id`` to the workspace's events and hold the workspace for it.
+
+    Yields ``(stream, hello, first)``: the client's queue, the ``hello`` frame and the frames
+    that resume after ``since``. On the way out the stream is closed and the hold dropped.
+    """
+    stream, first = ws.broker.subscribe(since=since, client_id=client_id)
+    hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
+    ws.attach(client_id)
+    try:
+        yield stream, hello, first
+    finally:
+        stream.close()
+        ws.detach(client_id)
+
+
+def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
+    """The code and reason a finished connection is closed with."""
+    if stream.killed.is_set():
+        return stream.kill_code, stream.kill_reason
+    if ws.closing:
+        return WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED
+    return WS_CLOSE_NORMAL, ""
+
+
+async def serve_connection(
+    sock: EventSocket, ws: Workspace, client_id: str, since: int | None, api: Api
+) -> None:
+    """Serve one accepted websocket until the client leaves, is killed or the workspace closes;
+    then close it (see the module's docstring)."""
+    if ws.closing:  # the workspace began closing while the upgrade was answered
+        await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
+        return
+    with subscribed(ws, client_id, since) as (stream, hello, first):
+        async with trio.open_nursery() as nursery:
+            writer_scope = trio.CancelScope()
+            stream.on_kill = writer_scope.cancel
+
+            async def writer() -> None:
+                with writer_scope:
+                    try:
+                        await write_events(sock, stream, hello, first)
+                    except PeerGone:
+                        pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(writer)
+            while (raw := await sock.receive()) is not None:
+                await answer_command(raw, ws, api, stream, nursery)
+            nursery.cancel_scope.cancel()  # the client left
+    await sock.close(*close_code(stream, ws))
+
+
+async def write_events(
+    sock: EventSocket, stream: ClientStream, hello: Event, first: list[Event]
+) -> None:
+    """The writer: ``hello`` and the resumed frames, then the client's queue until it ends.
+
+    Returns when the queue ends (the client was killed, or the workspace closed after everything
+    queued, the final ``run_complete`` events included, was sent) or a ping got no pong.
+    """
+    await sock.send_frames([hello, *first])
+    first.clear()
+    idle_limit = sock.ping_interval if sock.ping_interval > 0 else float("inf")
+    while True:
+        event: Event | None = None
+        with trio.move_on_after(idle_limit):
+            try:
+                event = await stream.receive.receive()
+            except trio.EndOfChannel:
+                return
+        if event is None:
+            if not await sock.ping():
+                return
+            continue
+        if stream.killed.is_set():
+            return  # disconnected by the broker: close now, skip what is queued
+        # Whatever else is already queued goes out in the same write.
+        frames = [event]
+        while len(frames) < sock.max_batch:
+            try:
+                frames.append(stream.receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        await sock.send_frames(frames)
+        stream.after_receive()

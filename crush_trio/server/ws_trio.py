@@ -1,0 +1,205 @@
+"""The event websocket served by trio-websocket (see :mod:`crush_trio.server.listener`).
+
+Same contract and lifecycle as the quart route (:func:`~.connection.serve_connection`, PROTOCOL §5):
+refusals answer 401/403/400/404 with a JSON body before the upgrade; the first frame is ``hello``;
+commands go over the same socket; close codes 1000/1001/1009/1012/1013.
+
+Tasks per connection: trio-websocket's reader, the writer (the only task that sends events), and
+the handler itself, which runs the commands. Sends here can be cancelled, so the broker cuts a
+stalled client off at once. A writer that has sent nothing for ``server.ws_ping_interval``
+seconds pings the client and closes the connection if no pong comes back within
+:data:`PONG_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from http.cookies import CookieError, SimpleCookie
+from typing import TYPE_CHECKING, Final
+from urllib.parse import parse_qsl, urlsplit
+
+import orjson
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+from werkzeug.datastructures import Headers
+
+from ..broker import Event
+from ..errors import CrushError
+from .connection import CLOSE_TIMEOUT, PeerGone, check_upgrade, serve_connection
+from .listener import PrefixedStream
+
+if TYPE_CHECKING:
+    from .api import Api
+    from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: Commands read ahead of the handler (trio-websocket's inbound queue; backpressure beyond it).
+INBOUND_QUEUE: Final = 4
+#: How long a ping waits for its pong before the connection counts as dead (seconds).
+PONG_TIMEOUT: Final = 10.0
+#: Most queued events written to the socket in one write.
+MAX_FRAMES_PER_WRITE: Final = 64
+#: Bound on the upgrade handshake once the head has arrived (seconds).
+HANDSHAKE_TIMEOUT: Final = 10.0
+
+#: What a write to a client that has left raises.
+_GONE: Final = (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+_HOST: Final = re.compile(rb"(?im)^host:[ \t]*([^\r\n]*)\r?$")
+
+
+class _Request:
+    """The parts of an upgrade request that the checks need, shaped like quart's."""
+
+    def __init__(self, path: str, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        split = urlsplit(path)
+        self.path = split.path
+        self.args = dict(parse_qsl(split.query, keep_blank_values=True))
+        self.headers = Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw_headers])
+        self.cookies: dict[str, str] = {}
+        try:
+            jar = SimpleCookie(self.headers.get("Cookie", ""))
+            self.cookies = {name: morsel.value for name, morsel in jar.items()}
+        except CookieError:
+            pass
+
+
+class SerializedStream(trio.abc.HalfCloseableStream):
+    """The connection's stream with a lock around writes, shared by trio-websocket's own sends
+    (pings, pongs, close) and :meth:`TrioEventSocket.send_frames`.
+
+    trio-websocket has no public way to send bytes already encoded as frames, and encoding each
+    event again for every client is what the broker's shared frames avoid; so the writer writes
+    the stream under the connection directly, and this lock keeps its writes and the library's
+    from interleaving.
+    """
+
+    def __init__(self, stream: PrefixedStream) -> None:
+        self.stream = stream
+        #: The socket stream underneath (as :class:`PrefixedStream` names it).
+        self.transport = stream.transport
+        self.send_lock = trio.StrictFIFOLock()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        async with self.send_lock:
+            await self.stream.send_all(data)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.stream.receive_some(max_bytes)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        async with self.send_lock:
+            await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class TrioEventSocket:
+    """An accepted trio-websocket connection as an :class:`~.connection.EventSocket`."""
+
+    max_batch = MAX_FRAMES_PER_WRITE
+
+    def __init__(
+        self,
+        conn: WebSocketConnection,
+        stream: SerializedStream,
+        *,
+        client_id: str,
+        ping_interval: float,
+    ) -> None:
+        self.conn = conn
+        self.stream = stream
+        self.client_id = client_id
+        self.ping_interval = ping_interval
+
+    async def send_frames(self, frames: Sequence[Event]) -> None:
+        """Write pre-encoded text frames (each event's frame is built once and shared by every
+        client) in one write. Its frames carry no extension (none is negotiated), so the shared
+        bytes are exactly what trio-websocket would send."""
+        if self.conn.closed is not None:  # closing or closed: no data frame after a close frame
+            raise PeerGone
+        data = frames[0].ws_frame if len(frames) == 1 else b"".join(f.ws_frame for f in frames)
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise PeerGone from None
+
+    async def ping(self) -> bool:
+        with trio.move_on_after(PONG_TIMEOUT) as waiting:
+            try:
+                await self.conn.ping()
+            except ConnectionClosed:
+                raise PeerGone from None
+        if waiting.cancelled_caught:
+            log.info("closing websocket of client %s: no pong", self.client_id)
+            return False
+        return True
+
+    async def receive(self) -> str | bytes | None:
+        try:
+            return await self.conn.get_message()
+        except ConnectionClosed:
+            return None  # the client left (or sent an oversized frame: closed with 1009)
+
+    async def close(self, code: int, reason: str) -> None:
+        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+            await self.conn.aclose(code, reason)
+
+
+async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Settings) -> None:
+    """Handle one connection whose head is an upgrade to ``/v1/workspaces/{wid}/ws``."""
+    serialized = SerializedStream(stream)
+    async with trio.open_nursery() as nursery:
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                request = await wrap_server_stream(
+                    nursery,
+                    serialized,
+                    message_queue_size=INBOUND_QUEUE,
+                    max_message_size=settings.max_body_bytes,
+                )
+        except (trio.TooSlowError, ConnectionClosed, trio.BrokenResourceError, OSError):
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+            return
+        req = _Request(request.path, request.headers)
+        if "Host" not in req.headers:  # wsproto keeps Host out of the header list
+            match = _HOST.search(stream.head)
+            if match:
+                req.headers["Host"] = match.group(1).decode("latin-1").strip()
+        try:
+            ws, client_id, since = check_upgrade(
+                settings, api, req.path.split("/")[3], req.headers, req.args, req.cookies, "http"
+            )
+        except CrushError as exc:
+            body = orjson.dumps({"message": exc.message})
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                try:
+                    await request.reject(
+                        exc.status,
+                        extra_headers=[(b"content-type", b"application/json")],
+                        body=body,
+                    )
+                except _GONE:
+                    pass  # the client left while the refusal was written
+            nursery.cancel_scope.cancel()
+            return
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                conn = await request.accept()
+        except (*_GONE, trio.TooSlowError):
+            nursery.cancel_scope.cancel()
+            return  # the client left (or stalled) while the upgrade answer was written
+        sock = TrioEventSocket(
+            conn, serialized, client_id=client_id, ping_interval=settings.ws_ping_interval
+        )
+        await serve_connection(sock, ws, client_id, since, api)
+        nursery.cancel_scope.cancel()
