@@ -21,7 +21,7 @@ import cattrs
 import orjson
 from cattrs.preconf.orjson import make_converter
 
-from .errors import BadRequest
+from .errors import BadRequest, IllegalTransition
 
 T = TypeVar("T")
 
@@ -183,7 +183,7 @@ RUN_TRANSITIONS: Final[dict[RunStatus, frozenset[RunStatus]]] = {
 
 def check_run_transition(run_id: str, old: RunStatus, new: RunStatus) -> None:
     if new not in RUN_TRANSITIONS[old]:
-        raise RuntimeError(f"run {run_id!r} cannot move from {old.value} to {new.value}")
+        raise IllegalTransition(f"run {run_id!r} cannot move from {old.value} to {new.value}")
 
 
 @attrs.define
@@ -433,10 +433,6 @@ converter: Final = _make_converter()
 def dumps(obj: Any) -> bytes:
     """Encode a wire object (or plain data) as JSON bytes."""
     return orjson.dumps(converter.unstructure(obj))
-
-
-def unstructure(obj: Any) -> Any:
-    return converter.unstructure(obj)
 
 
 def parts_to_json(parts: list[Part]) -> str:

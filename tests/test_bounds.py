@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.backend.holds import Holds
+from crush_trio.core.holds import Holds
 from crush_trio.backend.registry import Backend
 from crush_trio.broker import Broker, ClientStream, Event
 from crush_trio.config import ServerOptions

@@ -24,7 +24,7 @@ import trio
 import trio.testing
 
 from crush_trio.agent.runs import save_run
-from crush_trio.backend.holds import Holds, HoldState
+from crush_trio.core.holds import Holds, HoldState
 from crush_trio.backend.registry import Backend
 from crush_trio.client import Event, connect, embedded
 from crush_trio.config import ServerOptions

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from ..config import Config, ServerOptions, load_config
+from ..config import ServerOptions, load_config
 from ..errors import (
     BadRequest,
     ConfigError,
@@ -250,8 +250,3 @@ class Backend:
             ws.request_shutdown()
         for ws in workspaces:
             await ws.closed.wait()
-
-
-def load_server_options(config_file: Path | None, user_config_dir: Path | None = None) -> Config:
-    """The configuration read at start (``--config`` or the user file), validated up front."""
-    return load_config(config_file=config_file, workspace=None, user_config_dir=user_config_dir)

@@ -16,7 +16,6 @@ shield=True)``; close the event streams; close the store.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import logging
 import math
@@ -25,10 +24,13 @@ from typing import Any
 
 import trio
 
-from ..agent.runner import Agent, repair_tool_calls
+from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
 from ..config import Config, ServerOptions
+from ..core.assembler import repair_tool_calls
+from ..core.holds import Holds
+from ..core.lifecycle import WorkspaceState, check_workspace_move
 from ..errors import Conflict
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -48,7 +50,6 @@ from ..wire import (
     now,
 )
 from ..wire import Workspace as WorkspaceInfo
-from .holds import Holds
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +85,6 @@ def _missing_tool_results(history: list[Message]) -> list[Message]:
         pending = {c.id: c.name for c in msg.tool_calls()} if msg.role is Role.ASSISTANT else {}
     flush()
     return made
-
-
-class WorkspaceState(enum.StrEnum):
-    STARTING = "starting"
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-_TRANSITIONS = {
-    WorkspaceState.STARTING: {WorkspaceState.OPEN, WorkspaceState.CLOSING},
-    WorkspaceState.OPEN: {WorkspaceState.CLOSING},
-    WorkspaceState.CLOSING: {WorkspaceState.CLOSED},
-    WorkspaceState.CLOSED: set(),
-}
 
 
 def data_dir_for(path: Path, config: Config, server_data_dir: Path | None) -> Path:
@@ -158,8 +144,7 @@ class Workspace:
         return WorkspaceInfo(self.id, str(self.path), str(self.data_dir))
 
     def _move(self, new: WorkspaceState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"workspace {self.id} cannot move from {self.state} to {new}")
+        check_workspace_move(self.id, self.state, new)
         self.state = new
 
     @property
