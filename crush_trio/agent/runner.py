@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import orjson
 import trio
 
 from .. import wire
@@ -53,13 +52,13 @@ from ..wire import (
     RunComplete,
     RunStatus,
     TextPart,
-    ToolCallPart,
     ToolResultPart,
     new_id,
     now,
 )
 from .runs import RunBook
 from .titles import Titles
+from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 
 if TYPE_CHECKING:
     from ..broker import Broker
@@ -69,10 +68,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CANCELED_MESSAGE: Final = "User canceled request"
-CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
-FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
-#: The same tool call (name and input) this many times in a row ends the turn.
-REPEATED_TOOL_CALL_LIMIT: Final = 5
 
 SYSTEM_PROMPT: Final = (
     "You are a coding agent working in the user's project directory. Use the tools to inspect "
@@ -485,15 +480,11 @@ class Agent:
         msg = progress.assistant
         if msg is None:
             return
-        missing = [c for c in msg.tool_calls() if c.id not in progress.results]
-        if not missing:
+        parts = missing_results(msg, progress.results, cancelled=cancelled)
+        if not parts:
             return
-        content = CANCELED_TOOL_RESULT if cancelled else FAILED_TOOL_RESULT
-        parts: list[wire.Part] = [
-            ToolResultPart(c.id, c.name, content, is_error=True) for c in missing
-        ]
         await self.messages.create(Message(new_id(), msg.session_id, Role.TOOL, parts))
-        progress.results.update(c.id for c in missing)
+        progress.results.update(p.tool_call_id for p in parts if isinstance(p, ToolResultPart))
 
     async def _turn_body(self, progress: _TurnProgress) -> None:
         turn = progress.turn
@@ -516,7 +507,7 @@ class Agent:
 
         options = self.config.options
         max_tokens = model_entry.default_max_tokens
-        last_calls: list[str] = []
+        repeated = RepeatedCalls()
         for _step in range(options.max_steps):
             for prompt in self.state.take_foldable(sid):
                 self._mark_running(prompt)
@@ -542,19 +533,18 @@ class Agent:
             reason = await self._stream_step(provider, request, msg, progress)
             calls = msg.tool_calls()
             if reason is FinishReason.TOOL_USE or calls:
-                signature = orjson.dumps([[c.name, c.input] for c in calls]).decode()
-                last_calls.append(signature)
-                if (
-                    len(last_calls) >= REPEATED_TOOL_CALL_LIMIT
-                    and len(set(last_calls[-REPEATED_TOOL_CALL_LIMIT:])) == 1
-                ):
-                    raise ProviderError(
-                        f"the model repeated the same tool call {REPEATED_TOOL_CALL_LIMIT} "
-                        "times in a row; stopped the turn to avoid a loop"
-                    )
+                repeated.check(calls)
                 try:
-                    await self._run_tools(msg, calls, progress)
-                except _StopTurn:
+                    await run_tools(
+                        tools=self.tools,
+                        messages=self.messages,
+                        msg=msg,
+                        calls=calls,
+                        done=progress.results,
+                        history=progress.history,
+                        save_timeout=self.save_timeout,
+                    )
+                except StopTurn:
                     # A denied permission ends the turn; the tool result says why.
                     msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
                     msg.parts.append(FinishPart(FinishReason.END_TURN))
@@ -620,43 +610,6 @@ class Agent:
         reason = assembler.finish()
         await self.messages.update(msg)
         return reason
-
-    async def _run_tools(
-        self, msg: Message, calls: list[ToolCallPart], progress: _TurnProgress
-    ) -> None:
-        results: list[wire.Part] = []
-        tool_msg = Message(new_id(), msg.session_id, Role.TOOL, results)
-        stop = False
-        try:
-            for call in calls:
-                if stop or self.tools is None:
-                    content = (
-                        "tool call skipped: the turn was stopped"
-                        if stop
-                        else f"no tools are available; cannot run {call.name!r}"
-                    )
-                    results.append(ToolResultPart(call.id, call.name, content, is_error=True))
-                    progress.results.add(call.id)
-                    continue
-                result = await self.tools.call(
-                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
-                )
-                results.append(
-                    ToolResultPart(call.id, call.name, result.content, is_error=result.is_error)
-                )
-                progress.results.add(call.id)
-                stop = stop or bool(getattr(result, "stop_turn", False))
-        finally:
-            if results:
-                with trio.move_on_after(self.save_timeout, shield=True):
-                    await self.messages.create(tool_msg)
-                progress.history.append(tool_msg)
-        if stop:
-            raise _StopTurn()
-
-
-class _StopTurn(Exception):
-    """A tool result asked to end the turn (a permission denial)."""
 
 
 def _error_text(exc: BaseException) -> str:
