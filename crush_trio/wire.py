@@ -430,11 +430,6 @@ def _attrs_unstructure(conv: cattrs.Converter, cls: type[Any]) -> Any:
 converter: Final = _make_converter()
 
 
-def dumps(obj: Any) -> bytes:
-    """Encode a wire object (or plain data) as JSON bytes."""
-    return orjson.dumps(converter.unstructure(obj))
-
-
 def parts_to_json(parts: list[Part]) -> str:
     return orjson.dumps([converter.unstructure(p, Part) for p in parts]).decode()
 
