@@ -29,7 +29,7 @@ from crush_trio.client import (
 from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.testing import CrushServer
-from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, TextPart
+from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, Run, TextPart
 
 from .conftest import (
     WAIT,
@@ -420,14 +420,22 @@ async def test_a_failing_store_cannot_lose_a_run_complete(
     sid = (await ws.create_session()).id
     workspace = crush_server.backend.get(ws.id)
 
-    async def broken_save(run: Any) -> None:
-        raise StoreError("disk on fire")
+    save_runs = workspace.store.save_runs
+    failed: list[str] = []
 
-    workspace.store.save_run = broken_save  # type: ignore[method-assign]
+    async def broken_save(runs: list[Run], prompts: Any = None) -> None:
+        # The new record commits (the prompt is accepted); the run's final save fails.
+        if not failed and any(run.status.terminal for run in runs):
+            failed.extend(run.run_id for run in runs)
+            raise StoreError("disk on fire")
+        await save_runs(runs, prompts)
+
+    workspace.store.save_runs = broken_save  # type: ignore[method-assign]
     handle = await ws.prompt(sid, "still ends", run_id="s1")
     run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED and handle.complete is not None
     assert handle.complete.text == "still ends"
+    assert failed == ["s1"]
     # The workspace survived and keeps serving.
     handle2 = await ws.prompt(sid, "again", run_id="s2")
     assert (await handle2.result(WAIT)).text == "again"

@@ -199,8 +199,3 @@ class RunBook:
                 raise
             except Exception:
                 log.exception("saving run records failed; will retry on the next change")
-
-
-async def save_run(store: Store, run: Run) -> None:
-    """Insert or update one run record."""
-    await store.save_run(run)
