@@ -441,6 +441,36 @@ async def test_a_failing_store_cannot_lose_a_run_complete(
     assert (await handle2.result(WAIT)).text == "again"
 
 
+async def test_a_store_failing_at_close_still_closes_the_workspace(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Regression: the close's last save of run records raised out of the workspace's cleanup,
+    so its store was never closed and ``closed`` never set (the server's shutdown waits on it)."""
+    from crush_trio.errors import StoreError
+
+    ws = crush_workspace
+    gate = Gate()
+    scripted_model.add(Step(text="slow", gate_before=gate))
+    sid = (await ws.create_session()).id
+    await ws.prompt(sid, "x", run_id="z")
+    with trio.fail_after(WAIT):
+        await gate.reached.wait()
+    workspace = crush_server.backend.get(ws.id)
+
+    async def broken_save(runs: list[Run], prompts: Any = None) -> None:
+        raise StoreError("disk on fire")
+
+    async def broken_write(messages: Any) -> set[str]:
+        raise StoreError("disk on fire")
+
+    workspace.store.save_runs = broken_save  # type: ignore[method-assign]
+    workspace.store.write_messages = broken_write  # type: ignore[method-assign]
+    workspace.request_shutdown()
+    with trio.fail_after(WAIT):
+        await workspace.closed.wait()
+    assert workspace.store.closed
+
+
 async def test_the_same_run_id_sent_twice_at_once_is_accepted_once(
     crush_server: CrushServer, crush_workspace: WorkspaceClient
 ) -> None:

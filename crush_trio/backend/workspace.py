@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -235,17 +236,16 @@ class Workspace:
         finally:
             if self.state is not WorkspaceState.CLOSING:
                 self.state = WorkspaceState.CLOSING
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.messages.flush_all()
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.runs.save_now()
+            # Each step is shielded and bounded, and a failing store cannot stop the close: the
+            # records and messages it could not save are ended by the next start's recovery, as
+            # after a kill.
+            await self._close_step("writing messages", self.messages.flush_all, save_timeout)
+            await self._close_step("saving run records", self.runs.save_now, save_timeout)
             self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
-                with trio.move_on_after(save_timeout, shield=True):
-                    await agent.aclose()
+                await self._close_step("closing providers", agent.aclose, save_timeout)
             self.broker.close()
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.store.aclose()
+            await self._close_step("closing the store", self.store.aclose, save_timeout)
             self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
@@ -272,6 +272,15 @@ class Workspace:
             with trio.move_on_at(deadline if deadline is not None else math.inf):
                 await self._changed.wait()
             self._changed = trio.Event()
+
+    async def _close_step(
+        self, what: str, step: Callable[[], Awaitable[None]], within: float
+    ) -> None:
+        with trio.move_on_after(within, shield=True):
+            try:
+                await step()
+            except Exception:
+                log.exception("workspace %s: %s at close failed", self.id, what)
 
     async def _recover_stopped_runs(self) -> None:
         """End what a killed process left behind, before any new prompt is accepted.
