@@ -65,6 +65,7 @@ class Backend:
         #: Retired client id → when it is forgotten; oldest first (the TTL is the same for all).
         self._retired: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.shutting_down = False
+        #: Set when :meth:`running` has ended: every workspace is closed (tests wait on it).
         self.stopped = trio.Event()
         self._nursery: trio.Nursery | None = None
 
