@@ -9,10 +9,11 @@ Ownership: every turn runs in a *session driver* task started in the workspace's
 session's queue is empty. Title generation and dropped-prompt terminals run in the workspace's
 background nursery.
 
-Exactly-once terminals: every accepted run ends through :meth:`Agent._publish_complete`, which publishes
-its ``run_complete`` (must-deliver) only the first time it is called for that run. Whatever ends a
-turn (completion, a provider failure, a cancel, workspace shutdown, a bug) passes through the
-turn's ``finally`` block, whose saves run inside ``trio.move_on_after(save_timeout, shield=True)``.
+Exactly-once terminals: every accepted run ends through :meth:`Agent._publish_complete`, which
+publishes its ``run_complete`` (must-deliver) only the first time it is called for that run.
+Whatever ends a turn (completion, a provider failure, a cancel, workspace shutdown, a bug) passes
+through the turn's ``finally`` block, whose saves run inside
+``trio.move_on_after(save_timeout, shield=True)``.
 """
 
 from __future__ import annotations
