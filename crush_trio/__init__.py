@@ -6,7 +6,8 @@ Layers, from the wire inwards (one module or package each):
 * ``config`` — Crush's ``crush.json`` subset.
 * ``store`` — SQLite per workspace (worker thread) and the debounced message buffer.
 * ``broker`` — sequencing, encode-once, replay, per-client bounded delivery.
-* ``agent`` — run bookkeeping as plain logic (``agent.state``) and the turn runner shell.
+* ``core`` — plain logic without Trio: run bookkeeping, the step assembler, holds, lifecycle.
+* ``agent`` — the turn runner shell, the tool step, titles and run records.
 * ``providers`` — echo, OpenAI-compatible and Anthropic streaming models.
 * ``tools`` — the agent's coding tools; ``permissions`` — who may run them.
 * ``backend`` — workspaces, client holds and the registry that owns their nurseries.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import __version__
-from .errors import ConfigError
+from .errors import ConfigError, unwrap_group
 
 if TYPE_CHECKING:
     from .server.serve import ServeOptions, ServerHandle
@@ -165,13 +165,6 @@ def read_token_file(path: Path) -> str:
             "token on one line"
         )
     return token
-
-
-def unwrap_group(exc: BaseException) -> BaseException:
-    """The single exception inside nested one-member groups (what a user should see)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def main(argv: Sequence[str] | None = None) -> int:

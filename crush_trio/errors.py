@@ -123,3 +123,23 @@ class StoreError(CrushError):
     """The embedded database failed; this is a bug or a broken disk (500)."""
 
     status = 500
+
+
+class IllegalTransition(RuntimeError):
+    """A state machine was asked for a move its table does not allow; always a bug in the
+    caller (agent bookkeeping, run records, workspace lifecycle)."""
+
+
+def unwrap_group(exc: BaseException) -> BaseException:
+    """The single exception inside nested one-member exception groups (what a user should see);
+    a group of several is returned as it is."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def bug_message(exc: BaseException, *, detail: bool = False) -> str:
+    """The text shown for an unexpected exception: its type (and with ``detail`` its message),
+    and that it is a bug to report."""
+    what = f"{type(exc).__name__}: {exc}" if detail else type(exc).__name__
+    return f"internal error ({what}); this is a bug, please report it"

@@ -52,6 +52,7 @@ import trio
 from trio.testing import MockClock
 
 from .client import Client, Timeout, WorkspaceClient, connect
+from .errors import unwrap_group
 from .providers.scripted import Gate, ScriptedModel, Step
 
 if TYPE_CHECKING:
@@ -253,9 +254,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     excinfo = call.excinfo
     if excinfo is None or call.when != "call":
         return report
-    timeout = excinfo.value
-    while isinstance(timeout, BaseExceptionGroup) and len(timeout.exceptions) == 1:
-        timeout = timeout.exceptions[0]
+    timeout = unwrap_group(excinfo.value)
     if not isinstance(timeout, Timeout):
         return report
     funcargs = getattr(item, "funcargs", {})

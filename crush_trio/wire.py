@@ -21,7 +21,7 @@ import cattrs
 import orjson
 from cattrs.preconf.orjson import make_converter
 
-from .errors import BadRequest
+from .errors import BadRequest, IllegalTransition
 
 T = TypeVar("T")
 
@@ -187,7 +187,7 @@ RUN_TRANSITIONS: Final[dict[RunStatus, frozenset[RunStatus]]] = {
 
 def check_run_transition(run_id: str, old: RunStatus, new: RunStatus) -> None:
     if new not in RUN_TRANSITIONS[old]:
-        raise RuntimeError(f"run {run_id!r} cannot move from {old.value} to {new.value}")
+        raise IllegalTransition(f"run {run_id!r} cannot move from {old.value} to {new.value}")
 
 
 @attrs.define
@@ -475,6 +475,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def unstructure(obj: Any) -> Any:
+    """A wire object as plain JSON-ready data (the one converter's view of it)."""
     return converter.unstructure(obj)
 
 

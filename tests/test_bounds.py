@@ -22,10 +22,10 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.backend.holds import Holds
 from crush_trio.backend.registry import Backend
 from crush_trio.broker import Broker, ClientStream, Event
 from crush_trio.config import ServerOptions
+from crush_trio.core.holds import Holds
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
 
 from .conftest import WAIT, running_server

@@ -23,11 +23,10 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.agent.runs import save_run
-from crush_trio.backend.holds import Holds, HoldState
 from crush_trio.backend.registry import Backend
 from crush_trio.client import Event, connect, embedded
 from crush_trio.config import ServerOptions
+from crush_trio.core.holds import Holds, HoldState
 from crush_trio.store import Store
 from crush_trio.wire import FinishReason, Message, Role, Run, RunStatus, Session, TextPart
 
@@ -317,12 +316,15 @@ async def test_runs_left_running_by_a_killed_server_are_marked_failed(tmp_path: 
     store = await Store.open(data_dir)
     session = Session("s-crash", title="t")
     await store.create_session(session)
-    await store.create_message(Message("m-user", "s-crash", Role.USER, [TextPart("hi")]))
-    await store.create_message(
-        Message("m-asst", "s-crash", Role.ASSISTANT, [TextPart("half a rep")])
+    await store.write_messages(
+        [
+            Message("m-user", "s-crash", Role.USER, [TextPart("hi")]),
+            Message("m-asst", "s-crash", Role.ASSISTANT, [TextPart("half a rep")]),
+        ]
     )
-    await save_run(store, Run("crashed", "s-crash", RunStatus.RUNNING))
-    await save_run(store, Run("waiting", "s-crash", RunStatus.QUEUED))
+    await store.save_runs(
+        [Run("crashed", "s-crash", RunStatus.RUNNING), Run("waiting", "s-crash", RunStatus.QUEUED)]
+    )
     await store.aclose()
     async with embedded(serve_options(tmp_path)) as client, client.workspace(project) as ws:
         for run_id in ("crashed", "waiting"):

@@ -50,10 +50,6 @@ class FakeStore:
         self.write_started = trio.Event()
         self.fail: StoreError | None = None
 
-    async def create_message(self, message: Message) -> None:
-        await trio.lowlevel.checkpoint()
-        self.rows[message.id] = message.text()
-
     async def write_messages(self, messages: Iterable[Message]) -> set[str]:
         batch = list(messages)
         self.write_started.set()

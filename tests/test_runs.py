@@ -29,7 +29,7 @@ from crush_trio.client import (
 from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.testing import CrushServer
-from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, TextPart
+from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, Run, TextPart
 
 from .conftest import (
     WAIT,
@@ -420,17 +420,55 @@ async def test_a_failing_store_cannot_lose_a_run_complete(
     sid = (await ws.create_session()).id
     workspace = crush_server.backend.get(ws.id)
 
-    async def broken_save(run: Any) -> None:
-        raise StoreError("disk on fire")
+    save_runs = workspace.store.save_runs
+    failed: list[str] = []
 
-    workspace.store.save_run = broken_save  # type: ignore[method-assign]
+    async def broken_save(runs: list[Run], prompts: Any = None) -> None:
+        # The new record commits (the prompt is accepted); the run's final save fails.
+        if not failed and any(run.status.terminal for run in runs):
+            failed.extend(run.run_id for run in runs)
+            raise StoreError("disk on fire")
+        await save_runs(runs, prompts)
+
+    workspace.store.save_runs = broken_save  # type: ignore[method-assign]
     handle = await ws.prompt(sid, "still ends", run_id="s1")
     run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED and handle.complete is not None
     assert handle.complete.text == "still ends"
+    assert failed == ["s1"]
     # The workspace survived and keeps serving.
     handle2 = await ws.prompt(sid, "again", run_id="s2")
     assert (await handle2.result(WAIT)).text == "again"
+
+
+async def test_a_store_failing_at_close_still_closes_the_workspace(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Regression: the close's last save of run records raised out of the workspace's cleanup,
+    so its store was never closed and ``closed`` never set (the server's shutdown waits on it)."""
+    from crush_trio.errors import StoreError
+
+    ws = crush_workspace
+    gate = Gate()
+    scripted_model.add(Step(text="slow", gate_before=gate))
+    sid = (await ws.create_session()).id
+    await ws.prompt(sid, "x", run_id="z")
+    with trio.fail_after(WAIT):
+        await gate.reached.wait()
+    workspace = crush_server.backend.get(ws.id)
+
+    async def broken_save(runs: list[Run], prompts: Any = None) -> None:
+        raise StoreError("disk on fire")
+
+    async def broken_write(messages: Any) -> set[str]:
+        raise StoreError("disk on fire")
+
+    workspace.store.save_runs = broken_save  # type: ignore[method-assign]
+    workspace.store.write_messages = broken_write  # type: ignore[method-assign]
+    workspace.request_shutdown()
+    with trio.fail_after(WAIT):
+        await workspace.closed.wait()
+    assert workspace.store.closed
 
 
 async def test_the_same_run_id_sent_twice_at_once_is_accepted_once(

@@ -74,7 +74,9 @@ async def test_open_creates_directory_wal_and_schema_version(tmp_path: Path) -> 
 async def test_reopen_keeps_data_and_does_not_rerun_migrations(tmp_path: Path) -> None:
     s = await Store.open(tmp_path / "data")
     await s.create_session(Session(id="s1", title="kept"))
-    await s.create_message(Message(id="m1", session_id="s1", role=Role.USER, parts=[TextPart("x")]))
+    await s.write_messages(
+        [Message(id="m1", session_id="s1", role=Role.USER, parts=[TextPart("x")])]
+    )
     await s.aclose()
 
     s = await Store.open(tmp_path / "data")
@@ -144,7 +146,7 @@ async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: P
         created_at=5,
         updated_at=6,
     )
-    await store.create_message(message)
+    assert await store.write_messages([message]) == {"m"}
     assert await store.get_message("m") == message
     assert await store.get_message("nope") is None
 
@@ -158,21 +160,20 @@ async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: P
 
     message.parts = [TextPart("edited")]
     message.updated_at = 7
-    assert await store.update_message(message) is True
+    assert await store.write_messages([message]) == {"m"}
     got = await store.get_message("m")
     assert got is not None
     assert (got.parts, got.updated_at, got.model) == ([TextPart("edited")], 7, "model-x")
-    assert await store.update_message(Message(id="nope", session_id="s", role=Role.USER)) is False
 
 
 async def test_list_messages_orders_by_created_at_then_insertion(store: Store) -> None:
     await store.create_session(Session(id="s"))
     await store.create_session(Session(id="other"))
     for mid, created in [("c", 50), ("a", 50), ("b", 50), ("early", 10)]:
-        await store.create_message(
-            Message(id=mid, session_id="s", role=Role.USER, created_at=created)
+        await store.write_messages(
+            [Message(id=mid, session_id="s", role=Role.USER, created_at=created)]
         )
-    await store.create_message(Message(id="x", session_id="other", role=Role.USER))
+    await store.write_messages([Message(id="x", session_id="other", role=Role.USER)])
     assert [m.id for m in await store.list_messages("s")] == ["early", "c", "a", "b"]
     assert await store.list_messages("none") == []
 
@@ -181,7 +182,7 @@ async def test_message_count_trigger_on_insert_upsert_and_delete(
     store: Store, tmp_path: Path
 ) -> None:
     await store.create_session(Session(id="s"))
-    await store.create_message(Message(id="m1", session_id="s", role=Role.USER))
+    await store.write_messages([Message(id="m1", session_id="s", role=Role.USER)])
     await store.write_messages(
         [
             Message(id="m1", session_id="s", role=Role.USER, parts=[TextPart("upserted")]),
@@ -208,9 +209,13 @@ async def test_message_count_trigger_on_insert_upsert_and_delete(
 async def test_delete_session_cascades_to_messages_but_not_runs(store: Store) -> None:
     await store.create_session(Session(id="s"))
     await store.create_session(Session(id="keep"))
-    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
-    await store.create_message(Message(id="k", session_id="keep", role=Role.USER))
-    await store.create_run(Run(run_id="r", session_id="s"))
+    await store.write_messages(
+        [
+            Message(id="m", session_id="s", role=Role.USER),
+            Message(id="k", session_id="keep", role=Role.USER),
+        ]
+    )
+    await store.save_runs([Run(run_id="r", session_id="s")])
 
     assert await store.delete_session("s") is True
     assert await store.delete_session("s") is False
@@ -218,7 +223,7 @@ async def test_delete_session_cascades_to_messages_but_not_runs(store: Store) ->
     assert await store.get_message("m") is None
     assert await store.list_messages("s") == []
     assert await store.get_message("k") is not None
-    assert await store.run_exists("r")
+    assert await store.get_run("r") is not None
 
 
 async def test_write_messages_skips_rows_of_a_deleted_session(store: Store) -> None:
@@ -241,21 +246,17 @@ async def test_run_round_trip_update_and_list_by_status(store: Store) -> None:
     r2 = Run(run_id="r2", session_id="s", status=RunStatus.RUNNING, created_at=2)
     r3 = Run(run_id="r3", session_id="t", created_at=3)
     for r in (r1, r2, r3):
-        await store.create_run(r)
+        await store.save_runs([r])
     assert await store.get_run("r2") == r2
     assert await store.get_run("nope") is None
-    assert await store.run_exists("r1")
-    assert not await store.run_exists("nope")
 
     r1.status = RunStatus.COMPLETED
     r1.message_id = "m"
     r1.text = "done"
     r1.finished_at = 9
-    assert await store.update_run(r1) is True
     r3.status = RunStatus.FAILED
     r3.error = "boom"
-    assert await store.update_run(r3) is True
-    assert await store.update_run(Run(run_id="nope", session_id="s")) is False
+    await store.save_runs([r1, r3])
     assert await store.get_run("r1") == r1
 
     active = await store.list_runs({RunStatus.QUEUED, RunStatus.RUNNING})
@@ -270,11 +271,6 @@ async def test_sqlite_errors_become_store_errors(store: Store) -> None:
     with pytest.raises(StoreError, match="creating session 's'") as info:
         await store.create_session(Session(id="s"))
     assert isinstance(info.value.__cause__, sqlite3.IntegrityError)
-    with pytest.raises(StoreError, match="creating message 'm'"):
-        await store.create_message(Message(id="m", session_id="no-such", role=Role.USER))
-    await store.create_run(Run(run_id="r", session_id="s"))
-    with pytest.raises(StoreError, match="creating run 'r'"):
-        await store.create_run(Run(run_id="r", session_id="s"))
 
 
 CLOSED_CALLS: list[Callable[[Store], Awaitable[object]]] = [
@@ -284,17 +280,14 @@ CLOSED_CALLS: list[Callable[[Store], Awaitable[object]]] = [
     lambda s: s.update_session(Session(id="x")),
     lambda s: s.add_session_usage("x", 1, 1, 1.0),
     lambda s: s.delete_session("x"),
-    lambda s: s.create_message(Message(id="m", session_id="x", role=Role.USER)),
-    lambda s: s.update_message(Message(id="m", session_id="x", role=Role.USER)),
     lambda s: s.get_message("m"),
     lambda s: s.list_messages("x"),
     lambda s: s.write_messages([]),
-    lambda s: s.create_run(Run(run_id="r", session_id="x")),
-    lambda s: s.update_run(Run(run_id="r", session_id="x")),
+    lambda s: s.save_runs([Run(run_id="r", session_id="x")]),
+    lambda s: s.get_run_prompt("r"),
     lambda s: s.get_run("r"),
     lambda s: s.list_runs({RunStatus.QUEUED}),
     lambda s: s.list_runs(set()),
-    lambda s: s.run_exists("r"),
 ]
 
 
@@ -324,7 +317,7 @@ async def test_call_waiting_for_its_turn_when_the_store_closes_raises_store_erro
         return real(raw_parts)
 
     await store.create_session(Session(id="s"))
-    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    await store.write_messages([Message(id="m", session_id="s", role=Role.USER)])
     monkeypatch.setattr(db_module, "parts_from_json", blocking)
     errors: list[BaseException] = []
 
@@ -351,7 +344,7 @@ async def test_database_work_runs_in_a_worker_thread(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await store.create_session(Session(id="s"))
-    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    await store.write_messages([Message(id="m", session_id="s", role=Role.USER)])
     seen: list[int] = []
     real = parts_from_json
 
@@ -370,7 +363,7 @@ async def test_event_loop_keeps_running_while_a_database_call_is_busy(
 ) -> None:
     """The worker thread cannot finish until a trio task runs, so a blocked loop would fail."""
     await store.create_session(Session(id="s"))
-    await store.create_message(Message(id="m", session_id="s", role=Role.USER))
+    await store.write_messages([Message(id="m", session_id="s", role=Role.USER)])
     loop_ran = threading.Event()
     real = parts_from_json
 
@@ -449,7 +442,7 @@ async def test_new_session_lists_no_messages_without_a_database_call(
     assert calls == []
 
     await store.write_messages([Message(id="w", session_id="written", role=Role.USER)])
-    await store.create_message(Message(id="c", session_id="fresh", role=Role.USER))
+    await store.write_messages([Message(id="c", session_id="fresh", role=Role.USER)])
     calls.clear()
     assert [m.id for m in await store.list_messages("written")] == ["w"]
     assert [m.id for m in await store.list_messages("fresh")] == ["c"]
@@ -482,7 +475,7 @@ async def test_used_run_ids_are_known_without_a_database_call_and_after_reopenin
     store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await store.create_session(Session(id="s"))
-    await store.save_run(Run(run_id="saved", session_id="s", status=RunStatus.RUNNING))
+    await store.save_runs([Run(run_id="saved", session_id="s", status=RunStatus.RUNNING)])
     await store.save_runs([Run(run_id="batched", session_id="s", status=RunStatus.QUEUED)])
     assert store.may_have_run("saved") and store.may_have_run("batched")
     assert not store.may_have_run(str(uuid.uuid4()))

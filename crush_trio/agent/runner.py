@@ -1,14 +1,19 @@
-"""The agent shell: runs turns that :mod:`crush_trio.agent.state` decides on.
+"""The agent shell: runs turns that :mod:`crush_trio.core.agent_state` decides on.
+
+Provider events are folded into the step's message by the plain-logic
+:class:`~crush_trio.core.assembler.StepAssembler`; this module saves, publishes and runs tools.
+Session titles: :mod:`crush_trio.agent.titles`.
 
 Ownership: every turn runs in a *session driver* task started in the workspace's runs nursery
 (never in a request handler). A driver runs its session's turns one after another until the
 session's queue is empty. Title generation and dropped-prompt terminals run in the workspace's
 background nursery.
 
-Exactly-once terminals: every accepted run ends through :meth:`Agent._complete`, which publishes
-its ``run_complete`` (must-deliver) only the first time it is called for that run. Whatever ends a
-turn (completion, a provider failure, a cancel, workspace shutdown, a bug) passes through the
-turn's ``finally`` block, whose saves run inside ``trio.move_on_after(save_timeout, shield=True)``.
+Exactly-once terminals: every accepted run ends through :meth:`Agent._publish_complete`, which
+publishes its ``run_complete`` (must-deliver) only the first time it is called for that run.
+Whatever ends a turn (completion, a provider failure, a cancel, workspace shutdown, a bug) passes
+through the turn's ``finally`` block, whose saves run inside
+``trio.move_on_after(save_timeout, shield=True)``.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import orjson
 import trio
 
 from .. import wire
 from ..config import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
+from ..core.agent_state import AgentState, CancelOutcome, Prompt, Turn
+from ..core.assembler import StepAssembler, repair_tool_calls
 from ..errors import (
     BadRequest,
     ConfigError,
@@ -32,6 +38,8 @@ from ..errors import (
     ProviderError,
     StoreError,
     TooManyRequests,
+    bug_message,
+    unwrap_group,
 )
 from ..providers import base as pb
 from ..wire import (
@@ -40,19 +48,18 @@ from ..wire import (
     FinishPart,
     FinishReason,
     Message,
-    ReasoningPart,
     Role,
     Run,
     RunComplete,
     RunStatus,
     TextPart,
-    ToolCallPart,
     ToolResultPart,
     new_id,
     now,
 )
 from .runs import RunBook
-from .state import Admission, AgentState, CancelOutcome, Prompt, Turn
+from .titles import Titles
+from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 
 if TYPE_CHECKING:
     from ..broker import Broker
@@ -62,21 +69,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CANCELED_MESSAGE: Final = "User canceled request"
-CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
-FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
-#: The same tool call (name and input) this many times in a row ends the turn.
-REPEATED_TOOL_CALL_LIMIT: Final = 5
-#: Bound on the title request to the small model (seconds).
-TITLE_TIMEOUT: Final = 30.0
-DEFAULT_TITLE: Final = "Untitled Session"
 
 SYSTEM_PROMPT: Final = (
     "You are a coding agent working in the user's project directory. Use the tools to inspect "
     "and change files and to run commands. Be concise."
-)
-TITLE_PROMPT: Final = (
-    "Write a short title (at most eight words, no quotes, no trailing punctuation) for a "
-    "conversation that starts with the user's message."
 )
 
 
@@ -153,6 +149,14 @@ class Agent:
         self.closing = False
         self.max_queued_prompts = max_queued_prompts
         self.max_queued_prompt_bytes = max_queued_prompt_bytes
+        self.titles = Titles(
+            store=store,
+            broker=broker,
+            config=config,
+            provider_for=self._provider,
+            is_busy=self.state.is_busy,
+            save_timeout=save_timeout,
+        )
 
     # -- public operations (called from request handlers: synchronous decisions only) ----------
 
@@ -273,13 +277,15 @@ class Agent:
         self._apply(outcome)
         return True
 
-    def _apply(self, outcome: CancelOutcome) -> None:
+    def _apply(self, outcome: CancelOutcome, nursery: trio.Nursery | None = None) -> None:
+        """Stop the turn a cancel covered and end its dropped prompts (in ``nursery``, by
+        default the background one)."""
         if outcome.turn is not None:
             scope = self._scopes.get(id(outcome.turn))
             if scope is not None:
                 scope.cancel()
         if outcome.dropped:
-            self._bg.start_soon(self._complete_dropped, outcome.dropped)
+            (nursery or self._bg).start_soon(self._complete_dropped, outcome.dropped)
 
     def clear_queue(self, session_id: str) -> None:
         dropped = self.state.clear_queue(session_id)
@@ -293,12 +299,7 @@ class Agent:
         """Refuse new prompts and cancel every session's work (PROTOCOL §6)."""
         self.closing = True
         for outcome in self.state.cancel_all():
-            if outcome.turn is not None:
-                scope = self._scopes.get(id(outcome.turn))
-                if scope is not None:
-                    scope.cancel()
-            if outcome.dropped:
-                self._runs_nursery.start_soon(self._complete_dropped, outcome.dropped)
+            self._apply(outcome, self._runs_nursery)
 
     async def aclose(self) -> None:
         for provider in [*self._providers.values(), *self._replaced_providers]:
@@ -315,10 +316,7 @@ class Agent:
             next_turn, dropped = self.state.finish_turn(turn)
             if next_turn is None:
                 self._publish_busy(turn.session_id)
-            bound = self.save_timeout + self.broker.must_deliver_timeout * len(completes)
-            with trio.move_on_after(bound, shield=True):
-                for complete in completes:
-                    await self._publish_complete(complete)
+            await self._publish_completes(completes)
             if dropped:
                 await self._complete_dropped(dropped)
             turn = next_turn
@@ -340,12 +338,17 @@ class Agent:
                 await self.runs.save_now()
             except Exception:
                 log.exception("saving %d dropped runs failed", len(dropped))
+        await self._publish_completes(completes)
+        if not self.state.busy_sessions():
+            self._on_idle()
+
+    async def _publish_completes(self, completes: list[RunComplete]) -> None:
+        """Publish terminals in a shielded scope bounded by the save timeout plus one
+        must-deliver timeout per terminal."""
         bound = self.save_timeout + self.broker.must_deliver_timeout * len(completes)
         with trio.move_on_after(bound, shield=True):
             for complete in completes:
                 await self._publish_complete(complete)
-        if not self.state.busy_sessions():
-            self._on_idle()
 
     async def _publish_complete(self, complete: RunComplete) -> None:
         if complete.run_id not in self._live:
@@ -386,7 +389,7 @@ class Agent:
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            error = _unwrap(exc)
+            error = unwrap_group(exc)
             if turn.cancelled:
                 cancelled, error = True, None
             elif not isinstance(error, CrushError):
@@ -463,7 +466,7 @@ class Agent:
             if progress.assistant_unsaved:
                 await self.messages.create(msg)
                 progress.assistant_unsaved = False
-            _repair_tool_calls(msg, progress.results, cancelled=cancelled)
+            repair_tool_calls(msg)
             # The turn ended here: whatever finish the step had (tool_use while its tools ran)
             # gives way to the one that says how the turn ended.
             msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
@@ -489,15 +492,11 @@ class Agent:
         msg = progress.assistant
         if msg is None:
             return
-        missing = [c for c in msg.tool_calls() if c.id not in progress.results]
-        if not missing:
+        parts = missing_results(msg, progress.results, cancelled=cancelled)
+        if not parts:
             return
-        content = CANCELED_TOOL_RESULT if cancelled else FAILED_TOOL_RESULT
-        parts: list[wire.Part] = [
-            ToolResultPart(c.id, c.name, content, is_error=True) for c in missing
-        ]
         await self.messages.create(Message(new_id(), msg.session_id, Role.TOOL, parts))
-        progress.results.update(c.id for c in missing)
+        progress.results.update(p.tool_call_id for p in parts if isinstance(p, ToolResultPart))
 
     async def _turn_body(self, progress: _TurnProgress) -> None:
         turn = progress.turn
@@ -515,12 +514,12 @@ class Agent:
         first_prompt = not any(m.role is Role.USER for m in progress.history)
         await self._write_user_message(progress, turn.primary)
         if first_prompt:
-            # _generate_title reads the session and keeps a title the client already set.
-            self._bg.start_soon(self._generate_title, sid, turn.primary.text)
+            # The title reads the session and keeps a title the client already set.
+            self._bg.start_soon(self.titles.generate, sid, turn.primary.text)
 
         options = self.config.options
         max_tokens = model_entry.default_max_tokens
-        last_calls: list[str] = []
+        repeated = RepeatedCalls()
         for _step in range(options.max_steps):
             for prompt in self.state.take_foldable(sid):
                 self._mark_running(prompt)
@@ -546,19 +545,18 @@ class Agent:
             reason = await self._stream_step(provider, request, msg, progress)
             calls = msg.tool_calls()
             if reason is FinishReason.TOOL_USE or calls:
-                signature = orjson.dumps([[c.name, c.input] for c in calls]).decode()
-                last_calls.append(signature)
-                if (
-                    len(last_calls) >= REPEATED_TOOL_CALL_LIMIT
-                    and len(set(last_calls[-REPEATED_TOOL_CALL_LIMIT:])) == 1
-                ):
-                    raise ProviderError(
-                        f"the model repeated the same tool call {REPEATED_TOOL_CALL_LIMIT} "
-                        "times in a row; stopped the turn to avoid a loop"
-                    )
+                repeated.check(calls)
                 try:
-                    await self._run_tools(msg, calls, progress)
-                except _StopTurn:
+                    await run_tools(
+                        tools=self.tools,
+                        messages=self.messages,
+                        msg=msg,
+                        calls=calls,
+                        done=progress.results,
+                        history=progress.history,
+                        save_timeout=self.save_timeout,
+                    )
+                except StopTurn:
                     # A denied permission ends the turn; the tool result says why.
                     msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
                     msg.parts.append(FinishPart(FinishReason.END_TURN))
@@ -601,186 +599,32 @@ class Agent:
         msg: Message,
         progress: _TurnProgress,
     ) -> FinishReason:
-        reason = FinishReason.END_TURN
-        text: TextPart | None = None
-        reasoning: ReasoningPart | None = None
-        calls: dict[str, ToolCallPart] = {}
+        assembler = StepAssembler(msg)
         stream = provider.stream(request)
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for event in stream:
-                match event:
-                    case pb.TextDelta(delta):
-                        if text is None:
-                            text = TextPart("")
-                            msg.parts.append(text)
-                        text.text += delta
-                    case pb.ReasoningDelta(delta):
-                        if reasoning is None:
-                            reasoning = ReasoningPart(started_at=now())
-                            msg.parts.append(reasoning)
-                        reasoning.thinking += delta
-                    case pb.ReasoningDone(signature):
-                        if reasoning is not None:
-                            reasoning.signature = signature
-                            reasoning.finished_at = now()
-                    case pb.ToolCallStart(call_id, name):
-                        calls[call_id] = ToolCallPart(call_id, name)
-                        msg.parts.append(calls[call_id])
-                    case pb.ToolCallDelta(call_id, arguments):
-                        if call_id in calls:
-                            calls[call_id].input += arguments
-                    case pb.ToolCallDone(call_id, name, input_json):
-                        part = calls.get(call_id)
-                        if part is None:
-                            part = calls[call_id] = ToolCallPart(call_id, name)
-                            msg.parts.append(part)
-                        part.input, part.finished = input_json, True
-                    case pb.Usage(prompt_tokens, completion_tokens):
-                        await self.store.add_session_usage(
-                            msg.session_id, prompt_tokens, completion_tokens, 0.0
-                        )
-                        continue
-                    case pb.Retrying(attempt, delay, why):
-                        self.broker.publish(
-                            AgentEvent(
-                                "retry",
-                                session_id=msg.session_id,
-                                run_id=progress.turn.primary.run_id,
-                                message=f"retry {attempt} in {delay:.1f}s: {why}",
-                            ),
-                            EventKind.CREATED,
-                        )
-                        msg.parts = [p for p in msg.parts if isinstance(p, ToolCallPart)]
-                        text = reasoning = None
-                        continue
-                    case pb.Finished(finish_reason):
-                        reason = finish_reason
-                        continue
-                msg.updated_at = now()
-                await self.messages.update(msg)
-        if reason is not FinishReason.TOOL_USE and msg.tool_calls():
-            reason = FinishReason.TOOL_USE
-        msg.parts.append(FinishPart(reason))
-        msg.updated_at = now()
+                if assembler.feed(event):
+                    await self.messages.update(msg)
+                elif isinstance(event, pb.Usage):
+                    await self.store.add_session_usage(
+                        msg.session_id, event.prompt_tokens, event.completion_tokens, 0.0
+                    )
+                elif isinstance(event, pb.Retrying):
+                    self.broker.publish(
+                        AgentEvent(
+                            "retry",
+                            session_id=msg.session_id,
+                            run_id=progress.turn.primary.run_id,
+                            message=f"retry {event.attempt} in {event.delay:.1f}s: {event.reason}",
+                        ),
+                        EventKind.CREATED,
+                    )
+        reason = assembler.finish()
         await self.messages.update(msg)
         return reason
-
-    async def _run_tools(
-        self, msg: Message, calls: list[ToolCallPart], progress: _TurnProgress
-    ) -> None:
-        results: list[wire.Part] = []
-        tool_msg = Message(new_id(), msg.session_id, Role.TOOL, results)
-        stop = False
-        try:
-            for call in calls:
-                if stop or self.tools is None:
-                    content = (
-                        "tool call skipped: the turn was stopped"
-                        if stop
-                        else f"no tools are available; cannot run {call.name!r}"
-                    )
-                    results.append(ToolResultPart(call.id, call.name, content, is_error=True))
-                    progress.results.add(call.id)
-                    continue
-                result = await self.tools.call(
-                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
-                )
-                results.append(
-                    ToolResultPart(call.id, call.name, result.content, is_error=result.is_error)
-                )
-                progress.results.add(call.id)
-                stop = stop or bool(getattr(result, "stop_turn", False))
-        finally:
-            if results:
-                with trio.move_on_after(self.save_timeout, shield=True):
-                    await self.messages.create(tool_msg)
-                progress.history.append(tool_msg)
-        if stop:
-            raise _StopTurn()
-
-    async def _generate_title(self, session_id: str, prompt: str) -> None:
-        """Title a new session with the small model; always saves some title (a title the
-        client already gave the session is kept, and no model call is made)."""
-        session = await self.store.get_session(session_id)
-        if session is None or session.title:
-            return
-        title = ""
-        try:
-            with trio.move_on_after(TITLE_TIMEOUT):
-                name, cfg, entry = self.config.resolve_model("small")
-                provider = self._provider(name, cfg)
-                request = pb.ModelRequest(
-                    model=pb.ModelInfo(entry.id, entry.name, entry.context_window, 64),
-                    system=TITLE_PROMPT,
-                    messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
-                    max_tokens=64,
-                )
-                stream = provider.stream(request)
-                async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                    async for event in stream:
-                        if isinstance(event, pb.TextDelta):
-                            title += event.text
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            log.warning("title generation for session %s failed: %s", session_id, exc)
-        finally:
-            with trio.move_on_after(self.save_timeout, shield=True):
-                await self._save_title(session_id, _clean_title(title) or _fallback_title(prompt))
-
-    async def _save_title(self, session_id: str, title: str) -> None:
-        session = await self.store.get_session(session_id)
-        if session is None or session.title:
-            return
-        max_words = self.config.options.title_max_words
-        session.title = " ".join(title.split()[:max_words]) or DEFAULT_TITLE
-        session.updated_at = now()
-        await self.store.update_session(session)
-        session.is_busy = self.state.is_busy(session_id)
-        self.broker.publish(session, EventKind.UPDATED)
-
-
-class _StopTurn(Exception):
-    """A tool result asked to end the turn (a permission denial)."""
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def _error_text(exc: BaseException) -> str:
     if isinstance(exc, CrushError):
         return exc.message
-    return f"internal error ({type(exc).__name__}: {exc}); this is a bug, please report it"
-
-
-def repair_tool_calls(msg: Message) -> None:
-    """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
-    _repair_tool_calls(msg, set(), cancelled=True)
-
-
-def _repair_tool_calls(msg: Message, results: set[str], *, cancelled: bool) -> None:
-    """Unfinished tool calls are marked finished with input ``{}`` (valid for any provider)."""
-    for call in msg.tool_calls():
-        if not call.finished:
-            call.finished = True
-            call.input = "{}"
-        else:
-            try:
-                orjson.loads(call.input or "{}")
-            except orjson.JSONDecodeError:
-                call.input = "{}"
-
-
-def _clean_title(text: str) -> str:
-    return text.strip().strip("\"'").strip().rstrip(".!?:;")
-
-
-def _fallback_title(prompt: str) -> str:
-    return " ".join(prompt.split()[:8])
-
-
-def admission_status(admission: Admission) -> str:
-    return admission.value
+    return bug_message(exc, detail=True)

@@ -67,7 +67,6 @@ class RunBook:
         #: New runs whose record is not committed yet (their prompt text is held here until then).
         self._inserts: dict[str, _Insert] = {}
         self._wake = trio.Event()
-        self._writes_in_flight = 0
         #: Transactions that saved run records (tests and benchmarks read it).
         self.commits = 0
 
@@ -149,7 +148,6 @@ class RunBook:
             self._dirty.clear()
             inserts = {r.run_id: i for r in batch if (i := self._inserts.get(r.run_id))}
             prompts = {run_id: insert.prompt for run_id, insert in inserts.items()}
-            self._writes_in_flight += 1
             try:
                 await self._store.save_runs(batch, prompts)
             except BaseException as exc:
@@ -165,8 +163,6 @@ class RunBook:
                             insert.error = exc
                             insert.done.set()
                 raise
-            finally:
-                self._writes_in_flight -= 1
             self.commits += 1
             for run_id, insert in inserts.items():
                 if self._inserts.get(run_id) is insert:
@@ -203,8 +199,3 @@ class RunBook:
                 raise
             except Exception:
                 log.exception("saving run records failed; will retry on the next change")
-
-
-async def save_run(store: Store, run: Run) -> None:
-    """Insert or update one run record."""
-    await store.save_run(run)

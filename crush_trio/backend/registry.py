@@ -19,11 +19,9 @@ from typing import Any
 import trio
 
 from ..config import (
-    Config,
     LoadedConfig,
     ServerOptions,
     TrustChange,
-    load_config,
     load_config_report,
     set_workspace_trust,
     user_config_file,
@@ -84,6 +82,7 @@ class Backend:
         #: Retired client id → when it is forgotten; oldest first (the TTL is the same for all).
         self._retired: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.shutting_down = False
+        #: Set when :meth:`running` has ended: every workspace is closed (tests wait on it).
         self.stopped = trio.Event()
         self._nursery: trio.Nursery | None = None
 
@@ -323,11 +322,6 @@ class Backend:
             ws.request_shutdown()
         for ws in workspaces:
             await ws.closed.wait()
-
-
-def load_server_options(config_file: Path | None, user_config_dir: Path | None = None) -> Config:
-    """The configuration read at start (``--config`` or the user file), validated up front."""
-    return load_config(config_file=config_file, workspace=None, user_config_dir=user_config_dir)
 
 
 def _check_data_dir_inside(path: Path, data_dir: Path, configured: str) -> None:

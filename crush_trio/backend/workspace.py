@@ -16,20 +16,22 @@ shield=True)``; close the event streams; close the store.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from ..agent.runner import Agent, repair_tool_calls
+from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
 from ..config import Config, ServerOptions
+from ..core.assembler import repair_tool_calls
+from ..core.holds import Holds
+from ..core.lifecycle import WorkspaceState, check_workspace_move
 from ..errors import Conflict
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -52,7 +54,6 @@ from ..wire import (
     now,
 )
 from ..wire import Workspace as WorkspaceInfo
-from .holds import Holds
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +89,6 @@ def _missing_tool_results(history: list[Message]) -> list[Message]:
         pending = {c.id: c.name for c in msg.tool_calls()} if msg.role is Role.ASSISTANT else {}
     flush()
     return made
-
-
-class WorkspaceState(enum.StrEnum):
-    STARTING = "starting"
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-_TRANSITIONS = {
-    WorkspaceState.STARTING: {WorkspaceState.OPEN, WorkspaceState.CLOSING},
-    WorkspaceState.OPEN: {WorkspaceState.CLOSING},
-    WorkspaceState.CLOSING: {WorkspaceState.CLOSED},
-    WorkspaceState.CLOSED: set(),
-}
 
 
 #: The agent info's sandbox ``reason`` when the config turns the sandbox off.
@@ -200,8 +186,7 @@ class Workspace:
             self.agent.replace_config(config, self._make_tools())
 
     def _move(self, new: WorkspaceState) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise RuntimeError(f"workspace {self.id} cannot move from {self.state} to {new}")
+        check_workspace_move(self.id, self.state, new)
         self.state = new
 
     @property
@@ -293,17 +278,16 @@ class Workspace:
         finally:
             if self.state is not WorkspaceState.CLOSING:
                 self.state = WorkspaceState.CLOSING
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.messages.flush_all()
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.runs.save_now()
+            # Each step is shielded and bounded, and a failing store cannot stop the close: the
+            # records and messages it could not save are ended by the next start's recovery, as
+            # after a kill.
+            await self._close_step("writing messages", self.messages.flush_all, save_timeout)
+            await self._close_step("saving run records", self.runs.save_now, save_timeout)
             self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
-                with trio.move_on_after(save_timeout, shield=True):
-                    await agent.aclose()
+                await self._close_step("closing providers", agent.aclose, save_timeout)
             self.broker.close()
-            with trio.move_on_after(save_timeout, shield=True):
-                await self.store.aclose()
+            await self._close_step("closing the store", self.store.aclose, save_timeout)
             self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
@@ -364,6 +348,15 @@ class Workspace:
             with trio.move_on_at(deadline if deadline is not None else math.inf):
                 await self._changed.wait()
             self._changed = trio.Event()
+
+    async def _close_step(
+        self, what: str, step: Callable[[], Awaitable[None]], within: float
+    ) -> None:
+        with trio.move_on_after(within, shield=True):
+            try:
+                await step()
+            except Exception:
+                log.exception("workspace %s: %s at close failed", self.id, what)
 
     async def _recover_stopped_runs(self) -> None:
         """End what a killed process left behind, before any new prompt is accepted.

@@ -24,7 +24,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
-from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge
+from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
 from ..wire import (
     AgentMessage,
     ControlRequest,
@@ -147,10 +147,7 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             request.method,
             redact_target(request.path, "", settings.token),
         )
-        return json_response(
-            {"message": f"internal error ({type(exc).__name__}); this is a bug, please report it"},
-            500,
-        )
+        return json_response({"message": bug_message(exc)}, 500)
 
     async def body(cls: type[Any]) -> Any:
         raw = await request.get_data(cache=False)

@@ -15,7 +15,7 @@ import trio
 
 from .. import wire
 from ..broker import Event
-from ..errors import BadRequest, CrushError, NotFound
+from ..errors import BadRequest, CrushError, NotFound, bug_message
 from ..wire import (
     AcceptedPrompt,
     AgentMessage,
@@ -112,7 +112,7 @@ async def run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, An
         }
     except Exception as exc:
         log.exception("websocket command failed with a bug")
-        message = f"internal error ({type(exc).__name__}); this is a bug, please report it"
+        message = bug_message(exc)
         if not has_id:
             return {"type": "error", "message": message}
         return {"type": "reply", "id": request_id, "ok": False, "status": 500, "message": message}

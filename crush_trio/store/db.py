@@ -607,39 +607,6 @@ class Store:
 
     # -- messages ------------------------------------------------------------------------------
 
-    async def create_message(self, message: Message) -> None:
-        """Insert a message. Raises StoreError if the id exists or the session does not."""
-        row = _message_row(message)
-        self._empty_sessions.discard(message.session_id)
-
-        def op(conn: sqlite3.Connection) -> None:
-            _transaction(
-                conn,
-                lambda c: c.execute(
-                    f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    row,
-                ),
-            )
-
-        await self._call(f"creating message {message.id!r}", op)
-
-    async def update_message(self, message: Message) -> bool:
-        """Store a message's parts, ``updated_at`` and finish time. False if there is no row."""
-        row = _message_row(message)
-        params = (row[3], row[7], row[8], row[0])
-
-        def op(conn: sqlite3.Connection) -> bool:
-            cur = _transaction(
-                conn,
-                lambda c: c.execute(
-                    "UPDATE messages SET parts = ?, updated_at = ?, finished_at = ? WHERE id = ?",
-                    params,
-                ),
-            )
-            return cur.rowcount > 0
-
-        return await self._call(f"updating message {message.id!r}", op)
-
     async def get_message(self, message_id: str) -> Message | None:
         def op(conn: sqlite3.Connection) -> Message | None:
             row = conn.execute(
@@ -697,21 +664,6 @@ class Store:
 
     # -- runs ----------------------------------------------------------------------------------
 
-    async def create_run(self, run: Run) -> None:
-        """Insert a run record. Raises StoreError if the run id exists."""
-        row = _run_row(run)
-        self._run_ids.add(run.run_id)
-
-        def op(conn: sqlite3.Connection) -> None:
-            _transaction(
-                conn,
-                lambda c: c.execute(
-                    f"INSERT INTO runs ({_RUN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row
-                ),
-            )
-
-        await self._call(f"creating run {run.run_id!r}", op)
-
     async def save_runs(self, runs: list[Run], prompts: Mapping[str, str] | None = None) -> None:
         """Insert or update several run records in one transaction.
 
@@ -737,34 +689,6 @@ class Store:
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
         await self._call(what, op, runs=True)
-
-    async def save_run(self, run: Run) -> None:
-        """Insert or update one run record (an upsert: safe for concurrent savers)."""
-        await self.save_runs([run])
-
-    async def update_run(self, run: Run) -> bool:
-        """Store a run's status, message id, text, error and finish time. False if unknown."""
-        params = (
-            run.status.value,
-            run.message_id,
-            run.text,
-            run.error,
-            run.finished_at,
-            run.run_id,
-        )
-
-        def op(conn: sqlite3.Connection) -> bool:
-            cur = _transaction(
-                conn,
-                lambda c: c.execute(
-                    "UPDATE runs SET status = ?, message_id = ?, text = ?, error = ?, "
-                    "finished_at = ? WHERE run_id = ?",
-                    params,
-                ),
-            )
-            return cur.rowcount > 0
-
-        return await self._call(f"updating run {run.run_id!r}", op)
 
     async def get_run_prompt(self, run_id: str) -> str | None:
         """The prompt text stored with a run, or None when there is no such run."""
@@ -815,10 +739,3 @@ class Store:
             return [_run_from_row(r) for r in rows]
 
         return await self._call(f"listing runs with status {', '.join(values)}", op)
-
-    async def run_exists(self, run_id: str) -> bool:
-        def op(conn: sqlite3.Connection) -> bool:
-            row = conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            return row is not None
-
-        return await self._call(f"looking up run {run_id!r}", op)

@@ -71,8 +71,6 @@ WRITE_RETRY_SECONDS: Final = 1.0
 class MessageStore(Protocol):
     """What the service needs from the database; :class:`~crush_trio.store.db.Store` is one."""
 
-    async def create_message(self, message: Message) -> None: ...
-
     async def write_messages(self, messages: Iterable[Message]) -> set[str]:
         """Upsert in one transaction; skip (and leave out of the result) deleted sessions."""
         ...

@@ -1,7 +1,7 @@
 """The agent's run bookkeeping as plain logic: accept sequence, busy, queue, folding, cancel.
 
 No I/O and no event loop here: inputs in, decisions out, so every rule can be tested directly.
-The shell (``agent/runner.py``) performs what these decisions say.
+The shell (:mod:`crush_trio.agent.runner`) performs what these decisions say.
 
 Rules (PROTOCOL §3 "Agent", docs/protocol.md "Run lifecycle"):
 
@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import attrs
+
+from ..errors import IllegalTransition
 
 
 class Admission(enum.StrEnum):
@@ -112,10 +114,6 @@ class _Session:
         return self.active is None and not self.queue
 
 
-class IllegalTransition(RuntimeError):
-    """A move the rules above do not allow; always a bug in the caller."""
-
-
 class AgentState:
     """Run bookkeeping for every session of one workspace."""
 
@@ -140,10 +138,6 @@ class AgentState:
         state = self._sessions.get(session_id)
         return state is not None and state.active is not None
 
-    def active_turn(self, session_id: str) -> Turn | None:
-        state = self._sessions.get(session_id)
-        return state.active if state else None
-
     def queued(self, session_id: str) -> list[Prompt]:
         state = self._sessions.get(session_id)
         return list(state.queue) if state else []
@@ -167,12 +161,6 @@ class AgentState:
             (len(s.active.prompts) if s.active else 0) + len(s.queue)
             for s in self._sessions.values()
         )
-
-    def all_prompts(self) -> Iterator[Prompt]:
-        for state in self._sessions.values():
-            if state.active:
-                yield from state.active.prompts
-            yield from state.queue
 
     # -- transitions ----------------------------------------------------------------------------
 
@@ -257,11 +245,6 @@ class AgentState:
             return None, dropped
         state.active = Turn(turn.session_id, state.queue.popleft())
         return state.active, dropped
-
-    def drop_session(self, session_id: str) -> CancelOutcome:
-        """The session is being deleted: cancel everything it has."""
-        outcome = self.cancel(session_id)
-        return outcome
 
     def cancel_all(self) -> list[CancelOutcome]:
         """Workspace shutdown: cancel every session's work."""

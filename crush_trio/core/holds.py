@@ -22,11 +22,22 @@ import heapq
 
 import attrs
 
+from ..errors import IllegalTransition
+
 
 class HoldState(enum.StrEnum):
     PENDING = "pending"
     ATTACHED = "attached"
     DETACHED = "detached"
+
+
+#: Allowed phase moves of one client's hold (a second stream keeps it attached; a hold leaves
+#: the table by being dropped: expired, released, or detached with no detach grace).
+HOLD_TRANSITIONS: dict[HoldState, frozenset[HoldState]] = {
+    HoldState.PENDING: frozenset({HoldState.ATTACHED}),
+    HoldState.ATTACHED: frozenset({HoldState.ATTACHED, HoldState.DETACHED}),
+    HoldState.DETACHED: frozenset({HoldState.ATTACHED}),
+}
 
 
 @attrs.define
@@ -36,6 +47,13 @@ class ClientHold:
     deadline: float | None = None
     released: bool = False
     phase: HoldState = HoldState.PENDING
+
+    def move(self, new: HoldState) -> None:
+        if new not in HOLD_TRANSITIONS[self.phase]:
+            raise IllegalTransition(
+                f"hold of client {self.client_id!r} cannot move from {self.phase} to {new}"
+            )
+        self.phase = new
 
 
 class Holds:
@@ -86,20 +104,20 @@ class Holds:
         hold = self.clients.setdefault(client_id, ClientHold(client_id))
         hold.streams += 1
         hold.deadline = None
-        hold.phase = HoldState.ATTACHED
+        hold.move(HoldState.ATTACHED)
 
     def detach(self, client_id: str, now: float) -> None:
         """A stream of the client closed; the last one starts the detach grace."""
         hold = self.clients.get(client_id)
-        if hold is None:
-            return
-        hold.streams = max(0, hold.streams - 1)
+        if hold is None or hold.streams == 0:
+            return  # no stream of this client is open (a detach without an attach)
+        hold.streams -= 1
         if hold.streams == 0:
             if hold.released or self.detach_grace <= 0:
                 del self.clients[client_id]
             else:
                 self._set_deadline(hold, now + self.detach_grace)
-                hold.phase = HoldState.DETACHED
+                hold.move(HoldState.DETACHED)
 
     def release(self, client_id: str) -> bool:
         """The client let go. Returns False when it held nothing here."""

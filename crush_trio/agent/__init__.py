@@ -1,0 +1,1 @@
+"""The agent shell: the turn runner, run records and session titles."""

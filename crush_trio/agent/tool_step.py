@@ -1,0 +1,109 @@
+"""The tool step of a turn: run the tool calls of an assistant message and save their results.
+
+Every tool call of a saved assistant message gets a result, whatever ends the turn: the calls
+run in order and their results are saved together in one tool message (in a shielded,
+time-bounded scope, so a cancel between two calls still saves the results so far); calls a turn
+left without a result get :func:`missing_results` in the turn's final save. A result that asks to
+stop the turn (a permission denial) skips the remaining calls and raises :class:`StopTurn`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+import orjson
+import trio
+
+from ..errors import ProviderError
+from ..wire import Message, Part, Role, ToolCallPart, ToolResultPart, new_id
+
+if TYPE_CHECKING:
+    from ..store import MessageService
+
+CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
+FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
+#: The same tool call (name and input) this many times in a row ends the turn.
+REPEATED_TOOL_CALL_LIMIT: Final = 5
+
+
+class StopTurn(Exception):
+    """A tool result asked to end the turn (a permission denial)."""
+
+
+@attrs.define
+class RepeatedCalls:
+    """Ends a turn whose model asks for the same tool calls step after step."""
+
+    limit: int = REPEATED_TOOL_CALL_LIMIT
+    _seen: list[str] = attrs.field(factory=list)
+
+    def check(self, calls: list[ToolCallPart]) -> None:
+        """Record a step's calls.
+
+        Raises:
+            ProviderError: the last ``limit`` steps asked for the same calls.
+        """
+        self._seen.append(orjson.dumps([[c.name, c.input] for c in calls]).decode())
+        if len(self._seen) >= self.limit and len(set(self._seen[-self.limit :])) == 1:
+            raise ProviderError(
+                f"the model repeated the same tool call {self.limit} times in a row; stopped "
+                "the turn to avoid a loop"
+            )
+
+
+def missing_results(msg: Message, done: set[str], *, cancelled: bool) -> list[Part]:
+    """Error results for the message's tool calls that have none (ids not in ``done``)."""
+    content = CANCELED_TOOL_RESULT if cancelled else FAILED_TOOL_RESULT
+    return [
+        ToolResultPart(c.id, c.name, content, is_error=True)
+        for c in msg.tool_calls()
+        if c.id not in done
+    ]
+
+
+async def run_tools(
+    *,
+    tools: Any,
+    messages: MessageService,
+    msg: Message,
+    calls: list[ToolCallPart],
+    done: set[str],
+    history: list[Message],
+    save_timeout: float,
+) -> None:
+    """Run ``calls`` of ``msg`` with ``tools`` (None: none available) and save their results;
+    each call's id is added to ``done`` and the tool message to ``history``.
+
+    Raises:
+        StopTurn: a result asked to end the turn (the calls after it are skipped).
+    """
+    results: list[Part] = []
+    tool_msg = Message(new_id(), msg.session_id, Role.TOOL, results)
+    stop = False
+    try:
+        for call in calls:
+            if stop or tools is None:
+                content = (
+                    "tool call skipped: the turn was stopped"
+                    if stop
+                    else f"no tools are available; cannot run {call.name!r}"
+                )
+                results.append(ToolResultPart(call.id, call.name, content, is_error=True))
+                done.add(call.id)
+                continue
+            result = await tools.call(
+                call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
+            )
+            results.append(
+                ToolResultPart(call.id, call.name, result.content, is_error=result.is_error)
+            )
+            done.add(call.id)
+            stop = stop or bool(getattr(result, "stop_turn", False))
+    finally:
+        if results:
+            with trio.move_on_after(save_timeout, shield=True):
+                await messages.create(tool_msg)
+            history.append(tool_msg)
+    if stop:
+        raise StopTurn()

@@ -1,0 +1,1 @@
+"""The workspace registry and each workspace's services and lifecycle."""

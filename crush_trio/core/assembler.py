@@ -1,0 +1,103 @@
+"""Folding a model step's provider events into its assistant message, as plain logic.
+
+No I/O and no event loop: :class:`StepAssembler` takes the events of one provider stream
+(:mod:`crush_trio.providers.base`) and changes the message in place; the shell
+(:mod:`crush_trio.agent.runner`) saves and publishes the message when :meth:`StepAssembler.feed`
+says it changed, and performs the side effects of the events that do not touch the message
+(usage is added to the session, a retry is announced).
+
+Rules:
+
+* text deltas grow one text part, reasoning deltas one reasoning part (each made at its first
+  delta, in the order the parts started); ``ReasoningDone`` stamps the signature and end time;
+* a tool call part is made at ``ToolCallStart`` (or at ``ToolCallDone`` for a call that never
+  announced its start), grows with its argument deltas and is marked finished by ``ToolCallDone``;
+* ``Retrying`` (the provider starts the step again) drops the text and reasoning streamed so far,
+  keeping the tool call parts; the next change saves the reset message;
+* ``Finished`` records the finish reason; :meth:`StepAssembler.finish` appends it as a finish
+  part, turned into ``tool_use`` when the message holds tool calls.
+"""
+
+from __future__ import annotations
+
+import attrs
+import orjson
+
+from ..providers import base as pb
+from ..wire import FinishPart, FinishReason, Message, ReasoningPart, TextPart, ToolCallPart, now
+
+
+@attrs.define
+class StepAssembler:
+    """The assistant message of one model step, built from the step's provider events."""
+
+    msg: Message
+    reason: FinishReason = FinishReason.END_TURN
+    _text: TextPart | None = None
+    _reasoning: ReasoningPart | None = None
+    _calls: dict[str, ToolCallPart] = attrs.field(factory=dict)
+
+    def feed(self, event: pb.StreamEvent) -> bool:
+        """Fold one event into the message. True: the message changed and should be saved
+        (its ``updated_at`` is set); False for ``Usage``, ``Retrying`` and ``Finished``."""
+        msg = self.msg
+        match event:
+            case pb.TextDelta(delta):
+                if self._text is None:
+                    self._text = TextPart("")
+                    msg.parts.append(self._text)
+                self._text.text += delta
+            case pb.ReasoningDelta(delta):
+                if self._reasoning is None:
+                    self._reasoning = ReasoningPart(started_at=now())
+                    msg.parts.append(self._reasoning)
+                self._reasoning.thinking += delta
+            case pb.ReasoningDone(signature):
+                if self._reasoning is not None:
+                    self._reasoning.signature = signature
+                    self._reasoning.finished_at = now()
+            case pb.ToolCallStart(call_id, name):
+                self._calls[call_id] = ToolCallPart(call_id, name)
+                msg.parts.append(self._calls[call_id])
+            case pb.ToolCallDelta(call_id, arguments):
+                if call_id in self._calls:
+                    self._calls[call_id].input += arguments
+            case pb.ToolCallDone(call_id, name, input_json):
+                part = self._calls.get(call_id)
+                if part is None:
+                    part = self._calls[call_id] = ToolCallPart(call_id, name)
+                    msg.parts.append(part)
+                part.input, part.finished = input_json, True
+            case pb.Usage():
+                return False
+            case pb.Retrying():
+                msg.parts = [p for p in msg.parts if isinstance(p, ToolCallPart)]
+                self._text = self._reasoning = None
+                return False
+            case pb.Finished(finish_reason):
+                self.reason = finish_reason
+                return False
+        msg.updated_at = now()
+        return True
+
+    def finish(self) -> FinishReason:
+        """The stream ended: append the finish part and return the step's finish reason."""
+        if self.reason is not FinishReason.TOOL_USE and self.msg.tool_calls():
+            self.reason = FinishReason.TOOL_USE
+        self.msg.parts.append(FinishPart(self.reason))
+        self.msg.updated_at = now()
+        return self.reason
+
+
+def repair_tool_calls(msg: Message) -> None:
+    """Make the message's tool calls valid for any provider: an unfinished call, or one whose
+    input is not JSON, is marked finished with input ``{}``."""
+    for call in msg.tool_calls():
+        if not call.finished:
+            call.finished = True
+            call.input = "{}"
+        else:
+            try:
+                orjson.loads(call.input or "{}")
+            except orjson.JSONDecodeError:
+                call.input = "{}"
