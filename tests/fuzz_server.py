@@ -6,9 +6,9 @@ request can release it), and prints one JSON line: ``{"url", "token", "wid", "pi
 
 It then answers commands, one JSON object per line on stdin, with one JSON line on stdout:
 
-``{"cmd": "settle"}``
-    Waits until no task of the server has run for a moment, then reports the number of live
-    tasks (the baseline of an idle server).
+``{"cmd": "settle", "timeout": T}``
+    Waits until no task of the server has run for a moment and no worker thread runs (or ``T``
+    seconds), then reports the number of live tasks (the baseline of an idle server).
 ``{"cmd": "quiesce", "max_tasks": N, "timeout": T}``
     Waits until at most ``N`` tasks are alive, or ``T`` seconds. Reports ``tasks``, ``ok``, and
     when not ok, ``tree``: every live task with where it waits. Collects garbage first, so that
@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -86,6 +87,46 @@ def task_tree() -> list[str]:
     return lines
 
 
+def _owners(obj: object, depth: int = 4, mine: set[int] | None = None) -> list[str]:
+    """Chains of the objects that refer to ``obj`` (innermost first), ``depth`` levels up."""
+    mine = set() if mine is None else mine
+    if depth == 0:
+        return []
+    refs = gc.get_referrers(obj)
+    mine.add(id(refs))
+    chains: list[str] = []
+    for ref in refs:
+        if id(ref) in mine or (isinstance(ref, list) and len(ref) > 1000):
+            continue
+        if type(ref).__name__ == "frame":
+            code = ref.f_code
+            chains.append(f"frame {code.co_name}@{Path(code.co_filename).name}:{ref.f_lineno}")
+            continue
+        above = [] if isinstance(ref, type) else _owners(ref, depth - 1, mine)
+        name = type(ref).__qualname__
+        if above:
+            chains.extend(f"{name} < {a}" for a in above[:3])
+        else:
+            chains.append(name)
+    return chains[:6]
+
+
+def open_sockets() -> list[str]:
+    """Every open socket object of the process, with what refers to it."""
+    found = []
+    objects = gc.get_objects()
+    for obj in objects:
+        if isinstance(obj, socket.socket) and obj.fileno() >= 0:
+            try:
+                peer = obj.getpeername()
+            except OSError:
+                peer = None
+            found.append(
+                f"fd {obj.fileno()} {obj.getsockname()} -> {peer} held by {_owners(obj, mine={id(objects), id(found)})}"
+            )
+    return found
+
+
 async def commands(counter: TaskCounter, handle: ServerHandle) -> None:
     stdin = trio.lowlevel.FdStream(os.dup(0))
     buffer = b""
@@ -100,17 +141,25 @@ async def commands(counter: TaskCounter, handle: ServerHandle) -> None:
             request = json.loads(line)
             reply: dict[str, Any] = {}
             if request["cmd"] == "settle":
-                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                # Idle means every task blocked and no worker thread running (the start-up's
+                # SSL warm-up runs in one for a while): a transient task in the baseline would
+                # hide a leaked one later.
+                with trio.move_on_after(request["timeout"]):
+                    while True:
+                        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                        if not any(t.name == "trio.to_thread.run_sync" for t in _all_tasks()):
+                            break
+                        counter.changed = trio.Event()
+                        await counter.changed.wait()
                 gc.collect()
-                reply = {"tasks": counter.live}
+                reply = {"tasks": counter.live, "tree": task_tree()}
             elif request["cmd"] == "quiesce":
                 with trio.move_on_after(request["timeout"]):
                     await counter.wait_at_most(request["max_tasks"])
                 gc.collect()
                 ok = counter.live <= request["max_tasks"]
-                reply = {"tasks": counter.live, "ok": ok}
-                if not ok:
-                    reply["tree"] = task_tree()
+                reply = {"tasks": counter.live, "ok": ok, "sockets": open_sockets()}
+                reply["tree"] = task_tree()
             print(json.dumps(reply), flush=True)
 
 
