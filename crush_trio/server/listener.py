@@ -1,41 +1,75 @@
 """One address for HTTP and the event websocket: a connection dispatcher in front of hypercorn.
 
-Each accepted connection's request head is read first. An upgrade to the event websocket
-(``GET /v1/workspaces/{wid}/ws`` with ``Upgrade: websocket``) is served by trio-websocket
-directly (:mod:`crush_trio.server.wsendpoint`); everything else, including websocket upgrades
-arriving on a reused keep-alive connection, goes to hypercorn with the bytes already read put back
-in front of the stream.
+Each accepted connection's request head is read first and checked (see :func:`check_head`): a
+head that is too long, too slow, malformed, or carries non-ASCII bytes in a header that a library
+decodes later gets its error status here and the connection is closed. An upgrade to the event
+websocket (``GET /v1/workspaces/{wid}/ws`` with ``Upgrade: websocket``) is then served by
+trio-websocket directly (:mod:`crush_trio.server.wsendpoint`); everything else, including websocket
+upgrades arriving on a reused keep-alive connection, goes to hypercorn (:class:`HttpConnection`)
+with the bytes already read put back in front of the stream.
 
-Why: hypercorn's websocket send path costs about three times the CPU per message of a bare
-trio-websocket server, keeps five tasks per idle connection, and writes inside a shielded scope
-that no timeout can interrupt (docs/performance.md). trio-websocket's sends are cancellable, so a
-stalled client can be cut off by the broker at once.
+Every connection runs inside :func:`contained`: whatever a peer sends, an exception ends that
+connection only, with one log line.
+
+Why trio-websocket for the event websocket: hypercorn's websocket send path costs about three
+times the CPU per message of a bare trio-websocket server, keeps five tasks per idle connection,
+and writes inside a shielded scope that no timeout can interrupt (docs/performance.md).
+trio-websocket's sends are cancellable, so a stalled client can be cut off by the broker at once.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Final
 
+import h11
+import orjson
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, RawData
 from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
+from trio_websocket import ConnectionClosed
 
 log = logging.getLogger(__name__)
 
-#: Longest request head read before dispatching (bytes) and how long a client may take to send it.
+#: Longest request head read before dispatching (bytes); a longer head is answered 431.
 HEAD_LIMIT: Final = 16 * 1024
+#: How long a client may take to send its first request head (seconds); then 408.
 HEAD_TIMEOUT: Final = 10.0
+#: After the server has answered and sent EOF, how long it keeps reading (and discarding) what
+#: the client still sends before closing the socket (seconds) ...
+LINGER_TIMEOUT: Final = 2.0
+#: ... and at most how many bytes it discards (a request body the answer made moot).
+LINGER_BYTES: Final = 64 * 1024 * 1024
+#: Bound on writing an error answer of the dispatcher, or the last bytes before a close (seconds).
+SEND_TIMEOUT: Final = 2.0
 
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
+_WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
 _UPGRADE: Final = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
+#: Method, target (visible ASCII) and version of a request line.
+_REQUEST_LINE: Final = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+ [\x21-\x7e]+ HTTP/\d\.\d$")
+#: Headers whose values wsproto, h11 or the app decode as ASCII/IDNA: printable ASCII only.
+_CHECKED_HEADERS: Final = re.compile(rb"^(host|connection|upgrade|sec-websocket-[a-z0-9-]+)$", re.I)
+_PRINTABLE: Final = re.compile(rb"^[\t\x20-\x7e]*$")
+
+
+class HeadError(Exception):
+    """A request head the dispatcher answers itself (400, 408 or 431) before closing."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 def clear_user_timeout(sock: Any) -> None:
@@ -55,13 +89,20 @@ def clear_user_timeout(sock: Any) -> None:
 
 
 class PrefixedStream(trio.abc.HalfCloseableStream):
-    """A socket stream with bytes already read put back in front of it."""
+    """A socket stream with bytes already read put back in front of it.
+
+    An EOF or a close waits for a write in progress (a close at most :data:`SEND_TIMEOUT`)
+    instead of failing with ``BusyResourceError`` or cutting the write in the middle. Writes
+    themselves are serialized by their callers (hypercorn's and trio-websocket's send locks), so
+    the write path costs no extra lock.
+    """
 
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
         self.transport = stream
         self.socket = stream.socket
         self._prefix = prefix
         self.head = prefix  # the request head as read (the websocket endpoint reads Host from it)
+        self._writing: trio.Event | None = None
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._prefix:
@@ -72,28 +113,371 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         return await self.transport.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.transport.send_all(data)
+        await self._write_done()  # returns at once unless an EOF is being sent
+        self._writing = writing = trio.Event()
+        try:
+            await self.transport.send_all(data)
+        finally:
+            self._writing = None
+            writing.set()
+
+    async def _write_done(self) -> None:
+        while self._writing is not None:
+            await self._writing.wait()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        await self.transport.send_eof()
+        await self._write_done()
+        self._writing = writing = trio.Event()
+        try:
+            await self.transport.send_eof()
+        finally:
+            self._writing = None
+            writing.set()
 
     async def aclose(self) -> None:
-        await self.transport.aclose()
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(SEND_TIMEOUT):
+                await self._write_done()
+            await self.transport.aclose()
 
 
-async def read_head(stream: trio.SocketStream) -> bytes:
-    """Read until the end of the request head (or the limit, EOF, or the timeout)."""
+async def read_head(stream: trio.abc.ReceiveStream) -> bytes:
+    """Read until the end of the first request head.
+
+    Returns the bytes read (the head and whatever followed it in the same reads), or ``b""`` when
+    the client closed before sending anything.
+
+    Raises:
+        HeadError: 431 past :data:`HEAD_LIMIT`, 408 after :data:`HEAD_TIMEOUT`. A head cut
+            short by EOF is no error: the client is gone, and ``b""`` is returned.
+    """
     data = b""
-    with trio.move_on_after(HEAD_TIMEOUT):
-        while b"\r\n\r\n" not in data and len(data) < HEAD_LIMIT:
+    with trio.move_on_after(HEAD_TIMEOUT) as waiting:
+        while b"\r\n\r\n" not in data:
+            if len(data) >= HEAD_LIMIT:
+                raise HeadError(
+                    431,
+                    f"request head longer than {HEAD_LIMIT} bytes (HEAD_LIMIT); "
+                    "send fewer or shorter headers",
+                )
             chunk = await stream.receive_some(HEAD_LIMIT)
             if not chunk:
-                break
+                return b""
             data += chunk
+    if waiting.cancelled_caught:
+        raise HeadError(
+            408,
+            f"request head not complete within {HEAD_TIMEOUT:g} s (HEAD_TIMEOUT); "
+            "send the whole head at once",
+        )
+    if data.find(b"\r\n\r\n") + 4 > HEAD_LIMIT:
+        raise HeadError(
+            431,
+            f"request head longer than {HEAD_LIMIT} bytes (HEAD_LIMIT); "
+            "send fewer or shorter headers",
+        )
     return data
+
+
+def check_head(data: bytes) -> None:
+    """Check a complete head before any library decodes it.
+
+    Raises:
+        HeadError: 400 when the request line is malformed, or a header breaks the rules of
+            :func:`check_headers`.
+    """
+    lines = data[: data.find(b"\r\n\r\n")].split(b"\r\n")
+    if not _REQUEST_LINE.match(lines[0]):
+        raise HeadError(
+            400,
+            "malformed request line; send 'METHOD /path HTTP/1.1' in printable ASCII",
+        )
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers.append((name.strip(), value))
+    check_headers(headers)
+
+
+def check_headers(headers: Iterable[tuple[bytes, bytes]]) -> None:
+    """Check the headers that libraries decode as ASCII (see :func:`check_head`).
+
+    Raises:
+        HeadError: 400 naming the first of ``Host``, ``Connection``, ``Upgrade`` or
+            ``Sec-WebSocket-*`` that holds bytes other than printable ASCII, or a ``Host`` that
+            is not a valid host name.
+    """
+    for name, value in headers:
+        if not _CHECKED_HEADERS.match(name):
+            continue
+        shown = name.decode("ascii", "replace")
+        if not _PRINTABLE.match(value):
+            raise HeadError(
+                400,
+                f"header {shown} holds bytes that are not printable ASCII; "
+                "send it in ASCII (IDNA-encode host names)",
+            )
+        if name.lower() == b"host":
+            try:  # what the URL router does with it
+                value.strip().decode("ascii").lower().encode("idna")
+            except UnicodeError:
+                raise HeadError(
+                    400,
+                    f"header {shown} is not a valid host name (a label is empty or longer than "
+                    "63 characters); send HOST[:PORT]",
+                ) from None
+
+
+async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -> None:
+    """Write the dispatcher's own error answer (the connection is closed afterwards)."""
+    body = orjson.dumps({"message": error.message})
+    reason = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+    head = (
+        f"HTTP/1.1 {error.status} {reason.get(error.status, '')}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode()
+    with trio.move_on_after(SEND_TIMEOUT):
+        try:
+            await stream.send_all(head + body)
+            await stream.send_eof()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+    await discard_until_eof(stream)
+
+
+async def discard_until_eof(stream: trio.abc.ReceiveStream) -> None:
+    """The lingering part of a close: read and drop what the client still sends (after our
+    answer and EOF) until its EOF, :data:`LINGER_TIMEOUT` or :data:`LINGER_BYTES`, so that closing
+    with unread data does not make the kernel reset the connection before the client has read
+    the answer."""
+    discarded = 0
+    with trio.move_on_after(LINGER_TIMEOUT):
+        while discarded <= LINGER_BYTES:
+            try:
+                data = await stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            if not data:
+                return
+            discarded += len(data)
+
+
+def _peer(stream: Any) -> str:
+    try:
+        peer = stream.socket.getpeername()
+    except (OSError, AttributeError):
+        return "?"
+    if isinstance(peer, tuple):
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer) or "unix socket"
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, or of the first leaf of a group."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
+#: Exceptions that belong to the server's lifetime, not to one connection: never contained.
+_LIFETIME: Final = (trio.Cancelled, KeyboardInterrupt, SystemExit, GeneratorExit)
+#: What a peer that left or broke the protocol makes the libraries raise: logged at DEBUG only,
+#: so that a peer cannot fill the log.
+_PEER_GONE: Final = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    ConnectionError,
+    ConnectionClosed,
+    h11.ProtocolError,
+)
+
+
+def _only_peer_gone(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_peer_gone(e) for e in exc.exceptions)
+    return isinstance(exc, _PEER_GONE)
+
+
+def _log_contained(what: str, peer: str, exc: BaseException) -> None:
+    level = logging.DEBUG if _only_peer_gone(exc) else logging.WARNING
+    log.log(level, "%s from %s closed after an error: %s", what, peer, _describe(exc))
+
+
+@asynccontextmanager
+async def contained(
+    stream: trio.abc.AsyncResource, what: str = "connection"
+) -> AsyncIterator[None]:
+    """Run one connection's handler: any exception it raises closes ``stream`` and is logged in
+    one line (WARNING; DEBUG when it only says that the peer left or broke the protocol); only
+    cancellation and interpreter exits propagate (they belong to the server's lifetime). The
+    stream is always closed on the way out."""
+    peer = _peer(stream)
+    try:
+        yield
+    except Exception as exc:  # ExceptionGroup included
+        _log_contained(what, peer, exc)
+    except BaseExceptionGroup as group:
+        lifetime, rest = group.split(_LIFETIME)
+        if rest is not None:
+            _log_contained(what, peer, rest)
+        if lifetime is not None:
+            raise lifetime from None
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                await stream.aclose()
+            except Exception as exc:
+                log.debug("closing a connection failed: %s", exc)
+
+
+class HttpConnection(TCPServer):
+    """hypercorn's connection with a close that is never lost and a lingering close.
+
+    hypercorn closes a connection (``Connection: close``, HTTP/1.0, a response sent before the
+    request body was read) from inside the application's task, where a cancellation at the close's
+    first checkpoint used to leave the socket open (the client waiting for EOF forever, the socket
+    in CLOSE-WAIT after the client left). Here the close is shielded and bounded, and it lingers:
+    after EOF is sent, what the client still sends (a body the answer made moot) is read and
+    discarded for up to :data:`LINGER_TIMEOUT`, so the kernel does not reset the connection
+    before the client has read the answer.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._eof_sent = False
+        self._reader: trio.lowlevel.Task | None = None
+        self._reader_done = trio.Event()
+
+    async def _read_data(self) -> None:
+        self._reader = trio.lowlevel.current_task()
+        try:
+            await self._read_until_closed()
+        finally:
+            self._reader_done.set()
+
+    async def _read_until_closed(self) -> None:
+        while not self._eof_sent:
+            try:
+                with trio.fail_after(self.config.read_timeout or math.inf):
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                break
+            await self.protocol.handle(RawData(data=bytes(data)))
+            if not data:
+                break
+        else:
+            await self._linger()
+            return
+        await self.protocol.handle(Closed())
+
+    async def _linger(self) -> None:
+        await discard_until_eof(self.stream)
+
+    async def _close(self) -> None:
+        with trio.CancelScope(shield=True):
+            if not self._eof_sent:
+                self._eof_sent = True
+                with trio.move_on_after(SEND_TIMEOUT):
+                    try:
+                        await self.stream.send_eof()
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+            # The reader lingers (it is the task that may read); wait for it, except when the
+            # server is shutting down (then the close is immediate).
+            if self._reader not in (None, trio.lowlevel.current_task()):
+                with trio.move_on_after(LINGER_TIMEOUT + SEND_TIMEOUT) as waiting:
+                    if not self.context.terminated.is_set():
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(_set_when, self.context.terminated, waiting)
+                            await self._reader_done.wait()
+                            nursery.cancel_scope.cancel()
+            await self.stream.aclose()
+
+
+async def _set_when(event: Any, scope: trio.CancelScope) -> None:
+    """Cancel ``scope`` once ``event`` (an awaitable-``wait()`` event) is set."""
+    await event.wait()
+    scope.cancel()
+
+
+class ConnectionRules:
+    """ASGI middleware in front of the app, for every request hypercorn serves (the first of a
+    connection was checked by the dispatcher; later ones on a keep-alive connection were not):
+
+    * the head rules of :func:`check_headers` (400, or a refused websocket upgrade with 400);
+    * a response that starts before the request body was read to its end says
+      ``Connection: close`` (the connection then closes with a lingering close), so that a client
+      never sends its next request behind a body the server did not read.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            try:
+                check_headers((name, value) for name, value in scope["headers"])
+                if scope["type"] == "websocket" and not _WS_PATH.match(scope["path"]):
+                    raise HeadError(
+                        404,
+                        f"no websocket at {scope['path']}; "
+                        "the event websocket is /v1/workspaces/{wid}/ws",
+                    )
+            except HeadError as exc:
+                await _refuse(scope, send, exc)
+                return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        read = not _has_body(scope["headers"])
+
+        async def receive_tracked() -> Any:
+            nonlocal read
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                read = True
+            return message
+
+        async def send_marked(message: Any) -> None:
+            if message["type"] == "http.response.start" and not read:
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"
+                ]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive_tracked, send_marked)
+
+
+async def _refuse(scope: Any, send: Any, error: HeadError) -> None:
+    body = orjson.dumps({"message": error.message})
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if scope["type"] == "http":
+        headers.append((b"connection", b"close"))
+        prefix = "http.response"
+    else:
+        prefix = "websocket.http.response"
+    try:
+        await send({"type": f"{prefix}.start", "status": error.status, "headers": headers})
+        await send({"type": f"{prefix}.body", "body": body})
+    except _PEER_GONE as exc:  # the connection broke before the refusal could be written
+        log.debug("refusal (%d) not sent: %s", error.status, _describe(exc))
+
+
+def _has_body(headers: Any) -> bool:
+    for name, value in headers:
+        name = name.lower()
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length" and value.strip() not in (b"0", b""):
+            return True
+    return False
 
 
 def is_event_websocket(head: bytes) -> bool:
@@ -108,12 +492,13 @@ async def serve_dispatching(
     app: Any,
     config: HypercornConfig,
     sock: Any,
-    ws_handler: WsHandler,
+    ws_handler: WsHandler | None,
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn and the event websocket with ``ws_handler`` on ``sock``.
+    """Serve ``app`` with hypercorn and the event websocket with ``ws_handler`` on ``sock``
+    (``None``: every connection goes to hypercorn).
 
     Mirrors hypercorn's own trio worker (lifespan, then connections, then a graceful deadline
     after ``shutdown_trigger`` returns) with the dispatcher in front of each connection.
@@ -129,24 +514,31 @@ async def serve_dispatching(
         async with trio.open_nursery() as connections:
 
             async def handle(stream: trio.SocketStream) -> None:
-                try:
-                    head = await read_head(stream)
-                except (trio.BrokenResourceError, OSError):
-                    await stream.aclose()
-                    return
-                wrapped = PrefixedStream(stream, head)
-                if is_event_websocket(head):
-                    clear_user_timeout(stream.socket)
-                    await ws_handler(wrapped)
-                else:
-                    # TCPServer is typed for SSL streams but takes any stream with a .socket.
-                    await TCPServer(
-                        app,
-                        config,
-                        context,
-                        ConnectionState(lifespan_state.copy()),
-                        wrapped,  # type: ignore[arg-type]
-                    )
+                async with contained(stream):
+                    try:
+                        head = await read_head(stream)
+                        if not head:
+                            return
+                        check_head(head)
+                    except HeadError as exc:
+                        await answer_error(stream, exc)
+                        return
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        return
+                    wrapped = PrefixedStream(stream, head)
+                    if ws_handler is not None and is_event_websocket(head):
+                        clear_user_timeout(stream.socket)
+                        async with contained(wrapped, "event websocket"):
+                            await ws_handler(wrapped)
+                    else:
+                        # TCPServer is typed for SSL streams but takes any stream with a .socket.
+                        await HttpConnection(
+                            app,
+                            config,
+                            context,
+                            ConnectionState(lifespan_state.copy()),
+                            wrapped,  # type: ignore[arg-type]
+                        )
 
             task_status.started()
             async with trio.open_nursery() as accepting:

@@ -24,8 +24,6 @@ from typing import Any, Final
 import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
-from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
 from .. import __version__
@@ -34,7 +32,7 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from .app import Settings, create_app
-from .listener import PrefixedStream, serve_dispatching
+from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
 from .wsendpoint import serve_event_websocket
 
 log = logging.getLogger(__name__)
@@ -181,33 +179,26 @@ async def serve(
         async with backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             http_stop = trio.Event()
-            wrapped = wrap_app(app, hconfig.wsgi_max_body_size, None)
+            wrapped = wrap_app(ConnectionRules(app), hconfig.wsgi_max_body_size, "asgi")
+            ws_handler: WsHandler | None = None
             if server_opts.ws_transport == "trio-websocket" and not unix:
                 api = app.extensions["crush_trio"]["api"]
 
-                async def ws_handler(stream: PrefixedStream) -> None:
+                async def serve_ws(stream: PrefixedStream) -> None:
                     await serve_event_websocket(stream, api, settings, server_opts.ws_ping_interval)
 
-                await nursery.start(
-                    partial(
-                        serve_dispatching,
-                        wrapped,
-                        hconfig,
-                        sock,
-                        ws_handler,
-                        shutdown_trigger=http_stop.wait,
-                    )
+                ws_handler = serve_ws
+            # Every transport goes through the dispatcher: head checks and containment.
+            await nursery.start(
+                partial(
+                    serve_dispatching,
+                    wrapped,
+                    hconfig,
+                    sock,
+                    ws_handler,
+                    shutdown_trigger=http_stop.wait,
                 )
-            else:
-                await nursery.start(
-                    partial(
-                        worker_serve,
-                        wrapped,
-                        hconfig,
-                        sockets=Sockets([], [sock], []),
-                        shutdown_trigger=http_stop.wait,
-                    )
-                )
+            )
             task_status.started(ServerHandle(url, token, backend, config, stop))
             await stop.wait()
             log.info("shutting down")

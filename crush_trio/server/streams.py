@@ -194,12 +194,17 @@ async def serve_sse(
 ) -> Response:
     """An SSE response streaming the workspace's events (PROTOCOL §5)."""
     ws.check_open()
-    stream, first = ws.broker.subscribe(since=since, client_id=client_id)
-    hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
-    ws.attach(client_id)
     interval = settings.sse_ping_interval
 
     async def body() -> AsyncIterator[bytes]:
+        # Subscribe (and hold the workspace) only once the body is being sent: a client that
+        # leaves before that point must not leave a hold behind, and the finally below runs only
+        # for a body that started.
+        if ws.closing:
+            return
+        stream, first = ws.broker.subscribe(since=since, client_id=client_id)
+        hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
+        ws.attach(client_id)
         try:
             yield hello.sse
             for frame in first:

@@ -46,6 +46,9 @@ MAX_FRAMES_PER_WRITE: Final = 64
 #: Bound on the upgrade handshake once the head has arrived (seconds).
 HANDSHAKE_TIMEOUT: Final = 10.0
 
+#: What a write to a client that has left raises.
+_GONE: Final = (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
 
 _HOST: Final = re.compile(rb"(?im)^host:[ \t]*([^\r\n]*)\r?$")
 
@@ -99,14 +102,22 @@ async def serve_event_websocket(
         except CrushError as exc:
             body = orjson.dumps({"message": exc.message})
             with trio.move_on_after(CLOSE_TIMEOUT):
-                await request.reject(
-                    exc.status,
-                    extra_headers=[(b"content-type", b"application/json")],
-                    body=body,
-                )
+                try:
+                    await request.reject(
+                        exc.status,
+                        extra_headers=[(b"content-type", b"application/json")],
+                        body=body,
+                    )
+                except _GONE:
+                    pass  # the client left while the refusal was written
             nursery.cancel_scope.cancel()
             return
-        conn = await request.accept()
+        try:
+            with trio.fail_after(HANDSHAKE_TIMEOUT):
+                conn = await request.accept()
+        except (*_GONE, trio.TooSlowError):
+            nursery.cancel_scope.cancel()
+            return  # the client left (or stalled) while the upgrade answer was written
         await _serve(conn, ws, client_id, since, api, ping_interval)
         nursery.cancel_scope.cancel()
 
@@ -119,6 +130,10 @@ async def _serve(
     api: Api,
     ping_interval: float,
 ) -> None:
+    if ws.closing:  # the workspace began closing while the upgrade was answered
+        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+            await conn.aclose(WS_CLOSE_GOING_AWAY, "workspace closed")
+        return
     stream, first = ws.broker.subscribe(since=since, client_id=client_id)
     hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
     ws.attach(client_id)
