@@ -58,6 +58,7 @@ EXAMPLES: Final = int(os.environ.get("CRUSH_TRIO_FUZZ_EXAMPLES", "0"))
 #: A long run draws fresh random inputs; the bounded run is the same on every CI run.
 LONG_RUN: Final = EXAMPLES > 0
 
+VERBOSE: Final = os.environ.get("CRUSH_TRIO_FUZZ_VERBOSE") == "1"
 #: A complete exchange (after a half-close, or a health request on the same connection) is
 #: answered or closed within this many seconds.
 ANSWER_BOUND: Final = 5.0
@@ -237,7 +238,10 @@ class ServerProcess:
 
         async def run_all() -> None:
             for index, conn in enumerate(batch):
+                started = trio.current_time()
                 problem = await exchange(self.address, conn, context)
+                if VERBOSE and trio.current_time() - started > 1:
+                    print(f"slow ({trio.current_time() - started:.1f}s): {conn!r}"[:400])
                 if problem:
                     failures.append(f"connection {index} ({conn.end}): {problem}")
             try:
@@ -363,13 +367,18 @@ class Conn:
             f"first_len={self.first_len!r})"
         )
 
+    def first_len_in(self, context: dict[bytes, bytes]) -> int:
+        """Where the first part (``first_len`` bytes of ``data``) ends once rendered."""
+        first_len = self.first_len
+        for key, value in context.items():
+            first_len += self.data[: self.first_len].count(key) * (len(value) - len(key))
+        return first_len
+
     def render(self, context: dict[bytes, bytes]) -> list[bytes]:
         data = self.data
         for key, value in context.items():
             data = data.replace(key, value)
-        first_len = self.first_len
-        for key, value in context.items():
-            first_len += self.data[: self.first_len].count(key) * (len(value) - len(key))
+        first_len = self.first_len_in(context)
         buf = bytearray(data)
         for kind, where, byte in self.mutations:
             pos = int(where * len(buf))
@@ -416,7 +425,9 @@ async def exchange(address: tuple[str, int], conn: Conn, context: dict[bytes, by
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         sent_all = True
-        for index, chunk in enumerate(chunks):
+        sent = 0
+        wait_at = min(conn.first_len_in(context), sum(map(len, chunks)))
+        for chunk in chunks:
             with trio.move_on_after(SEND_BOUND) as sending:
                 try:
                     await stream.send_all(chunk)
@@ -426,7 +437,8 @@ async def exchange(address: tuple[str, int], conn: Conn, context: dict[bytes, by
             if sending.cancelled_caught:
                 sent_all = False
                 break
-            if index == 0 and conn.wait_first:
+            sent += len(chunk)
+            if conn.wait_first and sent == wait_at:
                 with trio.move_on_after(ANSWER_BOUND):
                     await first_bytes.wait()
         if conn.end == "reset":
