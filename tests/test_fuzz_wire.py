@@ -272,6 +272,7 @@ class ServerProcess:
         )
         if (
             not quiet["ok"]
+            and known
             and KNOWN_HANDSHAKE_HOLD
             and _only_handshake_holds(quiet, self.idle_tasks)
         ):
