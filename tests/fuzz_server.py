@@ -1,8 +1,8 @@
 """A server process for the wire fuzzer (``tests/test_fuzz_wire.py``).
 
 Run as ``python -m tests.fuzz_server DIR``: starts the server on ``127.0.0.1`` port 0 with its
-data under ``DIR``, opens one workspace (held by a client id nobody else knows, so no fuzzed
-request can release it), and prints one JSON line: ``{"url", "token", "wid", "pid"}``.
+data under ``DIR``, opens one workspace (held, as if by an open event stream, by a client id
+nobody else knows, so no fuzzed request can release it), and prints one JSON line: ``{"url", "token", "wid", "pid"}``.
 
 It then answers commands, one JSON object per line on stdin, with one JSON line on stdout:
 
@@ -181,7 +181,10 @@ async def main(root: Path) -> None:
     project.mkdir(exist_ok=True)
     async with trio.open_nursery() as nursery:
         handle: ServerHandle = await nursery.start(serve, options)
-        ws = await handle.backend.open(str(project), str(uuid.uuid4()))
+        holder = str(uuid.uuid4())
+        ws = await handle.backend.open(str(project), holder)
+        # Held as if by an open event stream, so that the create grace never closes it.
+        ws.attach(holder)
         print(
             json.dumps(
                 {"url": handle.url, "token": handle.token, "wid": ws.id, "pid": os.getpid()}
