@@ -2,7 +2,8 @@
 
 Run as ``python -m tests.fuzz_server DIR``: starts the server on ``127.0.0.1`` port 0 with its
 data under ``DIR``, opens one workspace (held, as if by an open event stream, by a client id
-nobody else knows, so no fuzzed request can release it), and prints one JSON line: ``{"url", "token", "wid", "pid"}``.
+nobody else knows, so no fuzzed request can release it), and prints one JSON line:
+``{"url", "token", "wid", "pid"}``.
 
 It then answers commands, one JSON object per line on stdin, with one JSON line on stdout:
 
@@ -121,9 +122,8 @@ def open_sockets() -> list[str]:
                 peer = obj.getpeername()
             except OSError:
                 peer = None
-            found.append(
-                f"fd {obj.fileno()} {obj.getsockname()} -> {peer} held by {_owners(obj, mine={id(objects), id(found)})}"
-            )
+            owners = _owners(obj, mine={id(objects), id(found)})
+            found.append(f"fd {obj.fileno()} {obj.getsockname()} -> {peer} held by {owners}")
     return found
 
 

@@ -116,6 +116,8 @@ class ServerProcess:
         self.batches = 0
         self.connections = 0
         self.handshake_holds = 0
+        self.peak_growth = 0
+        self.rss_seen = 0
         self.log_path = tmp / "server-0.log"
 
     # process control
@@ -317,6 +319,8 @@ class ServerProcess:
         if not self.first_rss:
             self.first_rss = rss
         self.peak_rss = max(self.peak_rss, rss)
+        self.peak_growth = max(self.peak_growth, rss - self.first_rss)
+        self.rss_seen = self.rss_seen or rss
         if rss - self.first_rss > RSS_GROWTH_BOUND:
             failures.append(
                 f"RSS grew by {(rss - self.first_rss) >> 20} MiB (bound "
@@ -326,10 +330,11 @@ class ServerProcess:
             raise AssertionError("\n".join(failures))
 
     def summary(self) -> str:
-        growth = (self.peak_rss - self.first_rss) / 2**20 if self.first_rss else 0.0
         return (
             f"{self.batches} batches, {self.connections} connections, {self.starts} server "
-            f"start(s), {self.handshake_holds} known handshake hold(s), RSS first {self.first_rss / 2**20:.1f} MiB, peak growth {growth:.1f} MiB"
+            f"start(s), {self.handshake_holds} known handshake hold(s), RSS at the first batch "
+            f"{self.rss_seen / 2**20:.1f} MiB, largest growth within one server "
+            f"{self.peak_growth / 2**20:.1f} MiB"
         )
 
 
