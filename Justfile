@@ -22,6 +22,10 @@ lint:
 typecheck:
     .venv/bin/mypy
 
+# Wire fuzzing at length: fresh random inputs, EXAMPLES batches per kind (docs/testing.md).
+fuzz EXAMPLES="2000" *ARGS:
+    CRUSH_TRIO_FUZZ_EXAMPLES={{EXAMPLES}} {{py}} -m pytest -q -s -p no:cacheprovider tests/test_fuzz_wire.py {{ARGS}}
+
 # Every benchmark workload at full size; results under bench/results/.
 bench *ARGS:
     {{py}} -m bench {{ARGS}}
