@@ -93,7 +93,7 @@ class Assembled:
 
 
 def drain(stream: ClientStream) -> list[dict[str, Any]]:
-    frames = []
+    frames: list[dict[str, Any]] = []
     while True:
         try:
             event = stream.receive.receive_nowait()

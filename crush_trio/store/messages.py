@@ -84,7 +84,7 @@ class MessageStore(Protocol):
 
 
 #: The publish callback: synchronous, never blocking (lossy delivery is the caller's business).
-Publish = Callable[[Message, EventKind], None]
+Publish = Callable[[Message, EventKind], object]
 #: The delta publish callback: one append (coalesced) and the message's state after it.
 PublishDelta = Callable[[MessageDelta, Message], object]
 
