@@ -168,7 +168,7 @@ class MessageService:
     Attributes:
         peak_pending: The most messages that were pending (unwritten) at once.
         flush_count: Batch writes made to the store (each one transaction).
-        publish_count: ``updated`` events published.
+        publish_count: ``updated`` and ``message_delta`` events published.
         write_errors: Background writes that failed (logged and retried).
 
     Backpressure:
