@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import re
 import subprocess
 import sys
@@ -699,3 +700,201 @@ def test_trust_bar_lists_ignored_keys_and_its_button_trusts_the_workspace(
         assert server.workspace(info["id"]).permissions.allowed_tools == frozenset({"bash"})
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental rendering and message deltas
+
+#: Markdown blocks that models write, with the constructs whose extent depends on later lines.
+MARKDOWN_BLOCKS: list[str] = [
+    "# Heading one",
+    "### A smaller heading with `code`",
+    "A paragraph with **strong**, *em*, `inline code` and a [link](https://example.org).\n"
+    "It goes on over a second line with snake_case_names.",
+    "Short paragraph.",
+    "```python\ndef f(x):\n    return x * 2\n\n\nprint(f(3))\n```",
+    "~~~\nplain fence with ``` inside\n~~~",
+    "- first item\n- second item with **bold**\n  continued lazily\n- third\n  - nested one\n"
+    "  - nested two",
+    "1. one\n2. two\n\n3. three after a blank line",
+    "- [ ] task open\n- [x] task done",
+    "> a quote\n> over two lines",
+    "| col a | col b |\n|---|:-:|\n| 1 | 2 |\n| 3 | 4 |",
+    "text line | with a bar\n|---|---|\n| becomes | a table |",
+    "---",
+    "Emoji 😀 and accents é, and <b>markup</b> kept as text.",
+    "- item\n\n  a second paragraph in the item\n\n- next item",
+]
+
+
+def markdown_document(rng: random.Random, blocks: int) -> str:
+    """Blocks joined by one or two newlines (one newline lets a block run into the next)."""
+    out = []
+    for k in range(blocks):
+        out.append(rng.choice(MARKDOWN_BLOCKS))
+        if k < blocks - 1:
+            out.append(rng.choice(["\n\n", "\n\n", "\n", "\n\n\n", "\r\n\r\n"]))
+    if rng.random() < 0.3:
+        out.append("\n```js\nan unterminated fence at the end")
+    return "".join(out)
+
+
+def chunked(rng: random.Random, text: str, longest: int) -> list[str]:
+    pieces = []
+    i = 0
+    while i < len(text):
+        n = rng.randint(1, longest)
+        pieces.append(text[i : i + n])
+        i += n
+    return pieces
+
+
+def test_incremental_markdown_equals_a_full_render(server: ThreadServer, pages: Pages) -> None:
+    """After every append, in random chunkings, the streamed Markdown is exactly what a full
+    render of the text so far gives; a text that does not extend the old one is rendered anew."""
+    page = pages.open(server)
+    rng = random.Random(1717)
+    cases = []
+    for _ in range(60):
+        text = markdown_document(rng, rng.randint(1, 9))
+        cases.append(chunked(rng, text, rng.choice([1, 3, 12, 60])))
+    mismatches = page.evaluate(
+        """async (cases) => {
+            const { MarkdownStream, renderMarkdown } = await import('/static/markdown.js');
+            const full = (text) => {
+                const box = document.createElement('div');
+                box.append(renderMarkdown(text));
+                return box.innerHTML;
+            };
+            const bad = [];
+            cases.forEach((chunks, n) => {
+                const md = new MarkdownStream();
+                let text = '';
+                chunks.forEach((chunk, k) => {
+                    text += chunk;
+                    // Half the cases get appends, half whole snapshots (the snapshot path).
+                    if (n % 2) md.append(chunk); else md.set(text);
+                    if (md.el.innerHTML !== full(text)) bad.push({ n, k, text, got: md.el.innerHTML });
+                });
+                // A snapshot that does not extend what is shown replaces it.
+                const other = text.slice(0, Math.floor(text.length / 2)) + '\\n\\nchanged *tail*';
+                md.set(other);
+                if (md.el.innerHTML !== full(other)) bad.push({ n, k: -1, text: other, got: md.el.innerHTML });
+            });
+            return bad.slice(0, 3);
+        }""",
+        cases,
+    )
+    assert mismatches == []
+
+
+def test_message_view_updates_equal_a_full_render(server: ThreadServer, pages: Pages) -> None:
+    """A message that grows part by part (reasoning, text, a tool call, its result, the finish)
+    is, after every update, the element a full render of the message gives."""
+    page = pages.open(server)
+    mismatches = page.evaluate(
+        """async () => {
+            const { MessageView, renderMessage } = await import('/static/render.js');
+            const msg = { id: 'm1', session_id: 's', role: 'assistant', model: 'x', created_at: 1, parts: [] };
+            const results = new Map();
+            const ctx = () => ({ results, calls: new Set(['c1']), toggles: new Map() });
+            const view = new MessageView();
+            const bad = [];
+            const check = (step) => {
+                const got = view.update(msg, ctx()).outerHTML;
+                const want = renderMessage(msg, ctx()).outerHTML;
+                if (got !== want) bad.push({ step, got, want });
+            };
+            check('empty');
+            msg.parts.push({ type: 'reasoning', data: { thinking: '', signature: '', started_at: 1, finished_at: 0 } });
+            for (const t of ['Let me ', 'think ', 'about it.']) { msg.parts[0].data.thinking += t; check('reasoning'); }
+            msg.parts[0].data.finished_at = 2;
+            check('reasoning finished');
+            msg.parts.push({ type: 'text', data: { text: '' } });
+            for (const t of ['# Plan\\n', '\\n- one', '\\n- two\\n\\n```sh\\nls', ' -l\\n```\\n\\nDone.']) {
+                msg.parts[1].data.text += t;
+                check('text');
+            }
+            msg.parts.push({ type: 'tool_call', data: { id: 'c1', name: 'bash', input: '', finished: false } });
+            for (const t of ['{"comm', 'and": "ls"', '}']) { msg.parts[2].data.input += t; check('tool input'); }
+            msg.parts[2].data.finished = true;
+            check('tool finished');
+            results.set('c1', { tool_call_id: 'c1', name: 'bash', content: 'a\\nb', is_error: false });
+            check('tool result');
+            msg.parts.push({ type: 'finish', data: { reason: 'tool_use', time: 3 } });
+            check('finished');
+            // A snapshot whose text does not extend the old one (the text was replaced).
+            msg.parts[1].data.text = 'Another *text*';
+            check('replaced text');
+            return bad;
+        }"""
+    )
+    assert mismatches == []
+
+
+def test_page_asks_for_deltas_and_applies_them_by_offset(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    """The page opens its websocket with deltas=1 and applies message_delta events: appends,
+    overlaps (only the uncovered tail), offsets in code points, new parts, a snapshot that
+    supersedes assembled text, and missing text (offset > have) that makes it re-read."""
+    page = pages.open(server)
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    open_workspace(page, project)
+    assert sockets and all("deltas=1" in url for url in sockets), sockets
+    prompt = "stored reply " + words(8, "s")
+    send(page, prompt)
+    wait_for_run(page, "completed")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text(prompt)
+
+    inject = """([type, kind, payload]) => {
+        const app = window.crushTrio;
+        payload = { session_id: app.current, ...payload };
+        app.onFrame({ seq: app.lastSeq + 1, type, payload: { type: kind, payload } });
+    }"""
+
+    def delta(part: int, offset: int, text: str, part_type: str = "text", **extra: str) -> None:
+        payload = {"message_id": "m-delta", "part": part, "part_type": part_type}
+        payload.update(offset=offset, text=text, **extra)  # type: ignore[arg-type]
+        page.evaluate(inject, ["message_delta", "updated", payload])
+
+    created = {"id": "m-delta", "role": "assistant", "model": "m", "created_at": 1, "parts": []}
+    page.evaluate(inject, ["message", "created", created])
+    reply = page.locator('.message[data-message-id="m-delta"] .markdown')
+    delta(0, 0, "Hello ")
+    delta(0, 6, "wor")
+    delta(0, 3, "lo world")  # overlaps "lo wor": only "ld" is new
+    delta(0, 0, "Hello")  # entirely covered: nothing
+    delta(0, 11, "😀!")  # two code points, three UTF-16 units
+    delta(0, 13, " ok")
+    expect(reply).to_have_text("Hello world😀! ok")
+    delta(1, 0, '{"a":', "tool_call", tool_call_id="call-1", tool_name="bash")
+    delta(1, 5, " 1}", "tool_call")
+    call = page.locator('.message[data-message-id="m-delta"] .tool-call[data-tool-call-id="call-1"]')
+    expect(call.locator(".tool-name")).to_have_text("bash")
+    expect(call.locator(".tool-input")).to_have_text('{\n  "a": 1\n}')
+
+    # A snapshot supersedes what was assembled; deltas then continue from it.
+    snapshot = {**created, "parts": [{"type": "text", "data": {"text": "Replaced text"}}]}
+    page.evaluate(inject, ["message", "updated", snapshot])
+    expect(reply).to_have_text("Replaced text")
+    delta(0, 13, " more")
+    expect(reply).to_have_text("Replaced text more")
+    assert page.evaluate("window.crushTrio.stats.rereads") == 0
+
+    # Missing text: the page re-reads the messages and shows the stored reply again.
+    stored = page.evaluate(
+        "[...window.crushTrio.messages.values()].find((m) => m.role === 'assistant'"
+        " && m.id !== 'm-delta')"
+    )
+    truncated = {**stored, "parts": [{"type": "text", "data": {"text": prompt[:5]}}]}
+    page.evaluate(inject, ["message", "updated", truncated])
+    first = page.locator(f'.message[data-message-id="{stored["id"]}"] .markdown')
+    expect(first).to_have_text(prompt[:5])
+    payload = {"message_id": stored["id"], "part": 0, "part_type": "text", "offset": 9}
+    page.evaluate(inject, ["message_delta", "updated", {**payload, "text": "zz"}])
+    expect(first).to_have_text(prompt)
+    assert page.evaluate("window.crushTrio.stats.rereads") == 1
+    # The re-read is the stored state: the message only this page had assembled is gone.
+    expect(page.locator('.message[data-message-id="m-delta"]')).to_have_count(0)
