@@ -655,7 +655,8 @@ def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
         }""",
         [source for source, _ in MARKDOWN_CASES],
     )
-    assert html == [expected for _, expected in MARKDOWN_CASES]
+    # Top-level blocks come in runs (div.md-run) of RUN_BLOCKS.
+    assert html == [f'<div class="md-run">{expected}</div>' for _, expected in MARKDOWN_CASES]
 
 
 def test_trust_bar_lists_ignored_keys_and_its_button_trusts_the_workspace(
@@ -758,6 +759,8 @@ def test_incremental_markdown_equals_a_full_render(server: ThreadServer, pages: 
     for _ in range(60):
         text = markdown_document(rng, rng.randint(1, 9))
         cases.append(chunked(rng, text, rng.choice([1, 3, 12, 60])))
+    for _ in range(4):  # across the boundaries of runs of blocks
+        cases.append(chunked(rng, markdown_document(rng, 200), 40))
     mismatches = page.evaluate(
         """async (cases) => {
             const { MarkdownStream, renderMarkdown } = await import('/static/markdown.js');
@@ -898,3 +901,92 @@ def test_page_asks_for_deltas_and_applies_them_by_offset(
     assert page.evaluate("window.crushTrio.stats.rereads") == 1
     # The re-read is the stored state: the message only this page had assembled is gone.
     expect(page.locator('.message[data-message-id="m-delta"]')).to_have_count(0)
+
+
+#: The long reply of the rendering benchmark (tokens; ~5 characters each, so ~100k characters).
+LONG_REPLY_TOKENS = 20_000
+#: Target: main-thread time per applied delta, 95th percentile, at LONG_REPLY_TOKENS (ms).
+DELTA_P95_TARGET_MS = 2.0
+#: Target: total time for a reply 4x longer, as a multiple of the shorter one's.
+LONGER_REPLY_RATIO_TARGET = 5.0
+
+
+def reply_tokens(rng: random.Random, count: int) -> list[str]:
+    """``count`` tokens of a Markdown reply (a word with its leading space, or a newline run)."""
+    text = ""
+    while True:
+        text += markdown_document(rng, 40).replace("\r", "") + "\n\n"
+        tokens = re.findall(r"\n+|[ \t]*[^\s]+", text)
+        if len(tokens) >= count:
+            return tokens[:count]
+
+
+def render_long_reply(page: Page, tokens: list[str], message_id: str) -> dict[str, Any]:
+    """Feed ``tokens`` as message_delta events through the page's real apply path, one delta per
+    render, and time each apply + render (forced layout included) with performance.now()."""
+    return page.evaluate(
+        """async ([tokens, id]) => {
+            const app = window.crushTrio;
+            const { renderMarkdown } = await import('/static/markdown.js');
+            app.replaceMessages([]);
+            const longTasks = [];
+            const observer = new PerformanceObserver((list) => {
+                for (const e of list.getEntries()) longTasks.push(e.duration);
+            });
+            observer.observe({ type: 'longtask' });
+            const sid = app.current;
+            const frame = (type, payload) =>
+                app.onFrame({ seq: app.lastSeq + 1, type, payload: { type: 'updated', payload } });
+            frame('message', { id, session_id: sid, role: 'assistant', model: 'm', created_at: 1, parts: [] });
+            app.flushRender();
+            const times = new Float64Array(tokens.length);
+            let offset = 0;
+            for (let i = 0; i < tokens.length; i++) {
+                const text = tokens[i];
+                const t0 = performance.now();
+                frame('message_delta', { message_id: id, session_id: sid, part: 0, part_type: 'text', offset, text });
+                app.flushRender();
+                times[i] = performance.now() - t0;
+                for (const _ of text) offset++;
+                // Let the browser paint now and then, as it would between frames.
+                if (i % 200 === 199) await new Promise((r) => requestAnimationFrame(r));
+            }
+            await new Promise((r) => requestAnimationFrame(r));
+            observer.disconnect();
+            const el = document.querySelector(`.message[data-message-id="${id}"] .markdown`);
+            const box = document.createElement('div');
+            box.append(renderMarkdown(tokens.join('')));
+            const sorted = [...times].sort((a, b) => a - b);
+            const q = (p) => sorted[Math.min(sorted.length - 1, Math.floor(p * sorted.length))];
+            return {
+                chars: tokens.join('').length,
+                total_ms: times.reduce((a, b) => a + b, 0),
+                p50_ms: q(0.5), p95_ms: q(0.95), p99_ms: q(0.99), max_ms: sorted[sorted.length - 1],
+                long_tasks: longTasks.length, long_task_ms: longTasks.reduce((a, b) => a + b, 0),
+                equal: el.innerHTML === box.innerHTML,
+            };
+        }""",
+        [tokens, message_id],
+    )
+
+
+def test_rendering_a_long_reply_costs_per_delta_not_per_reply(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    """A 20,000-token reply applied delta by delta: each delta's apply + render stays within a
+    couple of milliseconds at the end of the reply, and a 4x longer reply costs about 4x."""
+    page = pages.open(server)
+    open_workspace(page, project)
+    page.click("#new-session")
+    expect(page.locator("#session-list .session")).to_have_count(1)
+    rng = random.Random(20_000)
+    render_long_reply(page, reply_tokens(rng, 1_000), "warm-up")
+    short = render_long_reply(page, reply_tokens(rng, LONG_REPLY_TOKENS // 4), "short")
+    long = render_long_reply(page, reply_tokens(rng, LONG_REPLY_TOKENS), "long")
+    ratio = long["total_ms"] / short["total_ms"]
+    print(f"\nbrowser rendering, {LONG_REPLY_TOKENS // 4} tokens: {json.dumps(short)}")
+    print(f"browser rendering, {LONG_REPLY_TOKENS} tokens: {json.dumps(long)}")
+    print(f"total time ratio for a 4x longer reply: {ratio:.2f}")
+    assert short["equal"] and long["equal"], "the streamed reply equals a full render"
+    assert long["p95_ms"] <= DELTA_P95_TARGET_MS, long
+    assert ratio <= LONGER_REPLY_RATIO_TARGET, (ratio, short, long)

@@ -66,6 +66,11 @@ class App {
     this.lengths = new Map();
     /** Messages to render at the next animation frame. */
     this.dirty = new Set();
+    /**
+     * Per message id and part index, what deltas appended since the last render: `{from, text}`
+     * where `from` is the field's value before (lets the view skip comparing the whole text).
+     */
+    this.appended = new Map();
     this.frame = 0;
     this.rereading = false;
     this.results = new Map();
@@ -752,6 +757,7 @@ class App {
     }
     this.messages = new Map();
     this.lengths = new Map();
+    this.appended = new Map();
     this.dirty.clear();
     this.results = new Map();
     this.callOwner = new Map();
@@ -774,6 +780,7 @@ class App {
   upsertMessage(msg) {
     this.messages.set(msg.id, msg);
     this.lengths.delete(msg.id);
+    this.appended.delete(msg.id);
     this.indexMessage(msg);
     this.markDirty(msg.id);
     if (msg.role === "tool") {
@@ -822,6 +829,10 @@ class App {
     lengths[d.part] = have + codePoints(text);
     if (!text) return;
     data[field] = value + text;
+    let hints = this.appended.get(msg.id);
+    if (!hints) this.appended.set(msg.id, (hints = []));
+    if (hints[d.part]) hints[d.part].text += text;
+    else hints[d.part] = { from: value, text };
     this.markDirty(msg.id);
   }
 
@@ -873,10 +884,11 @@ class App {
     for (const id of this.dirty) {
       const msg = this.messages.get(id);
       if (!msg) continue;
-      const el = this.viewOf(id).update(msg, ctx);
+      const el = this.viewOf(id).update(msg, ctx, this.appended.get(id));
       if (!el.parentNode) box.append(el);
     }
     this.dirty.clear();
+    this.appended.clear();
     $("empty-state").hidden = true;
     if (stick) this.scrollToBottom();
   }
@@ -886,6 +898,7 @@ class App {
     this.views.delete(id);
     this.messages.delete(id);
     this.lengths.delete(id);
+    this.appended.delete(id);
     this.dirty.delete(id);
   }
 

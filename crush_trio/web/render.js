@@ -68,12 +68,14 @@ export class MessageView {
 
   /**
    * Show `msg`. A built anew element replaces the old one where that one is in the page.
+   * @param {Array<{from: string, text: string}|undefined>} [hints] per part index, what was
+   *   appended to its streamed field since it had the value `from` (see MarkdownStream.set)
    * @returns {HTMLElement} the message's element
    */
-  update(msg, ctx) {
+  update(msg, ctx, hints = []) {
     const key = shellKey(msg, ctx);
     if (key === this.key && this.el) {
-      (msg.parts || []).forEach((part, index) => this.fill(index, part));
+      (msg.parts || []).forEach((part, index) => this.fill(index, part, hints[index]));
       return this.el;
     }
     const old = this.el;
@@ -86,19 +88,21 @@ export class MessageView {
   }
 
   /** Bring a part's streamed field up to date in place. */
-  fill(index, part) {
+  fill(index, part, hint) {
     const slot = this.slots[index];
     if (!slot) return;
     const d = part.data || {};
     if (slot.md) {
-      slot.md.set(d.text);
+      slot.md.set(d.text, hint);
       return;
     }
     const value = String(d[STREAMED_FIELD[part.type]] ?? "");
     if (value === slot.value) return;
     if (part.type === "tool_call") {
       slot.node.textContent = prettyJson(value);
-    } else if (slot.value && value.startsWith(slot.value) && slot.node.firstChild) {
+    } else if (slot.value && slot.node.firstChild && hint && hint.from === slot.value) {
+      slot.node.firstChild.appendData(hint.text);
+    } else if (slot.value && slot.node.firstChild && value.startsWith(slot.value)) {
       slot.node.firstChild.appendData(value.slice(slot.value.length));
     } else {
       slot.node.textContent = value;
