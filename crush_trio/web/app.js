@@ -810,7 +810,10 @@ class App {
       return;
     }
     const parts = msg.parts || (msg.parts = []);
-    if (d.part === parts.length && d.offset === 0) parts.push(newPart(d));
+    if (d.part === parts.length && d.offset === 0) {
+      parts.push(newPart(d));
+      this.markDirty(msg.id);
+    }
     const part = parts[d.part];
     if (!part || part.type !== d.part_type) {
       this.rereadMessages();

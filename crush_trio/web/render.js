@@ -81,7 +81,7 @@ export class MessageView {
     const old = this.el;
     const oldSlots = this.slots;
     this.slots = [];
-    this.el = this.build(msg, ctx, oldSlots);
+    this.el = this.build(msg, ctx, oldSlots, hints);
     this.key = key;
     if (old?.parentNode) old.replaceWith(this.el);
     return this.el;
@@ -110,7 +110,7 @@ export class MessageView {
     slot.value = value;
   }
 
-  build(msg, ctx, oldSlots) {
+  build(msg, ctx, oldSlots, hints) {
     const parts = msg.parts || [];
     const finish = parts.find((p) => p.type === "finish")?.data;
     const streaming = msg.role === "assistant" && !finish;
@@ -147,7 +147,7 @@ export class MessageView {
             body.append(node);
           } else {
             const md = oldSlots[index]?.md || new MarkdownStream(h("div", { class: "markdown" }));
-            md.set(d.text);
+            md.set(d.text, hints[index]);
             this.slots[index] = { md };
             body.append(md.el);
           }
