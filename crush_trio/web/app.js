@@ -7,6 +7,11 @@
 //     arrive in order with the events, then kept current by events. Messages are keyed by id and
 //     each `message` event carries the whole message, so applying an event twice, or a snapshot
 //     after it, never duplicates text.
+//   * The page asks for `message_delta` events (`deltas=1`): while a message streams, each append
+//     carries its offset, so the page appends only text it does not have yet and re-reads the
+//     messages when some is missing (applyDelta).
+//   * Messages render at most once per animation frame, each at the cost of what changed
+//     (MessageView, MarkdownStream), whether the change came as a delta or as a whole snapshot.
 //   * After a reconnect the server replays events after the last seq seen; a `gap` (or a new
 //     workspace id) makes the page re-read the open session over the socket.
 //   * Commands go over the socket when it is open and over HTTP otherwise.
@@ -14,7 +19,7 @@
 import { api, ApiError, httpCommand } from "./api.js";
 import { EventStream } from "./connection.js";
 import { clear, h, uuid } from "./dom.js";
-import { renderMessage } from "./render.js";
+import { MessageView, STREAMED_FIELD } from "./render.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -55,7 +60,19 @@ class App {
     this.current = null;
     this.wantedSession = null;
     this.messages = new Map();
-    this.messageEls = new Map();
+    /** The MessageView of each message on the page, by message id. */
+    this.views = new Map();
+    /** Per message id, the length (code points) of each part's streamed field, as far as known. */
+    this.lengths = new Map();
+    /** Messages to render at the next animation frame. */
+    this.dirty = new Set();
+    /**
+     * Per message id and part index, what deltas appended since the last render: `{from, text}`
+     * where `from` is the field's value before (lets the view skip comparing the whole text).
+     */
+    this.appended = new Map();
+    this.frame = 0;
+    this.rereading = false;
     this.results = new Map();
     this.callOwner = new Map();
     this.toggles = new Map();
@@ -67,7 +84,7 @@ class App {
     this.loadGen = 0;
     this.refreshing = { queue: null, runs: null };
     // Counters shown nowhere; for debugging in the console and for the end-to-end tests.
-    this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0 };
+    this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0, deltas: 0, rereads: 0 };
   }
 
   // -- start-up ---------------------------------------------------------------------------------
@@ -324,7 +341,8 @@ class App {
       }
     }
     this.reopen = true;
-    const query = new URLSearchParams({ client_id: this.clientId });
+    // deltas=1: appends to a streaming message come as message_delta events (docs/protocol.md).
+    const query = new URLSearchParams({ client_id: this.clientId, deltas: "1" });
     if (this.lastSeq !== null) query.set("since", String(this.lastSeq));
     return `/v1/workspaces/${encodeURIComponent(this.wid)}/ws?${query}`;
   }
@@ -464,6 +482,9 @@ class App {
             this.refreshRuns();
           }
         }
+        break;
+      case "message_delta":
+        this.applyDelta(obj);
         break;
       case "run_complete":
         this.onRunComplete(obj);
@@ -721,12 +742,23 @@ class App {
     }
   }
 
+  /**
+   * Show exactly `messages` (a fresh read of the open session). Messages already on the page keep
+   * their view, so a re-read during a long reply renders only what it added.
+   */
   replaceMessages(messages) {
     const box = $("conversation");
     const stick = this.nearBottom();
-    for (const el of this.messageEls.values()) el.remove();
+    const keep = new Set(messages.map((m) => m.id));
+    for (const [id, view] of this.views) {
+      if (keep.has(id)) continue;
+      view.el?.remove();
+      this.views.delete(id);
+    }
     this.messages = new Map();
-    this.messageEls = new Map();
+    this.lengths = new Map();
+    this.appended = new Map();
+    this.dirty.clear();
     this.results = new Map();
     this.callOwner = new Map();
     for (const msg of messages) {
@@ -734,44 +766,143 @@ class App {
       this.indexMessage(msg);
     }
     const ctx = this.renderContext;
+    let prev = $("empty-state");
     for (const msg of messages) {
-      const el = renderMessage(msg, ctx);
-      this.messageEls.set(msg.id, el);
-      box.append(el);
+      const el = this.viewOf(msg.id).update(msg, ctx);
+      if (prev.nextSibling !== el) box.insertBefore(el, prev.nextSibling);
+      prev = el;
     }
     $("empty-state").hidden = messages.length > 0 || !!this.current;
     if (stick || messages.length) this.scrollToBottom();
   }
 
+  /** A whole message (a `message` event): it supersedes what the page assembled for it. */
   upsertMessage(msg) {
-    const stick = this.nearBottom();
     this.messages.set(msg.id, msg);
+    this.lengths.delete(msg.id);
+    this.appended.delete(msg.id);
     this.indexMessage(msg);
-    this.renderOne(msg);
+    this.markDirty(msg.id);
     if (msg.role === "tool") {
       // Results show under their calls: re-render the messages that hold those calls.
       for (const part of msg.parts || []) {
         if (part.type !== "tool_result") continue;
-        const owner = this.messages.get(this.callOwner.get(part.data.tool_call_id));
-        if (owner) this.renderOne(owner);
+        const owner = this.callOwner.get(part.data.tool_call_id);
+        if (owner && this.messages.has(owner)) this.markDirty(owner);
       }
     }
+  }
+
+  /**
+   * Apply a `message_delta` (docs/protocol.md, "Message deltas"): append to the part's streamed
+   * field what the page does not have yet. The page knows the length of each field in code
+   * points (`have`); a delta at `offset == have` is appended, one at `offset < have` adds only
+   * its uncovered tail, and one at `offset > have` (text missing, after a dropped delta) or for
+   * a message or part the page does not have makes it re-read the session's messages.
+   */
+  applyDelta(d) {
+    if (d.session_id !== this.current) return;
+    this.stats.deltas += 1;
+    const msg = this.messages.get(d.message_id);
+    const field = STREAMED_FIELD[d.part_type];
+    if (!msg || !field || !Number.isInteger(d.part) || !Number.isInteger(d.offset)) {
+      this.rereadMessages();
+      return;
+    }
+    const parts = msg.parts || (msg.parts = []);
+    if (d.part === parts.length && d.offset === 0) {
+      parts.push(newPart(d));
+      this.markDirty(msg.id);
+    }
+    const part = parts[d.part];
+    if (!part || part.type !== d.part_type) {
+      this.rereadMessages();
+      return;
+    }
+    const data = part.data || (part.data = {});
+    const value = String(data[field] ?? "");
+    let lengths = this.lengths.get(msg.id);
+    if (!lengths) this.lengths.set(msg.id, (lengths = []));
+    const have = lengths[d.part] ?? codePoints(value);
+    if (d.offset > have) {
+      this.rereadMessages();
+      return;
+    }
+    const text = dropCodePoints(String(d.text ?? ""), have - d.offset);
+    lengths[d.part] = have + codePoints(text);
+    if (!text) return;
+    data[field] = value + text;
+    let hints = this.appended.get(msg.id);
+    if (!hints) this.appended.set(msg.id, (hints = []));
+    if (hints[d.part]) hints[d.part].text += text;
+    else hints[d.part] = { from: value, text };
+    this.markDirty(msg.id);
+  }
+
+  /** Re-read the open session's messages (text went missing); one read at a time. */
+  async rereadMessages() {
+    const sid = this.current;
+    if (!sid || this.rereading) return;
+    this.rereading = true;
+    this.stats.rereads += 1;
+    const gen = this.syncGen;
+    const load = this.loadGen;
+    try {
+      // Over the socket the reply comes after every event sent before it, so it holds the text
+      // of the deltas skipped meanwhile; later deltas overlap it or continue it.
+      const messages = await this.call("messages.list", { session_id: sid });
+      if (gen === this.syncGen && load === this.loadGen && sid === this.current) {
+        this.replaceMessages(messages);
+      }
+    } catch (err) {
+      console.warn("cannot re-read the messages:", err.message);
+    } finally {
+      this.rereading = false;
+    }
+  }
+
+  viewOf(id) {
+    let view = this.views.get(id);
+    if (!view) this.views.set(id, (view = new MessageView()));
+    return view;
+  }
+
+  /** Render message `id` at the next animation frame. */
+  markDirty(id) {
+    this.dirty.add(id);
+    if (!this.frame) this.frame = requestAnimationFrame(() => this.flushRender());
+  }
+
+  /**
+   * Render the messages changed since the last frame, each once and at the cost of what changed
+   * in it. Runs from requestAnimationFrame; calling it earlier renders at once.
+   */
+  flushRender() {
+    if (this.frame) cancelAnimationFrame(this.frame);
+    this.frame = 0;
+    if (!this.dirty.size) return;
+    const stick = this.nearBottom();
+    const ctx = this.renderContext;
+    const box = $("conversation");
+    for (const id of this.dirty) {
+      const msg = this.messages.get(id);
+      if (!msg) continue;
+      const el = this.viewOf(id).update(msg, ctx, this.appended.get(id));
+      if (!el.parentNode) box.append(el);
+    }
+    this.dirty.clear();
+    this.appended.clear();
     $("empty-state").hidden = true;
     if (stick) this.scrollToBottom();
   }
 
-  renderOne(msg) {
-    const el = renderMessage(msg, this.renderContext);
-    const old = this.messageEls.get(msg.id);
-    if (old) old.replaceWith(el);
-    else $("conversation").append(el);
-    this.messageEls.set(msg.id, el);
-  }
-
   removeMessage(id) {
-    this.messageEls.get(id)?.remove();
-    this.messageEls.delete(id);
+    this.views.get(id)?.el?.remove();
+    this.views.delete(id);
     this.messages.delete(id);
+    this.lengths.delete(id);
+    this.appended.delete(id);
+    this.dirty.delete(id);
   }
 
   nearBottom() {
@@ -1080,6 +1211,44 @@ class App {
       el.textContent = text;
     }, 50);
   }
+}
+
+/** A new, empty part, made by the delta that creates it (its first append). */
+function newPart(d) {
+  if (d.part_type === "tool_call") {
+    return { type: "tool_call", data: { id: d.tool_call_id || "", name: d.tool_name || "", input: "", finished: false } };
+  }
+  if (d.part_type === "reasoning") {
+    return { type: "reasoning", data: { thinking: "", signature: "", started_at: 0, finished_at: 0 } };
+  }
+  return { type: d.part_type, data: { [STREAMED_FIELD[d.part_type]]: "" } };
+}
+
+/** Length of `text` in Unicode code points (the unit of delta offsets), not UTF-16 units. */
+function codePoints(text) {
+  let n = text.length;
+  for (let i = 0; i < text.length - 1; i++) {
+    const c = text.charCodeAt(i);
+    if (c >= 0xd800 && c <= 0xdbff) {
+      const next = text.charCodeAt(i + 1);
+      if (next >= 0xdc00 && next <= 0xdfff) {
+        n--;
+        i++;
+      }
+    }
+  }
+  return n;
+}
+
+/** `text` without its first `n` code points. */
+function dropCodePoints(text, n) {
+  let i = 0;
+  for (let k = 0; k < n && i < text.length; k++) {
+    const c = text.charCodeAt(i);
+    const next = text.charCodeAt(i + 1);
+    i += c >= 0xd800 && c <= 0xdbff && next >= 0xdc00 && next <= 0xdfff ? 2 : 1;
+  }
+  return i ? text.slice(i) : text;
 }
 
 function sessionTitle(session) {

@@ -3,7 +3,7 @@
 // message streams.
 
 import { h, shortTime } from "./dom.js";
-import { renderMarkdown } from "./markdown.js";
+import { MarkdownStream } from "./markdown.js";
 
 const FINISH_LABELS = {
   end_turn: "Finished",
@@ -32,6 +32,9 @@ export function messageText(msg) {
     .join("");
 }
 
+/** The field of each part type that a `message_delta` appends to (docs/protocol.md). */
+export const STREAMED_FIELD = { text: "text", reasoning: "thinking", tool_call: "input" };
+
 /**
  * Render one message.
  * @param {object} msg a Message
@@ -41,57 +44,153 @@ export function messageText(msg) {
  * @returns {HTMLElement}
  */
 export function renderMessage(msg, ctx) {
-  const parts = msg.parts || [];
-  const finish = parts.find((p) => p.type === "finish")?.data;
-  const streaming = msg.role === "assistant" && !finish;
-  const el = h("article", {
-    class: `message role-${msg.role}${streaming ? " streaming" : ""}`,
-    dataset: { messageId: msg.id, role: msg.role },
-    "aria-busy": streaming ? "true" : "false",
-  });
+  return new MessageView().update(msg, ctx);
+}
 
-  if (msg.role === "tool") {
-    // Results are shown under their calls; only orphans (no call in view) are shown here.
-    const orphans = parts.filter((p) => p.type === "tool_result" && !ctx.calls.has(p.data.tool_call_id));
-    if (!orphans.length) {
-      el.hidden = true;
-      return el;
-    }
-    el.append(header("Tool results", msg));
-    for (const part of orphans) el.append(toolResult(part.data));
-    return el;
+/**
+ * One message on the page, kept current as it streams at the cost of what changed.
+ *
+ * Everything but the streamed fields (text, reasoning, tool input) makes up the message's
+ * *shell*: the parts, their types and other fields, the finish, the tool results shown. While the
+ * shell stays the same, an update only touches the streamed fields: the Markdown of a text part
+ * renders just its appended text (MarkdownStream), reasoning text grows in place, a tool input is
+ * rewritten when it changed. A changed shell is built anew, reusing the text parts' Markdown.
+ * Either way the element equals what `renderMessage` makes of the message.
+ */
+export class MessageView {
+  constructor() {
+    /** @type {HTMLElement|null} */
+    this.el = null;
+    this.key = null;
+    /** What each part index shows of its streamed field: {md} | {node, value}. */
+    this.slots = [];
   }
 
-  const who = msg.role === "user" ? "You" : msg.role === "assistant" ? "Assistant" : "System";
-  el.append(header(who, msg));
-  const body = h("div", { class: "message-body" });
-  el.append(body);
-
-  parts.forEach((part, index) => {
-    const d = part.data || {};
-    switch (part.type) {
-      case "text":
-        if (msg.role === "user") body.append(h("div", { class: "user-text", text: d.text }));
-        else body.append(h("div", { class: "markdown" }, renderMarkdown(d.text)));
-        break;
-      case "reasoning":
-        body.append(reasoning(msg, index, d, ctx.toggles));
-        break;
-      case "tool_call":
-        body.append(toolCall(d, ctx.results.get(d.id), finish, ctx.toggles));
-        break;
-      case "tool_result":
-        body.append(toolResult(d));
-        break;
-      case "finish":
-        body.append(finishLine(d));
-        break;
-      default:
-        break;
+  /**
+   * Show `msg`. A built anew element replaces the old one where that one is in the page.
+   * @param {Array<{from: string, text: string}|undefined>} [hints] per part index, what was
+   *   appended to its streamed field since it had the value `from` (see MarkdownStream.set)
+   * @returns {HTMLElement} the message's element
+   */
+  update(msg, ctx, hints = []) {
+    const key = shellKey(msg, ctx);
+    if (key === this.key && this.el) {
+      (msg.parts || []).forEach((part, index) => this.fill(index, part, hints[index]));
+      return this.el;
     }
-  });
-  if (streaming) body.append(h("span", { class: "typing", "aria-hidden": "true", text: "…" }));
-  return el;
+    const old = this.el;
+    const oldSlots = this.slots;
+    this.slots = [];
+    this.el = this.build(msg, ctx, oldSlots, hints);
+    this.key = key;
+    if (old?.parentNode) old.replaceWith(this.el);
+    return this.el;
+  }
+
+  /** Bring a part's streamed field up to date in place. */
+  fill(index, part, hint) {
+    const slot = this.slots[index];
+    if (!slot) return;
+    const d = part.data || {};
+    if (slot.md) {
+      slot.md.set(d.text, hint);
+      return;
+    }
+    const value = String(d[STREAMED_FIELD[part.type]] ?? "");
+    if (value === slot.value) return;
+    if (part.type === "tool_call") {
+      slot.node.textContent = prettyJson(value);
+    } else if (slot.value && slot.node.firstChild && hint && hint.from === slot.value) {
+      slot.node.firstChild.appendData(hint.text);
+    } else if (slot.value && slot.node.firstChild && value.startsWith(slot.value)) {
+      slot.node.firstChild.appendData(value.slice(slot.value.length));
+    } else {
+      slot.node.textContent = value;
+    }
+    slot.value = value;
+  }
+
+  build(msg, ctx, oldSlots, hints) {
+    const parts = msg.parts || [];
+    const finish = parts.find((p) => p.type === "finish")?.data;
+    const streaming = msg.role === "assistant" && !finish;
+    const el = h("article", {
+      class: `message role-${msg.role}${streaming ? " streaming" : ""}`,
+      dataset: { messageId: msg.id, role: msg.role },
+      "aria-busy": streaming ? "true" : "false",
+    });
+
+    if (msg.role === "tool") {
+      // Results are shown under their calls; only orphans (no call in view) are shown here.
+      const orphans = parts.filter((p) => p.type === "tool_result" && !ctx.calls.has(p.data.tool_call_id));
+      if (!orphans.length) {
+        el.hidden = true;
+        return el;
+      }
+      el.append(header("Tool results", msg));
+      for (const part of orphans) el.append(toolResult(part.data));
+      return el;
+    }
+
+    const who = msg.role === "user" ? "You" : msg.role === "assistant" ? "Assistant" : "System";
+    el.append(header(who, msg));
+    const body = h("div", { class: "message-body" });
+    el.append(body);
+
+    parts.forEach((part, index) => {
+      const d = part.data || {};
+      switch (part.type) {
+        case "text":
+          if (msg.role === "user") {
+            const node = h("div", { class: "user-text", text: d.text });
+            this.slots[index] = { node, value: String(d.text ?? "") };
+            body.append(node);
+          } else {
+            const md = oldSlots[index]?.md || new MarkdownStream(h("div", { class: "markdown" }));
+            md.set(d.text, hints[index]);
+            this.slots[index] = { md };
+            body.append(md.el);
+          }
+          break;
+        case "reasoning": {
+          const details = reasoning(msg, index, d, ctx.toggles);
+          this.slots[index] = { node: details.querySelector(".reasoning-text"), value: String(d.thinking ?? "") };
+          body.append(details);
+          break;
+        }
+        case "tool_call": {
+          const details = toolCall(d, ctx.results.get(d.id), finish, ctx.toggles);
+          this.slots[index] = { node: details.querySelector(".tool-input"), value: String(d.input ?? "") };
+          body.append(details);
+          break;
+        }
+        case "tool_result":
+          body.append(toolResult(d));
+          break;
+        case "finish":
+          body.append(finishLine(d));
+          break;
+        default:
+          break;
+      }
+    });
+    if (streaming) body.append(h("span", { class: "typing", "aria-hidden": "true", text: "…" }));
+    return el;
+  }
+}
+
+/** Everything that the rendering of `msg` depends on except its streamed fields. */
+function shellKey(msg, ctx) {
+  const parts = msg.parts || [];
+  const bits = [msg.id, msg.role, msg.model || "", msg.created_at || 0];
+  for (const part of parts) {
+    const d = part.data || {};
+    const field = STREAMED_FIELD[part.type];
+    bits.push(part.type, field ? { ...d, [field]: null } : d);
+    if (part.type === "tool_call") bits.push(ctx.results.get(d.id) ?? null);
+    if (part.type === "tool_result") bits.push(ctx.calls.has(d.tool_call_id));
+  }
+  return JSON.stringify(bits);
 }
 
 function header(who, msg) {
