@@ -20,6 +20,7 @@ import attrs
 import trio
 
 from .. import wire
+from .deltas import MessageDelta, decode_delta
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ DEFAULT_MAILBOX_SIZE: Final = 1024
 _CLASSES: Final[dict[str, type[Any]]] = {
     ptype.value: cls for cls, ptype in wire.PAYLOAD_TYPES.items()
 }
+
+#: The event type of an append to a streaming message (a connection opened with ``deltas=1``).
+MESSAGE_DELTA: Final = "message_delta"
 
 #: Frames of one connection (not workspace events): they take no seq of their own.
 CONNECTION_FRAMES: Final = frozenset({"hello", "gap"})
@@ -49,11 +53,15 @@ class Event:
     """One event of a workspace, as a consumer sees it.
 
     Attributes:
-        type: the payload type (``message``, ``run_complete``, ...) or ``gap``.
-        payload: the wire object (a :class:`Gap` for ``gap``).
+        type: the payload type (``message``, ``message_delta``, ``run_complete``, ...) or
+            ``gap``.
+        payload: the wire object (a :class:`Gap` for ``gap``, a
+            :class:`~crush_trio.client.deltas.MessageDelta` for ``message_delta``).
         seq: the event's sequence number; ``None`` for events the client made itself.
         kind: ``created``, ``updated`` or ``deleted``.
         raw: the envelope exactly as received (``None`` for events the client made itself).
+        assembled: for ``message_delta``, the whole message with this delta applied (the
+            workspace's event stream fills it in; see :attr:`message`).
     """
 
     type: str
@@ -61,16 +69,35 @@ class Event:
     seq: int | None = None
     kind: str = "updated"
     raw: dict[str, Any] | None = None
+    assembled: wire.Message | None = None
 
     @property
     def must_deliver(self) -> bool:
         return self.type in _MUST_DELIVER
 
+    @property
+    def message(self) -> wire.Message | None:
+        """The message as it stands after this event: the payload of a ``message`` event, the
+        assembled message of a ``message_delta``; ``None`` for other events."""
+        if self.type == MESSAGE_DELTA:
+            return self.assembled
+        if self.type == "message":
+            payload: wire.Message = self.payload
+            return payload
+        return None
+
+    @property
+    def delta(self) -> MessageDelta | None:
+        """The append of a ``message_delta`` event (``None`` for other events)."""
+        return self.payload if self.type == MESSAGE_DELTA else None
+
     def to_json(self) -> dict[str, Any]:
         """The envelope: as received, or in the same shape for the client's own events."""
         if self.raw is not None:
             return self.raw
-        payload = attrs.asdict(self.payload) if isinstance(self.payload, Gap) else None
+        payload = (
+            attrs.asdict(self.payload) if isinstance(self.payload, Gap | MessageDelta) else None
+        )
         if payload is None:
             payload = wire.converter.unstructure(self.payload)
         return {
@@ -100,6 +127,13 @@ def decode_frame(frame: Any) -> Event | None:
             seq if isinstance(seq, int) else None,
             raw=frame,
         )
+    if ftype == MESSAGE_DELTA and isinstance(body, dict) and isinstance(seq, int):
+        delta = decode_delta(body.get("payload"))
+        if delta is None:
+            log.warning("ignoring a malformed message_delta event (seq %d)", seq)
+            return None
+        kind = body.get("type")
+        return Event(MESSAGE_DELTA, delta, seq, kind if isinstance(kind, str) else "updated", frame)
     if not isinstance(ftype, str) or ftype not in _CLASSES:
         return None  # hello, reply, error and payload types this client does not know
     if not isinstance(seq, int) or not isinstance(body, dict):
