@@ -21,6 +21,14 @@ client whose queue stays full for ``must_deliver_timeout`` without taking anythi
 disconnected too, even while nothing must be delivered (:meth:`Broker.watch_stalled`), so a
 client that stops reading cannot pin its queue while the workspace is idle.
 
+Message deltas (PROTOCOL §6): a streaming append is one change with one ``seq`` and two
+encodings. :meth:`Broker.publish_delta` encodes the ``message_delta`` form for clients that asked
+for deltas (``?deltas=1``) and the ``message`` ``updated`` snapshot form for the others, each once,
+shared by every client of that mode. The snapshot form is encoded only while a snapshot-mode client
+is connected; a snapshot-mode client that resumes across a change whose snapshot form was never
+encoded gets a ``gap`` for it instead (these events are lossy; it re-reads the messages). The
+replay buffer's byte bound counts both forms.
+
 The broker never touches a socket: each transport runs one writer task per connection that drains
 the client's queue (see ``server/connection.py``).
 """
@@ -70,9 +78,23 @@ class Event:
     ``text`` is the envelope JSON (a websocket text frame); :attr:`sse` is the SSE block, built on
     first use and cached. ``size`` is the UTF-8 length of ``text``: what the queue and replay
     byte bounds count.
+
+    A ``message_delta`` event has ``is_delta`` set and carries the same change's ``message``
+    snapshot form in ``snapshot`` (None when it was not encoded: no snapshot-mode client was
+    connected when it was published).
     """
 
-    __slots__ = ("_frame", "_sse", "must_deliver", "seq", "size", "text", "type")
+    __slots__ = (
+        "_frame",
+        "_sse",
+        "is_delta",
+        "must_deliver",
+        "seq",
+        "size",
+        "snapshot",
+        "text",
+        "type",
+    )
 
     def __init__(
         self, seq: int, type: str, text: str, must_deliver: bool, size: int | None = None
@@ -84,6 +106,14 @@ class Event:
         self.size = utf8_len(text) if size is None else size
         self._sse: bytes | None = None
         self._frame: bytes | None = None
+        self.is_delta = False
+        self.snapshot: Event | None = None
+
+    def form_for(self, deltas: bool) -> Event | None:
+        """The form a client in this mode gets: None when it was not encoded (a gap)."""
+        if self.is_delta and not deltas:
+            return self.snapshot
+        return self
 
     @property
     def ws_frame(self) -> bytes:
@@ -100,6 +130,12 @@ class Event:
 
     def __repr__(self) -> str:
         return f"<Event seq={self.seq} type={self.type}>"
+
+
+def _replay_size(event: Event) -> int:
+    """Bytes an event holds in the replay buffer: both forms of a delta change."""
+    snapshot = event.snapshot
+    return event.size if snapshot is None else event.size + snapshot.size
 
 
 def websocket_text_frame(text: str) -> bytes:
@@ -270,9 +306,12 @@ class ClientStream:
         *,
         client_id: str = "",
         max_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
+        deltas: bool = False,
     ) -> None:
         self.broker = broker
         self.client_id = client_id
+        #: Whether this client gets ``message_delta`` events (else their ``message`` snapshots).
+        self.deltas = deltas
         self.receive = ClientQueue(size, max_bytes)
         self.size = size
         self.dropped = 0
@@ -336,9 +375,18 @@ class ClientStream:
         return False
 
     def offer(self, event: Event) -> None:
-        """Offer a lossy event: queue it now or drop and count it."""
+        """Offer a lossy event: queue it now or drop and count it.
+
+        A delta change is queued in this client's form; one whose form was not encoded counts as
+        a drop (the client gets a ``gap``).
+        """
         if self.closed:
             return
+        form = event.form_for(self.deltas) if event.is_delta else event
+        if form is None:
+            self._drop(event.seq)
+            return
+        event = form
         # While a must-deliver event waits for this client, later lossy events would overtake
         # it; drop them into the gap instead so the client sees events in seq order. A pending
         # gap goes out only with the event behind it, so gap frames cannot fill the queue.
@@ -349,12 +397,15 @@ class ClientStream:
             and self._push_nowait(event)
         ):
             return
+        self._drop(event.seq)
+
+    def _drop(self, seq: int) -> None:
         self.dropped += 1
         self.broker.dropped += 1
         if self._gap is None:
-            self._gap = Gap(1, event.seq, event.seq)
+            self._gap = Gap(1, seq, seq)
         else:
-            self._gap.extend(event.seq)
+            self._gap.extend(seq)
 
     def try_deliver_nowait(self, event: Event) -> bool:
         if self.closed:
@@ -472,6 +523,10 @@ class Broker:
         self.client_queue_bytes = client_queue_bytes
         self.must_deliver_timeout = must_deliver_timeout
         self.clients: set[ClientStream] = set()
+        #: Connected clients that get snapshots instead of deltas.
+        self.snapshot_clients = 0
+        #: Delta changes published without their snapshot form (no snapshot-mode client).
+        self.snapshots_skipped = 0
         #: Clients whose queue is full, watched by :meth:`watch_stalled`.
         self._stalled: set[ClientStream] = set()
         self._stalled_changed = trio.Event()
@@ -481,22 +536,68 @@ class Broker:
         self.closed = False
 
     def _encode(self, obj: Any, kind: EventKind) -> Event:
-        ptype = wire.PAYLOAD_TYPES[type(obj)]
         self.seq += 1
+        event = self._encode_at(self.seq, obj, kind)
+        self._remember(event)
+        return event
+
+    def _encode_at(self, seq: int, obj: Any, kind: EventKind) -> Event:
+        ptype = wire.PAYLOAD_TYPES[type(obj)]
         envelope = {
-            "seq": self.seq,
+            "seq": seq,
             "type": ptype.value,
             "payload": {"type": kind.value, "payload": wire.converter.unstructure(obj)},
         }
         data = orjson.dumps(envelope)
-        event = Event(self.seq, ptype.value, data.decode(), ptype.must_deliver, len(data))
+        return Event(seq, ptype.value, data.decode(), ptype.must_deliver, len(data))
+
+    def _remember(self, event: Event) -> None:
+        """Keep ``event`` (both forms of a delta) for replay, within both bounds."""
         self.replay.append(event)
-        self._replay_used += event.size
+        self._replay_used += _replay_size(event)
         while self.replay and (
             len(self.replay) > self.replay_size or self._replay_used > self.replay_bytes
         ):
-            self._replay_used -= self.replay.popleft().size
+            self._replay_used -= _replay_size(self.replay.popleft())
         self.published += 1
+
+    def publish_delta(self, delta: wire.MessageDelta, message: wire.Message) -> Event:
+        """Publish an append to a streaming message (lossy; never blocks).
+
+        One seq, two forms: ``message_delta`` for delta-mode clients and ``message`` ``updated``
+        carrying ``message`` (its state after the append) for the others, encoded now only when
+        a snapshot-mode client is connected.
+        """
+        self.seq += 1
+        seq = self.seq
+        data = orjson.dumps(
+            {
+                "seq": seq,
+                "type": "message_delta",
+                "payload": {
+                    "type": "updated",
+                    "payload": {
+                        "message_id": delta.message_id,
+                        "session_id": delta.session_id,
+                        "part": delta.part,
+                        "part_type": delta.part_type,
+                        "offset": delta.offset,
+                        "text": delta.text,
+                        "tool_call_id": delta.tool_call_id,
+                        "tool_name": delta.tool_name,
+                    },
+                },
+            }
+        )
+        event = Event(seq, "message_delta", data.decode(), False, len(data))
+        event.is_delta = True
+        if self.snapshot_clients:
+            event.snapshot = self._encode_at(seq, message, EventKind.UPDATED)
+        else:
+            self.snapshots_skipped += 1
+        self._remember(event)
+        for client in list(self.clients):
+            client.offer(event)
         return event
 
     def publish(self, obj: Any, kind: EventKind = EventKind.UPDATED) -> Event:
@@ -507,6 +608,8 @@ class Broker:
         """
         if wire.PAYLOAD_TYPES[type(obj)].must_deliver:
             raise ValueError(f"{type(obj).__name__} is must-deliver; use publish_must_deliver")
+        if isinstance(obj, wire.MessageDelta):
+            raise ValueError("a MessageDelta has two forms; use publish_delta")
         event = self._encode(obj, kind)
         for client in list(self.clients):
             client.offer(event)
@@ -547,28 +650,35 @@ class Broker:
                     client.kill(TOO_SLOW_REASON)
 
     def subscribe(
-        self, *, since: int | None = None, client_id: str = ""
+        self, *, since: int | None = None, client_id: str = "", deltas: bool = False
     ) -> tuple[ClientStream, list[Event]]:
         """Add a client. Returns its stream and the frames to send first.
 
         The first frames are ``hello``, then (when resuming) a ``gap`` for events no longer in the
         replay buffer and the replayed events after ``since``, in order. Everything published
         after this call goes to the stream's channel, so nothing is missed or sent twice.
+        ``deltas``: the client gets ``message_delta`` events, else their ``message`` snapshots.
         """
         if self.closed:
             raise trio.ClosedResourceError("broker is closed")
         stream = ClientStream(
-            self, self.client_queue_size, client_id=client_id, max_bytes=self.client_queue_bytes
+            self,
+            self.client_queue_size,
+            client_id=client_id,
+            max_bytes=self.client_queue_bytes,
+            deltas=deltas,
         )
         self.clients.add(stream)
-        return stream, list(self._resume_frames(since))
+        if not deltas:
+            self.snapshot_clients += 1
+        return stream, list(self._resume_frames(since, deltas))
 
     def hello(self, workspace_id: str, version: str) -> Event:
         return connection_frame(
             self.seq, "hello", {"workspace_id": workspace_id, "server_version": version}
         )
 
-    def _resume_frames(self, since: int | None) -> Iterable[Event]:
+    def _resume_frames(self, since: int | None, deltas: bool = False) -> Iterable[Event]:
         if since is None or since == self.seq:
             return
         if since > self.seq:
@@ -580,12 +690,29 @@ class Broker:
         if since + 1 < oldest:
             missing_to = oldest - 1
             yield Gap(missing_to - since, since + 1, missing_to).frame(self.seq)
+        missing: Gap | None = None  # delta changes whose snapshot form was not encoded
         for event in self.replay:
-            if event.seq > since:
-                yield event
+            if event.seq <= since:
+                continue
+            form = event.form_for(deltas) if event.is_delta else event
+            if form is None:
+                if missing is None:
+                    missing = Gap(1, event.seq, event.seq)
+                else:
+                    missing.extend(event.seq)
+                continue
+            if missing is not None:
+                yield missing.frame(self.seq)
+                missing = None
+            yield form
+        if missing is not None:
+            yield missing.frame(self.seq)
 
     def _unsubscribe(self, stream: ClientStream) -> None:
-        self.clients.discard(stream)
+        if stream in self.clients:
+            self.clients.discard(stream)
+            if not stream.deltas:
+                self.snapshot_clients -= 1
         self._stalled.discard(stream)
 
     def _stalled_client(self, stream: ClientStream) -> None:
@@ -623,6 +750,8 @@ class Broker:
         return {
             "seq": self.seq,
             "clients": len(self.clients),
+            "snapshot_clients": self.snapshot_clients,
+            "snapshots_skipped": self.snapshots_skipped,
             "replay_events": len(self.replay),
             "replay_bytes": self._replay_used,
             "queued_bytes": sum(c.receive.bytes for c in self.clients),

@@ -359,6 +359,75 @@ class WsCommand:
 # Events (PROTOCOL §5)
 
 
+class DeltaPartType(enum.StrEnum):
+    """The part a :class:`MessageDelta` appends to, and which of its fields grows."""
+
+    TEXT = "text"  # TextPart.text
+    REASONING = "reasoning"  # ReasoningPart.thinking
+    TOOL_CALL = "tool_call"  # ToolCallPart.input
+
+
+@attrs.define
+class MessageDelta:
+    """An append to one part of a streaming message (the ``message_delta`` event, PROTOCOL §6).
+
+    ``offset`` is the length of the part's field before this append, in Unicode code points
+    (``len(str)``). A delta whose ``part`` equals the number of parts creates the part
+    (``offset`` 0); one that creates a tool call part carries ``tool_call_id`` and ``tool_name``.
+    """
+
+    message_id: str
+    session_id: str
+    part: int
+    part_type: DeltaPartType
+    offset: int
+    text: str
+    tool_call_id: str = ""
+    tool_name: str = ""
+
+
+def _delta_field(part: Part, part_type: DeltaPartType) -> str | None:
+    if part_type == DeltaPartType.TEXT and isinstance(part, TextPart):
+        return "text"
+    if part_type == DeltaPartType.REASONING and isinstance(part, ReasoningPart):
+        return "thinking"
+    if part_type == DeltaPartType.TOOL_CALL and isinstance(part, ToolCallPart):
+        return "input"
+    return None
+
+
+def apply_delta(message: Message, delta: MessageDelta) -> bool:
+    """Apply ``delta`` to ``message`` in place, as a client does.
+
+    Returns False when the message lacks text before the delta (``offset`` beyond the part's
+    length, a part index beyond the next new one, or a part of another type): the caller re-reads
+    the message. Text the message already holds is skipped (``offset`` below its length).
+    """
+    parts = message.parts
+    if delta.part == len(parts):
+        if delta.offset != 0:
+            return False
+        new: Part
+        if delta.part_type == DeltaPartType.TEXT:
+            new = TextPart("")
+        elif delta.part_type == DeltaPartType.REASONING:
+            new = ReasoningPart()
+        else:
+            new = ToolCallPart(delta.tool_call_id, delta.tool_name)
+        parts.append(new)
+    elif not 0 <= delta.part < len(parts):
+        return False
+    part = parts[delta.part]
+    field = _delta_field(part, delta.part_type)
+    if field is None:
+        return False
+    have: str = getattr(part, field)
+    if delta.offset > len(have):
+        return False
+    setattr(part, field, have + delta.text[len(have) - delta.offset :])
+    return True
+
+
 class EventKind(enum.StrEnum):
     """The inner ``payload.type`` of an envelope."""
 
@@ -370,6 +439,7 @@ class EventKind(enum.StrEnum):
 class PayloadType(enum.StrEnum):
     SESSION = "session"
     MESSAGE = "message"
+    MESSAGE_DELTA = "message_delta"
     AGENT_EVENT = "agent_event"
     RUN_COMPLETE = "run_complete"
     PERMISSION_REQUEST = "permission_request"
@@ -391,6 +461,7 @@ MUST_DELIVER: Final = frozenset(
 PAYLOAD_TYPES: Final[dict[type[Any], PayloadType]] = {
     Session: PayloadType.SESSION,
     Message: PayloadType.MESSAGE,
+    MessageDelta: PayloadType.MESSAGE_DELTA,
     AgentEvent: PayloadType.AGENT_EVENT,
     RunComplete: PayloadType.RUN_COMPLETE,
     PermissionRequest: PayloadType.PERMISSION_REQUEST,

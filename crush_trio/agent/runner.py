@@ -604,7 +604,7 @@ class Agent:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for event in stream:
                 if assembler.feed(event):
-                    await self.messages.update(msg)
+                    await self.messages.update(msg, assembler.append)
                 elif isinstance(event, pb.Usage):
                     await self.store.add_session_usage(
                         msg.session_id, event.prompt_tokens, event.completion_tokens, 0.0

@@ -240,6 +240,7 @@ class Workspace:
             self._publish_message,
             debounce=self.config.options.debounce_ms / 1000,
             write_window=self.server.message_write_ms / 1000,
+            publish_delta=self.broker.publish_delta,
         )
         self.runs = RunBook(self.store)
         agent: Agent | None = None

@@ -14,6 +14,9 @@ Rules:
   announced its start), grows with its argument deltas and is marked finished by ``ToolCallDone``;
 * ``Retrying`` (the provider starts the step again) drops the text and reasoning streamed so far,
   keeping the tool call parts; the next change saves the reset message;
+* :attr:`StepAssembler.append` tells whether the last change was an append (text, reasoning or a
+  tool call's input grew; the shell publishes it as a ``message_delta``) or not (None: anything
+  else, and the first change after a ``Retrying``, which the shell publishes whole);
 * ``Finished`` records the finish reason; :meth:`StepAssembler.finish` appends it as a finish
   part, turned into ``tool_use`` when the message holds tool calls.
 """
@@ -24,7 +27,17 @@ import attrs
 import orjson
 
 from ..providers import base as pb
-from ..wire import FinishPart, FinishReason, Message, ReasoningPart, TextPart, ToolCallPart, now
+from ..wire import (
+    DeltaPartType,
+    FinishPart,
+    FinishReason,
+    Message,
+    MessageDelta,
+    ReasoningPart,
+    TextPart,
+    ToolCallPart,
+    now,
+)
 
 
 @attrs.define
@@ -36,47 +49,77 @@ class StepAssembler:
     _text: TextPart | None = None
     _reasoning: ReasoningPart | None = None
     _calls: dict[str, ToolCallPart] = attrs.field(factory=dict)
+    #: The last change as an append to one part (None: not an append; publish the message whole).
+    append: MessageDelta | None = None
+    _text_at: int = 0
+    _reasoning_at: int = 0
+    _call_at: dict[str, int] = attrs.field(factory=dict)
+    _reset: bool = False  # a Retrying dropped parts: the next change is not an append
+
+    def _delta(self, part: int, part_type: DeltaPartType, offset: int, text: str) -> None:
+        msg = self.msg
+        self.append = MessageDelta(msg.id, msg.session_id, part, part_type, offset, text)
 
     def feed(self, event: pb.StreamEvent) -> bool:
         """Fold one event into the message. True: the message changed and should be saved
-        (its ``updated_at`` is set); False for ``Usage``, ``Retrying`` and ``Finished``."""
+        (its ``updated_at`` is set; :attr:`append` says whether it was an append); False for
+        ``Usage``, ``Retrying`` and ``Finished``."""
         msg = self.msg
+        self.append = None
         match event:
             case pb.TextDelta(delta):
                 if self._text is None:
                     self._text = TextPart("")
+                    self._text_at = len(msg.parts)
                     msg.parts.append(self._text)
+                offset = len(self._text.text)
                 self._text.text += delta
+                self._delta(self._text_at, DeltaPartType.TEXT, offset, delta)
             case pb.ReasoningDelta(delta):
                 if self._reasoning is None:
                     self._reasoning = ReasoningPart(started_at=now())
+                    self._reasoning_at = len(msg.parts)
                     msg.parts.append(self._reasoning)
+                offset = len(self._reasoning.thinking)
                 self._reasoning.thinking += delta
+                self._delta(self._reasoning_at, DeltaPartType.REASONING, offset, delta)
             case pb.ReasoningDone(signature):
                 if self._reasoning is not None:
                     self._reasoning.signature = signature
                     self._reasoning.finished_at = now()
             case pb.ToolCallStart(call_id, name):
                 self._calls[call_id] = ToolCallPart(call_id, name)
+                self._call_at[call_id] = len(msg.parts)
                 msg.parts.append(self._calls[call_id])
             case pb.ToolCallDelta(call_id, arguments):
                 if call_id in self._calls:
-                    self._calls[call_id].input += arguments
+                    call = self._calls[call_id]
+                    offset = len(call.input)
+                    call.input += arguments
+                    self._delta(self._call_at[call_id], DeltaPartType.TOOL_CALL, offset, arguments)
             case pb.ToolCallDone(call_id, name, input_json):
                 part = self._calls.get(call_id)
                 if part is None:
                     part = self._calls[call_id] = ToolCallPart(call_id, name)
+                    self._call_at[call_id] = len(msg.parts)
                     msg.parts.append(part)
                 part.input, part.finished = input_json, True
             case pb.Usage():
                 return False
             case pb.Retrying():
                 msg.parts = [p for p in msg.parts if isinstance(p, ToolCallPart)]
+                self._call_at = {
+                    p.id: i for i, p in enumerate(msg.parts) if isinstance(p, ToolCallPart)
+                }
                 self._text = self._reasoning = None
+                self._reset = True
                 return False
             case pb.Finished(finish_reason):
                 self.reason = finish_reason
                 return False
+        if self._reset:
+            self._reset = False
+            self.append = None
         msg.updated_at = now()
         return True
 
@@ -86,6 +129,7 @@ class StepAssembler:
             self.reason = FinishReason.TOOL_USE
         self.msg.parts.append(FinishPart(self.reason))
         self.msg.updated_at = now()
+        self.append = None
         return self.reason
 
 

@@ -36,13 +36,12 @@ from ..wire import (
     UpdateSessionRequest,
 )
 from .api import Api
-from .connection import check_upgrade
+from .connection import check_upgrade, parse_subscription
 from .security import (
     check_request_host,
     check_request_origin,
     check_request_token,
     check_state_change,
-    parse_seq,
     redact_target,
     token_cookie_name,
 )
@@ -307,15 +306,13 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.get("/v1/workspaces/<wid>/events")
     async def events(wid: str) -> Response:
         ws = api.workspace(wid)
-        client_id = wire.validate_client_id(request.args.get("client_id"))
-        last = request.headers.get("Last-Event-ID") or request.args.get("since")
-        since = parse_seq(last, "Last-Event-ID")
-        return await serve_sse(ws, client_id, since, settings)
+        sub = parse_subscription(request.args, request.headers.get("Last-Event-ID"))
+        return await serve_sse(ws, sub, settings)
 
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
-            ws, client_id, since = check_upgrade(
+            ws, sub = check_upgrade(
                 settings,
                 api,
                 wid,
@@ -326,7 +323,7 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             )
         except CrushError as exc:
             return error_response(exc)
-        await serve_asgi_websocket(ws, client_id, since, api)
+        await serve_asgi_websocket(ws, sub, api)
         return None
 
     # -- the browser client ---------------------------------------------------------------------

@@ -25,11 +25,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+import attrs
 import trio
 
 from .. import __version__, wire
 from ..broker import ClientStream, Event
-from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL
+from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL, BadRequest
 from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
@@ -70,6 +71,46 @@ class EventSocket(Protocol):
         """Close the connection with ``code``; bounded, never raises."""
 
 
+@attrs.frozen
+class Subscription:
+    """What a client asked of its event stream (the query of the websocket or SSE request)."""
+
+    client_id: str
+    #: Resume after this seq (``since``, or SSE's ``Last-Event-ID``); None: from now.
+    since: int | None = None
+    #: ``deltas=1``: streaming appends as ``message_delta`` events, else ``message`` snapshots.
+    deltas: bool = False
+
+
+def parse_deltas(value: str | None) -> bool:
+    """The ``deltas`` query parameter: ``1`` asks for ``message_delta`` events, absent or ``0``
+    for ``message`` snapshots (PROTOCOL §6).
+
+    Raises:
+        BadRequest: any other value.
+    """
+    if value is None or value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise BadRequest(f"deltas must be 1 (message_delta events) or 0 (snapshots), got {value!r}")
+
+
+def parse_subscription(args: Any, last_event_id: str | None = None) -> Subscription:
+    """The event stream a request asks for: ``client_id``, ``since`` (or ``Last-Event-ID``,
+    which wins) and ``deltas``, from its query ``args``.
+
+    Raises:
+        BadRequest: a malformed value; the message names the parameter.
+    """
+    client_id = wire.validate_client_id(args.get("client_id"))
+    if last_event_id:
+        since = parse_seq(last_event_id, "Last-Event-ID")
+    else:
+        since = parse_seq(args.get("since"), "since")
+    return Subscription(client_id, since, parse_deltas(args.get("deltas")))
+
+
 def check_upgrade(
     settings: Settings,
     api: Api,
@@ -78,39 +119,39 @@ def check_upgrade(
     args: Any,
     cookies: Any,
     scheme: str,
-) -> tuple[Workspace, str, int | None]:
-    """Check a websocket upgrade: host, token, origin, workspace, ``client_id``, ``since``.
+) -> tuple[Workspace, Subscription]:
+    """Check a websocket upgrade: host, token, origin, workspace, ``client_id``, ``since``,
+    ``deltas``.
 
-    Returns ``(workspace, client_id, since)``; raises the :class:`~crush_trio.errors.CrushError`
+    Returns ``(workspace, subscription)``; raises the :class:`~crush_trio.errors.CrushError`
     whose status the upgrade is refused with (PROTOCOL §5).
     """
     check_request_host(settings, headers)
     check_request_token(settings, headers, args, cookies)
     check_request_origin(settings, headers, scheme)
     ws = api.workspace(wid)
-    client_id = wire.validate_client_id(args.get("client_id"))
-    since = parse_seq(args.get("since"), "since")
+    sub = parse_subscription(args)
     ws.check_open()
-    return ws, client_id, since
+    return ws, sub
 
 
 @contextmanager
 def subscribed(
-    ws: Workspace, client_id: str, since: int | None
+    ws: Workspace, sub: Subscription
 ) -> Iterator[tuple[ClientStream, Event, list[Event]]]:
-    """Subscribe ``client_id`` to the workspace's events and hold the workspace for it.
+    """Subscribe ``sub.client_id`` to the workspace's events and hold the workspace for it.
 
     Yields ``(stream, hello, first)``: the client's queue, the ``hello`` frame and the frames
-    that resume after ``since``. On the way out the stream is closed and the hold dropped.
+    that resume after ``sub.since``. On the way out the stream is closed and the hold dropped.
     """
-    stream, first = ws.broker.subscribe(since=since, client_id=client_id)
+    stream, first = ws.broker.subscribe(since=sub.since, client_id=sub.client_id, deltas=sub.deltas)
     hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
-    ws.attach(client_id)
+    ws.attach(sub.client_id)
     try:
         yield stream, hello, first
     finally:
         stream.close()
-        ws.detach(client_id)
+        ws.detach(sub.client_id)
 
 
 def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
@@ -122,15 +163,13 @@ def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
     return WS_CLOSE_NORMAL, ""
 
 
-async def serve_connection(
-    sock: EventSocket, ws: Workspace, client_id: str, since: int | None, api: Api
-) -> None:
+async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, api: Api) -> None:
     """Serve one accepted websocket until the client leaves, is killed or the workspace closes;
     then close it (see the module's docstring)."""
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
-    with subscribed(ws, client_id, since) as (stream, hello, first):
+    with subscribed(ws, sub) as (stream, hello, first):
         async with trio.open_nursery() as nursery:
             writer_scope = trio.CancelScope()
             stream.on_kill = writer_scope.cancel

@@ -15,7 +15,7 @@ import trio
 from quart import Response
 
 from ..broker import Event
-from .connection import subscribed
+from .connection import Subscription, subscribed
 
 if TYPE_CHECKING:
     from ..backend.workspace import Workspace
@@ -25,9 +25,7 @@ if TYPE_CHECKING:
 SSE_PING: Final = b": ping\n\n"
 
 
-async def serve_sse(
-    ws: Workspace, client_id: str, since: int | None, settings: Settings
-) -> Response:
+async def serve_sse(ws: Workspace, sub: Subscription, settings: Settings) -> Response:
     """An SSE response streaming the workspace's events (PROTOCOL §5)."""
     ws.check_open()
     interval = settings.sse_ping_interval
@@ -38,7 +36,7 @@ async def serve_sse(
         # only for a body that started.
         if ws.closing:
             return
-        with subscribed(ws, client_id, since) as (stream, hello, first):
+        with subscribed(ws, sub) as (stream, hello, first):
             yield hello.sse
             for frame in first:
                 yield frame.sse

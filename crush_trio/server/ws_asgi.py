@@ -17,7 +17,7 @@ import trio
 from quart import websocket
 
 from ..broker import Event
-from .connection import CLOSE_TIMEOUT, serve_connection
+from .connection import CLOSE_TIMEOUT, Subscription, serve_connection
 
 if TYPE_CHECKING:
     from ..backend.workspace import Workspace
@@ -48,7 +48,7 @@ class AsgiEventSocket:
                 pass
 
 
-async def serve_asgi_websocket(ws: Workspace, client_id: str, since: int | None, api: Api) -> None:
+async def serve_asgi_websocket(ws: Workspace, sub: Subscription, api: Api) -> None:
     """Accept the upgrade (already checked) and serve the connection until it ends."""
     await websocket.accept()
-    await serve_connection(AsgiEventSocket(), ws, client_id, since, api)
+    await serve_connection(AsgiEventSocket(), ws, sub, api)

@@ -176,7 +176,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             if match:
                 req.headers["Host"] = match.group(1).decode("latin-1").strip()
         try:
-            ws, client_id, since = check_upgrade(
+            ws, sub = check_upgrade(
                 settings, api, req.path.split("/")[3], req.headers, req.args, req.cookies, "http"
             )
         except CrushError as exc:
@@ -199,7 +199,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             nursery.cancel_scope.cancel()
             return  # the client left (or stalled) while the upgrade answer was written
         sock = TrioEventSocket(
-            conn, serialized, client_id=client_id, ping_interval=settings.ws_ping_interval
+            conn, serialized, client_id=sub.client_id, ping_interval=settings.ws_ping_interval
         )
-        await serve_connection(sock, ws, client_id, since, api)
+        await serve_connection(sock, ws, sub, api)
         nursery.cancel_scope.cancel()

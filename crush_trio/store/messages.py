@@ -13,6 +13,13 @@ the latest state of each message and
   Streaming state is published from memory before it is written; a crash can lose at most one
   write window of a partial reply, never a finished message.
 
+What a window publishes: when every change since the message's last event was an append (the
+caller passes the :class:`~crush_trio.wire.MessageDelta` of each) and a ``publish_delta`` callback
+is set, one ``message_delta`` per part that grew, the appends to a part coalesced (the first
+offset, the texts concatenated); otherwise one ``updated`` snapshot. Appends to different parts
+are independent, so their deltas go out in the order the parts were first appended to in the
+window (a part is created by its first delta, in index order).
+
 Changes that end a phase are written and then published at once, because the next step depends
 on them being stored:
 
@@ -50,7 +57,7 @@ from typing import Final, NamedTuple, Protocol
 import trio
 
 from ..errors import StoreError
-from ..wire import EventKind, Message, ReasoningPart, Role, ToolCallPart
+from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,39 @@ class MessageStore(Protocol):
 
 #: The publish callback: synchronous, never blocking (lossy delivery is the caller's business).
 Publish = Callable[[Message, EventKind], None]
+#: The delta publish callback: one append (coalesced) and the message's state after it.
+PublishDelta = Callable[[MessageDelta, Message], object]
+
+
+class _Coalesced:
+    """The appends to one part since the message's last event: the first offset, the texts."""
+
+    __slots__ = ("delta", "end", "texts")
+
+    def __init__(self, delta: MessageDelta) -> None:
+        self.delta = delta
+        self.texts = [delta.text]
+        self.end = delta.offset + len(delta.text)
+
+    def joined(self) -> MessageDelta:
+        delta = self.delta
+        if len(self.texts) > 1:
+            delta = MessageDelta(
+                delta.message_id,
+                delta.session_id,
+                delta.part,
+                delta.part_type,
+                delta.offset,
+                "".join(self.texts),
+                delta.tool_call_id,
+                delta.tool_name,
+            )
+        return delta
+
+
+#: The appends since a message's last event, by part index; None: a change that was not an
+#: append (the next event is a snapshot).
+_Appends = dict[int, _Coalesced] | None
 
 
 class Shape(NamedTuple):
@@ -143,12 +183,15 @@ class MessageService:
         *,
         debounce: float = DEBOUNCE_SECONDS,
         write_window: float = WRITE_WINDOW_SECONDS,
+        publish_delta: PublishDelta | None = None,
     ) -> None:
         for name, value in (("debounce", debounce), ("write_window", write_window)):
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
         self._store = store
         self._publish = publish
+        self._publish_delta = publish_delta
+        self._appends: dict[str, _Appends] = {}  # id -> appends since its last event
         self._debounce = debounce
         self._write_window = max(write_window, debounce)
         self._pending: dict[str, Message] = {}
@@ -233,12 +276,17 @@ class MessageService:
         if message.role is Role.ASSISTANT and message.finish() is None:
             self._shapes[message.id] = (message.session_id, shape_of(message))
             self._last_publish[message.id] = trio.current_time()
+        self._appends.pop(message.id, None)
         self._add_pending(message)
         self._publish(message, EventKind.CREATED)
 
-    async def update(self, message: Message) -> None:
+    async def update(self, message: Message, append: MessageDelta | None = None) -> None:
         """Record the latest state of a message; publish it within the publish window (at once
         after a quiet window) and write it within the write window.
+
+        ``append``: this change only appended ``append.text`` to one part (it is published as a
+        ``message_delta`` when every change in the window was an append); None for any other
+        change (the window publishes a snapshot).
 
         This is async because a terminal change (see :func:`is_terminal_change`) is written and
         published before it returns; any other update returns at once, without a checkpoint.
@@ -258,6 +306,10 @@ class MessageService:
         else:
             self._shapes[mid] = (message.session_id, shape)
         self._add_pending(message)
+        if terminal or append is None or self._publish_delta is None:
+            self._appends[mid] = None
+        else:
+            self._add_append(mid, append)
         if terminal:
             # Published only after its write (never from memory: due at infinity); everything
             # pending goes with it, so rows keep their creation order.
@@ -351,12 +403,34 @@ class MessageService:
         self._unpublished[mid] = (last + self._debounce, message)
         self._wakeup.set()
 
+    def _add_append(self, mid: str, append: MessageDelta) -> None:
+        if mid not in self._appends:
+            self._appends[mid] = {append.part: _Coalesced(append)}
+            return
+        appends = self._appends[mid]
+        if appends is None:
+            return  # a snapshot is due anyway
+        pending = appends.get(append.part)
+        if pending is None:
+            appends[append.part] = _Coalesced(append)
+        elif pending.end == append.offset and pending.delta.part_type == append.part_type:
+            pending.texts.append(append.text)
+            pending.end += len(append.text)
+        else:  # not contiguous: the caller changed the part some other way
+            self._appends[mid] = None
+
     def _published(self, message: Message, now: float) -> None:
         self._unpublished.pop(message.id, None)
         if message.id in self._shapes:
             self._last_publish[message.id] = now
         else:  # finished: no more windows to keep
             self._last_publish.pop(message.id, None)
+        appends = self._appends.pop(message.id, None)
+        if appends and self._publish_delta is not None:
+            for pending in appends.values():
+                self.publish_count += 1
+                self._publish_delta(pending.joined(), message)
+            return
         self.publish_count += 1
         self._publish(message, EventKind.UPDATED)
 
@@ -385,9 +459,12 @@ class MessageService:
                 del table[mid]
         for mid in [mid for mid, (_, m) in self._unpublished.items() if match(m)]:
             del self._unpublished[mid]
+        for mid in [mid for mid in self._appends if mid not in self._unpublished]:
+            del self._appends[mid]
         for mid in ids:
             self._shapes.pop(mid, None)
             self._last_publish.pop(mid, None)
+            self._appends.pop(mid, None)
         for mid in [mid for mid in self._due if mid not in self._pending]:
             del self._due[mid]
 
