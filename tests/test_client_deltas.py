@@ -15,13 +15,15 @@ import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crush_trio.client.deltas import Assembler, MessageDelta, apply_delta, decode_delta
+from crush_trio.client.deltas import Assembler, apply_delta
 from crush_trio.client.events import decode_frame
 from crush_trio.client.transcript import Transcript
 from crush_trio.wire import (
+    DeltaPartType,
     FinishPart,
     FinishReason,
     Message,
+    MessageDelta,
     ReasoningPart,
     Role,
     TextPart,
@@ -29,6 +31,7 @@ from crush_trio.wire import (
 )
 
 MID, SID = "m1", "s1"
+TEXT, REASONING, TOOL_CALL = DeltaPartType
 
 # Code points of several widths in UTF-8 and UTF-16 (offsets count code points).
 texts = st.text(alphabet=st.sampled_from("ab é€😀\n#*"), min_size=0, max_size=60)
@@ -53,7 +56,7 @@ def final_messages(draw: Any) -> Message:
     return Message(MID, SID, Role.ASSISTANT, parts, created_at=1, updated_at=1)
 
 
-FIELD = {TextPart: ("text", "text"), ReasoningPart: ("reasoning", "thinking")}
+FIELD = {TextPart: (TEXT, "text"), ReasoningPart: (REASONING, "thinking")}
 
 
 def chunked(final: Message, cuts: Any) -> list[MessageDelta]:
@@ -61,7 +64,7 @@ def chunked(final: Message, cuts: Any) -> list[MessageDelta]:
     out: list[MessageDelta] = []
     for index, part in enumerate(final.parts):
         if isinstance(part, ToolCallPart):
-            kind, body, call = "tool_call", part.input, (part.id, part.name)
+            kind, body, call = TOOL_CALL, part.input, (part.id, part.name)
         else:
             kind, field = FIELD[type(part)]
             body, call = getattr(part, field), ("", "")
@@ -165,11 +168,11 @@ def test_a_dropped_delta_is_detected_and_a_reread_plus_held_deltas_converge(
 def test_offset_beyond_what_the_client_has_is_missing_text() -> None:
     asm = Assembler()
     asm.snapshot(empty())
-    assert asm.apply(MessageDelta(MID, SID, 0, "text", 0, "Hello")) is not None
-    assert asm.apply(MessageDelta(MID, SID, 0, "text", 7, "world")) is None
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 0, "Hello")) is not None
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 7, "world")) is None
     assert asm.missing == {MID: SID}
     # Later deltas are held too, in order, until the re-read.
-    assert asm.apply(MessageDelta(MID, SID, 0, "text", 12, "!")) is None
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 12, "!")) is None
     reread = attrs.evolve(empty(), parts=[TextPart("Hello, wor")])
     message = asm.refetched(reread)
     assert message.text() == "Hello, world!"
@@ -179,39 +182,39 @@ def test_offset_beyond_what_the_client_has_is_missing_text() -> None:
 def test_a_snapshot_supersedes_what_was_assembled() -> None:
     asm = Assembler()
     asm.snapshot(empty())
-    asm.apply(MessageDelta(MID, SID, 0, "text", 0, "draft"))
+    asm.apply(MessageDelta(MID, SID, 0, TEXT, 0, "draft"))
     retry = attrs.evolve(empty(), parts=[TextPart("Other")])
     assert asm.snapshot(retry).text() == "Other"
-    assert asm.apply(MessageDelta(MID, SID, 0, "text", 5, " text")).text() == "Other text"  # type: ignore[union-attr]
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 5, " text")).text() == "Other text"  # type: ignore[union-attr]
 
 
 def test_a_stale_reread_does_not_take_back_text() -> None:
     asm = Assembler()
     asm.snapshot(empty())
-    asm.apply(MessageDelta(MID, SID, 0, "text", 0, "Hello world"))
+    asm.apply(MessageDelta(MID, SID, 0, TEXT, 0, "Hello world"))
     stale = attrs.evolve(empty(), parts=[TextPart("Hello")])
     assert asm.refetched(stale).text() == "Hello world"
 
 
 def test_deltas_of_unknown_messages_and_parts_are_missing() -> None:
     asm = Assembler()
-    assert asm.apply(MessageDelta("other", SID, 0, "text", 0, "x")) is None
+    assert asm.apply(MessageDelta("other", SID, 0, TEXT, 0, "x")) is None
     assert asm.missing == {"other": SID}
     asm.snapshot(empty())
     # A part two beyond the end, a new part not starting at 0, a part of another type.
-    assert asm.apply(MessageDelta(MID, SID, 1, "text", 0, "x")) is None
+    assert asm.apply(MessageDelta(MID, SID, 1, TEXT, 0, "x")) is None
     asm = Assembler()
     asm.snapshot(empty())
-    assert asm.apply(MessageDelta(MID, SID, 0, "text", 3, "x")) is None
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 3, "x")) is None
     asm = Assembler()
     asm.snapshot(attrs.evolve(empty(), parts=[TextPart("a")]))
-    assert asm.apply(MessageDelta(MID, SID, 0, "reasoning", 1, "x")) is None
+    assert asm.apply(MessageDelta(MID, SID, 0, REASONING, 1, "x")) is None
 
 
 def test_a_new_tool_call_part_carries_its_id_and_name() -> None:
     asm = Assembler()
     asm.snapshot(empty())
-    message = asm.apply(MessageDelta(MID, SID, 0, "tool_call", 0, '{"cmd"', "call1", "bash"))
+    message = asm.apply(MessageDelta(MID, SID, 0, TOOL_CALL, 0, '{"cmd"', "call1", "bash"))
     assert message is not None
     assert message.parts == [ToolCallPart("call1", "bash", '{"cmd"')]
 
@@ -248,9 +251,16 @@ def test_decode_delta_frames() -> None:
     }
     event = decode_frame(frame)
     assert event is not None and event.type == "message_delta" and event.seq == 7
-    assert event.payload == MessageDelta(MID, SID, 0, "text", 12, "world")
+    assert event.payload == MessageDelta(MID, SID, 0, TEXT, 12, "world")
     assert event.to_json() is frame
-    for bad in ({"part": -1}, {"offset": "3"}, {"part_type": "image"}, {"text": None}):
+    for bad in ({"offset": "3"}, {"text": None}):
         body = {**frame["payload"]["payload"], **bad}
-        assert decode_delta(body) is None
         assert decode_frame({**frame, "payload": {"type": "updated", "payload": body}}) is None
+    asm = Assembler()
+    asm.snapshot(attrs.evolve(empty(), parts=[TextPart("a")]))
+    # A part type this client does not know is never applied: the message is re-read.
+    unknown = {**frame["payload"]["payload"], "message_id": MID, "part_type": "image"}
+    event = decode_frame({**frame, "payload": {"type": "updated", "payload": unknown}})
+    assert event is None or asm.apply(event.payload) is None
+    # A negative index or offset never applies (it would index parts from the end).
+    assert asm.apply(MessageDelta(MID, SID, -1, TEXT, 1, "x")) is None  # type: ignore[arg-type]

@@ -1,5 +1,7 @@
 """Assembling streaming messages from ``message_delta`` events (plain logic, no I/O).
 
+The payload of a ``message_delta`` event is :class:`~crush_trio.wire.MessageDelta`.
+
 A client that opens its event stream with ``deltas=1`` (PROTOCOL §5, "Message deltas") gets a
 streaming message as a ``message`` ``created`` snapshot, then ``message_delta`` events that each
 append text to one part (``part``, ``part_type``, ``offset``: the field's length before the
@@ -26,14 +28,11 @@ text and re-read.
 from __future__ import annotations
 
 import collections
-import logging
 from typing import Any, Final
 
 import attrs
 
-from ..wire import Message, Part, ReasoningPart, TextPart, ToolCallPart
-
-log = logging.getLogger(__name__)
+from ..wire import Message, MessageDelta, Part, ReasoningPart, TextPart, ToolCallPart
 
 #: Streaming messages whose state is kept; beyond it the least recently changed is forgotten.
 MAX_ASSEMBLED_MESSAGES: Final = 256
@@ -50,79 +49,17 @@ _PART_CLASSES: Final[dict[str, type[Any]]] = {
 }
 
 
-@attrs.frozen
-class MessageDelta:
-    """One append to a part of a streaming message (the payload of a ``message_delta`` event).
-
-    Attributes:
-        message_id, session_id: the message and its session.
-        part: index into ``message.parts``; equal to the number of parts (with ``offset`` 0) it
-            creates a new part of ``part_type``.
-        part_type: ``text`` (appends to ``TextPart.text``), ``reasoning``
-            (``ReasoningPart.thinking``) or ``tool_call`` (``ToolCallPart.input``).
-        offset: the field's length before this append, in Unicode code points.
-        text: the appended text.
-        tool_call_id, tool_name: set when the delta creates a ``tool_call`` part.
-    """
-
-    message_id: str
-    session_id: str
-    part: int
-    part_type: str
-    offset: int
-    text: str
-    tool_call_id: str = ""
-    tool_name: str = ""
-
-    @property
-    def end(self) -> int:
-        """The field's length after this append."""
-        return self.offset + len(self.text)
-
-
-def decode_delta(data: Any) -> MessageDelta | None:
-    """The :class:`MessageDelta` of a ``message_delta`` event's inner payload, or ``None`` when it
-    is malformed (the caller logs it and skips the event)."""
-    if not isinstance(data, dict):
-        return None
-    try:
-        delta = MessageDelta(
-            message_id=data["message_id"],
-            session_id=data.get("session_id", ""),
-            part=data["part"],
-            part_type=data["part_type"],
-            offset=data["offset"],
-            text=data["text"],
-            tool_call_id=data.get("tool_call_id") or "",
-            tool_name=data.get("tool_name") or "",
-        )
-    except (KeyError, TypeError):
-        return None
-    ints_ok = all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0
-        for v in (delta.part, delta.offset)
-    )
-    strs_ok = all(
-        isinstance(v, str)
-        for v in (
-            delta.message_id,
-            delta.session_id,
-            delta.text,
-            delta.tool_call_id,
-            delta.tool_name,
-        )
-    )
-    if not ints_ok or not strs_ok or delta.part_type not in PART_FIELDS:
-        return None
-    return delta
-
-
 def apply_delta(message: Message, delta: MessageDelta) -> Message | None:
     """``message`` with ``delta`` applied: a new :class:`Message` (``message`` itself when the
     delta's text is already covered), or ``None`` when text before the delta is missing (or the
-    delta does not fit the message's parts)."""
+    delta does not fit the message's parts).
+
+    Unlike :func:`crush_trio.wire.apply_delta` it never changes ``message``, whose earlier
+    versions may still wait in a consumer's mailbox."""
     parts = message.parts
-    field = PART_FIELDS[delta.part_type]
+    field = PART_FIELDS.get(delta.part_type)
+    if field is None or delta.part < 0 or delta.offset < 0:
+        return None
     if delta.part == len(parts):
         if delta.offset != 0:
             return None
@@ -140,7 +77,7 @@ def apply_delta(message: Message, delta: MessageDelta) -> Message | None:
     have: str = getattr(part, field)
     if delta.offset > len(have):
         return None
-    if delta.end <= len(have):
+    if delta.offset + len(delta.text) <= len(have):
         return message
     appended = delta.text[len(have) - delta.offset :]
     changed = list(parts)

@@ -20,7 +20,6 @@ import attrs
 import trio
 
 from .. import wire
-from .deltas import MessageDelta, decode_delta
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Event:
         type: the payload type (``message``, ``message_delta``, ``run_complete``, ...) or
             ``gap``.
         payload: the wire object (a :class:`Gap` for ``gap``, a
-            :class:`~crush_trio.client.deltas.MessageDelta` for ``message_delta``).
+            :class:`~crush_trio.wire.MessageDelta` for ``message_delta``).
         seq: the event's sequence number; ``None`` for events the client made itself.
         kind: ``created``, ``updated`` or ``deleted``.
         raw: the envelope exactly as received (``None`` for events the client made itself).
@@ -87,7 +86,7 @@ class Event:
         return None
 
     @property
-    def delta(self) -> MessageDelta | None:
+    def delta(self) -> wire.MessageDelta | None:
         """The append of a ``message_delta`` event (``None`` for other events)."""
         return self.payload if self.type == MESSAGE_DELTA else None
 
@@ -95,9 +94,7 @@ class Event:
         """The envelope: as received, or in the same shape for the client's own events."""
         if self.raw is not None:
             return self.raw
-        payload = (
-            attrs.asdict(self.payload) if isinstance(self.payload, Gap | MessageDelta) else None
-        )
+        payload = attrs.asdict(self.payload) if isinstance(self.payload, Gap) else None
         if payload is None:
             payload = wire.converter.unstructure(self.payload)
         return {
@@ -127,13 +124,6 @@ def decode_frame(frame: Any) -> Event | None:
             seq if isinstance(seq, int) else None,
             raw=frame,
         )
-    if ftype == MESSAGE_DELTA and isinstance(body, dict) and isinstance(seq, int):
-        delta = decode_delta(body.get("payload"))
-        if delta is None:
-            log.warning("ignoring a malformed message_delta event (seq %d)", seq)
-            return None
-        kind = body.get("type")
-        return Event(MESSAGE_DELTA, delta, seq, kind if isinstance(kind, str) else "updated", frame)
     if not isinstance(ftype, str) or ftype not in _CLASSES:
         return None  # hello, reply, error and payload types this client does not know
     if not isinstance(seq, int) or not isinstance(body, dict):
