@@ -152,9 +152,9 @@ async def test_away_for_ten_seconds_during_a_paced_reply_resumes_without_gap(
         started.release()
         async for event in stream:  # the reply is on its way
             events.append(event)
-            if event.type == "message_delta" and event.message is not None:
-                if len(event.message.text()) > 100:
-                    break
+            message = event.message
+            if event.type == "message_delta" and message is not None and len(message.text()) > 100:
+                break
         async with held_reconnect(ws) as (reconnecting, allow):
             kill_streams(crush_server, ws.id, ws.client.client_id)
             await reconnecting.wait()
