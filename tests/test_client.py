@@ -89,8 +89,8 @@ def printed(events: list[Event]) -> str:
     transcript = Transcript()
     out = ""
     for event in events:
-        if event.type == "message":
-            out += transcript.update(event.payload)
+        if event.message is not None:  # a message snapshot or the message a delta leads to
+            out += transcript.update(event.message)
         elif event.type == "run_complete":
             out += transcript.finish(event.payload.message_id, event.payload.text)
     return out
