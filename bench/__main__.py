@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w2-rounds", type=int, help="W2 measured rounds (full: 5)")
     p.add_argument("--w3-clients", type=_ints, help="W3 client counts, e.g. 10,100,1000")
     p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
+    p.add_argument("--w3-paced-clients", type=int, help="W3 paced fan-out: websocket clients")
+    p.add_argument("--w3-paced-tokens", type=int, help="W3 paced fan-out: tokens of the run")
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -78,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w2_rounds": args.w2_rounds,
         "w3_clients": args.w3_clients,
         "w3_updates": args.w3_updates,
+        "w3_paced_clients": args.w3_paced_clients,
+        "w3_paced_tokens": args.w3_paced_tokens,
         "w4_idle": args.w4_idle,
         "w4_updates": args.w4_updates,
         "soak_runs": args.soak_runs,
