@@ -294,9 +294,14 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         async def start() -> None:
             handles.append(await ws.prompt(session.id, "Stream your tokens."))
 
-        fan = await watch_until_done(ctx, "w3-paced-watch", server.url, ws.id, n, start, server.cpu)
+        record = work / "frames.json"
+        fan = await watch_until_done(
+            ctx, "w3-paced-watch", server.url, ws.id, n, start, server.cpu, record
+        )
         run = await ws.get_run(handles[0].run_id)
     chars = len(run.text)
+    kinds = _frame_kinds(_read_frames(record))
+    ctx.log(f"  one client's frames by type (count, bytes): {kinds}")
     per_char = fan.bytes / n / chars if chars else float("nan")
     cpu_share = fan.cpu / fan.wall if fan.wall > 0 else float("nan")
     ctx.log(
@@ -333,6 +338,10 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         f"{fan.complete}/{n}",
     )
     result.tables.append(table)
+    result.notes.append(
+        "Paced fan-out, one client's frames by type (count, bytes): "
+        + ", ".join(f"{k} {c:,} / {b:,} B" for k, (c, b) in sorted(kinds.items()))
+    )
     result.targets += [
         Target(
             f"paced fan-out: bytes per client per reply character, {n} clients",
@@ -366,7 +375,19 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         "cpu_share": cpu_share,
         "gaps": fan.gaps,
         "run_complete": fan.complete,
+        "frame_kinds": kinds,
     }
+
+
+def _frame_kinds(frames: list[str]) -> dict[str, list[int]]:
+    """Frames of one client by event type: ``[count, UTF-8 bytes]``."""
+    out: dict[str, list[int]] = {}
+    for frame in frames:
+        kind = str(orjson.loads(frame).get("type"))
+        entry = out.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += len(frame.encode())
+    return out
 
 
 def _read_frames(path: Path) -> list[str]:
