@@ -142,11 +142,11 @@ class Mailbox:
     """A single consumer's queue of events.
 
     Backpressure: the producer (the reader task) never waits. Lossy events (``message``,
-    ``session``, ``agent_event``) beyond ``size`` are dropped and counted, and the consumer gets a
-    ``gap`` event (``seq=None``) before the next event that fits. Must-deliver events
-    (``run_complete``, ``permission_*``) are always queued: there are few of them (one terminal
-    and the permission requests of the consumer's own runs), so they cannot grow without bound
-    while the lossy part is capped.
+    ``message_delta``, ``session``, ``agent_event``) beyond ``size`` are dropped and counted, and
+    the consumer gets a ``gap`` event (``seq=None``) before the next event that fits.
+    Must-deliver events (``run_complete``, ``permission_*``) are always queued: there are few of
+    them (one terminal and the permission requests of the consumer's own runs), so they cannot
+    grow without bound while the lossy part is capped.
     """
 
     def __init__(self, size: int = DEFAULT_MAILBOX_SIZE) -> None:

@@ -5,13 +5,18 @@ Task ownership: :meth:`EventStream.running` opens a nursery that lives as long a
 and holds
 
 * the **reader** (:meth:`EventStream._reader`): the one task that reads the workspace's
-  websocket. It decodes each frame and offers it to the run handles and subscriptions
-  (never waiting on them: see :class:`~crush_trio.client.events.Mailbox`). When the connection
+  websocket (opened with ``deltas=1`` unless the client says otherwise). It decodes each frame,
+  assembles ``message_delta`` events into whole messages (:class:`~.deltas.Assembler`; a delta
+  that shows missing text is held and its session's messages re-read) and offers each event to
+  the run handles and subscriptions (never waiting on them: see
+  :class:`~crush_trio.client.events.Mailbox`). When the connection
   drops it reconnects with ``since=<last seq>``, so the server replays what was missed; when the
   server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
   to re-read state over HTTP.
 * the **resync** task: re-reads ``GET runs/{id}`` (and the session's messages) for run handles
-  that may have missed events, so a run that ended while the client was away still ends. When
+  that may have missed events, so a run that ended while the client was away still ends, and the
+  messages of sessions whose streaming text is missing (after a ``gap``, or a delta whose offset
+  is beyond the text the client has), merging them with what was assembled. When
   the stream cannot be re-opened at all (the server refuses it, or stays unreachable), the runs
   still pending are followed by their records alone: each ends with the outcome its record
   shows, and fails only when its record cannot be read either.
