@@ -229,6 +229,11 @@ def test_finished_messages_are_forgotten_and_the_count_is_bounded() -> None:
     )
     asm.snapshot(finished)
     assert asm.get("m4") is None
+    # Only assistant messages stream: a user message is not kept.
+    asm.snapshot(Message("u1", SID, Role.USER, [TextPart("prompt")]))
+    assert asm.get("u1") is None
+    asm.forget_session(SID)
+    assert len(asm) == 0
 
 
 def test_decode_delta_frames() -> None:

@@ -20,7 +20,8 @@ every delta into the whole message as it now stands:
   :meth:`Assembler.refetched`, which takes it and then applies the held deltas on top of it (the
   deltas that arrived while the re-read was on its way).
 
-Messages are forgotten once they carry a finish part (no delta follows it), and at most
+Only assistant messages are kept (no other role streams), each until it carries a finish part
+(no delta follows it), and at most
 :data:`MAX_ASSEMBLED_MESSAGES` are kept: a delta of a forgotten message is treated as missing
 text and re-read.
 """
@@ -32,7 +33,7 @@ from typing import Any, Final
 
 import attrs
 
-from ..wire import Message, MessageDelta, Part, ReasoningPart, TextPart, ToolCallPart
+from ..wire import Message, MessageDelta, Part, ReasoningPart, Role, TextPart, ToolCallPart
 
 #: Streaming messages whose state is kept; beyond it the least recently changed is forgotten.
 MAX_ASSEMBLED_MESSAGES: Final = 256
@@ -122,7 +123,7 @@ class Assembler:
         return out
 
     def _keep(self, message: Message) -> None:
-        if message.finish() is not None:
+        if message.finish() is not None or message.role is not Role.ASSISTANT:
             self._messages.pop(message.id, None)
             return
         self._messages[message.id] = message

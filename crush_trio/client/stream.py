@@ -544,9 +544,14 @@ class EventStream:
                 return
             event = attrs.evolve(event, assembled=message)
         elif event.type == "message":
-            message = self.assembler.snapshot(event.payload)
-            if message is not event.payload:
-                event = attrs.evolve(event, payload=message)
+            if event.kind == "deleted":
+                self.assembler.forget(event.payload.id)
+            else:
+                message = self.assembler.snapshot(event.payload)
+                if message is not event.payload:
+                    event = attrs.evolve(event, payload=message)
+        elif event.type == "session" and event.kind == "deleted":
+            self.assembler.forget_session(event.payload.id)
         self._dispatch(event)
 
     def _dispatch(self, event: Event) -> None:
