@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import shutil
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+from .client import DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import FULL, SMOKE, WORKLOADS, Ctx
@@ -54,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         help="record every server with py-spy into OUT/profiles/ (needs py-spy installed)",
+    )
+    p.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="clients ask for whole message snapshots, not deltas=1 (for comparison)",
     )
     p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
@@ -93,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
         return 2
+    if args.snapshots:
+        os.environ[DELTAS_ENV] = "0"  # inherited by the client workers
     raise_fd_limit()
     workdir = Path(tempfile.mkdtemp(prefix="crush-bench-"))
     out = args.out or (
@@ -110,7 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", flush=True)
 
-    print(f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}")
+    mode = "whole message snapshots" if args.snapshots else "message deltas"
+    print(
+        f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}; "
+        f"clients get {mode}"
+    )
     print(f"machine: {machine_line(info)}", flush=True)
     ctx = Ctx(sizes=sizes, workdir=workdir, log=log)
     results: list[WorkloadResult] = []

@@ -85,6 +85,14 @@ RUN_COMPLETE_MARK: Final = '"type":"run_complete"'
 GAP_MARK: Final = '"type":"gap"'
 #: Chaos: how long to keep listening after the last expected run_complete, for duplicates.
 LATE_DUPLICATES: Final = 0.5
+#: Set to ``0`` (``python -m bench --snapshots``), the ``runs`` and ``watch`` workers open their
+#: streams without ``deltas=1`` and get whole ``message`` snapshots, as a Crush client does.
+DELTAS_ENV: Final = "CRUSH_BENCH_DELTAS"
+
+
+def client_deltas() -> bool:
+    """Whether the workers ask for ``message_delta`` events (see :data:`DELTAS_ENV`)."""
+    return os.environ.get(DELTAS_ENV, "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,6 +332,7 @@ async def role_runs(io: Io, cfg: dict[str, Any]) -> None:
             TOKEN,
             request_timeout=HTTP_TIMEOUT,
             max_connections=int(cfg.get("connections", 100)),
+            deltas=client_deltas(),
         ) as client,
         client.workspace(cfg["project"]) as ws,
         ws.subscribe(timeout=None) as feed,
@@ -355,7 +364,7 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
     url: str = cfg["url"]
     wid: str = cfg["wid"]
     record_path: str | None = cfg.get("record")
-    deltas = bool(cfg.get("deltas", True))
+    deltas = bool(cfg.get("deltas", client_deltas()))
     recorded: list[str] = []
     stats: collections.Counter[str] = collections.Counter()
     closes: collections.Counter[str] = collections.Counter()

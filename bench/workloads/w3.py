@@ -15,6 +15,7 @@ from typing import Any, Final
 import orjson
 
 from .. import charts
+from ..client import client_deltas
 from ..procs import (
     child_process,
     cpu_seconds,
@@ -83,7 +84,6 @@ async def watch_until_done(
     measure: Callable[[], float],
     record: Path | None = None,
     within: float | None = None,
-    deltas: bool = True,
 ) -> FanOut:
     """Connect ``clients`` watchers of workspace ``wid`` at ``url`` over several processes, call
     ``start`` (async), and wait until every watcher saw ``run_complete`` (within ``within`` seconds,
@@ -95,7 +95,6 @@ async def watch_until_done(
             "wid": wid,
             "count": share,
             "record": str(record) if record and i == 0 else None,
-            "deltas": deltas,
         }
         for i, share in enumerate(split(clients, procs))
     ]
@@ -311,7 +310,8 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     )
     table = Table(
         f"Paced fan-out: one run of {tokens:,} tokens at {delay:g} ms per token (fake model, "
-        "default publish window) watched by N websocket clients with `deltas=1`",
+        "default publish window) watched by N websocket clients "
+        + ("with `deltas=1`" if client_deltas() else "in snapshot mode (`--snapshots`)"),
         [
             "clients",
             "reply chars",
