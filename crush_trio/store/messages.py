@@ -84,7 +84,7 @@ class MessageStore(Protocol):
 
 
 #: The publish callback: synchronous, never blocking (lossy delivery is the caller's business).
-Publish = Callable[[Message, EventKind], None]
+Publish = Callable[[Message, EventKind], object]
 #: The delta publish callback: one append (coalesced) and the message's state after it.
 PublishDelta = Callable[[MessageDelta, Message], object]
 
@@ -168,7 +168,7 @@ class MessageService:
     Attributes:
         peak_pending: The most messages that were pending (unwritten) at once.
         flush_count: Batch writes made to the store (each one transaction).
-        publish_count: ``updated`` events published.
+        publish_count: ``updated`` and ``message_delta`` events published.
         write_errors: Background writes that failed (logged and retried).
 
     Backpressure:
