@@ -188,6 +188,18 @@ def test_a_snapshot_supersedes_what_was_assembled() -> None:
     assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 5, " text")).text() == "Other text"  # type: ignore[union-attr]
 
 
+def test_a_snapshot_drops_the_deltas_held_before_it() -> None:
+    """Held deltas came before the snapshot on the stream; after a provider retry took the text
+    back, applying them would bring the old text back."""
+    asm = Assembler()
+    asm.snapshot(empty())
+    asm.apply(MessageDelta(MID, SID, 0, TEXT, 0, "Old"))
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 10, "lost")) is None
+    retry = attrs.evolve(empty(), parts=[TextPart("New")])
+    assert asm.snapshot(retry).text() == "New" and not asm.missing
+    assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 3, " text")).text() == "New text"  # type: ignore[union-attr]
+
+
 def test_a_stale_reread_does_not_take_back_text() -> None:
     asm = Assembler()
     asm.snapshot(empty())

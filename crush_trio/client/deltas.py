@@ -11,7 +11,8 @@ A server that ignores ``deltas=1`` sends snapshots only; the :class:`Assembler` 
 The :class:`Assembler` keeps the latest state of each message that is still streaming and turns
 every delta into the whole message as it now stands:
 
-* a snapshot (a ``message`` event) supersedes everything assembled for its message;
+* a snapshot (a ``message`` event) supersedes everything assembled for its message, and any
+  delta held for it;
 * a delta whose ``offset`` is at most what the client has applies only the part of its text the
   client lacks (nothing when it is already covered);
 * a delta the client cannot apply (an ``offset`` beyond what it has, a part it does not have, a
@@ -132,9 +133,13 @@ class Assembler:
             self._messages.popitem(last=False)
 
     def snapshot(self, message: Message) -> Message:
-        """A ``message`` event: it supersedes what was assembled; held deltas are applied on top
-        when they fit. Returns the message as it now stands."""
-        return self._take(message)
+        """A ``message`` event: it supersedes what was assembled, and the deltas held for a
+        re-read too (they came before it on the stream, so it holds their text, or a provider
+        retry took it back). Returns the message."""
+        self._held.pop(message.id, None)
+        self.missing.pop(message.id, None)
+        self._keep(message)
+        return message
 
     def _take(self, message: Message) -> Message:
         held = self._held.pop(message.id, None)
