@@ -51,6 +51,19 @@ _PART_CLASSES: Final[dict[str, type[Any]]] = {
 }
 
 
+_FIELDS: dict[type[Any], tuple[str, ...]] = {}
+
+
+def _replace(obj: Any, name: str, value: Any) -> Any:
+    """``attrs.evolve(obj, name=value)`` for the wire's plain classes (every field positional),
+    about four times cheaper: it runs once per delta."""
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(a.name for a in attrs.fields(cls))
+    return cls(*[value if n == name else getattr(obj, n) for n in names])
+
+
 def apply_delta(message: Message, delta: MessageDelta) -> Message | None:
     """``message`` with ``delta`` applied: a new :class:`Message` (``message`` itself when the
     delta's text is already covered), or ``None`` when text before the delta is missing (or the
@@ -70,7 +83,8 @@ def apply_delta(message: Message, delta: MessageDelta) -> Message | None:
             new: Part = ToolCallPart(delta.tool_call_id, delta.tool_name, delta.text)
         else:
             new = cls(**{field: delta.text})
-        return attrs.evolve(message, parts=[*parts, new])
+        extended: Message = _replace(message, "parts", [*parts, new])
+        return extended
     if delta.part > len(parts):
         return None
     part = parts[delta.part]
@@ -83,8 +97,9 @@ def apply_delta(message: Message, delta: MessageDelta) -> Message | None:
         return message
     appended = delta.text[len(have) - delta.offset :]
     changed = list(parts)
-    changed[delta.part] = attrs.evolve(part, **{field: have + appended})  # type: ignore[misc]
-    return attrs.evolve(message, parts=changed)
+    changed[delta.part] = _replace(part, field, have + appended)
+    result: Message = _replace(message, "parts", changed)
+    return result
 
 
 class Assembler:

@@ -542,7 +542,7 @@ class EventStream:
                 self.stats.deltas_missing += 1
                 self.reread(event.payload.session_id)
                 return
-            event = attrs.evolve(event, assembled=message)
+            event = Event(event.type, event.payload, event.seq, event.kind, event.raw, message)
         elif event.type == "message":
             if event.kind == "deleted":
                 self.assembler.forget(event.payload.id)
