@@ -627,3 +627,41 @@ async def test_resume_by_since_over_the_websocket_in_delta_mode(tmp_path: Path) 
     for f in replayed:
         assert client.apply(f)
     assert client.messages[stored[-1]["id"]].text() == text
+
+
+async def test_resume_from_outside_the_ring_in_delta_mode_starts_with_a_gap(
+    tmp_path: Path,
+) -> None:
+    text = "".join(f"token{i} " for i in range(100))
+    gate = Gate()
+    model = ScriptedModel([Step(text=text, gate_mid=gate)])
+    config = _config(tmp_path, replay_buffer=4)
+    async with running_server(tmp_path, config_file=config, provider_factory=model) as server:
+        wid = (await server.open_workspace())["id"]
+        sid = (await server.create_session(wid))["id"]
+        with trio.fail_after(WAIT * 2):
+            url = ws_url(server.url, wid, str(uuid.uuid4())) + "&deltas=1"
+            async with event_socket(url) as sock:
+                hello = await sock.recv()
+                await server.prompt(wid, sid, text, run_id="r1")
+                frames = await sock.until(lambda f: f["type"] == "message_delta")
+                gate.release()
+                frames += await sock.until(_is_complete("r1"))
+            last = frames[-1]["seq"]
+            assert last - hello["seq"] > 4
+            async with event_socket(
+                ws_url(server.url, wid, str(uuid.uuid4()), since=hello["seq"]) + "&deltas=1"
+            ) as again:
+                assert (await again.recv())["type"] == "hello"
+                gap = await again.recv()
+                replayed = await again.until(_is_complete("r1"))
+        stored = await server.messages(wid, sid)
+    oldest = replayed[0]["seq"]
+    assert gap["type"] == "gap" and gap["payload"] == {
+        "dropped": oldest - 1 - hello["seq"],
+        "from_seq": hello["seq"] + 1,
+        "to_seq": oldest - 1,
+    }
+    assert replayed == frames[-len(replayed) :]
+    # After the gap the client re-reads; what it re-reads is the stored reply.
+    assert wire.converter.structure(stored[-1], Message).text() == text
