@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
 import shutil
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+from .client import DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import FULL, SMOKE, WORKLOADS, Ctx
@@ -55,12 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="record every server with py-spy into OUT/profiles/ (needs py-spy installed)",
     )
+    p.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="clients ask for whole message snapshots, not deltas=1 (for comparison)",
+    )
     p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
     p.add_argument("--w2-runs", type=int, help="W2 concurrent runs")
     p.add_argument("--w2-rounds", type=int, help="W2 measured rounds (full: 5)")
     p.add_argument("--w3-clients", type=_ints, help="W3 client counts, e.g. 10,100,1000")
     p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
+    p.add_argument("--w3-paced-clients", type=int, help="W3 paced fan-out: websocket clients")
+    p.add_argument("--w3-paced-tokens", type=int, help="W3 paced fan-out: tokens of the run")
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -78,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w2_rounds": args.w2_rounds,
         "w3_clients": args.w3_clients,
         "w3_updates": args.w3_updates,
+        "w3_paced_clients": args.w3_paced_clients,
+        "w3_paced_tokens": args.w3_paced_tokens,
         "w4_idle": args.w4_idle,
         "w4_updates": args.w4_updates,
         "soak_runs": args.soak_runs,
@@ -89,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)
         return 2
+    if args.snapshots:
+        os.environ[DELTAS_ENV] = "0"  # inherited by the client workers
     raise_fd_limit()
     workdir = Path(tempfile.mkdtemp(prefix="crush-bench-"))
     out = args.out or (
@@ -106,7 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - started:6.1f}s] {line}", flush=True)
 
-    print(f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}")
+    mode = "whole message snapshots" if args.snapshots else "message deltas"
+    print(
+        f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}; "
+        f"clients get {mode}"
+    )
     print(f"machine: {machine_line(info)}", flush=True)
     ctx = Ctx(sizes=sizes, workdir=workdir, log=log)
     results: list[WorkloadResult] = []

@@ -7,12 +7,15 @@ the project's client library, :mod:`crush_trio.client`. Roles:
 
 * ``runs``: one library client (``connect`` → ``client.workspace(project)``) that creates
   sessions and submits one prompt per session on ``go`` (W1, W2) or a long series of short runs
-  on ``soak`` (W4), following each run through its :class:`~crush_trio.client.RunHandle`. It
-  measures submit → first visible text (the run's first ``message`` event with text), submit →
+  on ``soak`` (W4), following each run through its :class:`~crush_trio.client.RunHandle`. Its
+  stream asks for ``message_delta`` events (the library's default), which it assembles. It
+  measures submit → first visible text (the run's first ``message`` or ``message_delta`` event
+  with text), submit →
   ``run_complete``, and (when the model stamps its tokens) token-to-client latency; a workspace
   subscription counts the ``run_complete`` events of every run, so a duplicate would show.
-* ``watch``: ``count`` raw event-stream connections that read until a ``run_complete`` frame (W3,
-  and the reading client of W4) or stay idle until ``quit`` (W4's idle clients).
+* ``watch``: ``count`` raw event-stream connections (with ``deltas=1`` unless the config says
+  ``"deltas": false``) that read until a ``run_complete`` frame (W3, and the reading client of
+  W4) or stay idle until ``quit`` (W4's idle clients). They count frames and UTF-8 bytes.
 * ``stall``: one raw event-stream connection that never reads until told to ``drain`` (W4).
 * ``chaos``: a library client doing a bounded random mix of prompts, cancels, clears, stream
   drops and reads, plus one raw connection that comes and goes (W5); it checks that every
@@ -82,6 +85,14 @@ RUN_COMPLETE_MARK: Final = '"type":"run_complete"'
 GAP_MARK: Final = '"type":"gap"'
 #: Chaos: how long to keep listening after the last expected run_complete, for duplicates.
 LATE_DUPLICATES: Final = 0.5
+#: Set to ``0`` (``python -m bench --snapshots``), the ``runs`` and ``watch`` workers open their
+#: streams without ``deltas=1`` and get whole ``message`` snapshots, as a Crush client does.
+DELTAS_ENV: Final = "CRUSH_BENCH_DELTAS"
+
+
+def client_deltas() -> bool:
+    """Whether the workers ask for ``message_delta`` events (see :data:`DELTAS_ENV`)."""
+    return os.environ.get(DELTAS_ENV, "1") != "0"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +195,8 @@ class Runs:
             track.error = describe(exc)
 
     def on_event(self, event: Event, track: RunTrack, now: float) -> None:
-        if event.type == "message":
-            message = event.payload
+        message = event.message  # a snapshot, or the message a delta leads to
+        if message is not None:
             if message.role is not Role.ASSISTANT:
                 return
             text = message.text()
@@ -321,6 +332,7 @@ async def role_runs(io: Io, cfg: dict[str, Any]) -> None:
             TOKEN,
             request_timeout=HTTP_TIMEOUT,
             max_connections=int(cfg.get("connections", 100)),
+            deltas=client_deltas(),
         ) as client,
         client.workspace(cfg["project"]) as ws,
         ws.subscribe(timeout=None) as feed,
@@ -352,10 +364,12 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
     url: str = cfg["url"]
     wid: str = cfg["wid"]
     record_path: str | None = cfg.get("record")
+    deltas = bool(cfg.get("deltas", client_deltas()))
     recorded: list[str] = []
     stats: collections.Counter[str] = collections.Counter()
     closes: collections.Counter[str] = collections.Counter()
     frames_per_conn: list[int] = []
+    bytes_per_conn: list[int] = []
     end_times: list[float] = []
     ready = trio.Event()
     all_ended = trio.Event()
@@ -370,12 +384,17 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
             all_ended.set()
 
     async def connection(index: int) -> None:
-        frames = 0
+        frames = size = 0
         holding = True
         await handshakes.acquire()
         try:
             async with open_event_socket(
-                url, wid, TOKEN, timeout=CONNECT_TIMEOUT, message_queue_size=RAW_QUEUE_SIZE
+                url,
+                wid,
+                TOKEN,
+                timeout=CONNECT_TIMEOUT,
+                message_queue_size=RAW_QUEUE_SIZE,
+                deltas=deltas,
             ) as sock:
                 handshakes.release()
                 holding = False
@@ -385,7 +404,9 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                     reading_scopes.append(scope)
                     async for text in sock:
                         frames += 1
-                        stats["bytes"] += len(text)
+                        n = len(text.encode())
+                        size += n
+                        stats["bytes"] += n
                         if index == 0 and record_path:
                             recorded.append(text)
                         if GAP_MARK in text:
@@ -398,6 +419,7 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                         closes[str(sock.close_code)] += 1
                     stats["frames"] += frames
                     frames_per_conn.append(frames)
+                    bytes_per_conn.append(size)
                     stats["ended"] += 1
                     settled()
                 await finish.wait()
@@ -443,6 +465,8 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 failed=stats["failed"],
                 closes=dict(closes),
                 min_frames=min(frames_per_conn, default=0),
+                min_bytes=min(bytes_per_conn, default=0),
+                max_bytes=max(bytes_per_conn, default=0),
                 max_frames=max(frames_per_conn, default=0),
                 last_end=max(end_times, default=0.0),
             )

@@ -8,9 +8,11 @@ It is built on :mod:`crush_trio.client` and follows PROTOCOL §8 (flags, exit co
    process when none is named; open the workspace, whose event stream is open from then on.
 3. Pick the session (``-s`` prefix, ``-C`` the latest, or a new one) and print its id to stderr.
 4. Send the prompt with a new UUID ``run_id``; the run handle was subscribed before sending.
-5. Stream the run's own events: text mode prints the reply as it grows and finishes from
-   ``run_complete.text`` (:class:`~crush_trio.client.Transcript`); json mode prints each event
-   and then the final run record.
+5. Stream the run's own events: text mode prints the reply as it grows, each ``message_delta``'s
+   text as it comes (the client asks for deltas; a server that sends snapshots only works the
+   same), and finishes from ``run_complete.text`` (:class:`~crush_trio.client.Transcript`); json
+   mode prints each event as received (``message_delta`` events included) and then the final run
+   record.
 
 Interrupts (SIGINT) and ``--timeout`` cancel the run on the server and wait at most
 :data:`CANCEL_WAIT` for its cancelled terminal before exiting.
@@ -51,7 +53,7 @@ from .client import (
     parse_server_url,
 )
 from .client.errors import BadRequest
-from .wire import AgentEvent, Message, RunComplete, Session
+from .wire import AgentEvent, RunComplete, Session
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -385,13 +387,13 @@ class Runner:
         json_mode = self.options.format == "json"
         with trio.CancelScope() as grace:
             async for event in handle.events(timeout=None):
+                message = event.message  # a snapshot, or the message a delta leads to
                 if json_mode:
                     self.json_line(event.to_json())
-                    if event.type == "message":
+                    if message is not None:
                         self.first_output.set()
-                elif event.type == "message":
-                    assert isinstance(event.payload, Message)
-                    self.out(self.transcript.update(event.payload))
+                elif message is not None:
+                    self.out(self.transcript.update(message))
                 if _is_error(event) and own_error is None:
                     assert isinstance(event.payload, AgentEvent)
                     own_error = event.payload

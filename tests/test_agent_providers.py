@@ -166,7 +166,8 @@ async def test_cancel_mid_stream_closes_the_upstream_connection_and_keeps_the_ti
         sid = (await ws.create_session()).id
         handle = await ws.prompt(sid, "stream a lot", run_id="cx")
         async for event in handle.events(WAIT):
-            if event.type == "message" and "tok tok" in event.payload.text():
+            # A message snapshot, or the message a message_delta leads to.
+            if event.message is not None and "tok tok" in event.message.text():
                 break
         else:
             raise AssertionError("run cx ended before it streamed")

@@ -48,6 +48,11 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
     raw = orjson.loads((tmp_path / "results.json").read_bytes())
     assert set(raw["workloads"]) == set(WORKLOADS)
     assert raw["targets"] and all(isinstance(t["met"], bool) for t in raw["targets"])
+    # The paced fan-out of W3: every watcher got its run_complete, and its figures were taken.
+    paced = raw["workloads"]["W3"]["paced"]
+    assert paced["run_complete"] == paced["clients"] > 0, paced
+    assert paced["reply_chars"] > 0 and paced["bytes_per_client_char"] > 0
+    assert paced["frame_kinds"].get("message_delta", [0])[0] > 0, paced  # the clients asked
     chaos = raw["workloads"]["W5"]["totals"]
     assert chaos["accepted"] > 0
     assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos

@@ -89,8 +89,8 @@ def printed(events: list[Event]) -> str:
     transcript = Transcript()
     out = ""
     for event in events:
-        if event.type == "message":
-            out += transcript.update(event.payload)
+        if event.message is not None:  # a message snapshot or the message a delta leads to
+            out += transcript.update(event.message)
         elif event.type == "run_complete":
             out += transcript.finish(event.payload.message_id, event.payload.text)
     return out
@@ -111,7 +111,9 @@ async def test_full_run_events_result_and_history(crush_workspace: WorkspaceClie
     assert events[-1].type == "run_complete"
     assert events[-1].seq is not None
     assert [e.seq for e in events] == sorted(e.seq for e in events if e.seq is not None)
-    assert {e.type for e in events} == {"message", "run_complete"}
+    # The reply streams as snapshots and (the client asks for deltas=1) message_delta events.
+    assert {"message", "run_complete"} <= {e.type for e in events}
+    assert {e.type for e in events} <= {"message", "message_delta", "run_complete"}
     assert printed(events) == "hello there world"
     assert run.status is RunStatus.COMPLETED
     assert run.text == "hello there world"

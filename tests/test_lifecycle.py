@@ -218,10 +218,12 @@ class ServerProcess:
 
 
 def streamed_text(event: Event) -> int:
-    """How much assistant text a ``message`` event carries (0 for any other event)."""
-    if event.type != "message" or event.payload.role is not Role.ASSISTANT:
+    """How much assistant text a ``message`` or ``message_delta`` event leads to (0 for any other
+    event)."""
+    message = event.message
+    if message is None or message.role is not Role.ASSISTANT:
         return 0
-    return len(event.payload.text())
+    return len(message.text())
 
 
 async def _open(client: httpx.AsyncClient, project: Path) -> tuple[str, str]:

@@ -153,20 +153,39 @@ async def test_provider_failure_exits_1_with_the_message(
 async def test_json_lines_end_with_the_run_record(
     crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
 ) -> None:
-    scripted_model.add(Step("json reply"))
+    reply = "json reply, in a few paced words"
+    scripted_model.add(Step(reply, token_delay=0.05))
     done = await run_cli(
         "--format", "json", "q", tmp_path=tmp_path, server=crush_server, cwd=crush_server.project()
     )
     assert done.code == 0, done.err
     lines = [orjson.loads(line) for line in done.out.splitlines()]
     record = lines[-1]
-    assert record["status"] == "completed" and record["text"] == "json reply"
+    assert record["status"] == "completed" and record["text"] == reply
     events = lines[:-1]
     assert all({"seq", "type", "payload"} <= set(e) for e in events)
     assert events[-1]["type"] == "run_complete"
     assert events[-1]["payload"]["payload"]["run_id"] == record["run_id"]
-    assert {e["type"] for e in events} == {"message", "run_complete"}
+    # The reply streams as message_delta events (the command asks for deltas=1).
+    assert {e["type"] for e in events} == {"message", "message_delta", "run_complete"}
+    deltas = [e["payload"]["payload"] for e in events if e["type"] == "message_delta"]
+    assert all(d["text"] in reply and "parts" not in d for d in deltas)
     uuid.UUID(record["run_id"])
+
+
+async def test_text_streams_from_deltas_while_the_run_is_parked(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    gate = Gate()
+    reply = "first half of it, then the second half"
+    scripted_model.add(Step(reply, gate_mid=gate))
+    project = crush_server.project()
+    async with cli("q", tmp_path=tmp_path, server=crush_server, cwd=project) as running:
+        await running.output_contains("first half of it,")
+        assert "second" not in running.out
+        gate.release()
+    assert running.code == 0, running.err
+    assert running.out == reply + "\n"
 
 
 async def test_unreachable_server_or_bad_token_exits_3(

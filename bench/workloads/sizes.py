@@ -22,6 +22,11 @@ class Sizes:
     w3_clients: list[int]
     w3_updates: int
     w3_delay_ms: float
+    #: The paced fan-out of W3: one run of ``w3_paced_tokens`` tokens at ``w3_paced_delay_ms``
+    #: per token (the default publish window) watched by ``w3_paced_clients`` clients.
+    w3_paced_clients: int
+    w3_paced_tokens: int
+    w3_paced_delay_ms: float
     w4_idle: int
     w4_updates: int
     w4_delay_ms: float
@@ -53,6 +58,9 @@ FULL: Final = Sizes(
     w3_clients=[10, 100, 1000],
     w3_updates=5000,
     w3_delay_ms=1.0,
+    w3_paced_clients=1000,
+    w3_paced_tokens=1000,
+    w3_paced_delay_ms=20.0,
     w4_idle=1000,
     w4_updates=5000,
     w4_delay_ms=1.0,
@@ -77,6 +85,9 @@ SMOKE: Final = Sizes(
     w3_clients=[3],
     w3_updates=50,
     w3_delay_ms=1.0,
+    w3_paced_clients=5,
+    w3_paced_tokens=60,
+    w3_paced_delay_ms=20.0,
     w4_idle=10,
     w4_updates=100,
     w4_delay_ms=1.0,

@@ -1,5 +1,7 @@
 """W3, fan-out: one run streaming to N websocket clients, against a bare trio-websocket server
-pushing the same recorded frames to the same clients."""
+pushing the same recorded frames to the same clients; and the paced fan-out: one run at a
+realistic model speed watched by many clients, measured in bytes per client per character of the
+reply and in server CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any, Final
 import orjson
 
 from .. import charts
+from ..client import client_deltas
 from ..procs import (
     child_process,
     cpu_seconds,
@@ -27,6 +30,7 @@ from .common import (
     bare_url,
     broadcast,
     fake_config,
+    fake_model,
     fast_stream,
     hold_workspace,
     processes_for,
@@ -36,11 +40,17 @@ from .common import (
     workers,
 )
 
-# Target (issue "Load benchmarks"): see docs/performance.md.
+# Targets: see docs/performance.md.
 W3_RATIO_TARGET: Final = 0.50
+#: Paced fan-out: bytes each client receives per character of the final reply.
+PACED_BYTES_PER_CHAR_TARGET: Final = 3.0
+#: Paced fan-out: server CPU over the run, as a share of one core.
+PACED_CPU_TARGET: Final = 0.35
 
 #: How a recorded ``message``/``updated`` envelope continues after its ``seq`` field.
 UPDATED_MESSAGE: Final = ',"type":"message","payload":{"type":"updated"'
+#: How a recorded ``message_delta`` envelope continues after its ``seq`` field.
+MESSAGE_DELTA: Final = ',"type":"message_delta"'
 
 
 @dataclass
@@ -51,6 +61,9 @@ class FanOut:
     wall: float = 0.0
     updates: int = 0
     frames: int = 0
+    bytes: int = 0
+    min_bytes: int = 0
+    max_bytes: int = 0
     gaps: int = 0
     complete: int = 0
     closes: dict[str, int] = field(default_factory=dict)
@@ -97,6 +110,9 @@ async def watch_until_done(
         fan.cpu = measure() - cpu0
         fan.wall = max(d["last_end"] for d in done) - t0
         fan.deliveries = sum(d["frames"] for d in done)
+        fan.bytes = sum(d["bytes"] for d in done)
+        fan.min_bytes = min(d["min_bytes"] for d in done)
+        fan.max_bytes = max(d["max_bytes"] for d in done)
         fan.gaps = sum(d["gaps"] for d in done)
         fan.complete = sum(d["run_complete"] for d in done)
         for d in done:
@@ -111,8 +127,9 @@ async def w3(ctx: Ctx) -> WorkloadResult:
     result = WorkloadResult("W3", "Fan-out")
     table = Table(
         f"One run streaming {s.w3_updates:,} tokens (fake model, {s.w3_delay_ms:g} ms per token, "
-        "debounce off, so up to one update per token) to N websocket clients, against a bare "
-        "trio-websocket server pushing the same recorded frames to the same clients",
+        "debounce off, so up to one update per token) to N websocket clients (`deltas=1`), "
+        "against a bare trio-websocket server pushing the same recorded frames to the same "
+        "clients",
         [
             "clients",
             "client procs",
@@ -132,6 +149,7 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         for n in s.w3_clients:
             rows.append(await w3_level(ctx, n, fake_url, result, table))
     result.tables.append(table)
+    paced = await w3_paced(ctx, result)
     result.notes += [
         "Deliveries are websocket frames received by all clients from the prompt to the last "
         "client's `run_complete`; msgs/CPU-s divides them by the server process's CPU seconds "
@@ -139,12 +157,13 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         "encoding, is included).",
         "The bare server replays exactly the frames the first client received from the real "
         "server (same count, same bytes) to the same number of clients from the same client "
-        "processes. Each `message` event carries the whole message so far (here up to "
-        f"{2 * s.w3_updates:,} characters of text); when the server falls behind the model it "
-        "coalesces tokens into fewer updates, so the update count drops as clients grow.",
+        "processes. The clients ask for `deltas=1`, so each update is a `message_delta` event "
+        "carrying only the appended text (a snapshot-mode client would get the whole message "
+        "so far each time); when the server falls behind the model it coalesces tokens into "
+        "fewer updates, so the update count drops as clients grow.",
         f"Clients are spread over one process per {CLIENTS_PER_PROCESS} clients.",
     ]
-    result.raw = {"levels": rows}
+    result.raw = {"levels": rows, "paced": paced}
     result.chart = lambda path: charts.w3(path, result.raw)
     return result
 
@@ -169,9 +188,7 @@ async def w3_level(
         real = await watch_until_done(
             ctx, f"w3-{n}-watch", server.url, ws.id, n, start, server.cpu, record
         )
-    real.updates = sum(
-        1 for frame in _read_frames(record) if frame.startswith(UPDATED_MESSAGE, frame.find(","))
-    )
+    real.updates = sum(1 for frame in _read_frames(record) if _is_update(frame))
     ctx.log(
         f"  {real.deliveries:,} deliveries, {rate(real.per_cpu)} msgs/CPU-s, "
         f"run_complete {real.complete}/{n}, closes {real.closes or 'none'}; bare ceiling"
@@ -245,6 +262,132 @@ async def w3_level(
 
 #: The bare ceiling of W3 gets this many times the real server's wall time (at least a phase).
 BARE_TIMEOUT_FACTOR: Final = 6.0
+
+
+def _is_update(frame: str) -> bool:
+    """A streamed update of a message: a ``message_delta`` or a ``message`` ``updated``."""
+    after_seq = frame.find(",")
+    return frame.startswith(MESSAGE_DELTA, after_seq) or frame.startswith(
+        UPDATED_MESSAGE, after_seq
+    )
+
+
+async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
+    """The paced fan-out: one run of ``w3_paced_tokens`` tokens at ``w3_paced_delay_ms`` per
+    token, default publish window, watched by ``w3_paced_clients`` raw websocket clients with
+    ``deltas=1``. Reports bytes per client per character of the reply and the server's CPU as
+    a share of one core from the prompt to the last client's ``run_complete``."""
+    s = ctx.sizes
+    n, tokens, delay = s.w3_paced_clients, s.w3_paced_tokens, s.w3_paced_delay_ms
+    ctx.log(f"[W3] paced fan-out: {n} clients, {tokens} tokens at {delay:g} ms")
+    work = ctx.dir("w3-paced")
+    handles: list[Any] = []
+    fake = fake_model(ctx, "w3-paced-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
+    async with (
+        fake as fake_url,
+        server_process(fake_config(fake_url), work) as server,
+        hold_workspace(server, work / "project") as ws,
+    ):
+        session = await ws.create_session("bench")
+
+        async def start() -> None:
+            handles.append(await ws.prompt(session.id, "Stream your tokens."))
+
+        record = work / "frames.json"
+        fan = await watch_until_done(
+            ctx, "w3-paced-watch", server.url, ws.id, n, start, server.cpu, record
+        )
+        run = await ws.get_run(handles[0].run_id)
+    chars = len(run.text)
+    kinds = _frame_kinds(_read_frames(record))
+    ctx.log(f"  one client's frames by type (count, bytes): {kinds}")
+    per_char = fan.bytes / n / chars if chars else float("nan")
+    cpu_share = fan.cpu / fan.wall if fan.wall > 0 else float("nan")
+    ctx.log(
+        f"  {fan.bytes / n:,.0f} bytes and {fan.deliveries / n:,.0f} frames per client for "
+        f"{chars:,} characters ({per_char:.2f} B/char), server CPU {fan.cpu:.2f} s over "
+        f"{fan.wall:.2f} s ({share(cpu_share)} of a core), run_complete {fan.complete}/{n}"
+    )
+    table = Table(
+        f"Paced fan-out: one run of {tokens:,} tokens at {delay:g} ms per token (fake model, "
+        "default publish window) watched by N websocket clients "
+        + ("with `deltas=1`" if client_deltas() else "in snapshot mode (`--snapshots`)"),
+        [
+            "clients",
+            "reply chars",
+            "frames per client",
+            "bytes per client",
+            "bytes per reply char",
+            "server CPU",
+            "wall",
+            "CPU share of one core",
+            "gaps",
+            "run_complete",
+        ],
+    )
+    table.add(
+        n,
+        f"{chars:,}",
+        f"{fan.deliveries / n:,.0f}",
+        f"{fan.bytes / n:,.0f} ({fan.min_bytes:,} to {fan.max_bytes:,})",
+        f"{per_char:.2f}",
+        f"{fan.cpu:.2f} s",
+        f"{fan.wall:.2f} s",
+        share(cpu_share),
+        fan.gaps,
+        f"{fan.complete}/{n}",
+    )
+    result.tables.append(table)
+    result.notes.append(
+        "Paced fan-out, one client's frames by type (count, bytes): "
+        + ", ".join(f"{k} {c:,} / {b:,} B" for k, (c, b) in sorted(kinds.items()))
+    )
+    result.targets += [
+        Target(
+            f"paced fan-out: bytes per client per reply character, {n} clients",
+            f"{per_char:.2f}",
+            f"≤ {PACED_BYTES_PER_CHAR_TARGET:g}",
+            per_char <= PACED_BYTES_PER_CHAR_TARGET,
+        ),
+        Target(
+            f"paced fan-out: server CPU over the run, {n} clients",
+            share(cpu_share),
+            f"≤ {PACED_CPU_TARGET:.0%} of one core",
+            cpu_share <= PACED_CPU_TARGET,
+        ),
+        Target(
+            f"paced fan-out: every client got run_complete, {n} clients",
+            f"{fan.complete}/{n}",
+            "all",
+            fan.complete == n,
+        ),
+    ]
+    return {
+        "clients": n,
+        "tokens": tokens,
+        "delay_ms": delay,
+        "reply_chars": chars,
+        "frames": fan.deliveries,
+        "bytes": fan.bytes,
+        "bytes_per_client_char": per_char,
+        "server_cpu": fan.cpu,
+        "wall": fan.wall,
+        "cpu_share": cpu_share,
+        "gaps": fan.gaps,
+        "run_complete": fan.complete,
+        "frame_kinds": kinds,
+    }
+
+
+def _frame_kinds(frames: list[str]) -> dict[str, list[int]]:
+    """Frames of one client by event type: ``[count, UTF-8 bytes]``."""
+    out: dict[str, list[int]] = {}
+    for frame in frames:
+        kind = str(orjson.loads(frame).get("type"))
+        entry = out.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += len(frame.encode())
+    return out
 
 
 def _read_frames(path: Path) -> list[str]:

@@ -92,6 +92,7 @@ class Client:
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
         mailbox_size: int = DEFAULT_MAILBOX_SIZE,
+        deltas: bool = True,
     ) -> None:
         self.http = http
         self.base_url = url
@@ -103,6 +104,7 @@ class Client:
         self.request_timeout = request_timeout
         self.reconnect_timeout = reconnect_timeout
         self.mailbox_size = mailbox_size
+        self.deltas = deltas
         self.server: ServerHandle | None = None
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
@@ -212,6 +214,7 @@ async def connect(
     mailbox_size: int = DEFAULT_MAILBOX_SIZE,
     client_id: str | None = None,
     max_connections: int | None = None,
+    deltas: bool = True,
 ) -> AsyncIterator[Client]:
     """Connect to a running server; checks the address and the token before it yields.
 
@@ -228,6 +231,9 @@ async def connect(
             kept alive between requests; by default httpx's (100, of which 20 are kept alive).
             Raise it for a client that sends many requests at once, so that each burst does not
             open fresh connections.
+        deltas: open event streams with ``deltas=1``: a streaming message arrives as
+            ``message_delta`` events, which the client assembles (``False``: whole ``message``
+            snapshots only, as a Crush client gets them).
 
     Raises:
         ValueError: ``url`` is not a server address.
@@ -266,6 +272,7 @@ async def connect(
                 request_timeout=request_timeout,
                 reconnect_timeout=reconnect_timeout,
                 mailbox_size=mailbox_size,
+                deltas=deltas,
             )
             try:
                 await client.version()

@@ -30,6 +30,9 @@ _CLASSES: Final[dict[str, type[Any]]] = {
     ptype.value: cls for cls, ptype in wire.PAYLOAD_TYPES.items()
 }
 
+#: The event type of an append to a streaming message (a connection opened with ``deltas=1``).
+MESSAGE_DELTA: Final = "message_delta"
+
 #: Frames of one connection (not workspace events): they take no seq of their own.
 CONNECTION_FRAMES: Final = frozenset({"hello", "gap"})
 
@@ -49,11 +52,15 @@ class Event:
     """One event of a workspace, as a consumer sees it.
 
     Attributes:
-        type: the payload type (``message``, ``run_complete``, ...) or ``gap``.
-        payload: the wire object (a :class:`Gap` for ``gap``).
+        type: the payload type (``message``, ``message_delta``, ``run_complete``, ...) or
+            ``gap``.
+        payload: the wire object (a :class:`Gap` for ``gap``, a
+            :class:`~crush_trio.wire.MessageDelta` for ``message_delta``).
         seq: the event's sequence number; ``None`` for events the client made itself.
         kind: ``created``, ``updated`` or ``deleted``.
         raw: the envelope exactly as received (``None`` for events the client made itself).
+        assembled: for ``message_delta``, the whole message with this delta applied (the
+            workspace's event stream fills it in; see :attr:`message`).
     """
 
     type: str
@@ -61,10 +68,27 @@ class Event:
     seq: int | None = None
     kind: str = "updated"
     raw: dict[str, Any] | None = None
+    assembled: wire.Message | None = None
 
     @property
     def must_deliver(self) -> bool:
         return self.type in _MUST_DELIVER
+
+    @property
+    def message(self) -> wire.Message | None:
+        """The message as it stands after this event: the payload of a ``message`` event, the
+        assembled message of a ``message_delta``; ``None`` for other events."""
+        if self.type == MESSAGE_DELTA:
+            return self.assembled
+        if self.type == "message":
+            payload: wire.Message = self.payload
+            return payload
+        return None
+
+    @property
+    def delta(self) -> wire.MessageDelta | None:
+        """The append of a ``message_delta`` event (``None`` for other events)."""
+        return self.payload if self.type == MESSAGE_DELTA else None
 
     def to_json(self) -> dict[str, Any]:
         """The envelope: as received, or in the same shape for the client's own events."""
@@ -118,11 +142,11 @@ class Mailbox:
     """A single consumer's queue of events.
 
     Backpressure: the producer (the reader task) never waits. Lossy events (``message``,
-    ``session``, ``agent_event``) beyond ``size`` are dropped and counted, and the consumer gets a
-    ``gap`` event (``seq=None``) before the next event that fits. Must-deliver events
-    (``run_complete``, ``permission_*``) are always queued: there are few of them (one terminal
-    and the permission requests of the consumer's own runs), so they cannot grow without bound
-    while the lossy part is capped.
+    ``message_delta``, ``session``, ``agent_event``) beyond ``size`` are dropped and counted, and
+    the consumer gets a ``gap`` event (``seq=None``) before the next event that fits.
+    Must-deliver events (``run_complete``, ``permission_*``) are always queued: there are few of
+    them (one terminal and the permission requests of the consumer's own runs), so they cannot
+    grow without bound while the lossy part is capped.
     """
 
     def __init__(self, size: int = DEFAULT_MAILBOX_SIZE) -> None:

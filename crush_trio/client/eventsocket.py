@@ -111,6 +111,7 @@ async def open_event_socket(
     timeout: float = HELLO_TIMEOUT,  # noqa: ASYNC109
     message_queue_size: int = WS_QUEUE_SIZE,
     max_message_size: int = MAX_EVENT_BYTES,
+    deltas: bool = True,
 ) -> AsyncIterator[EventSocket]:
     """Open one connection to a workspace's event stream for the block's duration.
 
@@ -131,6 +132,8 @@ async def open_event_socket(
         timeout: bound on connecting and receiving the ``hello`` (seconds).
         message_queue_size: frames buffered between the socket and :meth:`EventSocket.receive`.
         max_message_size: the largest frame accepted (a bigger one closes the connection, 1009).
+        deltas: ask for ``message_delta`` events (``deltas=1``); ``False`` gets whole ``message``
+            snapshots only, as a Crush client does.
 
     Raises:
         ValueError: ``url`` is not a server address.
@@ -141,7 +144,7 @@ async def open_event_socket(
     """
     base, token, unix_path = parse_server_url(url, token)
     client_id = client_id or str(uuid.uuid4())
-    resource = stream_resource(workspace_id, client_id, since)
+    resource = stream_resource(workspace_id, client_id, since, deltas=deltas)
     headers = bearer_headers(token)
     where = f"the event stream of workspace {workspace_id} at {url.split('?')[0]}"
     with single_errors():

@@ -10,11 +10,13 @@ belong to its run, by these rules (the same as ``crush-trio run``'s):
 * ``agent_event``: when it has a ``run_id``, only if it is ours; without one, only if its
   ``session_id`` is ours; with neither, never. Error events that pass are kept in
   :attr:`RunHandle.errors`.
-* ``message`` events carry no run id. The turn of this run begins with its own user message (the
-  prompt text, unchanged), so the handle takes the session's messages from the first user message
-  equal to its prompt until its ``run_complete``; earlier messages belong to turns queued before
-  it. If a ``run_complete`` of another run names a message the handle took, the handle was wrong
-  (an identical prompt of another client ran first) and starts over.
+* ``message`` events (and ``message_delta`` events, each with the whole message it leads to in
+  :attr:`Event.message <crush_trio.client.Event.message>`) carry no run id. The turn of this run
+  begins with its own user message (the prompt text, unchanged), so the handle takes the
+  session's messages from the first user message equal to its prompt until its
+  ``run_complete``; earlier messages belong to turns queued before it. If a ``run_complete`` of
+  another run names a message the handle took, the handle was wrong (an identical prompt of
+  another client ran first) and starts over.
 * ``permission_request`` is ours when its ``tool_call_id`` is a tool call of one of our turn's
   assistant messages (the tool call is stored and published before its tool asks). One that
   matches nothing yet is held back and the session's messages are re-read over HTTP (the
@@ -48,7 +50,7 @@ from ..wire import (
     now,
 )
 from .errors import CrushError, RunFailed, Timeout
-from .events import DEFAULT_MAILBOX_SIZE, Event, Mailbox
+from .events import DEFAULT_MAILBOX_SIZE, MESSAGE_DELTA, Event, Mailbox
 
 if TYPE_CHECKING:
     from .workspace import WorkspaceClient
@@ -233,10 +235,10 @@ class RunHandle:
                 if payload.type == "error":
                     self.errors.append(payload)
                 self._deliver(event)
-        elif event.type == "message":
-            assert isinstance(payload, Message)
-            if payload.session_id == self.session_id:
-                self._offer_message(event, payload)
+        elif event.type == "message" or event.type == MESSAGE_DELTA:
+            message = event.message
+            if message is not None and message.session_id == self.session_id:
+                self._offer_message(event, message)
         elif event.type == "permission_request":
             assert isinstance(payload, PermissionRequest)
             if payload.session_id == self.session_id:

@@ -5,13 +5,18 @@ Task ownership: :meth:`EventStream.running` opens a nursery that lives as long a
 and holds
 
 * the **reader** (:meth:`EventStream._reader`): the one task that reads the workspace's
-  websocket. It decodes each frame and offers it to the run handles and subscriptions
-  (never waiting on them: see :class:`~crush_trio.client.events.Mailbox`). When the connection
+  websocket (opened with ``deltas=1`` unless the client says otherwise). It decodes each frame,
+  assembles ``message_delta`` events into whole messages (:class:`~.deltas.Assembler`; a delta
+  that shows missing text is held and its session's messages re-read) and offers each event to
+  the run handles and subscriptions (never waiting on them: see
+  :class:`~crush_trio.client.events.Mailbox`). When the connection
   drops it reconnects with ``since=<last seq>``, so the server replays what was missed; when the
   server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
   to re-read state over HTTP.
 * the **resync** task: re-reads ``GET runs/{id}`` (and the session's messages) for run handles
-  that may have missed events, so a run that ended while the client was away still ends. When
+  that may have missed events, so a run that ended while the client was away still ends, and the
+  messages of sessions whose streaming text is missing (after a ``gap``, or a delta whose offset
+  is beyond the text the client has), merging them with what was assembled. When
   the stream cannot be re-opened at all (the server refuses it, or stays unreachable), the runs
   still pending are followed by their records alone: each ends with the outcome its record
   shows, and fails only when its record cannot be read either.
@@ -45,8 +50,10 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
+from ..wire import Role
+from .deltas import Assembler
 from .errors import Conflict, CrushError, NotFound, Timeout, Unreachable, error_for_status
-from .events import Mailbox, decode_frame
+from .events import MESSAGE_DELTA, Event, Mailbox, decode_frame
 from .runs import GrantAction, RunHandle, deadline_after, deadline_scope
 from .transport import CLOSE_TIMEOUT, HELLO_TIMEOUT, receive_hello, rejection_error
 
@@ -102,6 +109,11 @@ class StreamStats:
     refetches: int = 0
     events: int = 0
     last_seq: int = 0
+    #: ``message_delta`` events received, and those that could not be applied (text missing).
+    deltas: int = 0
+    deltas_missing: int = 0
+    #: Re-reads of a session's messages made to recover missing text.
+    rereads: int = 0
 
     def on_hello(self, seq: int, *, first: bool) -> None:
         """A connection said ``hello`` with the workspace's latest ``seq``.
@@ -183,6 +195,9 @@ class EventStream:
         self._conn: WebSocketConnection | None = None  # while it is connected
         self._commands: dict[int, _Command] = {}  # sent on the stream, waiting for a reply
         self._command_ids = 0
+        #: The streaming messages of the workspace, assembled from snapshots and deltas.
+        self.assembler = Assembler()
+        self._reread: set[str] = set()  # sessions whose messages must be re-read
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -512,14 +527,97 @@ class EventStream:
             for handle in list(self._runs.values()):
                 handle.offer(event)
                 self.resync(handle, messages=True)
+            # Deltas and snapshots of streaming messages may be among the missed events.
+            for session_id in self.assembler.sessions():
+                self.reread(session_id)
             return
         assert event.seq is not None
         if not self.stats.on_event(event.seq):
             return
+        if event.type == MESSAGE_DELTA:
+            self.stats.deltas += 1
+            message = self.assembler.apply(event.payload)
+            if message is None:
+                # Text is missing: the delta is held; the re-read brings the message.
+                self.stats.deltas_missing += 1
+                self.reread(event.payload.session_id)
+                return
+            event = Event(event.type, event.payload, event.seq, event.kind, event.raw, message)
+        elif event.type == "message":
+            if event.kind == "deleted":
+                self.assembler.forget(event.payload.id)
+            else:
+                message = self.assembler.snapshot(event.payload)
+                if message is not event.payload:
+                    event = attrs.evolve(event, payload=message)
+        elif event.type == "session" and event.kind == "deleted":
+            self.assembler.forget_session(event.payload.id)
+        self._dispatch(event)
+
+    def _dispatch(self, event: Event) -> None:
         for mailbox in self._feeds:
             mailbox.put(event)
         for handle in list(self._runs.values()):
             handle.offer(event)
+
+    def reread(self, session_id: str) -> None:
+        """Ask the resync task to re-read a session's messages (text of one is missing)."""
+        self._reread.add(session_id)
+        self._resync_wakeup.set()
+
+    def _merges(self, msg: Message) -> bool:
+        assembler = self.assembler
+        return (
+            msg.id in assembler.missing
+            or assembler.get(msg.id) is not None
+            or (msg.role is Role.ASSISTANT and msg.finish() is None)
+        )
+
+    def merge_reread(self, history: list[Message]) -> list[Message]:
+        """Messages read over HTTP, merged with what the stream assembled: a message with
+        missing text takes the read (and the deltas held meanwhile), a streaming one keeps
+        what it has when the read is older."""
+        return [self.assembler.refetched(m) if self._merges(m) else m for m in history]
+
+    async def _reread_session(self, session_id: str) -> list[Message]:
+        """Re-read a session's messages, merge them with what the stream assembled and pass on
+        the streaming messages that changed; returns the merged history.
+
+        Raises:
+            CrushError: the read failed (:class:`NotFound`: the session is gone).
+        """
+        self._reread.discard(session_id)
+        try:
+            history = await self._records.messages(session_id)
+        except NotFound:
+            self.assembler.forget_session(session_id)
+            raise
+        self.stats.rereads += 1
+        assembler = self.assembler
+        read_ids = {m.id for m in history}
+        for mid, sid in list(assembler.missing.items()):
+            if sid == session_id and mid not in read_ids:
+                assembler.forget(mid)  # deleted, or never stored: nothing to wait for
+        before = {m.id: assembler.get(m.id) for m in history if self._merges(m)}
+        merged = self.merge_reread(history)
+        for msg in merged:
+            if msg.id in before and before[msg.id] is not msg:
+                self._dispatch(Event("message", msg, None, "updated"))
+        if any(sid == session_id for sid in assembler.missing.values()):
+            self._reread.add(session_id)  # the read did not cover every held delta: again
+        return merged
+
+    async def _reread_sessions(self) -> bool:
+        """Re-read the sessions :meth:`reread` named; False when one must be read again."""
+        for session_id in list(self._reread):
+            try:
+                await self._reread_session(session_id)
+            except NotFound:
+                continue
+            except CrushError as exc:
+                log.info("re-reading messages of session %s failed (%s)", session_id, exc)
+                self._reread.add(session_id)
+        return not self._reread
 
     def _fail_stream(self, error: CrushError) -> None:
         """The stream is gone for good. Subscriptions end with ``error``; runs still pending do
@@ -564,7 +662,7 @@ class EventStream:
                     self.stats.refetches += 1
                     handle.refetched_run(run)
                     if with_messages and not handle.done:
-                        handle.refetched_messages(await self._records.messages(handle.session_id))
+                        handle.refetched_messages(await self._reread_session(handle.session_id))
                 except CrushError as exc:
                     if self.stream_error is not None:
                         handle.fail(self._record_lost(handle, exc))
@@ -572,6 +670,8 @@ class EventStream:
                         log.info("refetching run %s failed (%s); will retry", handle.run_id, exc)
                         self._resync[handle] = self._resync.get(handle, False) or with_messages
                         failed = True
+            if self._reread and not await self._reread_sessions():
+                failed = True
             if self.stream_error is not None:
                 for handle in list(self._runs.values()):
                     self._resync.setdefault(handle, False)

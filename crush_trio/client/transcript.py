@@ -1,11 +1,14 @@
 """Printing a run's reply as it streams, without losing or repeating text (plain logic, no I/O).
 
-A run's assistant text reaches a client twice: as ``message`` events while it streams (lossy:
-some may be dropped, and each carries the whole message so far) and as ``run_complete.text`` at
-the end (authoritative: the full text of the turn's last assistant message). :class:`Transcript`
+A run's assistant text reaches a client twice: as ``message`` and ``message_delta`` events while
+it streams (lossy: some may be dropped; the client's event stream assembles each delta into the
+whole message so far, :attr:`Event.message <crush_trio.client.Event.message>`) and as
+``run_complete.text`` at the end (authoritative: the full text of the turn's last assistant
+message). :class:`Transcript`
 reconciles the two with one cursor per message, the way ``crush run`` does:
 
-* :meth:`Transcript.update` takes a message snapshot and returns only the text not printed yet.
+* :meth:`Transcript.update` takes a message (a snapshot, or the message a delta leads to) and
+  returns only the text not printed yet: for a delta, its appended text.
   An older snapshot (arriving after a newer one, e.g. from a refetch) prints nothing.
 * :meth:`Transcript.finish` takes the ``run_complete`` and returns the rest of the final message,
   so the output ends with exactly its text whatever was dropped on the way.

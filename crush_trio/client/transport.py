@@ -46,11 +46,16 @@ def bearer_headers(token: str | None) -> list[tuple[bytes, bytes]]:
     return [(b"Authorization", f"Bearer {token}".encode())]
 
 
-def stream_resource(workspace_id: str, client_id: str, since: int | None) -> str:
-    """The path and query of a workspace's event stream (PROTOCOL §5)."""
+def stream_resource(
+    workspace_id: str, client_id: str, since: int | None, *, deltas: bool = False
+) -> str:
+    """The path and query of a workspace's event stream (PROTOCOL §5); with ``deltas`` it asks
+    for ``message_delta`` events (``deltas=1``)."""
     query: dict[str, Any] = {"client_id": client_id}
     if since is not None:
         query["since"] = since
+    if deltas:
+        query["deltas"] = 1
     return f"/v1/workspaces/{quote(workspace_id, safe='')}/ws?{urlencode(query)}"
 
 

@@ -404,7 +404,7 @@ class WorkspaceClient:
         async with open_stream_socket(
             self.client.ws_base,
             self.client.unix_path,
-            stream_resource(self.id, self.client.client_id, since),
+            stream_resource(self.id, self.client.client_id, since, deltas=self.client.deltas),
             self.client.auth_headers(),
             timeout=HELLO_TIMEOUT,
         ) as conn:

@@ -52,6 +52,8 @@ class Step:
             non-empty, before any output otherwise).
         gate_before / gate_mid: see the module docstring.
         reasoning: streamed as reasoning before the text.
+        token_delay: pause before each word of ``text`` after the first (seconds), like a model
+            that streams at a steady pace.
     """
 
     text: str = ""
@@ -60,6 +62,7 @@ class Step:
     gate_before: Gate | None = None
     gate_mid: Gate | None = None
     reasoning: str = ""
+    token_delay: float = 0.0
 
 
 def _words(text: str) -> list[str]:
@@ -118,6 +121,8 @@ class ScriptedModel:
             for i, word in enumerate(words):
                 if i == half and step.gate_mid is not None:
                     await step.gate_mid.passthrough()
+                if i and step.token_delay:
+                    await trio.sleep(step.token_delay)
                 yield pb.TextDelta(word)
                 await trio.lowlevel.checkpoint()
             if not words and step.gate_mid is not None:
