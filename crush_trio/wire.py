@@ -378,9 +378,9 @@ class MessageDelta:
 
     message_id: str
     session_id: str
-    part: int
+    part: int = attrs.field(validator=attrs.validators.ge(0))
     part_type: DeltaPartType
-    offset: int
+    offset: int = attrs.field(validator=attrs.validators.ge(0))
     text: str
     tool_call_id: str = ""
     tool_name: str = ""
@@ -503,7 +503,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict(bool))
     conv.register_structure_hook(float, _structure_float)
     # Our enums subclass str; name each one so the strict str hook above does not take them.
-    for enum_cls in (FinishReason, Role, RunStatus, EventKind, PayloadType):
+    for enum_cls in (FinishReason, Role, RunStatus, DeltaPartType, EventKind, PayloadType):
         conv.register_structure_hook(enum_cls, _structure_enum)
 
     def unstructure_part(part: Any) -> dict[str, Any]:
@@ -561,9 +561,17 @@ def parts_from_json(raw: str) -> list[Part]:
 def describe_error(exc: BaseException, root: str = "$") -> str:
     """Turn a cattrs structuring error into ``$.path: problem`` lines."""
     if isinstance(exc, (cattrs.ClassValidationError, cattrs.IterableValidationError)):
-        messages = cattrs.transform_error(exc, path=root)
+        messages = cattrs.transform_error(exc, path=root, format_exception=_format_exception)
         return "; ".join(messages)
     return f"{root}: {exc}"
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    """cattrs' wording, except that a validator's own message (which names the field and the
+    rule, such as ``'offset' must be >= 0: -3``) is kept instead of a bare "invalid value"."""
+    if type(exc) is ValueError and exc.args:
+        return f"invalid value ({exc})"
+    return cattrs.v.format_exception(exc, type_)
 
 
 def structure(data: Any, cls: type[T], *, what: str = "request body") -> T:

@@ -665,3 +665,24 @@ async def test_resume_from_outside_the_ring_in_delta_mode_starts_with_a_gap(
     assert replayed == frames[-len(replayed) :]
     # After the gap the client re-reads; what it re-reads is the stored reply.
     assert wire.converter.structure(stored[-1], Message).text() == text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("part_type", "image"), ("part", -1), ("offset", -3)],
+)
+def test_a_delta_with_a_bad_field_is_refused_by_the_converter(field: str, value: object) -> None:
+    """The wire type is strict: an unknown part type or a negative index never structures."""
+    good = {
+        "message_id": "m",
+        "session_id": "s",
+        "part": 0,
+        "part_type": "text",
+        "offset": 0,
+        "text": "hi",
+    }
+    assert (
+        wire.structure(good, wire.MessageDelta, what="delta").part_type is wire.DeltaPartType.TEXT
+    )
+    with pytest.raises(BadRequest, match=field):
+        wire.structure({**good, field: value}, wire.MessageDelta, what="delta")
