@@ -279,5 +279,7 @@ def test_decode_delta_frames() -> None:
     unknown = {**frame["payload"]["payload"], "message_id": MID, "part_type": "image"}
     event = decode_frame({**frame, "payload": {"type": "updated", "payload": unknown}})
     assert event is None or asm.apply(event.payload) is None
-    # A negative index or offset never applies (it would index parts from the end).
-    assert asm.apply(MessageDelta(MID, SID, -1, TEXT, 1, "x")) is None  # type: ignore[arg-type]
+    # A negative index or offset never decodes (it would index parts from the end).
+    for bad in ({"part": -1}, {"offset": -1}):
+        body = {**frame["payload"]["payload"], **bad}
+        assert decode_frame({**frame, "payload": {"type": "updated", "payload": body}}) is None
