@@ -133,20 +133,19 @@ async def leave(server: Server, data: bytes, how: str, ended: dict[int, trio.Eve
     ``close`` or ``reset``: without reading); return how long the server's handler of that
     connection took to end from then."""
     stream = await trio.open_tcp_stream("127.0.0.1", port_of(server))
-    done = ended[stream.socket.getsockname()[1]] = trio.Event()
-    await stream.send_all(data)
-    start = trio.current_time()
-    if how == "fin":
-        await stream.send_eof()
-    if how == "reset":
-        reset(stream)
-    if how != "fin":
-        await stream.aclose()
-    with trio.fail_after(WAIT):
-        await done.wait()
-    took = trio.current_time() - start
-    await stream.aclose()
-    return took
+    async with stream:
+        done = ended[stream.socket.getsockname()[1]] = trio.Event()
+        await stream.send_all(data)
+        start = trio.current_time()
+        if how == "fin":
+            await stream.send_eof()
+        if how == "reset":
+            reset(stream)
+        if how != "fin":
+            await stream.aclose()
+        with trio.fail_after(WAIT):
+            await done.wait()
+        return trio.current_time() - start
 
 
 # -- head checks ------------------------------------------------------------------------------
@@ -321,17 +320,27 @@ async def test_a_client_that_resets_during_the_upgrade_answer_ends_only_its_conn
 
 
 @pytest.mark.parametrize("how", ["fin", "close", "reset"])
+@pytest.mark.parametrize(
+    ("header", "value", "status"),
+    [("Sec-WebSocket-Version", b"12", 426), ("Connection", b"keep-alive", 400)],
+)
 async def test_a_refused_upgrade_frees_its_connection_at_once(
-    server: Server, monkeypatch: pytest.MonkeyPatch, how: str
+    server: Server,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    header: str,
+    value: bytes,
+    status: int,
 ) -> None:
     path = f"/v1/workspaces/{uuid.uuid4()}/ws?client_id={uuid.uuid4()}&token={TOKEN}".encode()
-    head = upgrade_head(server, path, Sec_WebSocket_Version=b"12")
+    head = upgrade_head(server, path, **{header.replace("-", "_"): value})
     with watch_connection_ends(monkeypatch) as ended:
         took = await leave(server, head, how, ended)
     assert took < CONNECTION_END_BOUND < ws_trio.HANDSHAKE_TIMEOUT
     answer = await exchange(server, head)  # the refusal itself, to a client that reads it
-    assert status_of(answer) == 426
-    assert b"\r\nsec-websocket-version: 13\r\n" in answer.lower()
+    assert status_of(answer) == status
+    if status == 426:
+        assert b"\r\nsec-websocket-version: 13\r\n" in answer.lower()
     await assert_healthy(server)
 
 
