@@ -99,6 +99,55 @@ def reset(stream: trio.SocketStream) -> None:
     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+#: A connection whose peer has left ends within this many seconds (its task freed): well below
+#: the endpoint's handshake timeout and hypercorn's timeouts, which must not be what ends it.
+CONNECTION_END_BOUND = 3.0
+
+
+@contextlib.contextmanager
+def watch_connection_ends(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, trio.Event]]:
+    """Events set when the server's handler of a connection ends, by the client's local port
+    (create the event before connecting)."""
+    ended: dict[int, trio.Event] = {}
+    real_contained = listener.contained
+
+    @contextlib.asynccontextmanager
+    async def contained_watched(stream: Any, what: str = "connection") -> Any:
+        try:
+            port = stream.socket.getpeername()[1]
+        except (OSError, AttributeError):
+            port = None
+        try:
+            async with real_contained(stream, what):
+                yield
+        finally:
+            if what == "connection" and port in ended:
+                ended[port].set()
+
+    monkeypatch.setattr(listener, "contained", contained_watched)
+    yield ended
+
+
+async def leave(server: Server, data: bytes, how: str, ended: dict[int, trio.Event]) -> float:
+    """Send ``data`` on a new connection and leave (``fin``: half-close, then read the answer;
+    ``close`` or ``reset``: without reading); return how long the server's handler of that
+    connection took to end from then."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port_of(server))
+    async with stream:
+        done = ended[stream.socket.getsockname()[1]] = trio.Event()
+        await stream.send_all(data)
+        start = trio.current_time()
+        if how == "fin":
+            await stream.send_eof()
+        if how == "reset":
+            reset(stream)
+        if how != "fin":
+            await stream.aclose()
+        with trio.fail_after(WAIT):
+            await done.wait()
+        return trio.current_time() - start
+
+
 # -- head checks ------------------------------------------------------------------------------
 
 
@@ -270,6 +319,31 @@ async def test_a_client_that_resets_during_the_upgrade_answer_ends_only_its_conn
     assert warnings_of(caplog) == []
 
 
+@pytest.mark.parametrize("how", ["fin", "close", "reset"])
+@pytest.mark.parametrize(
+    ("header", "value", "status"),
+    [("Sec-WebSocket-Version", b"12", 426), ("Connection", b"keep-alive", 400)],
+)
+async def test_a_refused_upgrade_frees_its_connection_at_once(
+    server: Server,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    header: str,
+    value: bytes,
+    status: int,
+) -> None:
+    path = f"/v1/workspaces/{uuid.uuid4()}/ws?client_id={uuid.uuid4()}&token={TOKEN}".encode()
+    head = upgrade_head(server, path, **{header.replace("-", "_"): value})
+    with watch_connection_ends(monkeypatch) as ended:
+        took = await leave(server, head, how, ended)
+    assert took < CONNECTION_END_BOUND < ws_trio.HANDSHAKE_TIMEOUT
+    answer = await exchange(server, head)  # the refusal itself, to a client that reads it
+    assert status_of(answer) == status
+    if status == 426:
+        assert b"\r\nsec-websocket-version: 13\r\n" in answer.lower()
+    await assert_healthy(server)
+
+
 async def test_a_workspace_closing_during_the_upgrade_closes_the_websocket_with_1001(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -398,6 +472,20 @@ async def test_a_413_then_close_logs_no_busy_resource_error(
     await assert_healthy(server)
     await trio.testing.wait_all_tasks_blocked(cushion=0.2)
     assert [r.getMessage() for r in warnings_of(caplog)] == []
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+@pytest.mark.parametrize("second", ["whole", "partial"])
+async def test_pipelined_requests_from_a_client_that_leaves_free_their_connection(
+    server: Server, monkeypatch: pytest.MonkeyPatch, how: str, second: str
+) -> None:
+    health = b"GET /v1/health HTTP/1.1\r\nHost: " + host(server) + b"\r\n\r\n"
+    follow = health if second == "whole" else b"POST /v1/control HTTP/1.1\r\nHost: h\r\nCont"
+    with watch_connection_ends(monkeypatch) as ended:
+        for _ in range(3):  # the hold depended on timing: a few tries
+            took = await leave(server, health + follow, how, ended)
+            assert took < CONNECTION_END_BOUND
+    await assert_healthy(server)
 
 
 # -- event streams ----------------------------------------------------------------------------

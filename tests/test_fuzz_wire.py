@@ -68,22 +68,23 @@ SEND_BOUND: Final = 2.0
 HEALTH_BOUND: Final = 5.0
 #: Every task a batch started ends within this many seconds of the batch's last close. Above the
 #: server's own bounds on a connection whose peer has gone (hypercorn's 5 s keep-alive timeout; a
-#: closing connection lingers up to 2 s plus a 2 s send bound), below the known holds (10 s, 30 s).
+#: closing connection lingers up to 2 s plus a 2 s send bound), below the holds the known-issue
+#: flags describe (10 s, 30 s).
 LEAK_BOUND: Final = 8.0
 #: The server's RSS may grow by at most this much over a whole test module run (bytes).
 RSS_GROWTH_BOUND: Final = 96 * 1024 * 1024
-#: Known issue, counted instead of failed while True: an event-websocket upgrade that
-#: trio-websocket's handshake refuses (e.g. ``Sec-WebSocket-Version: 12``, or a header byte flipped
-#: past the head checks) keeps its handler task waiting for a handshake that never comes until the
-#: endpoint's handshake timeout (10 s), although the peer is gone.
-#: ``test_a_refused_upgrade_frees_its_task_at_once`` shows it; set this to False once it passes.
-KNOWN_HANDSHAKE_HOLD: Final = True
-#: Known issue, avoided while True: a client that sends a request and then all or part of another
-#: in the same write, and leaves at once without reading (close or reset), can leave its
+#: Known issue, counted instead of failed while True (fixed: False): an event-websocket upgrade
+#: that trio-websocket's handshake refuses (e.g. ``Sec-WebSocket-Version: 12``, or a header byte
+#: flipped past the head checks) kept its handler task waiting for a handshake that never comes
+#: until the endpoint's handshake timeout (10 s), although the peer was gone.
+#: ``test_a_refused_upgrade_frees_its_task_at_once`` guards it.
+KNOWN_HANDSHAKE_HOLD: Final = False
+#: Known issue, avoided while True (fixed: False): a client that sends a request and then all or
+#: part of another in the same write, and leaves at once without reading (close or reset), left its
 #: connection's task alive in ``HttpConnection`` for 30 s to more than 50 s (timing-dependent).
-#: ``pipelined_conn`` then ends its connections with a half-close only;
-#: ``test_pipelined_requests_then_close_free_their_task`` shows it.
-KNOWN_PIPELINED_CLOSE_HOLD: Final = True
+#: While True, ``pipelined_conn`` ends its connections with a half-close only;
+#: ``test_pipelined_requests_then_close_free_their_task`` guards it.
+KNOWN_PIPELINED_CLOSE_HOLD: Final = False
 #: How long such a hold may last (the endpoint's handshake timeout and a margin).
 HANDSHAKE_HOLD_BOUND: Final = 15.0
 #: Bound on starting the server process and on each of its commands (seconds).
@@ -853,7 +854,7 @@ def pipelined_conn(draw: st.DrawFn) -> Conn:
     """Several requests in one write (or cut anywhere), possibly truncated or reset mid-way."""
     requests = draw(st.lists(well_framed(), min_size=2, max_size=5))
     data = b"".join(requests)
-    # See KNOWN_PIPELINED_CLOSE_HOLD: until it is fixed, these connections end with a half-close.
+    # See KNOWN_PIPELINED_CLOSE_HOLD: while it is True, these connections end with a half-close.
     leave = ["fin"] if KNOWN_PIPELINED_CLOSE_HOLD else ["fin", "reset", "close"]
     if draw(st.booleans()):
         truncate_at = draw(st.floats(0, 1))
@@ -1156,12 +1157,6 @@ def test_resets_at_every_phase(server: ServerProcess, batch: list[Conn]) -> None
     server.run_batch(batch)
 
 
-@pytest.mark.xfail(
-    KNOWN_HANDSHAKE_HOLD,
-    reason="a refused upgrade holds its handler task until the handshake timeout",
-    raises=AssertionError,
-    strict=False,
-)
 def test_a_refused_upgrade_frees_its_task_at_once(server: ServerProcess) -> None:
     """An upgrade that the websocket handshake refuses, from a client that then leaves, leaves no
     task behind for longer than :data:`LEAK_BOUND`."""
@@ -1174,12 +1169,6 @@ def test_a_refused_upgrade_frees_its_task_at_once(server: ServerProcess) -> None
         raise
 
 
-@pytest.mark.xfail(
-    KNOWN_PIPELINED_CLOSE_HOLD,
-    reason="pipelined requests then a close hold the connection's task for about 30 s",
-    raises=AssertionError,
-    strict=False,
-)
 def test_pipelined_requests_then_close_free_their_task(server: ServerProcess) -> None:
     """Two pipelined requests from a client that closes without reading leave no task behind for
     longer than :data:`LEAK_BOUND`."""

@@ -353,13 +353,38 @@ class HttpConnection(TCPServer):
         self._eof_sent = False
         self._reader: trio.lowlevel.Task | None = None
         self._reader_done = trio.Event()
+        self._reading = trio.CancelScope()
 
     async def _read_data(self) -> None:
         self._reader = trio.lowlevel.current_task()
         try:
-            await self._read_until_closed()
+            with self._reading:
+                await self._read_until_closed()
+            if self._reading.cancelled_caught:  # a write found the peer gone (protocol_send)
+                await self.protocol.handle(Closed())  # also ends a request read meanwhile
         finally:
             self._reader_done.set()
+
+    async def protocol_send(self, event: Any) -> None:
+        """hypercorn's send, except that a write failing because the peer has gone also ends the
+        reader.
+
+        With pipelined requests the reader waits (h11 paused) until the answer in progress has
+        been written. When that write fails (the peer closed or reset), hypercorn closes the
+        request's stream, which then never reports its end, so the reader would wait for a next
+        cycle that never comes (observed: 30 s to more than 50 s). The peer is gone: nothing
+        more can be read or answered, so the reader ends at once.
+        """
+        if not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._reading.cancel()
+                await self.protocol.handle(Closed())
 
     async def _read_until_closed(self) -> None:
         while not self._eof_sent:

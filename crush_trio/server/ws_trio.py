@@ -83,6 +83,8 @@ class SerializedStream(trio.abc.HalfCloseableStream):
         #: The socket stream underneath (as :class:`PrefixedStream` names it).
         self.transport = stream.transport
         self.send_lock = trio.StrictFIFOLock()
+        #: Cancelled when the stream is closed (see :func:`serve_event_websocket`).
+        self.on_close: trio.CancelScope | None = None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         async with self.send_lock:
@@ -99,6 +101,8 @@ class SerializedStream(trio.abc.HalfCloseableStream):
             await self.stream.send_eof()
 
     async def aclose(self) -> None:
+        if self.on_close is not None:
+            self.on_close.cancel()
         await self.stream.aclose()
 
 
@@ -159,15 +163,23 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
     serialized = SerializedStream(stream)
     async with trio.open_nursery() as nursery:
         try:
-            with trio.fail_after(HANDSHAKE_TIMEOUT):
+            with trio.fail_after(HANDSHAKE_TIMEOUT), trio.CancelScope() as handshake:
+                # A request that wsproto refuses (e.g. Sec-WebSocket-Version other than 13) is
+                # answered by trio-websocket's reader (426 or 400), which then closes the stream
+                # and ends, without ever completing the wait for the request: stop waiting then.
+                serialized.on_close = handshake
                 request = await wrap_server_stream(
                     nursery,
                     serialized,
                     message_queue_size=INBOUND_QUEUE,
                     max_message_size=settings.max_body_bytes,
                 )
+            serialized.on_close = None
         except (trio.TooSlowError, ConnectionClosed, trio.BrokenResourceError, OSError):
             await stream.aclose()
+            nursery.cancel_scope.cancel()
+            return
+        if handshake.cancelled_caught:
             nursery.cancel_scope.cancel()
             return
         req = _Request(request.path, request.headers)
