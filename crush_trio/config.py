@@ -412,7 +412,6 @@ class Config:
         except _Problem as problem:
             raise ConfigError(problem.describe()) from None
 
-
     def resolve_named_model(self, spec: str) -> tuple[str, ProviderConfig, ModelEntry]:
         """The provider and model a prompt names: ``provider/model``, or a model id that
         exactly one configured provider lists.
@@ -445,13 +444,13 @@ def _resolve_named_model(config: Config, spec: str) -> tuple[str, ProviderConfig
     found = [(n, p, e) for n, p in providers.items() for e in p.models if e.id == spec]
     if len(found) == 1:
         return found[0]
-    choices = ", ".join(
-        f"{n}/{e.id}" for n, p in providers.items() for e in p.models
-    ) or "none configured"
+    choices = (
+        ", ".join(f"{n}/{e.id}" for n, p in providers.items() for e in p.models)
+        or "none configured"
+    )
     if found:
         raise ConfigError(
-            f"model {spec!r} is listed by several providers; name one as provider/model "
-            f"({choices})"
+            f"model {spec!r} is listed by several providers; name one as provider/model ({choices})"
         )
     raise ConfigError(
         f"model {spec!r} names no configured model; use provider/model (configured: {choices})"

@@ -21,6 +21,7 @@ import attrs
 import orjson
 import trio
 
+from ..agent.summarize import SUMMARY_SYSTEM_PROMPT
 from ..errors import ProviderError
 from ..wire import FinishReason, Role, TextPart
 from . import base as pb
@@ -52,6 +53,8 @@ class Step:
             non-empty, before any output otherwise).
         gate_before / gate_mid: see the module docstring.
         reasoning: streamed as reasoning before the text.
+        usage: the step's reported usage as ``Usage`` (default: 10 prompt tokens and one
+            completion token per word).
     """
 
     text: str = ""
@@ -60,6 +63,7 @@ class Step:
     gate_before: Gate | None = None
     gate_mid: Gate | None = None
     reasoning: str = ""
+    usage: pb.Usage | None = None
 
 
 def _words(text: str) -> list[str]:
@@ -82,6 +86,8 @@ class ScriptedModel:
         self.steps: collections.deque[Step] = collections.deque(steps or [])
         self.requests: list[pb.ModelRequest] = []
         self.title_requests: list[pb.ModelRequest] = []
+        #: Requests for a session summary (also in ``requests``, in order).
+        self.summary_requests: list[pb.ModelRequest] = []
         self.streams_open = 0
         self.step_started = trio.Event()
 
@@ -98,6 +104,8 @@ class ScriptedModel:
             yield pb.Finished(FinishReason.END_TURN)
             return
         self.requests.append(request)
+        if request.system == SUMMARY_SYSTEM_PROMPT:
+            self.summary_requests.append(request)
         self.step_started.set()
         self.step_started = trio.Event()
         step = self.steps.popleft() if self.steps else None
@@ -128,7 +136,7 @@ class ScriptedModel:
                 call_id = f"call_{len(self.requests)}_{i}"
                 yield pb.ToolCallStart(call_id, name)
                 yield pb.ToolCallDone(call_id, name, orjson.dumps(args).decode())
-            yield pb.Usage(10, len(words))
+            yield step.usage if step.usage is not None else pb.Usage(10, len(words))
             yield pb.Finished(FinishReason.TOOL_USE if step.tool_calls else FinishReason.END_TURN)
         finally:
             self.streams_open -= 1

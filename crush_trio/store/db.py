@@ -515,7 +515,8 @@ class Store:
             _transaction(
                 conn,
                 lambda c: c.execute(
-                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 ),
             )
