@@ -444,9 +444,10 @@ def _resolve_named_model(config: Config, spec: str) -> tuple[str, ProviderConfig
     found = [(n, p, e) for n, p in providers.items() for e in p.models if e.id == spec]
     if len(found) == 1:
         return found[0]
-    choices = (
-        ", ".join(f"{n}/{e.id}" for n, p in providers.items() for e in p.models)
-        or "none configured"
+    choices = ", ".join(
+        f"{n}/{e.id}" if p.models else f"{n}/<any model id>"
+        for n, p in providers.items()
+        for e in (p.models or [ModelEntry(id="")])
     )
     if found:
         raise ConfigError(

@@ -326,6 +326,10 @@ class Runner:
             handle = await ws.prompt(
                 session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo, model=opts.model
             )
+        except BadRequest as exc:
+            if opts.model is not None and str(exc).startswith("model:"):
+                raise UsageError(f"--model {opts.model}: {exc}") from None
+            raise
         finally:
             self.sending = False
         self.handle = handle

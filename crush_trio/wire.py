@@ -460,6 +460,18 @@ def _make_converter() -> cattrs.Converter:
 
     for cls in PART_TAGS:
         conv.register_unstructure_hook(cls, _attrs_unstructure(conv, cls))
+    # ``progress`` and ``done`` belong to ``summarize`` events only: left out of the others.
+    from cattrs.gen import make_dict_unstructure_fn, override
+
+    conv.register_unstructure_hook(
+        AgentEvent,
+        make_dict_unstructure_fn(
+            AgentEvent,
+            conv,
+            progress=override(omit_if_default=True),
+            done=override(omit_if_default=True),
+        ),
+    )
     conv.register_unstructure_hook_func(
         lambda t: t is Part,
         lambda part: unstructure_part(part),  # type: ignore[comparison-overlap]
