@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
 import trio
 
@@ -16,7 +17,10 @@ from crush_trio.agent.summarize import CONTINUE_NOTE, should_compact, step_cost
 from crush_trio.client import BadRequest, Conflict, RunFailed, RunStatus, WorkspaceClient
 from crush_trio.config import ModelEntry, Options
 from crush_trio.errors import ProviderError
+from crush_trio.providers.anthropic import MessagesStreamParser
 from crush_trio.providers.base import Usage
+from crush_trio.providers.http import SSEEvent
+from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.wire import Role
 
@@ -249,3 +253,46 @@ async def test_session_cost_and_tokens_come_from_usage_and_prices(
     assert session.cost == pytest.approx(2 * one)
     # The token counts are the last step's: the context in use.
     assert (session.prompt_tokens, session.completion_tokens) == (100, 50)
+
+
+# ---------------------------------------------------------------------------------------------
+# Usage as each API reports it, cached tokens included
+
+
+def test_openai_usage_carries_cached_prompt_tokens() -> None:
+    parser = ChatStreamParser("p")
+    chunk = {
+        "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}],
+        "usage": {
+            "prompt_tokens": 1200,
+            "completion_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 1024},
+        },
+    }
+    events = parser.feed(SSEEvent(data=orjson.dumps(chunk).decode()))
+    events += parser.feed(SSEEvent(data="[DONE]"))
+    assert Usage(1200, 7, cache_read_tokens=1024) in events
+
+
+def test_anthropic_usage_carries_cache_reads_and_writes() -> None:
+    parser = MessagesStreamParser("p")
+    start = {
+        "type": "message_start",
+        "message": {
+            "usage": {
+                "input_tokens": 10,
+                "cache_creation_input_tokens": 300,
+                "cache_read_input_tokens": 2000,
+                "output_tokens": 1,
+            }
+        },
+    }
+    delta = {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn"},
+        "usage": {"output_tokens": 42},
+    }
+    events: list[Any] = []
+    for data in (start, delta, {"type": "message_stop"}):
+        events += parser.feed(SSEEvent(data=orjson.dumps(data).decode()))
+    assert Usage(2310, 42, cache_read_tokens=2000, cache_write_tokens=300) in events
