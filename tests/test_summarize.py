@@ -7,6 +7,7 @@ steps report the usage a test gives them, which drives auto-compaction and cost.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -24,7 +25,7 @@ from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.wire import Role
 
-from .conftest import WAIT, completes_run, payloads
+from .conftest import WAIT, completes_run, payloads, running_server
 
 #: The configured model's window: compaction when at most 20% (200 tokens) remain.
 WINDOW = 1000
@@ -296,3 +297,57 @@ def test_anthropic_usage_carries_cache_reads_and_writes() -> None:
     for data in (start, delta, {"type": "message_stop"}):
         events += parser.feed(SSEEvent(data=orjson.dumps(data).decode()))
     assert Usage(2310, 42, cache_read_tokens=2000, cache_write_tokens=300) in events
+
+
+# ---------------------------------------------------------------------------------------------
+# The websocket command
+
+
+async def test_summarize_command_does_not_hold_up_later_commands_and_prompts_queue_behind_it(
+    tmp_path: Path,
+) -> None:
+    model = ScriptedModel()
+    gate = Gate()
+    model.add(Step("first reply"), Step("the summary", gate_before=gate), Step("after"))
+    async with running_server(tmp_path, provider_factory=model) as server:
+        wid = (await server.open_workspace())["id"]
+        with trio.fail_after(WAIT):
+            async with server.websocket(wid) as sock:
+                await sock.recv()
+                sid = (await sock.command("sessions.create"))["result"]["id"]
+                await sock.command("agent.prompt", session_id=sid, prompt="hi", run_id="r1")
+                await sock.run_complete("r1")
+                await sock.conn.send_message(
+                    orjson.dumps(
+                        {"id": "sum", "method": "sessions.summarize", "params": {"session_id": sid}}
+                    ).decode()
+                )
+                await gate.reached.wait()
+                # Answered while the summary runs: the session is busy, the prompt queues.
+                again = await sock.command("sessions.summarize", session_id=sid)
+                assert (again["ok"], again["status"]) == (False, 409)
+                queued = await sock.command(
+                    "agent.prompt", session_id=sid, prompt="next", run_id="r2"
+                )
+                assert queued["result"]["status"] == "queued"
+                gate.release()
+                frames = await sock.until(lambda f: f.get("id") == "sum")
+                reply = frames[-1]
+                assert reply["ok"] is True
+                summary_id = reply["result"]["summary_message_id"]
+                assert summary_id is not None
+                await sock.run_complete("r2")
+        sent = model.requests[-1].messages
+        assert [(m.role, m.text()) for m in sent] == [
+            (Role.USER, "the summary"),
+            (Role.USER, "next"),
+        ]
+        unknown = await sock_free_command(server, wid)
+        assert unknown == 400
+
+
+async def sock_free_command(server: Any, wid: str) -> int:
+    async with server.websocket(wid) as sock:
+        await sock.recv()
+        reply = await sock.command("sessions.summarize", session_id="nope")
+        return int(reply["status"])
