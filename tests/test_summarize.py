@@ -23,9 +23,11 @@ from crush_trio.providers.base import Usage
 from crush_trio.providers.http import SSEEvent
 from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
+from crush_trio.testing import CrushServer
 from crush_trio.wire import Role
 
 from .conftest import WAIT, completes_run, payloads, running_server
+from .test_run_cmd import run_cli
 
 #: The configured model's window: compaction when at most 20% (200 tokens) remain.
 WINDOW = 1000
@@ -351,3 +353,26 @@ async def sock_free_command(server: Any, wid: str) -> int:
         await sock.recv()
         reply = await sock.command("sessions.summarize", session_id="nope")
         return int(reply["status"])
+
+
+# ---------------------------------------------------------------------------------------------
+# crush-trio run
+
+
+async def test_run_m_selects_the_model_and_prints_no_summary(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    project = crush_server.project()
+    scripted_model.add(
+        Step("looking ", tool_calls=[("ls", {})], usage=Usage(900, 10)),
+        Step("SUMMARY TEXT"),
+        Step("the answer"),
+    )
+    done = await run_cli("-m", "m/main", "go", tmp_path=tmp_path, server=crush_server, cwd=project)
+    assert done.code == 0, done.err
+    assert "SUMMARY" not in done.out and done.out.endswith("the answer\n")
+    assert len(scripted_model.summary_requests) == 1
+    scripted_model.add(Step("other says hi"))
+    done = await run_cli("-m", "m/other", "hi", tmp_path=tmp_path, server=crush_server, cwd=project)
+    assert (done.code, done.out) == (0, "other says hi\n"), done.err
+    assert scripted_model.requests[-1].model.id == "other"
