@@ -376,3 +376,41 @@ async def test_run_m_selects_the_model_and_prints_no_summary(
     done = await run_cli("-m", "m/other", "hi", tmp_path=tmp_path, server=crush_server, cwd=project)
     assert (done.code, done.out) == (0, "other says hi\n"), done.err
     assert scripted_model.requests[-1].model.id == "other"
+
+
+# ---------------------------------------------------------------------------------------------
+# The schema
+
+
+async def test_a_version_2_database_gains_the_summary_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    from crush_trio.store.db import DB_FILENAME, MIGRATIONS, Store
+
+    path = tmp_path / DB_FILENAME
+    conn = sqlite3.connect(path, isolation_level=None)
+    for version, script in enumerate(MIGRATIONS[:2], start=1):
+        conn.executescript(f"BEGIN;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
+    conn.execute(
+        "INSERT INTO sessions (id, title, created_at, updated_at) VALUES ('old', 't', 1, 1)"
+    )
+    conn.execute(
+        "INSERT INTO messages (id, session_id, role, parts, created_at, updated_at) "
+        "VALUES ('m', 'old', 'user', '[]', 1, 1)"
+    )
+    conn.close()
+    store = await Store.open(tmp_path)
+    try:
+        session = await store.get_session("old")
+        assert session is not None and session.summary_message_id is None
+        (message,) = await store.list_messages("old")
+        assert message.is_summary_message is False
+        updated = await store.set_summary("old", "m", 12, 0.5)
+        assert updated is not None
+        assert (updated.summary_message_id, updated.completion_tokens, updated.cost) == (
+            "m",
+            12,
+            0.5,
+        )
+    finally:
+        await store.aclose()
