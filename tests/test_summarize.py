@@ -414,3 +414,34 @@ async def test_a_version_2_database_gains_the_summary_columns(tmp_path: Path) ->
         )
     finally:
         await store.aclose()
+
+
+async def test_cancel_stops_a_requested_summary_and_stores_nothing(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    sid = (await ws.create_session()).id
+    await (await ws.prompt(sid, "hello")).result(WAIT)
+    gate = Gate()
+    scripted_model.add(Step("a partial summary", gate_mid=gate))
+    outcome: list[BaseException] = []
+
+    async def summarize() -> None:
+        try:
+            await ws.summarize(sid)
+        except Conflict as exc:
+            outcome.append(exc)
+
+    with trio.fail_after(WAIT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(summarize)
+            await gate.reached.wait()
+            assert (await ws.session(sid)).is_busy
+            await ws.cancel(sid)
+    gate.release()
+    assert len(outcome) == 1 and "cancelled" in str(outcome[0])
+    assert not any(m.is_summary_message for m in await ws.messages(sid))
+    assert (await ws.session(sid)).summary_message_id is None
+    # The session is usable again at once.
+    scripted_model.add(Step("still here"))
+    assert (await (await ws.prompt(sid, "again")).result(WAIT)).text == "still here"
