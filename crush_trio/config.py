@@ -88,6 +88,13 @@ UNTRUSTED_OPTION_KEYS: Final = frozenset(
         "tool_timeout",
         "bash_output_limit",
         "context_paths",
+        "auto_compact",
+        "disable_auto_summarize",
+        "compact_large_window",
+        "compact_buffer_tokens",
+        "compact_ratio",
+        "default_context_window",
+        "summary_max_tokens",
     }
 )
 #: Keys of a provider entry an untrusted workspace may set: the model list and the bounds, never
@@ -150,6 +157,19 @@ DEFAULT_TOOL_TIMEOUT: Final = 120.0
 #: and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
 
+# Summaries and auto-compaction (Crush's thresholds).
+#: Context window assumed for a model whose entry gives none (``context_window`` 0), in tokens.
+DEFAULT_CONTEXT_WINDOW: Final = 128_000
+#: Windows larger than this many tokens compact when at most :data:`DEFAULT_COMPACT_BUFFER`
+#: tokens remain; smaller ones when at most :data:`DEFAULT_COMPACT_RATIO` of the window remains.
+DEFAULT_COMPACT_LARGE_WINDOW: Final = 200_000
+#: Remaining tokens that trigger compaction of a large window.
+DEFAULT_COMPACT_BUFFER: Final = 20_000
+#: Remaining fraction of the window that triggers compaction of a smaller window.
+DEFAULT_COMPACT_RATIO: Final = 0.2
+#: Longest summary a summarize request asks the model for, in tokens.
+DEFAULT_SUMMARY_MAX_TOKENS: Final = 4096
+
 # Server bounds.
 #: Largest request body and websocket frame, in bytes (4 MiB).
 DEFAULT_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
@@ -210,12 +230,22 @@ def _positive(default: _N) -> _N:
 
 @attrs.frozen
 class ModelEntry:
-    """One model a provider offers; ``0`` means unknown / the provider's default."""
+    """One model a provider offers; ``0`` means unknown / the provider's default.
+
+    Prices are in dollars per million tokens (Crush's keys): ``cost_per_1m_in`` for input
+    tokens not served from the prompt cache, ``cost_per_1m_out`` for output tokens,
+    ``cost_per_1m_in_cached`` for tokens written to the prompt cache and
+    ``cost_per_1m_out_cached`` for tokens read from it (as Crush's model catalog fills them).
+    """
 
     id: str
     name: str = ""
     context_window: int = 0
     default_max_tokens: int = 0
+    cost_per_1m_in: float = 0.0
+    cost_per_1m_out: float = 0.0
+    cost_per_1m_in_cached: float = 0.0
+    cost_per_1m_out_cached: float = 0.0
 
 
 @attrs.frozen
@@ -293,6 +323,18 @@ class Options:
     #: Accepted for compatibility; not used yet.
     context_paths: list[str] = attrs.field(factory=list)
     sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
+    #: Summarize the session before the next model step when the context is nearly full.
+    auto_compact: bool = True
+    #: Crush's spelling of ``auto_compact: false`` (either one turns it off).
+    disable_auto_summarize: bool = False
+    #: See :data:`DEFAULT_COMPACT_LARGE_WINDOW`, :data:`DEFAULT_COMPACT_BUFFER` and
+    #: :data:`DEFAULT_COMPACT_RATIO`.
+    compact_large_window: int = _positive(DEFAULT_COMPACT_LARGE_WINDOW)
+    compact_buffer_tokens: int = DEFAULT_COMPACT_BUFFER
+    compact_ratio: float = DEFAULT_COMPACT_RATIO
+    #: Context window of a model whose entry does not give one.
+    default_context_window: int = _positive(DEFAULT_CONTEXT_WINDOW)
+    summary_max_tokens: int = _positive(DEFAULT_SUMMARY_MAX_TOKENS)
 
 
 @attrs.frozen
@@ -369,6 +411,51 @@ class Config:
             return _resolve_model(self, role)
         except _Problem as problem:
             raise ConfigError(problem.describe()) from None
+
+    def resolve_named_model(self, spec: str) -> tuple[str, ProviderConfig, ModelEntry]:
+        """The provider and model a prompt names: ``provider/model``, or a model id that
+        exactly one configured provider lists.
+
+        Raises:
+            ConfigError: the name matches no configured model (or several); the message lists
+                what there is.
+        """
+        return _resolve_named_model(self, spec)
+
+
+def _resolve_named_model(config: Config, spec: str) -> tuple[str, ProviderConfig, ModelEntry]:
+    spec = spec.strip()
+    providers = dict(config.providers)
+    if ECHO_PROVIDER not in providers:
+        providers[ECHO_PROVIDER] = ProviderConfig(type="echo")
+    name, sep, model_id = spec.partition("/")
+    if sep and name in providers and model_id:
+        provider = providers[name]
+        entry = provider.find_model(model_id)
+        if entry is None:
+            if provider.models:
+                known = ", ".join(repr(m.id) for m in provider.models)
+                raise ConfigError(
+                    f"model {model_id!r} is not in $.providers.{name}.models ({known}); "
+                    "name one of them or add it to that list"
+                )
+            entry = ModelEntry(id=model_id)
+        return name, provider, entry
+    found = [(n, p, e) for n, p in providers.items() for e in p.models if e.id == spec]
+    if len(found) == 1:
+        return found[0]
+    choices = ", ".join(
+        f"{n}/{e.id}" if p.models else f"{n}/<any model id>"
+        for n, p in providers.items()
+        for e in (p.models or [ModelEntry(id="")])
+    )
+    if found:
+        raise ConfigError(
+            f"model {spec!r} is listed by several providers; name one as provider/model ({choices})"
+        )
+    raise ConfigError(
+        f"model {spec!r} names no configured model; use provider/model (configured: {choices})"
+    )
 
 
 def builtin_echo() -> tuple[str, ProviderConfig, ModelEntry]:

@@ -116,7 +116,7 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument(
         "-C", "--continue", dest="continue_last", action="store_true", help="most recent session"
     )
-    p.add_argument("-m", "--model", default=None, help="provider/model the workspace must be using")
+    p.add_argument("-m", "--model", default=None, help="provider/model for this prompt")
     p.add_argument("--yolo", action="store_true", help="approve this run's own permission requests")
     p.add_argument("-q", "--quiet", action="store_true", help="no spinner")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
@@ -319,28 +319,19 @@ class Runner:
                 return latest
         return await ws.create_session()
 
-    async def _check_model(self, ws: WorkspaceClient) -> None:
-        wanted = self.options.model
-        if wanted is None:
-            return
-        info = await ws.agent_info()
-        using = f"{info.model.get('provider', '')}/{info.model.get('model', '')}"
-        if using != wanted:
-            raise UsageError(
-                f"--model {wanted}: the workspace {ws.path} uses {using}; the model is chosen "
-                "by models.large in its crush.json (the protocol has no per-prompt model)"
-            )
-
     async def _in_workspace(self, ws: WorkspaceClient, deadline: float) -> int:
         opts = self.options
         session = await self._pick_session(ws)
         self.err(f"session: {session.id}")
-        await self._check_model(ws)
         self.sending = True
         try:
             handle = await ws.prompt(
-                session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo
+                session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo, model=opts.model
             )
+        except BadRequest as exc:
+            if opts.model is not None and str(exc).startswith("model:"):
+                raise UsageError(f"--model {opts.model}: {exc}") from None
+            raise
         finally:
             self.sending = False
         self.handle = handle

@@ -134,6 +134,8 @@ class Session:
     created_at: int = attrs.field(factory=now)
     updated_at: int = attrs.field(factory=now)
     is_busy: bool = False
+    #: The summary message later model requests start from (``None``: the whole history).
+    summary_message_id: str | None = None
 
 
 @attrs.define
@@ -146,6 +148,8 @@ class Message:
     provider: str = ""
     created_at: int = attrs.field(factory=now)
     updated_at: int = attrs.field(factory=now)
+    #: A summary of the conversation before it (``sessions/{sid}/summarize``, auto-compaction).
+    is_summary_message: bool = False
 
     def text(self) -> str:
         """The concatenated text parts: what a reader sees as the reply."""
@@ -219,6 +223,10 @@ class AgentEvent:
     run_id: str | None = None
     message: str = ""
     error: str = ""
+    #: ``summarize`` events: what the summary is doing now (``starting``, ``generating``, ...).
+    progress: str | None = None
+    #: ``summarize`` events: the summary ended (stored, failed or cancelled).
+    done: bool | None = None
 
 
 @attrs.define
@@ -294,6 +302,9 @@ class AgentMessage:
     session_id: str
     prompt: str
     run_id: str | None = None
+    #: The model for this prompt, ``provider/model`` (or a model id that one provider lists);
+    #: ``None`` uses ``models.large``.
+    model: str | None = None
 
 
 @attrs.define
@@ -520,6 +531,18 @@ def _make_converter() -> cattrs.Converter:
 
     for cls in PART_TAGS:
         conv.register_unstructure_hook(cls, _attrs_unstructure(conv, cls))
+    # ``progress`` and ``done`` belong to ``summarize`` events only: left out of the others.
+    from cattrs.gen import make_dict_unstructure_fn, override
+
+    conv.register_unstructure_hook(
+        AgentEvent,
+        make_dict_unstructure_fn(
+            AgentEvent,
+            conv,
+            progress=override(omit_if_default=True),
+            done=override(omit_if_default=True),
+        ),
+    )
     conv.register_unstructure_hook_func(
         lambda t: t is Part,
         lambda part: unstructure_part(part),  # type: ignore[comparison-overlap]

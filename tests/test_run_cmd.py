@@ -220,7 +220,7 @@ async def test_usage_errors_exit_2(crush_server: CrushServer, tmp_path: Path) ->
     done = await run_cli(
         "-m", "nope/none", "hi", tmp_path=tmp_path, server=crush_server, cwd=crush_server.project()
     )
-    assert done.code == 2 and "uses echo/echo" in done.err
+    assert done.code == 2 and "names no configured model" in done.err
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -35,6 +35,7 @@ from ..errors import (
     ConfigError,
     Conflict,
     CrushError,
+    NotFound,
     ProviderError,
     StoreError,
     TooManyRequests,
@@ -58,6 +59,13 @@ from ..wire import (
     now,
 )
 from .runs import RunBook
+from .summarize import (
+    context_window,
+    history_from_summary,
+    should_compact,
+    step_cost,
+    summary_request,
+)
 from .titles import Titles
 from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 
@@ -92,6 +100,25 @@ class _TurnProgress:
     provider: str = ""
     assistant_unsaved: bool = False
     history: list[Message] = attrs.field(factory=list)  # what the next model step is sent
+    usage: pb.Usage | None = None  # the last step's, as the provider reported it
+    model_entry: Any = None  # the ModelEntry the turn uses (prices, context window)
+
+
+@attrs.define
+class _SummaryWaiter:
+    """A summary asked for by ``POST .../summarize``: what its request handler waits for."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    message: Message | None = None
+    error: BaseException | None = None
+
+
+#: Progress texts of ``summarize`` agent events (Crush's).
+SUMMARY_STARTING: Final = "Starting summarization..."
+SUMMARY_GENERATING: Final = "Generating summary..."
+SUMMARY_DONE: Final = "Summary complete"
+SUMMARY_FAILED: Final = "Summary failed"
+SUMMARY_CANCELLED: Final = "Summary cancelled"
 
 
 ProviderFactory = Callable[[str, Any], pb.Provider]
@@ -145,6 +172,10 @@ class Agent:
         #: Runs accepted and not yet ended: a run_complete is published only for a run still in
         #: here, and the run leaves it then (exactly once; memory bounded by the live runs).
         self._live: set[str] = set()
+        #: The model a prompt named (``AgentMessage.model``), by run id, until its turn ends.
+        self._prompt_models: dict[str, str] = {}
+        #: Turns that are a summary asked for by a client (by ``id(turn)``).
+        self._summary_turns: dict[int, _SummaryWaiter] = {}
         self._on_idle = on_idle
         self.closing = False
         self.max_queued_prompts = max_queued_prompts
@@ -178,7 +209,9 @@ class Agent:
             return bool(self.state.busy_sessions())
         return self.state.is_busy(session_id)
 
-    async def submit(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+    async def submit(
+        self, session_id: str, text: str, run_id: str | None, model: str | None = None
+    ) -> wire.AcceptedPrompt:
         """Accept a prompt; returns the run's id and status once its record is durable.
 
         The decision is taken at once (the run may start streaming right away); the return waits
@@ -193,7 +226,7 @@ class Agent:
             StoreError: the record could not be stored; the run is cancelled, nothing was
                 accepted.
         """
-        accepted = await self.accept(session_id, text, run_id)
+        accepted = await self.accept(session_id, text, run_id, model)
         await self.durable(accepted.run_id)
         return accepted
 
@@ -209,13 +242,21 @@ class Agent:
             self.cancel_run(run_id)
             raise
 
-    async def accept(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+    async def accept(
+        self, session_id: str, text: str, run_id: str | None, model: str | None = None
+    ) -> wire.AcceptedPrompt:
         """Take the decision on a prompt (PROTOCOL §3); its record is not durable yet (see
-        :meth:`submit` and :meth:`RunBook.wait_inserted`)."""
+        :meth:`submit` and :meth:`RunBook.wait_inserted`). ``model`` (``provider/model``) is
+        the model for this prompt's turn instead of ``models.large``."""
         if self.closing:
             raise Conflict("workspace closing: it is shutting down; open it again and resend")
         if not text.strip():
             raise BadRequest("prompt is empty; send the text for the agent in 'prompt'")
+        if model is not None:
+            try:
+                self.config.resolve_named_model(model)
+            except ConfigError as exc:
+                raise BadRequest(f"model: {exc.message}") from None
         wire.validate_run_id(run_id)
         if not self.store.session_exists(session_id):
             raise BadRequest(
@@ -244,6 +285,8 @@ class Agent:
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
+        if model is not None:
+            self._prompt_models[prompt.run_id] = model
         if turn is not None:
             self._publish_busy(session_id)
             self._runs_nursery.start_soon(self._drive, turn, name=f"session-{session_id}")
@@ -264,6 +307,44 @@ class Agent:
                 f"{self.max_queued_prompt_bytes} bytes; wait for a run to end, or cancel or clear "
                 "the queue, then send it again"
             )
+
+    async def summarize(self, session_id: str) -> Message:
+        """Summarize the session now (``POST .../summarize``); returns the stored summary.
+
+        The summary runs as a turn of its own in the session's driver, so prompts sent meanwhile
+        queue behind it and a cancel of the session stops it.
+
+        Raises:
+            Conflict: the workspace is closing, the session is busy (a run or a summary in
+                progress, or prompts queued), or the summary was cancelled.
+            NotFound: no such session.
+            BadRequest: the session has no messages.
+            ProviderError: the model failed (nothing was stored).
+        """
+        if self.closing:
+            raise Conflict("workspace closing: it is shutting down; open it again and resend")
+        if not self.store.session_exists(session_id):
+            raise NotFound(f"session {session_id!r} does not exist in this workspace")
+        if not await self.messages_for(session_id):
+            raise BadRequest(f"session {session_id!r} has no messages to summarize")
+        if self.closing:
+            raise Conflict("workspace closing: it is shutting down; open it again and resend")
+        if self.state.would_queue(session_id):
+            raise Conflict(
+                f"session busy: session {session_id!r} has a run in progress or queued; "
+                "summarize it once it is idle, or cancel it first"
+            )
+        _prompt, _admission, turn = self.state.accept(session_id, new_id(), "", explicit=True)
+        assert turn is not None  # the session was idle
+        waiter = _SummaryWaiter()
+        self._summary_turns[id(turn)] = waiter
+        self._publish_busy(session_id)
+        self._runs_nursery.start_soon(self._drive, turn, name=f"session-{session_id}")
+        await waiter.done.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.message is not None
+        return waiter.message
 
     def cancel(self, session_id: str) -> None:
         """Cancel the session's active turn and drop its queue; a no-op when idle."""
@@ -327,6 +408,7 @@ class Agent:
         """Queued prompts dropped by a cancel, a clear or shutdown: cancelled terminals."""
         completes = []
         for prompt in dropped:
+            self._prompt_models.pop(prompt.run_id, None)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(run, RunStatus.CANCELLED)
@@ -373,6 +455,10 @@ class Agent:
         Cancellation: a user cancel ends the turn cancelled and returns normally; a cancel from
         outside (workspace shutdown) saves the same final state and then propagates.
         """
+        waiter = self._summary_turns.pop(id(turn), None)
+        if waiter is not None:
+            await self._run_summary_turn(turn, waiter)
+            return []
         progress = _TurnProgress(turn)
         error: BaseException | None = None
         cancelled = False
@@ -429,6 +515,7 @@ class Agent:
         text = progress.assistant.text() if progress.assistant else ""
         completes = []
         for prompt in turn.prompts:
+            self._prompt_models.pop(prompt.run_id, None)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(
@@ -505,12 +592,13 @@ class Agent:
             self._mark_running(prompt)
         if not self.store.session_exists(sid):
             raise SessionGone(f"session {sid!r} was deleted before its run could start")
-        provider_name, provider_cfg, model_entry = self.config.resolve_model("large")
+        provider_name, provider_cfg, model_entry = self._turn_model(turn)
         provider = self._provider(provider_name, provider_cfg)
         progress.model, progress.provider = model_entry.id, provider_name
+        progress.model_entry = model_entry
         # The history is read once; this turn's own messages are appended as they are made (no
         # other turn runs on this session meanwhile), so later steps need no database round trip.
-        progress.history = await self.messages_for(sid)
+        progress.history = await self.model_history(sid)
         first_prompt = not any(m.role is Role.USER for m in progress.history)
         await self._write_user_message(progress, turn.primary)
         if first_prompt:
@@ -562,13 +650,174 @@ class Agent:
                     msg.parts.append(FinishPart(FinishReason.END_TURN))
                     await self.messages.update(msg)
                     return
+                more = True
+            else:
+                # Fold the prompts that arrived during this step into a next step.
+                more = any(not p.explicit for p in self.state.queued(sid))
+            await self._compact_if_full(progress, provider, more=more)
+            if more:
                 continue
-            if any(not p.explicit for p in self.state.queued(sid)):
-                continue  # fold the prompts that arrived during this step into a next step
             return
         raise ProviderError(
             f"the agent stopped after {options.max_steps} steps (options.max_steps); "
             "raise the limit or split the task"
+        )
+
+    # -- models, usage and summaries ------------------------------------------------------------
+
+    def _turn_model(self, turn: Turn) -> tuple[str, Any, Any]:
+        """The provider name, provider config and model entry of a turn: the model its prompt
+        named, else ``models.large``."""
+        spec = self._prompt_models.get(turn.primary.run_id)
+        if spec is not None:
+            return self.config.resolve_named_model(spec)
+        return self.config.resolve_model("large")
+
+    async def model_history(self, session_id: str) -> list[Message]:
+        """What a model request of the session carries: from its summary on, if it has one
+        (the stored history stays whole)."""
+        messages = await self.messages_for(session_id)
+        if not any(m.is_summary_message for m in messages):
+            return messages
+        session = await self.store.get_session(session_id)
+        return history_from_summary(messages, session.summary_message_id if session else None)
+
+    async def _on_usage(self, msg: Message, usage: pb.Usage, progress: _TurnProgress) -> None:
+        """A step's usage: the session's token counts become the step's and its cost is added
+        (a summary's usage is recorded when the summary is stored)."""
+        progress.usage = usage
+        if msg.is_summary_message:
+            return
+        cost = step_cost(usage, progress.model_entry) if progress.model_entry else 0.0
+        await self.store.record_step_usage(
+            msg.session_id, usage.prompt_tokens, usage.completion_tokens, cost
+        )
+
+    async def _compact_if_full(
+        self, progress: _TurnProgress, provider: pb.Provider, *, more: bool
+    ) -> None:
+        """After a step: summarize when the context is nearly full (Crush's rule, see
+        :func:`~crush_trio.agent.summarize.should_compact`); a turn with ``more`` steps to go
+        goes on from the summary under the same run."""
+        usage, entry = progress.usage, progress.model_entry
+        if usage is None or entry is None:
+            return
+        used = usage.prompt_tokens + usage.completion_tokens
+        if not should_compact(
+            used, context_window(entry, self.config.options), self.config.options
+        ):
+            return
+        summary = await self._summarize(progress, provider, list(progress.history))
+        progress.usage = None
+        request = "\n\n".join(p.text for p in progress.turn.prompts) if more else ""
+        progress.history = history_from_summary([summary], summary.id, continue_with=request)
+
+    async def _run_summary_turn(self, turn: Turn, waiter: _SummaryWaiter) -> None:
+        """A summary a client asked for, as a turn of the session (no run record, no
+        run_complete: the request's answer is its result)."""
+        progress = _TurnProgress(turn)
+        try:
+            with trio.CancelScope() as scope:
+                self._scopes[id(turn)] = scope
+                if turn.cancelled:
+                    scope.cancel()
+                name, cfg, entry = self.config.resolve_model("large")
+                provider = self._provider(name, cfg)
+                progress.model, progress.provider, progress.model_entry = entry.id, name, entry
+                history = await self.model_history(turn.session_id)
+                waiter.message = await self._summarize(progress, provider, history)
+            if scope.cancelled_caught or turn.cancelled:
+                waiter.message = None
+                waiter.error = Conflict(
+                    f"the summary of session {turn.session_id!r} was cancelled; nothing was stored"
+                )
+        except Exception as exc:
+            error = unwrap_group(exc)
+            if not isinstance(error, CrushError):
+                log.exception("summary of session %s failed with a bug", turn.session_id)
+                error = ProviderError(_error_text(error))
+            waiter.error = error
+        finally:
+            self._scopes.pop(id(turn), None)
+            if waiter.message is None and waiter.error is None:
+                waiter.error = Conflict("workspace closing: the summary was stopped")
+            waiter.done.set()
+
+    async def _summarize(
+        self, progress: _TurnProgress, provider: pb.Provider, history: list[Message]
+    ) -> Message:
+        """Ask the model for a summary of ``history``, store it as a summary message and point
+        the session at it. Visible as ``summarize`` agent events and the message's events.
+
+        On failure or cancel the partial summary message is deleted (a ``deleted`` event) and
+        the session keeps its previous summary; the error propagates.
+        """
+        turn, entry = progress.turn, progress.model_entry
+        sid = turn.session_id
+        # A run's compaction names the run; a summary a client asked for has no run.
+        run_id = turn.primary.run_id if self.runs.get(turn.primary.run_id) else None
+        self._summary_event(sid, run_id, SUMMARY_STARTING)
+        msg = Message(new_id(), sid, Role.ASSISTANT, model=entry.id, is_summary_message=True)
+        msg.provider = progress.provider
+        request = summary_request(
+            pb.ModelInfo(entry.id, entry.name, entry.context_window, entry.default_max_tokens),
+            history,
+            sid,
+            self.config.options.summary_max_tokens,
+        )
+        created = False
+        try:
+            await self.messages.create(msg)
+            created = True
+            self._summary_event(sid, run_id, SUMMARY_GENERATING)
+            progress.usage = None
+            await self._stream_step(provider, request, msg, progress)
+            if not msg.text().strip():
+                raise ProviderError(
+                    f"provider {progress.provider!r} returned an empty summary; try again or "
+                    "use another model"
+                )
+            await self.messages.flush(msg.id)
+            usage = progress.usage or pb.Usage()
+            session = await self.store.set_summary(
+                sid, msg.id, usage.completion_tokens, step_cost(usage, entry)
+            )
+        except BaseException as exc:
+            cancelled = isinstance(exc, trio.Cancelled) or turn.cancelled
+            with trio.move_on_after(self.save_timeout, shield=True):
+                if created:
+                    try:
+                        await self.messages.forget(msg.id)
+                        await self.store.delete_message(msg.id)
+                        self.broker.publish(msg, EventKind.DELETED)
+                    except Exception:
+                        log.exception("removing the failed summary %s failed", msg.id)
+            error = "" if cancelled else _error_text(unwrap_group(exc))
+            self._summary_event(
+                sid, run_id, SUMMARY_CANCELLED if cancelled else SUMMARY_FAILED, error=error
+            )
+            raise
+        if session is not None:
+            session.is_busy = self.state.is_busy(sid)
+            self.broker.publish(session, EventKind.UPDATED)
+        self._summary_event(sid, run_id, SUMMARY_DONE)
+        return msg
+
+    def _summary_event(
+        self, session_id: str, run_id: str | None, progress: str, *, error: str = ""
+    ) -> None:
+        done = progress not in (SUMMARY_STARTING, SUMMARY_GENERATING)
+        self.broker.publish(
+            AgentEvent(
+                "summarize",
+                session_id=session_id,
+                run_id=run_id,
+                message=error or progress,
+                error=error,
+                progress=progress,
+                done=done,
+            ),
+            EventKind.CREATED,
         )
 
     def _mark_running(self, prompt: Prompt) -> None:
@@ -606,9 +855,7 @@ class Agent:
                 if assembler.feed(event):
                     await self.messages.update(msg, assembler.append)
                 elif isinstance(event, pb.Usage):
-                    await self.store.add_session_usage(
-                        msg.session_id, event.prompt_tokens, event.completion_tokens, 0.0
-                    )
+                    await self._on_usage(msg, event, progress)
                 elif isinstance(event, pb.Retrying):
                     self.broker.publish(
                         AgentEvent(

@@ -48,9 +48,10 @@ class Transcript:
         return out
 
     def update(self, message: Message) -> str:
-        """Text of ``message`` not printed yet ('' for other roles, stale or diverged snapshots)."""
-        if message.role is not Role.ASSISTANT:
-            return ""
+        """Text of ``message`` not printed yet ('' for other roles, summaries, stale or diverged
+        snapshots)."""
+        if message.role is not Role.ASSISTANT or message.is_summary_message:
+            return ""  # a summary is bookkeeping, not part of the reply
         mid = message.id
         text = message.text()
         if mid not in self.printed:

@@ -242,6 +242,7 @@ class WorkspaceClient:
         run_id: str | None = None,
         *,
         auto_approve: bool = False,
+        model: str | None = None,
     ) -> RunHandle:
         """Send a prompt to a session; returns the handle of its run once the server accepted it.
 
@@ -254,6 +255,8 @@ class WorkspaceClient:
                 prompt to a busy session is queued as its own turn, never folded into another.)
             auto_approve: answer this run's own permission requests with ``allow``, never
                 another run's and never workspace-wide.
+            model: the model for this prompt, ``provider/model``; ``None`` uses the
+                workspace's ``models.large``.
 
         Raises:
             BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
@@ -274,7 +277,9 @@ class WorkspaceClient:
             mailbox_size=self.mailbox_size,
         )
         self._stream.track(handle)
-        body = {"session_id": session_id, "prompt": text, "run_id": run_id}
+        body: dict[str, Any] = {"session_id": session_id, "prompt": text, "run_id": run_id}
+        if model is not None:
+            body["model"] = model
         try:
             handle.accepted = await self._send_prompt(body)
         except BaseException:
@@ -334,6 +339,18 @@ class WorkspaceClient:
     async def get_run(self, run_id: str) -> Run:
         data = await self.client.request("GET", self._url(f"/runs/{run_id}"))
         return wire.converter.structure(data, Run)
+
+    async def summarize(self, session_id: str) -> Session:
+        """Summarize the session now; returns it with ``summary_message_id`` naming the summary.
+
+        Raises:
+            Conflict: the session is busy (or the summary was cancelled).
+            NotFound: no such session.
+        """
+        data = await self.client.request(
+            "POST", self._url(f"/agent/sessions/{session_id}/summarize")
+        )
+        return wire.converter.structure(data, Session)
 
     async def cancel(self, session_id: str) -> None:
         """Cancel the session's active turn and drop its queued prompts (idempotent)."""

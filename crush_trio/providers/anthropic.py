@@ -191,6 +191,8 @@ class MessagesStreamParser:
         self._blocks: dict[int, _Block] = {}
         self._input_tokens = 0
         self._output_tokens = 0
+        self._cache_read = 0
+        self._cache_write = 0
         self._stop_reason = ""
         self._tool_calls = 0
 
@@ -258,10 +260,10 @@ class MessagesStreamParser:
         if not isinstance(usage, dict):
             return
         if "input_tokens" in usage:
+            self._cache_read = _int(usage.get("cache_read_input_tokens"))
+            self._cache_write = _int(usage.get("cache_creation_input_tokens"))
             self._input_tokens = (
-                _int(usage.get("input_tokens"))
-                + _int(usage.get("cache_creation_input_tokens"))
-                + _int(usage.get("cache_read_input_tokens"))
+                _int(usage.get("input_tokens")) + self._cache_write + self._cache_read
             )
         if "output_tokens" in usage:
             self._output_tokens = _int(usage.get("output_tokens"))
@@ -348,7 +350,14 @@ class MessagesStreamParser:
         for index in sorted(self._blocks):
             self._block_stop(index, out)
         self.done = True
-        out.append(Usage(prompt_tokens=self._input_tokens, completion_tokens=self._output_tokens))
+        out.append(
+            Usage(
+                prompt_tokens=self._input_tokens,
+                completion_tokens=self._output_tokens,
+                cache_read_tokens=self._cache_read,
+                cache_write_tokens=self._cache_write,
+            )
+        )
         if self._stop_reason == "max_tokens":
             reason = FinishReason.MAX_TOKENS
         elif self._tool_calls:

@@ -88,8 +88,17 @@ class ToolCallDone:
 
 @attrs.define(frozen=True)
 class Usage:
+    """What one model step used, as the API reported it.
+
+    ``prompt_tokens`` counts every input token (the context sent), cached ones included;
+    ``cache_read_tokens`` of them were read from the provider's prompt cache and
+    ``cache_write_tokens`` written to it (both 0 where the API reports no caching).
+    """
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @attrs.define(frozen=True)

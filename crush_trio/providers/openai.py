@@ -189,9 +189,12 @@ class ChatStreamParser:
         out: list[StreamEvent] = []
         usage = chunk.get("usage")
         if isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details")
+            cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
             self._usage = Usage(
                 prompt_tokens=_int(usage.get("prompt_tokens")),
                 completion_tokens=_int(usage.get("completion_tokens")),
+                cache_read_tokens=cached,
             )
         choices = chunk.get("choices")
         if isinstance(choices, list):

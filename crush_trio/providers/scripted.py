@@ -21,6 +21,7 @@ import attrs
 import orjson
 import trio
 
+from ..agent.summarize import SUMMARY_SYSTEM_PROMPT
 from ..errors import ProviderError
 from ..wire import FinishReason, Role, TextPart
 from . import base as pb
@@ -54,6 +55,8 @@ class Step:
         reasoning: streamed as reasoning before the text.
         token_delay: pause before each word of ``text`` after the first (seconds), like a model
             that streams at a steady pace.
+        usage: the step's reported usage as ``Usage`` (default: 10 prompt tokens and one
+            completion token per word).
     """
 
     text: str = ""
@@ -63,6 +66,7 @@ class Step:
     gate_mid: Gate | None = None
     reasoning: str = ""
     token_delay: float = 0.0
+    usage: pb.Usage | None = None
 
 
 def _words(text: str) -> list[str]:
@@ -85,6 +89,8 @@ class ScriptedModel:
         self.steps: collections.deque[Step] = collections.deque(steps or [])
         self.requests: list[pb.ModelRequest] = []
         self.title_requests: list[pb.ModelRequest] = []
+        #: Requests for a session summary (also in ``requests``, in order).
+        self.summary_requests: list[pb.ModelRequest] = []
         self.streams_open = 0
         self.step_started = trio.Event()
 
@@ -101,6 +107,8 @@ class ScriptedModel:
             yield pb.Finished(FinishReason.END_TURN)
             return
         self.requests.append(request)
+        if request.system == SUMMARY_SYSTEM_PROMPT:
+            self.summary_requests.append(request)
         self.step_started.set()
         self.step_started = trio.Event()
         step = self.steps.popleft() if self.steps else None
@@ -133,7 +141,7 @@ class ScriptedModel:
                 call_id = f"call_{len(self.requests)}_{i}"
                 yield pb.ToolCallStart(call_id, name)
                 yield pb.ToolCallDone(call_id, name, orjson.dumps(args).decode())
-            yield pb.Usage(10, len(words))
+            yield step.usage if step.usage is not None else pb.Usage(10, len(words))
             yield pb.Finished(FinishReason.TOOL_USE if step.tool_calls else FinishReason.END_TURN)
         finally:
             self.streams_open -= 1

@@ -116,12 +116,20 @@ class Api:
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
         """Accept a prompt and return once its run record is committed (the 202's promise)."""
         ws.check_open()
-        return await ws.agent.submit(body.session_id, body.prompt, body.run_id)
+        return await ws.agent.submit(body.session_id, body.prompt, body.run_id, body.model)
 
     async def accept_prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
         """Accept a prompt; the caller answers after ``ws.agent.durable(run_id)`` returns."""
         ws.check_open()
-        return await ws.agent.accept(body.session_id, body.prompt, body.run_id)
+        return await ws.agent.accept(body.session_id, body.prompt, body.run_id, body.model)
+
+    async def summarize(self, ws: Workspace, session_id: str, *, in_body: bool = False) -> Session:
+        """``POST .../agent/sessions/{sid}/summarize``: 409 while the session is busy; returns
+        the session once its summary is stored (``summary_message_id`` names it)."""
+        await self.get_session(ws, session_id, in_body=in_body)
+        ws.check_open()
+        await ws.agent.summarize(session_id)
+        return await self.get_session(ws, session_id, in_body=in_body)
 
     async def cancel(self, ws: Workspace, session_id: str) -> dict[str, Any]:
         ws.agent.cancel(session_id)

@@ -248,6 +248,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         ws = api.workspace(wid)
         return json_response(await api.cancel(ws, sid))
 
+    @app.post("/v1/workspaces/<wid>/agent/sessions/<sid>/summarize")
+    async def summarize(wid: str, sid: str) -> Response:
+        return json_response(await api.summarize(api.workspace(wid), sid))
+
     @app.get("/v1/workspaces/<wid>/agent/sessions/<sid>/prompts/queued")
     async def queued(wid: str, sid: str) -> Response:
         return json_response(api.queued_count(await _session(wid, sid), sid))

@@ -8,6 +8,8 @@ command and its route answer the same result and the same status.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
@@ -40,6 +42,7 @@ METHODS: Final = frozenset(
         "agent.clear_queue",
         "sessions.create",
         "sessions.list",
+        "sessions.summarize",
         "messages.list",
         "runs.get",
         "runs.cancel",
@@ -70,6 +73,28 @@ class DurableReply(dict[str, Any]):
         await stream.send_reply(reply_frame(reply))
 
 
+class LaterReply:
+    """A command whose work takes long (``sessions.summarize``): it runs in a task of its own,
+    so the commands after it are read meanwhile, and its reply is queued when it ends."""
+
+    def __init__(self, request_id: Any, work: Callable[[], Awaitable[Any]]) -> None:
+        self.request_id = request_id
+        self.work = work
+
+    async def send_when_done(self, stream: ClientStream) -> None:
+        reply: dict[str, Any]
+        try:
+            result = await self.work()
+        except CrushError as exc:
+            reply = {"ok": False, "status": exc.status, "message": exc.message}
+        except Exception as exc:
+            log.exception("websocket command failed with a bug")
+            reply = {"ok": False, "status": 500, "message": bug_message(exc)}
+        else:
+            reply = {"ok": True, "result": wire.unstructure(result)}
+        await stream.send_reply(reply_frame({"type": "reply", "id": self.request_id, **reply}))
+
+
 async def answer_command(
     raw: str | bytes, ws: Workspace, api: Api, stream: ClientStream, nursery: trio.Nursery
 ) -> None:
@@ -80,11 +105,15 @@ async def answer_command(
     reply = await run_command(raw, ws, api)
     if isinstance(reply, DurableReply):
         nursery.start_soon(reply.send_when_durable, ws, stream)
+    elif isinstance(reply, LaterReply):
+        nursery.start_soon(reply.send_when_done, stream)
     elif reply is not None:
         await stream.send_reply(reply_frame(reply))
 
 
-async def run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, Any] | None:
+async def run_command(
+    raw: str | bytes, ws: Workspace, api: Api
+) -> dict[str, Any] | LaterReply | None:
     """Run one websocket command; returns the reply (PROTOCOL §5 "Websocket commands"). An
     accepted ``agent.prompt`` returns a :class:`DurableReply` (see :func:`answer_command`)."""
     if isinstance(raw, bytes):
@@ -100,6 +129,9 @@ async def run_command(raw: str | bytes, ws: Workspace, api: Api) -> dict[str, An
             raise BadRequest('a command must be a JSON object {"id", "method", "params"}')
         command = wire.structure(data, wire.WsCommand, what="command")
         result = await dispatch(command.method, command.params, ws, api)
+        if isinstance(result, LaterReply):
+            result.request_id = request_id
+            return result
     except CrushError as exc:
         if not has_id:
             return {"type": "error", "message": exc.message}
@@ -145,6 +177,10 @@ async def dispatch(method: str, params: dict[str, Any], ws: Workspace, api: Api)
         return await api.clear_queue(ws, ref.session_id)
     if method == "sessions.create":
         return await api.create_session(ws, wire.structure(params, CreateSessionRequest, what=what))
+    if method == "sessions.summarize":
+        ref_summary = wire.structure(params, SessionRef, what=what)
+        await api.get_session(ws, ref_summary.session_id, in_body=True)
+        return LaterReply(None, partial(api.summarize, ws, ref_summary.session_id, in_body=True))
     if method == "sessions.list":
         return await api.list_sessions(ws)
     if method == "messages.list":

@@ -107,17 +107,24 @@ CREATE INDEX idx_messages_unfinished ON messages (role) WHERE finished_at IS NUL
 
 #: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
 #: ``i + 1``. Append new scripts; never edit one that has shipped.
-MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2)
+# Version 3: summaries (a session names the summary later model requests start from).
+_MIGRATION_3: Final = """
+ALTER TABLE sessions ADD COLUMN summary_message_id TEXT;
+ALTER TABLE messages ADD COLUMN is_summary_message INTEGER NOT NULL DEFAULT 0;
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2, _MIGRATION_3)
 
 #: The schema version this code writes (``PRAGMA user_version`` after opening).
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _SESSION_COLUMNS: Final = (
     "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at"
+    "created_at, updated_at, summary_message_id"
 )
 _MESSAGE_COLUMNS: Final = (
-    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at"
+    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
+    "is_summary_message"
 )
 _RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
 
@@ -126,7 +133,7 @@ _RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, crea
 # neither resurrect the row nor break the other messages in the batch.
 _UPSERT_MESSAGE: Final = f"""
 INSERT INTO messages ({_MESSAGE_COLUMNS})
-SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?
+SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?
 WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)
 ON CONFLICT (id) DO UPDATE SET
     parts = excluded.parts,
@@ -134,7 +141,7 @@ ON CONFLICT (id) DO UPDATE SET
     finished_at = excluded.finished_at
 """
 
-_MessageRow = tuple[str, str, str, str, str, str, int, int, int | None]
+_MessageRow = tuple[str, str, str, str, str, str, int, int, int | None, int]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +159,7 @@ def _session_row(s: Session) -> tuple[Any, ...]:
         s.cost,
         s.created_at,
         s.updated_at,
+        s.summary_message_id,
     )
 
 
@@ -166,6 +174,7 @@ def _session_from_row(row: tuple[Any, ...]) -> Session:
         cost=float(row[6]),
         created_at=row[7],
         updated_at=row[8],
+        summary_message_id=row[9],
     )
 
 
@@ -181,6 +190,7 @@ def _message_row(m: Message) -> _MessageRow:
         m.created_at,
         m.updated_at,
         finish.time if finish is not None else None,
+        int(m.is_summary_message),
     )
 
 
@@ -202,6 +212,7 @@ def _message_from_row(row: tuple[Any, ...]) -> Message:
         provider=row[5],
         created_at=row[6],
         updated_at=row[7],
+        is_summary_message=bool(row[9]),
     )
 
 
@@ -504,7 +515,8 @@ class Store:
             _transaction(
                 conn,
                 lambda c: c.execute(
-                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 ),
             )
@@ -588,6 +600,72 @@ class Store:
             return _transaction(conn, tx)
 
         return await self._call(f"adding usage to session {session_id!r}", op)
+
+    async def record_step_usage(
+        self, session_id: str, prompt_tokens: int, completion_tokens: int, cost: float
+    ) -> Session | None:
+        """After a model step: set the session's token counts to the step's (the context in use
+        now, as Crush counts it) and add ``cost`` to its total, atomically.
+
+        Returns:
+            The updated session, or None if there is no such session.
+        """
+        params = (prompt_tokens, completion_tokens, cost, now(), session_id)
+
+        def op(conn: sqlite3.Connection) -> Session | None:
+            def tx(c: sqlite3.Connection) -> Session | None:
+                c.execute(
+                    "UPDATE sessions SET prompt_tokens = ?, completion_tokens = ?, "
+                    "cost = cost + ?, updated_at = ? WHERE id = ?",
+                    params,
+                )
+                row = c.execute(
+                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+                ).fetchone()
+                return None if row is None else _session_from_row(row)
+
+            return _transaction(conn, tx)
+
+        return await self._call(f"recording usage of session {session_id!r}", op)
+
+    async def set_summary(
+        self, session_id: str, message_id: str, completion_tokens: int, cost: float
+    ) -> Session | None:
+        """Point the session at its new summary message: later model requests start from it.
+        The context in use is now the summary (``prompt_tokens`` 0, ``completion_tokens`` the
+        summary's), and ``cost`` (the summary's) is added to the total.
+
+        Returns:
+            The updated session, or None if there is no such session.
+        """
+        params = (message_id, completion_tokens, cost, now(), session_id)
+
+        def op(conn: sqlite3.Connection) -> Session | None:
+            def tx(c: sqlite3.Connection) -> Session | None:
+                c.execute(
+                    "UPDATE sessions SET summary_message_id = ?, prompt_tokens = 0, "
+                    "completion_tokens = ?, cost = cost + ?, updated_at = ? WHERE id = ?",
+                    params,
+                )
+                row = c.execute(
+                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+                ).fetchone()
+                return None if row is None else _session_from_row(row)
+
+            return _transaction(conn, tx)
+
+        return await self._call(f"setting the summary of session {session_id!r}", op)
+
+    async def delete_message(self, message_id: str) -> bool:
+        """Delete one message (a summary that was cancelled or failed). False: no such row."""
+
+        def op(conn: sqlite3.Connection) -> bool:
+            cur = _transaction(
+                conn, lambda c: c.execute("DELETE FROM messages WHERE id = ?", (message_id,))
+            )
+            return cur.rowcount > 0
+
+        return await self._call(f"deleting message {message_id!r}", op)
 
     async def delete_session(self, session_id: str) -> bool:
         """Delete a session and (by cascade) its messages; its run records stay.
