@@ -18,6 +18,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import attrs
 import cattrs
+import cattrs.gen
 import orjson
 from cattrs.preconf.orjson import make_converter
 
@@ -212,6 +213,31 @@ class RunComplete:
     cancelled: bool = False
 
 
+class McpState(enum.StrEnum):
+    """Where one MCP server is (docs/mcp.md); the moves are in :mod:`crush_trio.tools.mcp`."""
+
+    DISABLED = "disabled"
+    STARTING = "starting"
+    CONNECTED = "connected"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@attrs.define
+class McpServerInfo:
+    """One MCP server in the agent info and in ``mcp`` agent events.
+
+    ``tools`` are the names offered to the model (``mcp_<server>_<tool>``); ``error`` says why a
+    ``failed`` server failed (it did not start, or it died later).
+    """
+
+    name: str
+    type: str = "stdio"
+    state: McpState = McpState.STARTING
+    error: str = ""
+    tools: list[str] = attrs.field(factory=list)
+
+
 @attrs.define
 class AgentEvent:
     type: str
@@ -219,6 +245,8 @@ class AgentEvent:
     run_id: str | None = None
     message: str = ""
     error: str = ""
+    #: Only on ``mcp`` events (left out of the JSON otherwise): the server whose state changed.
+    mcp: McpServerInfo | None = None
 
 
 @attrs.define
@@ -260,6 +288,8 @@ class AgentInfo:
     is_ready: bool
     model: dict[str, Any]
     sandbox: SandboxInfo = attrs.field(factory=SandboxInfo)
+    #: The workspace's MCP servers, by name order (docs/mcp.md).
+    mcp: list[McpServerInfo] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -432,7 +462,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict(bool))
     conv.register_structure_hook(float, _structure_float)
     # Our enums subclass str; name each one so the strict str hook above does not take them.
-    for enum_cls in (FinishReason, Role, RunStatus, EventKind, PayloadType):
+    for enum_cls in (FinishReason, Role, RunStatus, EventKind, PayloadType, McpState):
         conv.register_structure_hook(enum_cls, _structure_enum)
 
     def unstructure_part(part: Any) -> dict[str, Any]:
@@ -456,6 +486,13 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(
         lambda t: t is Part,  # type: ignore[comparison-overlap]
         structure_part,
+    )
+    # ``mcp`` only appears on the events that carry it.
+    conv.register_unstructure_hook(
+        AgentEvent,
+        cattrs.gen.make_dict_unstructure_fn(
+            AgentEvent, conv, mcp=cattrs.gen.override(omit_if_default=True)
+        ),
     )
     return conv
 
