@@ -1,0 +1,60 @@
+"""A small MCP server for the tests, written with the official SDK (stdio transport).
+
+Usage: ``python mcp_server.py MODE [PID_FILE]``
+
+* ``serve``: tools ``add``, ``picture`` (an image), ``fail`` (an error) and ``die`` (answers,
+  then the process exits);
+* ``exit``: writes a reason to stderr and exits with status 3 before speaking MCP;
+* ``hang``: never answers (sleeps).
+
+With ``PID_FILE`` the process writes its pid there first, so a test can check it is gone.
+"""
+
+import os
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            f.write(str(os.getpid()))
+    if mode == "exit":
+        print("mcp_server: bad configuration, giving up", file=sys.stderr)
+        sys.exit(3)
+    if mode == "hang":
+        while True:
+            time.sleep(60)
+
+    from mcp.server.mcpserver import Image, MCPServer
+
+    app = MCPServer("crush-trio-test")
+
+    @app.tool()
+    def add(a: int, b: int) -> str:
+        """Add two integers."""
+        return str(a + b)
+
+    @app.tool()
+    def picture() -> Image:
+        """A tiny PNG."""
+        return Image(data=b"\x89PNG\r\n\x1a\n" + b"\0" * 30, format="png")
+
+    @app.tool()
+    def fail(reason: str) -> str:
+        """Always fails with ``reason``."""
+        raise ValueError(reason)
+
+    @app.tool()
+    def die() -> str:
+        """Answers, then the server process exits."""
+        threading.Timer(0.2, lambda: os._exit(4)).start()
+        return "exiting"
+
+    app.run("stdio")
+
+
+if __name__ == "__main__":
+    main()
