@@ -33,7 +33,7 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, TextIO, cast
 
 import anyio
 import attrs
@@ -327,7 +327,7 @@ class McpServer:
             params = StdioServerParameters(
                 command=config.command, args=list(config.args), env=dict(config.env), cwd=self.cwd
             )
-            return stdio_client(params, errlog=errlog)
+            return stdio_client(params, errlog=cast(TextIO, errlog))
         if config.type == "sse":
             return sse_client(config.url, headers=dict(config.headers))
 
