@@ -379,7 +379,7 @@ FORBIDDEN: list[tuple[dict[str, Any], str, Callable[[Config], bool]]] = [
     (
         {"mcp": {"files": {"type": "stdio", "command": "./run-me"}}},
         "$.mcp",
-        lambda c: True,
+        lambda c: c.mcp == {},
     ),
     (
         {"server": {"allow_origins": ["http://attacker.example"]}},
