@@ -251,3 +251,31 @@ def test_an_mcp_entry_needs_what_its_type_needs(tmp_path: Path) -> None:
         load_config_report(config_file=file, workspace=None, env={})
     assert "$.mcp.a.url: an http MCP server needs a url" in err.value.message
     assert "$.mcp.b.command: a stdio MCP server needs a command" in err.value.message
+
+
+@pytest.mark.parametrize("crush_config", [{}])
+async def test_servers_of_a_workspace_start_once_it_is_trusted(
+    tmp_path: Path, crush_server: CrushServer, crush_client: Any
+) -> None:
+    project = crush_server.project()
+    pid_file = tmp_path / "project.pid"
+    entry = {
+        "command": sys.executable,
+        "args": [SERVER, "serve", str(pid_file)],
+        "timeout": START_WAIT,
+    }
+    (project / "crush.json").write_bytes(orjson.dumps({"mcp": {"proj": entry}}))
+    async with crush_client.workspace(project) as ws:
+        assert (await ws.agent_info()).mcp == []  # untrusted: its mcp section is ignored
+        assert any("$.mcp" in w for w in ws.info.warnings)
+        assert not pid_file.exists()
+        async with ws.subscribe(timeout=START_WAIT) as feed:
+            await ws.client.request("POST", f"/v1/workspaces/{ws.id}/trust", json={"trusted": True})
+            info = await _wait_states(ws, feed, {"proj": McpState.CONNECTED})
+        assert "mcp_proj_add" in info.mcp[0].tools
+        pid = int(pid_file.read_text())
+        workspace = crush_server.backend.get(ws.id)
+        workspace.request_shutdown()
+        with trio.fail_after(WAIT):
+            await workspace.closed.wait()
+    assert _pid_gone(pid)
