@@ -78,6 +78,7 @@ def crush_config(tmp_path: Path) -> dict[str, Any]:
                 "timeout": HANG_TIMEOUT,
             },
             "off": {"command": "does-not-matter", "disabled": True},
+            "missing": {"command": str(tmp_path / "no-such-server")},
         },
         "permissions": {"allowed_tools": ["mcp_test_die"]},
     }
@@ -99,10 +100,13 @@ async def test_tools_of_an_mcp_server_ask_and_answer(
                 "broken": McpState.FAILED,
                 "stuck": McpState.FAILED,
                 "off": McpState.DISABLED,
+                "missing": McpState.FAILED,
             },
         )
     servers = {s.name: s for s in info.mcp}
-    assert [s.name for s in info.mcp] == ["broken", "off", "stuck", "test"]
+    assert [s.name for s in info.mcp] == ["broken", "missing", "off", "stuck", "test"]
+    assert servers["missing"].error.startswith("cannot run ")
+    assert "No such file or directory" in servers["missing"].error
     assert servers["test"].tools == ["mcp_test_add", "mcp_test_picture", "mcp_test_die"]
     assert servers["test"].error == ""
     assert "closed the connection at start" in servers["broken"].error
@@ -154,6 +158,7 @@ async def test_tools_of_an_mcp_server_ask_and_answer(
     assert _pid_gone(test_pid)
     assert {s.name: s.state for s in workspace.mcp.info()} == {
         "broken": McpState.FAILED,
+        "missing": McpState.FAILED,
         "off": McpState.DISABLED,
         "stuck": McpState.FAILED,
         "test": McpState.STOPPED,

@@ -257,7 +257,8 @@ class McpServer:
                         )
                     await self._connect_and_serve(scope, errlog)
                 except Exception as exc:
-                    self._move(McpState.FAILED, self._describe(exc, errlog))
+                    if self.state is not McpState.FAILED:
+                        self._move(McpState.FAILED, self._describe(exc, errlog))
                     return
             if scope.cancelled_caught and self.state is McpState.STARTING and not self._stopping:
                 self._move(
@@ -438,7 +439,21 @@ class McpManager:
         server = McpServer(name, config, cwd=self.cwd, on_change=self._changed)
         self.servers[name] = server
         self._on_change(server.info)
-        self._nursery.start_soon(server.serve, name=f"mcp server {name}")
+        self._nursery.start_soon(self._guarded, server, name=f"mcp server {name}")
+
+    @staticmethod
+    async def _guarded(server: McpServer) -> None:
+        """Run one server; whatever it raises is reported, never fatal to the workspace."""
+        try:
+            await server.serve()
+        except Exception as exc:
+            log.exception("MCP server %r: unexpected failure", server.name)
+            if server.state is not McpState.FAILED:
+                server.state = McpState.FAILED
+                server.error = f"internal error: {type(exc).__name__}: {exc}"
+                server.tools = []
+                server._on_change(server)
+            server.done.set()
 
     async def run(
         self, *, task_status: trio.TaskStatus[McpManager] = trio.TASK_STATUS_IGNORED
