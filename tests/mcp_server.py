@@ -5,7 +5,8 @@ Usage: ``python mcp_server.py MODE [PID_FILE]``
 * ``serve``: tools ``add``, ``picture`` (an image), ``fail`` (an error) and ``die`` (answers,
   then the process exits);
 * ``exit``: writes a reason to stderr and exits with status 3 before speaking MCP;
-* ``hang``: never answers (sleeps).
+* ``hang``: never answers (sleeps);
+* ``http PORT``: the ``serve`` tools over streamable HTTP on ``127.0.0.1:PORT`` (path ``/mcp``).
 
 With ``PID_FILE`` the process writes its pid there first, so a test can check it is gone.
 """
@@ -18,7 +19,7 @@ import time
 
 def main() -> None:
     mode = sys.argv[1]
-    if len(sys.argv) > 2:
+    if len(sys.argv) > 2 and mode != "http":
         with open(sys.argv[2], "w") as f:
             f.write(str(os.getpid()))
     if mode == "exit":
@@ -53,7 +54,10 @@ def main() -> None:
         threading.Timer(0.2, lambda: os._exit(4)).start()
         return "exiting"
 
-    app.run("stdio")
+    if mode == "http":
+        app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        app.run("stdio")
 
 
 if __name__ == "__main__":

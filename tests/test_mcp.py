@@ -284,3 +284,64 @@ async def test_servers_of_a_workspace_start_once_it_is_trusted(
         with trio.fail_after(WAIT):
             await workspace.closed.wait()
     assert _pid_gone(pid)
+
+
+async def test_an_http_server_with_headers() -> None:
+    import socket
+    import subprocess
+
+    from crush_trio.config import McpServerConfig
+    from crush_trio.tools.mcp import McpManager
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = await trio.lowlevel.open_process(
+        [sys.executable, SERVER, "http", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    listening = trio.Event()
+
+    async def read_log() -> None:  # until it says it listens, then drain it
+        assert process.stderr is not None
+        seen = b""
+        async for chunk in process.stderr:
+            seen = (seen + chunk)[-4096:]
+            if b"Uvicorn running on" in seen:
+                listening.set()
+
+    seen: list[McpState] = []
+    changed = trio.Event()
+
+    def on_change(info: Any) -> None:
+        seen.append(info.state)
+        changed.set()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_log)
+            with trio.fail_after(START_WAIT):
+                await listening.wait()
+            config = McpServerConfig(
+                type="http", url=f"http://127.0.0.1:{port}/mcp", headers={"X-Token": "t"}
+            )
+            manager = McpManager({"web": config}, cwd=Path.cwd(), on_change=on_change)
+            async with trio.open_nursery() as servers:
+                await servers.start(manager.run)
+                server = manager.servers["web"]
+                with trio.fail_after(START_WAIT):
+                    while server.state is McpState.STARTING:
+                        changed = trio.Event()
+                        await changed.wait()
+                assert server.state is McpState.CONNECTED, server.error
+                assert [t.spec.name for t in manager.tools()][:1] == ["mcp_web_add"]
+                result = await server.call("add", {"a": 1, "b": 2}, WAIT)
+                assert result.content == "3" and not result.is_error
+                servers.cancel_scope.cancel()
+            assert seen == [McpState.STARTING, McpState.CONNECTED, McpState.STOPPED]
+            nursery.cancel_scope.cancel()
+    finally:
+        process.terminate()
+        with trio.move_on_after(WAIT):
+            await process.wait()
