@@ -4,7 +4,8 @@ Task ownership (see docs/architecture.md)::
 
     Backend nursery
       └─ Workspace.serve                      one per open workspace
-           ├─ background nursery              message flusher, run-record writer, titles
+           ├─ background nursery              message flusher, run-record writer, titles,
+           │                                  MCP servers (tools/mcp.py, one task each)
            │    └─ runs nursery               session drivers (one per busy session)
            └─ hold watcher (inline)           ends serve when nothing holds the workspace
 
