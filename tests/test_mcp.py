@@ -345,3 +345,39 @@ async def test_an_http_server_with_headers() -> None:
         process.terminate()
         with trio.move_on_after(WAIT):
             await process.wait()
+
+
+def test_a_servers_stderr_file_stays_bounded() -> None:
+    import subprocess
+    import tempfile
+
+    from crush_trio.tools import mcp
+
+    script = (
+        "import sys\n"
+        "sys.stderr.write('x' * (2 * 1024 * 1024) + 'LAST')\n"
+        "sys.stderr.flush()\n"
+        "sys.stdin.readline()\n"
+        "sys.stderr.write('NEXT')\n"
+    )
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as errlog:
+        child = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stderr=errlog, text=True
+        )
+        try:
+            import time
+
+            deadline = time.monotonic() + WAIT
+            while errlog.seek(0, 2) < 2 * 1024 * 1024 + 4:  # the child writes 2 MiB at once
+                assert time.monotonic() < deadline, "the child did not write its stderr"
+                assert child.poll() is None
+            mcp._bound_stderr(errlog)
+            assert errlog.seek(0, 2) == mcp.STDERR_TAIL_BYTES
+            assert child.stdin is not None
+            child.communicate("\n", timeout=WAIT)
+        finally:
+            child.kill()
+        errlog.seek(0)
+        text = errlog.read()
+    # The child's next write lands after the kept tail (the file offset is shared).
+    assert text.endswith("xLASTNEXT") and len(text) == mcp.STDERR_TAIL_BYTES + 4

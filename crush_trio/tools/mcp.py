@@ -67,6 +67,11 @@ MAX_TOOL_NAME: Final = 64
 MAX_MCP_RESULT_CHARS: Final = 100_000
 #: Bytes of a stdio server's stderr quoted in its error when it fails.
 STDERR_TAIL_BYTES: Final = 2000
+#: Bytes of a stdio server's stderr kept (in a temporary file) while it runs; past it the file is
+#: cut back to its last :data:`STDERR_TAIL_BYTES` bytes.
+STDERR_MAX_BYTES: Final = 1024 * 1024
+#: How often a connected stdio server's stderr file is checked against :data:`STDERR_MAX_BYTES`.
+STDERR_CHECK_INTERVAL: Final = 10.0
 
 #: Allowed state moves of one server.
 MCP_MOVES: Final[Mapping[McpState, frozenset[McpState]]] = {
@@ -313,7 +318,10 @@ class McpServer:
             self._session = session
             self.tools = self._make_tools(listing.tools)
             self._move(McpState.CONNECTED)
-            await closed.wait()
+            while not closed.is_set():
+                with trio.move_on_after(STDERR_CHECK_INTERVAL):
+                    await closed.wait()
+                _bound_stderr(errlog)
             self._move(McpState.FAILED, "the server closed the connection while connected")
 
     def _transport(self, errlog: IO[str] | None) -> Any:
@@ -365,6 +373,25 @@ class McpServer:
             )
             tools.append(McpTool(spec, self, tool.name))
         return tools
+
+
+def _bound_stderr(errlog: IO[str] | None) -> None:
+    """Cut a server's stderr file back to its tail once it passes :data:`STDERR_MAX_BYTES`. The
+    server shares the file offset, so its next writes land after the kept tail."""
+    if errlog is None:
+        return
+    try:
+        size = errlog.seek(0, 2)
+        if size <= STDERR_MAX_BYTES:
+            return
+        errlog.seek(size - STDERR_TAIL_BYTES)
+        tail = errlog.read()
+        errlog.seek(0)
+        errlog.truncate()
+        errlog.write(tail)
+        errlog.flush()
+    except (OSError, ValueError):
+        log.debug("could not cut an MCP server's stderr file", exc_info=True)
 
 
 class _WatchedStream:
