@@ -29,7 +29,7 @@ def main() -> None:
         while True:
             time.sleep(60)
 
-    from mcp.server.mcpserver import Image, MCPServer
+    from mcp.server.mcpserver import Context, Image, MCPServer
 
     app = MCPServer("crush-trio-test")
 
@@ -47,6 +47,18 @@ def main() -> None:
     def fail(reason: str) -> str:
         """Always fails with ``reason``."""
         raise ValueError(reason)
+
+    @app.tool()
+    async def grow(ctx: Context) -> str:
+        """Adds the tool ``extra`` and tells the client its tool list changed."""
+
+        def extra() -> str:
+            """A tool added while connected."""
+            return "extra"
+
+        app.add_tool(extra)
+        await ctx.session.send_tool_list_changed()
+        return "grown"
 
     @app.tool()
     def die() -> str:

@@ -80,7 +80,7 @@ def crush_config(tmp_path: Path) -> dict[str, Any]:
             "off": {"command": "does-not-matter", "disabled": True},
             "missing": {"command": str(tmp_path / "no-such-server")},
         },
-        "permissions": {"allowed_tools": ["mcp_test_die"]},
+        "permissions": {"allowed_tools": ["mcp_test_die", "mcp_test_grow:execute"]},
     }
 
 
@@ -107,7 +107,12 @@ async def test_tools_of_an_mcp_server_ask_and_answer(
     assert [s.name for s in info.mcp] == ["broken", "missing", "off", "stuck", "test"]
     assert servers["missing"].error.startswith("cannot run ")
     assert "No such file or directory" in servers["missing"].error
-    assert servers["test"].tools == ["mcp_test_add", "mcp_test_picture", "mcp_test_die"]
+    assert servers["test"].tools == [
+        "mcp_test_add",
+        "mcp_test_picture",
+        "mcp_test_grow",
+        "mcp_test_die",
+    ]
     assert servers["test"].error == ""
     assert "closed the connection at start" in servers["broken"].error
     assert "bad configuration, giving up" in servers["broken"].error  # its stderr
@@ -169,10 +174,23 @@ async def test_a_server_that_dies_is_reported_and_the_workspace_goes_on(
     tmp_path: Path, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
 ) -> None:
     ws = crush_workspace
-    scripted_model.add(Step(tool_calls=[("mcp_test_die", {})]), Step(text="after"))
+    scripted_model.add(
+        Step(tool_calls=[("mcp_test_grow", {})]),
+        Step(text="grown"),
+        Step(tool_calls=[("mcp_test_die", {})]),
+        Step(text="after"),
+    )
     async with ws.subscribe(timeout=START_WAIT) as feed:
         await _wait_states(ws, feed, {"test": McpState.CONNECTED})
         sid = (await ws.create_session()).id
+        # The server says its tool list changed: the new tool joins the toolbox.
+        handle = await ws.prompt(sid, "grow", run_id="g1")
+        assert (await handle.result(WAIT)).text == "grown"
+        assert handle.permission_requests == {}  # allowed as "mcp_test_grow:execute"
+        grown = await feed.until(
+            lambda e: _is_mcp(e) and "mcp_test_extra" in e.payload.mcp.tools, WAIT
+        )
+        assert grown.payload.mcp.state is McpState.CONNECTED
         handle = await ws.prompt(sid, "die", run_id="d1")
         run = await handle.result(WAIT)
         # permissions.allowed_tools names it: no permission asked.
@@ -194,7 +212,7 @@ async def test_a_server_that_dies_is_reported_and_the_workspace_goes_on(
     info = {s.name: s for s in (await ws.agent_info()).mcp}
     assert info["test"].state is McpState.FAILED and info["test"].tools == []
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
-    assert results[0].content == "exiting"
+    assert [r.content for r in results] == ["grown", "exiting"]
     # The workspace goes on without it; its tools are no longer offered.
     handle = await ws.prompt(sid, "still there?", run_id="d2")
     assert (await handle.result(WAIT)).status is RunStatus.COMPLETED

@@ -305,12 +305,27 @@ class McpServer:
 
     async def _connect_and_serve(self, scope: trio.CancelScope, errlog: IO[str] | None) -> None:
         from mcp import ClientSession
+        from mcp.types import ToolListChangedNotification
 
-        closed = trio.Event()
+        closed = False
+        relist = False
+        wake = trio.Event()
+
+        def on_close() -> None:
+            nonlocal closed
+            closed = True
+            wake.set()
+
+        async def on_message(message: Any) -> None:
+            nonlocal relist
+            if isinstance(message, ToolListChangedNotification):
+                relist = True
+                wake.set()
+
         async with contextlib.AsyncExitStack() as stack:
             read, write = await stack.enter_async_context(self._transport(errlog))
             session = await stack.enter_async_context(
-                ClientSession(_WatchedStream(read, closed), write)
+                ClientSession(_WatchedStream(read, on_close), write, message_handler=on_message)
             )
             await session.initialize()
             listing = await session.list_tools()
@@ -318,11 +333,27 @@ class McpServer:
             self._session = session
             self.tools = self._make_tools(listing.tools)
             self._move(McpState.CONNECTED)
-            while not closed.is_set():
+            while not closed:
                 with trio.move_on_after(STDERR_CHECK_INTERVAL):
-                    await closed.wait()
+                    await wake.wait()
+                wake = trio.Event()
+                if relist and not closed:
+                    relist = False
+                    await self._relist(session)
                 _bound_stderr(errlog)
             self._move(McpState.FAILED, "the server closed the connection while connected")
+
+    async def _relist(self, session: Any) -> None:
+        """Take the server's tool list again (it said it changed), bounded by its timeout."""
+        with trio.move_on_after(self.config.timeout):
+            try:
+                listing = await session.list_tools()
+            except Exception as exc:
+                log.warning("MCP server %r: listing its tools again failed: %s", self.name, exc)
+                return
+            self.tools = self._make_tools(listing.tools)
+            log.info("MCP server %r: its tools changed (%d now)", self.name, len(self.tools))
+            self._on_change(self)
 
     def _transport(self, errlog: IO[str] | None) -> Any:
         from mcp import StdioServerParameters, stdio_client
@@ -395,17 +426,17 @@ def _bound_stderr(errlog: IO[str] | None) -> None:
 
 
 class _WatchedStream:
-    """The transport's read stream, setting ``closed`` when it ends (the server went away)."""
+    """The transport's read stream, calling ``on_close`` when it ends (the server went away)."""
 
-    def __init__(self, inner: Any, closed: trio.Event) -> None:
+    def __init__(self, inner: Any, on_close: Callable[[], None]) -> None:
         self._inner = inner
-        self._closed = closed
+        self._on_close = on_close
 
     async def receive(self) -> Any:
         try:
             return await self._inner.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._closed.set()
+            self._on_close()
             raise
 
     def __aiter__(self) -> _WatchedStream:
