@@ -8,7 +8,8 @@ closed, then it is terminated and killed; the SDK bounds each wait).
 
 A server that fails to start, hangs at start or dies later is never fatal: its state becomes
 ``failed`` with the reason, a log line and an ``mcp`` agent event say so, and its tools leave the
-toolbox. There is no automatic restart; opening the workspace again (or a config reload that
+toolbox. A server that says its tool list changed (``notifications/tools/list_changed``) is
+listed again. There is no automatic restart; opening the workspace again (or a config reload that
 changes the server's entry) starts it again.
 
 States and their moves (:data:`MCP_MOVES`)::
