@@ -169,6 +169,10 @@ DEFAULT_COMPACT_BUFFER: Final = 20_000
 DEFAULT_COMPACT_RATIO: Final = 0.2
 #: Longest summary a summarize request asks the model for, in tokens.
 DEFAULT_SUMMARY_MAX_TOKENS: Final = 4096
+# MCP servers.
+#: Longest wait for one MCP server to start (spawn or connect, initialize, list its tools), in
+#: seconds, unless its ``timeout`` says otherwise (Crush's default).
+DEFAULT_MCP_TIMEOUT: Final = 15.0
 
 # Server bounds.
 #: Largest request body and websocket frame, in bytes (4 MiB).
@@ -344,6 +348,34 @@ class Permissions:
     allowed_tools: list[str] = attrs.field(factory=list)
 
 
+McpType = Literal["stdio", "http", "sse"]
+#: The allowed values of ``mcp.<name>.type``.
+MCP_TYPES: Final[tuple[str, ...]] = get_args(McpType)
+
+
+@attrs.frozen
+class McpServerConfig:
+    """One entry of ``mcp`` (Crush's shape): an MCP server whose tools join the toolbox.
+
+    ``stdio`` runs ``command`` with ``args`` in the workspace (environment: the SDK's safe
+    default variables plus ``env``); ``http`` (streamable HTTP) and ``sse`` connect to ``url``
+    with ``headers``. Only the user's file or a trusted workspace's may define servers.
+    """
+
+    type: McpType = "stdio"
+    command: str = ""
+    args: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+    url: str = ""
+    headers: dict[str, str] = attrs.field(factory=dict)
+    #: Not started; listed as ``disabled``.
+    disabled: bool = False
+    #: Tools of this server (its own names) not offered to the model.
+    disabled_tools: list[str] = attrs.field(factory=list)
+    #: Seconds the server has to start (:data:`DEFAULT_MCP_TIMEOUT`).
+    timeout: float = _positive(DEFAULT_MCP_TIMEOUT)
+
+
 @attrs.frozen
 class ServerOptions:
     """The server's bounds (top-level key ``server``, an addition to the Crush format)."""
@@ -387,6 +419,8 @@ class Config:
     options: Options = attrs.field(factory=Options)
     permissions: Permissions = attrs.field(factory=Permissions)
     server: ServerOptions = attrs.field(factory=ServerOptions)
+    #: MCP servers by name (docs/mcp.md).
+    mcp: dict[str, McpServerConfig] = attrs.field(factory=dict)
     #: Workspace directories whose own config files are applied in full (each entry and every
     #: directory below it); read from the user's file only.
     trusted_workspaces: list[str] = attrs.field(factory=list)
@@ -479,6 +513,19 @@ def _structure_provider_type(value: Any, _: Any) -> str:
 # The converter's generic Literal error is "x not in literal typing.Literal[...]"; this one lists
 # the allowed types in the file's own terms.
 converter.register_structure_hook_func(lambda t: t == _PROVIDER_TYPE_HINT, _structure_provider_type)
+
+
+_MCP_TYPE_HINT: Final[object] = McpType
+
+
+def _structure_mcp_type(value: Any, _: Any) -> str:
+    if not isinstance(value, str) or value not in MCP_TYPES:
+        allowed = ", ".join(repr(t) for t in MCP_TYPES)
+        raise ValueError(f"unknown MCP server type {value!r}; allowed types: {allowed}")
+    return value
+
+
+converter.register_structure_hook_func(lambda t: t == _MCP_TYPE_HINT, _structure_mcp_type)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1018,6 +1065,34 @@ class _Expander:
         )
 
 
+def _expand_mcp(expander: _Expander, name: str, server: McpServerConfig) -> McpServerConfig:
+    """``$VAR`` in an MCP server's command, args, env, url and headers (trusted files only)."""
+    base: PathParts = ("mcp", name)
+    return attrs.evolve(
+        server,
+        command=expander.expand(server.command, (*base, "command")),
+        args=[expander.expand(a, (*base, "args", i)) for i, a in enumerate(server.args)],
+        env={k: expander.expand(v, (*base, "env", k)) for k, v in server.env.items()},
+        url=expander.expand(server.url, (*base, "url")),
+        headers={k: expander.expand(v, (*base, "headers", k)) for k, v in server.headers.items()},
+    )
+
+
+def _check_mcp(config: Config, problems: list[_Problem]) -> None:
+    """Each MCP server has what its type needs."""
+    for name, server in config.mcp.items():
+        if server.disabled:
+            continue
+        if server.type == "stdio" and not server.command:
+            problems.append(
+                _Problem(("mcp", name, "command"), "a stdio MCP server needs a command; set it")
+            )
+        elif server.type != "stdio" and not server.url:
+            problems.append(
+                _Problem(("mcp", name, "url"), f"an {server.type} MCP server needs a url; set it")
+            )
+
+
 def _resolve_model(
     config: Config, role: Literal["large", "small"]
 ) -> tuple[str, ProviderConfig, ModelEntry]:
@@ -1202,7 +1277,9 @@ def _finish_loading(
         providers={
             name: expander.provider(name, provider) for name, provider in config.providers.items()
         },
+        mcp={name: _expand_mcp(expander, name, server) for name, server in config.mcp.items()},
     )
+    _check_mcp(config, problems)
 
     roles: list[Literal["large", "small"]] = ["large"]
     if config.models.small is not None:
@@ -1326,4 +1403,7 @@ def config_to_json(config: Config) -> dict[str, Any]:
             header: REDACTED if value else value
             for header, value in provider["extra_headers"].items()
         }
+    for server in data["mcp"].values():
+        for secret in ("env", "headers"):
+            server[secret] = {k: REDACTED if v else v for k, v in server[secret].items()}
     return data

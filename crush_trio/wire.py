@@ -18,6 +18,7 @@ from typing import Any, Final, Literal, TypeVar
 
 import attrs
 import cattrs
+import cattrs.gen
 import orjson
 from cattrs.preconf.orjson import make_converter
 
@@ -216,6 +217,31 @@ class RunComplete:
     cancelled: bool = False
 
 
+class McpState(enum.StrEnum):
+    """Where one MCP server is (docs/mcp.md); the moves are in :mod:`crush_trio.tools.mcp`."""
+
+    DISABLED = "disabled"
+    STARTING = "starting"
+    CONNECTED = "connected"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@attrs.define
+class McpServerInfo:
+    """One MCP server in the agent info and in ``mcp`` agent events.
+
+    ``tools`` are the names offered to the model (``mcp_<server>_<tool>``); ``error`` says why a
+    ``failed`` server failed (it did not start, or it died later).
+    """
+
+    name: str
+    type: str = "stdio"
+    state: McpState = McpState.STARTING
+    error: str = ""
+    tools: list[str] = attrs.field(factory=list)
+
+
 @attrs.define
 class AgentEvent:
     type: str
@@ -227,6 +253,8 @@ class AgentEvent:
     progress: str | None = None
     #: ``summarize`` events: the summary ended (stored, failed or cancelled).
     done: bool | None = None
+    #: Only on ``mcp`` events (left out of the JSON otherwise): the server whose state changed.
+    mcp: McpServerInfo | None = None
 
 
 @attrs.define
@@ -268,6 +296,8 @@ class AgentInfo:
     is_ready: bool
     model: dict[str, Any]
     sandbox: SandboxInfo = attrs.field(factory=SandboxInfo)
+    #: The workspace's MCP servers, by name order (docs/mcp.md).
+    mcp: list[McpServerInfo] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -514,7 +544,15 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(bool, _strict(bool))
     conv.register_structure_hook(float, _structure_float)
     # Our enums subclass str; name each one so the strict str hook above does not take them.
-    for enum_cls in (FinishReason, Role, RunStatus, DeltaPartType, EventKind, PayloadType):
+    for enum_cls in (
+        FinishReason,
+        Role,
+        RunStatus,
+        DeltaPartType,
+        EventKind,
+        PayloadType,
+        McpState,
+    ):
         conv.register_structure_hook(enum_cls, _structure_enum)
 
     def unstructure_part(part: Any) -> dict[str, Any]:
@@ -531,7 +569,8 @@ def _make_converter() -> cattrs.Converter:
 
     for cls in PART_TAGS:
         conv.register_unstructure_hook(cls, _attrs_unstructure(conv, cls))
-    # ``progress`` and ``done`` belong to ``summarize`` events only: left out of the others.
+    # ``progress`` and ``done`` belong to ``summarize`` events only, ``mcp`` to ``mcp`` events:
+    # each is left out of the other events.
     from cattrs.gen import make_dict_unstructure_fn, override
 
     conv.register_unstructure_hook(
@@ -541,6 +580,7 @@ def _make_converter() -> cattrs.Converter:
             conv,
             progress=override(omit_if_default=True),
             done=override(omit_if_default=True),
+            mcp=override(omit_if_default=True),
         ),
     )
     conv.register_unstructure_hook_func(

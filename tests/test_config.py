@@ -310,13 +310,13 @@ def test_unknown_keys_are_logged_with_path_and_ignored(
         "$schema": "https://example.invalid/crush.json",
         "options": {"lsp": {"go": {}}, "max_steps": 9},
         "providers": {"p": {"type": "echo", "disable": False}},
-        "mcp": {},
+        "lsp": {},
     }
     config = load_file(write(tmp_path / "c.json", data))
     assert config.options.max_steps == 9
     messages = [r.getMessage() for r in caplog.records if r.name == "crush_trio.config"]
     assert sorted(m.split(": ")[1] for m in messages) == [
-        "$.mcp",
+        "$.lsp",
         "$.options.lsp",
         "$.providers.p.disable",
     ]

@@ -4,7 +4,8 @@ Task ownership (see docs/architecture.md)::
 
     Backend nursery
       └─ Workspace.serve                      one per open workspace
-           ├─ background nursery              message flusher, run-record writer, titles
+           ├─ background nursery              message flusher, run-record writer, titles,
+           │                                  MCP servers (tools/mcp.py, one task each)
            │    └─ runs nursery               session drivers (one per busy session)
            └─ hold watcher (inline)           ends serve when nothing holds the workspace
 
@@ -37,12 +38,16 @@ from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
 from ..tools import Toolbox
+from ..tools.mcp import McpManager
 from ..tools.sandbox import Sandbox, SandboxStatus
 from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
+    AgentEvent,
     EventKind,
     FinishPart,
     FinishReason,
+    McpServerInfo,
+    McpState,
     Message,
     Part,
     Role,
@@ -155,6 +160,8 @@ class Workspace:
         self.messages: MessageService
         self.runs: RunBook
         self.agent: Agent
+        #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
+        self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
         self.permissions = PermissionService(
             self.broker,
             allowed_tools=list(config.permissions.allowed_tools),
@@ -182,6 +189,7 @@ class Workspace:
         self.config = config
         self.permissions.allowed_tools = frozenset(config.permissions.allowed_tools)
         self.permissions.timeout = config.options.permission_timeout
+        self.mcp.reconfigure(config.mcp)
         if hasattr(self, "agent"):
             self.agent.replace_config(config, self._make_tools())
 
@@ -249,6 +257,7 @@ class Workspace:
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
+                await background.start(self.mcp.run)
                 async with trio.open_nursery() as runs:
                     self.agent = agent = Agent(
                         store=self.store,
@@ -292,6 +301,16 @@ class Workspace:
             self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
+
+    def _mcp_changed(self, info: McpServerInfo) -> None:
+        """Tell the clients that an MCP server's state changed (an ``mcp`` agent event)."""
+        detail = f": {info.error}" if info.state is McpState.FAILED and info.error else ""
+        message = f"MCP server {info.name!r} {info.state.value}{detail}"
+        if info.state is McpState.CONNECTED:
+            message += f" ({len(info.tools)} tools)"
+        self.broker.publish(
+            AgentEvent("mcp", message=message, error=info.error, mcp=info), EventKind.CREATED
+        )
 
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
@@ -338,6 +357,7 @@ class Workspace:
             timeout=options.tool_timeout,
             bash_output_limit=options.bash_output_limit,
             sandbox=self.sandbox,
+            mcp=self.mcp,
         )
 
     async def _watch_holds(self) -> None:

@@ -111,6 +111,7 @@ class Api:
             is_ready=not ws.closing,
             model=ws.agent.model_info(),
             sandbox=ws.sandbox_info,
+            mcp=ws.mcp.info(),
         )
 
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:

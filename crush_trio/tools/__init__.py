@@ -41,6 +41,7 @@ from .base import (
 from .bash import BashTool
 from .edit import EditTool
 from .grep import GrepTool
+from .mcp import McpManager
 from .paths import ResolvedPath, resolve_path
 from .read import GlobTool, LsTool, ViewTool
 from .readonly import is_read_only
@@ -263,10 +264,19 @@ class Toolbox:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    #: The workspace's MCP servers; the tools of those connected join :attr:`tools` at each
+    #: model step (docs/mcp.md).
+    mcp: McpManager | None = None
+
+    def offered(self) -> list[Tool]:
+        """The tools on offer now: the built-in ones, then those of connected MCP servers."""
+        if self.mcp is None:
+            return self.tools
+        return [*self.tools, *self.mcp.tools()]
 
     def specs(self) -> list[ToolSpec]:
         """The specs of the tools, for the model request."""
-        return tool_specs(self.tools)
+        return tool_specs(self.offered())
 
     async def call(
         self, name: str, input_json: str, *, session_id: str, tool_call_id: str
@@ -286,4 +296,4 @@ class Toolbox:
             bash_output_limit=self.bash_output_limit,
             sandbox=self.sandbox,
         )
-        return await call_tool(self.tools, name, input_json, ctx)
+        return await call_tool(self.offered(), name, input_json, ctx)
