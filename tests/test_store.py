@@ -119,7 +119,7 @@ async def test_session_round_trip_update_usage_and_list_order(store: Store) -> N
     assert [s.id for s in await store.list_sessions()] == ["a", "b"]
     assert await store.update_session(Session(id="missing")) is False
 
-    after = await store.add_session_usage("a", 10, 5, 0.25)
+    after = await store.record_step_usage("a", 10, 5, 0.25)
     assert after is not None
     assert (after.title, after.prompt_tokens, after.completion_tokens, after.cost) == (
         "renamed",
@@ -127,11 +127,12 @@ async def test_session_round_trip_update_usage_and_list_order(store: Store) -> N
         5,
         1.75,
     )
-    after = await store.add_session_usage("a", 1, 2, 0.25)
+    # A later step's counts replace the earlier ones (the context in use); cost adds up.
+    after = await store.record_step_usage("a", 1, 2, 0.25)
     assert after is not None
-    assert (after.prompt_tokens, after.completion_tokens, after.cost) == (11, 7, 2.0)
+    assert (after.prompt_tokens, after.completion_tokens, after.cost) == (1, 2, 2.0)
     assert await store.get_session("a") == after
-    assert await store.add_session_usage("missing", 1, 1, 1.0) is None
+    assert await store.record_step_usage("missing", 1, 1, 1.0) is None
 
 
 async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: Path) -> None:
@@ -278,7 +279,8 @@ CLOSED_CALLS: list[Callable[[Store], Awaitable[object]]] = [
     lambda s: s.get_session("x"),
     lambda s: s.list_sessions(),
     lambda s: s.update_session(Session(id="x")),
-    lambda s: s.add_session_usage("x", 1, 1, 1.0),
+    lambda s: s.record_step_usage("x", 1, 1, 1.0),
+    lambda s: s.set_summary("x", "m", 1, 1.0),
     lambda s: s.delete_session("x"),
     lambda s: s.get_message("m"),
     lambda s: s.list_messages("x"),

@@ -574,33 +574,6 @@ class Store:
 
         return await self._call(f"updating session {session.id!r}", op)
 
-    async def add_session_usage(
-        self, session_id: str, prompt_tokens: int, completion_tokens: int, cost: float
-    ) -> Session | None:
-        """Add usage to a session's totals and bump ``updated_at``, atomically.
-
-        Returns:
-            The updated session, or None if there is no such session.
-        """
-        params = (prompt_tokens, completion_tokens, cost, now(), session_id)
-
-        def op(conn: sqlite3.Connection) -> Session | None:
-            def tx(c: sqlite3.Connection) -> Session | None:
-                c.execute(
-                    "UPDATE sessions SET prompt_tokens = prompt_tokens + ?, "
-                    "completion_tokens = completion_tokens + ?, cost = cost + ?, updated_at = ? "
-                    "WHERE id = ?",
-                    params,
-                )
-                row = c.execute(
-                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
-                ).fetchone()
-                return None if row is None else _session_from_row(row)
-
-            return _transaction(conn, tx)
-
-        return await self._call(f"adding usage to session {session_id!r}", op)
-
     async def record_step_usage(
         self, session_id: str, prompt_tokens: int, completion_tokens: int, cost: float
     ) -> Session | None:
@@ -610,23 +583,12 @@ class Store:
         Returns:
             The updated session, or None if there is no such session.
         """
-        params = (prompt_tokens, completion_tokens, cost, now(), session_id)
-
-        def op(conn: sqlite3.Connection) -> Session | None:
-            def tx(c: sqlite3.Connection) -> Session | None:
-                c.execute(
-                    "UPDATE sessions SET prompt_tokens = ?, completion_tokens = ?, "
-                    "cost = cost + ?, updated_at = ? WHERE id = ?",
-                    params,
-                )
-                row = c.execute(
-                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
-                ).fetchone()
-                return None if row is None else _session_from_row(row)
-
-            return _transaction(conn, tx)
-
-        return await self._call(f"recording usage of session {session_id!r}", op)
+        return await self._update_session(
+            session_id,
+            "prompt_tokens = ?, completion_tokens = ?, cost = cost + ?",
+            (prompt_tokens, completion_tokens, cost),
+            f"recording usage of session {session_id!r}",
+        )
 
     async def set_summary(
         self, session_id: str, message_id: str, completion_tokens: int, cost: float
@@ -638,15 +600,24 @@ class Store:
         Returns:
             The updated session, or None if there is no such session.
         """
-        params = (message_id, completion_tokens, cost, now(), session_id)
+        return await self._update_session(
+            session_id,
+            "summary_message_id = ?, prompt_tokens = 0, completion_tokens = ?, cost = cost + ?",
+            (message_id, completion_tokens, cost),
+            f"setting the summary of session {session_id!r}",
+        )
+
+    async def _update_session(
+        self, session_id: str, assignments: str, values: tuple[object, ...], what: str
+    ) -> Session | None:
+        """``UPDATE sessions SET <assignments>, updated_at = now`` for one session and read it
+        back, in one transaction; None if there is no such session."""
+        sql = f"UPDATE sessions SET {assignments}, updated_at = ? WHERE id = ?"
+        params = (*values, now(), session_id)
 
         def op(conn: sqlite3.Connection) -> Session | None:
             def tx(c: sqlite3.Connection) -> Session | None:
-                c.execute(
-                    "UPDATE sessions SET summary_message_id = ?, prompt_tokens = 0, "
-                    "completion_tokens = ?, cost = cost + ?, updated_at = ? WHERE id = ?",
-                    params,
-                )
+                c.execute(sql, params)
                 row = c.execute(
                     f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
                 ).fetchone()
@@ -654,7 +625,7 @@ class Store:
 
             return _transaction(conn, tx)
 
-        return await self._call(f"setting the summary of session {session_id!r}", op)
+        return await self._call(what, op)
 
     async def delete_message(self, message_id: str) -> bool:
         """Delete one message (a summary that was cancelled or failed). False: no such row."""
