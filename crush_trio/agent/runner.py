@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -178,7 +178,13 @@ class Agent:
             return bool(self.state.busy_sessions())
         return self.state.is_busy(session_id)
 
-    async def submit(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+    async def submit(
+        self,
+        session_id: str,
+        text: str,
+        run_id: str | None,
+        attachments: Sequence[wire.BinaryPart] = (),
+    ) -> wire.AcceptedPrompt:
         """Accept a prompt; returns the run's id and status once its record is durable.
 
         The decision is taken at once (the run may start streaming right away); the return waits
@@ -193,7 +199,7 @@ class Agent:
             StoreError: the record could not be stored; the run is cancelled, nothing was
                 accepted.
         """
-        accepted = await self.accept(session_id, text, run_id)
+        accepted = await self.accept(session_id, text, run_id, attachments)
         await self.durable(accepted.run_id)
         return accepted
 
@@ -209,12 +215,18 @@ class Agent:
             self.cancel_run(run_id)
             raise
 
-    async def accept(self, session_id: str, text: str, run_id: str | None) -> wire.AcceptedPrompt:
+    async def accept(
+        self,
+        session_id: str,
+        text: str,
+        run_id: str | None,
+        attachments: Sequence[wire.BinaryPart] = (),
+    ) -> wire.AcceptedPrompt:
         """Take the decision on a prompt (PROTOCOL §3); its record is not durable yet (see
         :meth:`submit` and :meth:`RunBook.wait_inserted`)."""
         if self.closing:
             raise Conflict("workspace closing: it is shutting down; open it again and resend")
-        if not text.strip():
+        if not text.strip() and not attachments:
             raise BadRequest("prompt is empty; send the text for the agent in 'prompt'")
         wire.validate_run_id(run_id)
         if not self.store.session_exists(session_id):
@@ -235,12 +247,17 @@ class Agent:
             # The same run_id sent twice at once (a client resending over another connection):
             # both passed the store check above while it ran; the first to get here wins.
             raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
-        size = len(text.encode())
+        size = len(text.encode()) + sum(len(part.data) for part in attachments)
         if self.state.would_queue(session_id):
             self._check_queue_bound(session_id, size)
         explicit = run_id is not None
         prompt, admission, turn = self.state.accept(
-            session_id, run_id or new_id(), text, explicit=explicit, size=size
+            session_id,
+            run_id or new_id(),
+            text,
+            explicit=explicit,
+            size=size,
+            parts=tuple(attachments),
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
@@ -483,7 +500,9 @@ class Agent:
         await self.runs.save_now()
 
     async def _write_user_message(self, progress: _TurnProgress, prompt: Prompt) -> None:
-        msg = Message(new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text)])
+        msg = Message(
+            new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text), *prompt.parts]
+        )
         await self.messages.create(msg)
         progress.history.append(msg)
         progress.user_written.add(prompt.run_id)
