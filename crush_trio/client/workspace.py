@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -242,6 +242,7 @@ class WorkspaceClient:
         run_id: str | None = None,
         *,
         auto_approve: bool = False,
+        attachments: Sequence[wire.Attachment] = (),
     ) -> RunHandle:
         """Send a prompt to a session; returns the handle of its run once the server accepted it.
 
@@ -254,9 +255,12 @@ class WorkspaceClient:
                 prompt to a busy session is queued as its own turn, never folded into another.)
             auto_approve: answer this run's own permission requests with ``allow``, never
                 another run's and never workspace-wide.
+            attachments: files sent with the prompt (see
+                :func:`crush_trio.attachments.attachment_from_file`).
 
         Raises:
             BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
+            TooLarge: an attachment over the server's limits.
             Conflict: the workspace is closing.
             Unreachable: the server or its event stream is gone.
         """
@@ -274,7 +278,9 @@ class WorkspaceClient:
             mailbox_size=self.mailbox_size,
         )
         self._stream.track(handle)
-        body = {"session_id": session_id, "prompt": text, "run_id": run_id}
+        body: dict[str, Any] = {"session_id": session_id, "prompt": text, "run_id": run_id}
+        if attachments:
+            body["attachments"] = [wire.unstructure(a) for a in attachments]
         try:
             handle.accepted = await self._send_prompt(body)
         except BaseException:
