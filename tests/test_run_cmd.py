@@ -170,6 +170,11 @@ async def test_attach_sends_files_with_the_prompt_to_the_model(
         "--attach", "nope.png", "x", tmp_path=tmp_path, server=crush_server, cwd=project
     )
     assert missing.code == 2 and "--attach nope.png: cannot read it" in missing.err
+    (project / "big.txt").write_bytes(b"x" * (2 * 1024 * 1024 + 1))
+    big = await run_cli(
+        "--attach", "big.txt", "x", tmp_path=tmp_path, server=crush_server, cwd=project
+    )
+    assert big.code == 1 and "server.max_attachment_bytes" in big.err, big.err
 
 
 async def test_provider_failure_exits_1_with_the_message(
