@@ -112,7 +112,9 @@ class GitIgnore:
     def ignored(chain: Chain, path: str, is_dir: bool) -> bool:
         """Whether ``path`` (absolute) is excluded by the rules in force in its directory."""
         for directory, spec in reversed(chain):
-            rel = os.path.relpath(path, directory).replace(os.sep, "/")
+            # ``path`` lies below ``directory`` (both come from the walk), so slicing suffices.
+            cut = len(directory) if directory.endswith(os.sep) else len(directory) + 1
+            rel = path[cut:].replace(os.sep, "/")
             if is_dir:
                 rel += "/"
             result = spec.check_file(rel).include
