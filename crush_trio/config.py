@@ -219,6 +219,16 @@ DEFAULT_MAX_QUEUED_PROMPTS: Final = 256
 #: UTF-8 bytes of prompt text one session may have waiting in its queue (16 MiB).
 DEFAULT_MAX_QUEUED_PROMPT_BYTES: Final = 16 * 1024 * 1024
 
+# Bounds on prompt attachments (decoded bytes; base64 on the wire is 4/3 of that, and the whole
+# body must also fit in ``server.max_body_bytes``).
+#: Largest single attachment (2 MiB).
+DEFAULT_MAX_ATTACHMENT_BYTES: Final = 2 * 1024 * 1024
+#: Largest sum of one prompt's attachments (3 MiB: 4 MiB of base64, which with the rest of the
+#: body needs ``server.max_body_bytes`` raised too; at the default body limit about 2.9 MiB fit).
+DEFAULT_MAX_ATTACHMENTS_BYTES: Final = 3 * 1024 * 1024
+#: Attachments one prompt may carry.
+DEFAULT_MAX_ATTACHMENTS: Final = 16
+
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
 
@@ -408,6 +418,10 @@ class ServerOptions:
     # Bounds on queued prompts, per session (429 past either).
     max_queued_prompts: int = _positive(DEFAULT_MAX_QUEUED_PROMPTS)
     max_queued_prompt_bytes: int = _positive(DEFAULT_MAX_QUEUED_PROMPT_BYTES)
+    # Bounds on one prompt's attachments (413 past either size, 400 past the count).
+    max_attachment_bytes: int = _positive(DEFAULT_MAX_ATTACHMENT_BYTES)
+    max_attachments_bytes: int = _positive(DEFAULT_MAX_ATTACHMENTS_BYTES)
+    max_attachments: int = _positive(DEFAULT_MAX_ATTACHMENTS)
 
 
 @attrs.frozen

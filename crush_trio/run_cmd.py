@@ -36,6 +36,7 @@ import orjson
 import trio
 
 from . import wire
+from .attachments import attachment_from_file
 from .client import (
     AuthError,
     Client,
@@ -53,7 +54,7 @@ from .client import (
     parse_server_url,
 )
 from .client.errors import BadRequest
-from .wire import AgentEvent, RunComplete, Session
+from .wire import AgentEvent, Attachment, RunComplete, Session
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -94,6 +95,8 @@ class RunOptions:
     quiet: bool = False
     format: str = "text"
     timeout: float | None = None
+    #: Files sent with the prompt (``--attach``).
+    attachments: list[Attachment] = attrs.field(factory=list)
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -121,6 +124,13 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("-q", "--quiet", action="store_true", help="no spinner")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     p.add_argument("--timeout", type=float, default=None, help="overall bound in seconds")
+    p.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="send FILE with the prompt (an image or a text file; repeatable)",
+    )
     p.set_defaults(run=run_command)
 
 
@@ -139,7 +149,8 @@ def build_options(
         piped = stdin.read().rstrip("\n")
     words = " ".join(args.prompt or [])
     prompt = "\n\n".join(part for part in (piped, words) if part.strip())
-    if not prompt.strip():
+    attachments = [_read_attachment(path) for path in getattr(args, "attach", None) or []]
+    if not prompt.strip() and not attachments:
         raise UsageError("no prompt: give it as arguments or pipe it on stdin")
     if args.session and args.continue_last:
         raise UsageError("--session and --continue both pick a session; give one of them")
@@ -173,7 +184,15 @@ def build_options(
         quiet=args.quiet,
         format=args.format,
         timeout=args.timeout,
+        attachments=attachments,
     )
+
+
+def _read_attachment(path: str) -> Attachment:
+    try:
+        return attachment_from_file(path)
+    except OSError as exc:
+        raise UsageError(f"--attach {path}: cannot read it ({exc.strerror or exc})") from None
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -326,7 +345,12 @@ class Runner:
         self.sending = True
         try:
             handle = await ws.prompt(
-                session.id, opts.prompt, str(uuid.uuid4()), auto_approve=opts.yolo, model=opts.model
+                session.id,
+                opts.prompt,
+                str(uuid.uuid4()),
+                auto_approve=opts.yolo,
+                model=opts.model,
+                attachments=opts.attachments,
             )
         except BadRequest as exc:
             if opts.model is not None and str(exc).startswith("model:"):

@@ -11,6 +11,7 @@ the wire and in the database.
 
 from __future__ import annotations
 
+import base64
 import enum
 import time
 import uuid
@@ -89,7 +90,19 @@ class FinishPart:
     details: str = ""
 
 
-Part = TextPart | ReasoningPart | ToolCallPart | ToolResultPart | FinishPart
+@attrs.define
+class BinaryPart:
+    """A file attached to a user message (Crush's ``binary`` part): ``data`` is base64."""
+
+    path: str
+    mime_type: str
+    data: str = ""
+
+    def content(self) -> bytes:
+        return base64.b64decode(self.data)
+
+
+Part = TextPart | ReasoningPart | ToolCallPart | ToolResultPart | FinishPart | BinaryPart
 
 PART_TAGS: Final[dict[type[Any], str]] = {
     TextPart: "text",
@@ -97,6 +110,7 @@ PART_TAGS: Final[dict[type[Any], str]] = {
     ToolCallPart: "tool_call",
     ToolResultPart: "tool_result",
     FinishPart: "finish",
+    BinaryPart: "binary",
 }
 PART_TYPES: Final[dict[str, type[Any]]] = {tag: cls for cls, tag in PART_TAGS.items()}
 
@@ -328,6 +342,16 @@ class UpdateSessionRequest:
 
 
 @attrs.define
+class Attachment:
+    """A file sent with a prompt (Crush's ``message.Attachment``): ``content`` is base64."""
+
+    file_name: str = ""
+    mime_type: str = ""
+    content: str = ""
+    file_path: str = ""
+
+
+@attrs.define
 class AgentMessage:
     session_id: str
     prompt: str
@@ -335,6 +359,7 @@ class AgentMessage:
     #: The model for this prompt, ``provider/model`` (or a model id that one provider lists);
     #: ``None`` uses ``models.large``.
     model: str | None = None
+    attachments: list[Attachment] = attrs.field(factory=list)
 
 
 @attrs.define

@@ -7,6 +7,7 @@ The server needs a real provider configuration, so it is started with the client
 
 from __future__ import annotations
 
+import base64
 import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ import pytest
 import trio
 
 from crush_trio.client import RunStatus, WorkspaceClient, embedded
-from crush_trio.wire import Role, ToolResultPart
+from crush_trio.wire import Attachment, Role, ToolResultPart
 
 from .conftest import WAIT, completes_run, payloads, serve_options
 from .fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ToolCall
@@ -124,6 +125,47 @@ async def test_multi_step_tool_loop_streams_and_stores(tmp_path: Path, api: str)
         # Titles come from the small model as background work, announced as a session update.
         await feed.until(titled(sid, "Fixing the parser"), WAIT)
         assert (await ws.session(sid)).title == "Fixing the parser"
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_an_attached_image_reaches_the_model_in_its_api_shape(
+    tmp_path: Path, api: str
+) -> None:
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n pixels").decode()
+    router = Router(Reply(text="a picture"), Reply(text="still a picture"))
+    async with fake_provider_workspace(tmp_path, router, api) as (fake, ws):
+        sid = (await ws.create_session()).id
+        attached = Attachment(file_name="shot.png", mime_type="image/png", content=png)
+        handle = await ws.prompt(sid, "what is this?", attachments=[attached])
+        run = await handle.result(20)
+        assert run.text == "a picture"
+        # A later prompt of the session sends the image again, with its history.
+        await ws.run(sid, "and now?", timeout=20)
+    model_requests = [
+        r for r in fake.requests if "short title" not in orjson.dumps(r.body).decode()
+    ]
+    assert len(model_requests) == 2
+    for request in model_requests:
+        first = request.body["messages"][1 if api == "openai" else 0]
+        if api == "openai":
+            assert first == {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+                ],
+            }
+        else:
+            assert first == {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {
+                        "type": "image",
+                        "source": {"type": "base64", "media_type": "image/png", "data": png},
+                    },
+                ],
+            }
 
 
 async def test_500_exhausting_retries_ends_in_one_errored_run_complete(tmp_path: Path) -> None:

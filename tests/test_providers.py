@@ -12,9 +12,11 @@ Rules for these tests:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import itertools
+import random
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -55,6 +57,7 @@ from crush_trio.providers.base import (
 from crush_trio.providers.http import SSEDecoder, SSEEvent, backoff_delay, parse_retry_after
 from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.wire import (
+    BinaryPart,
     FinishPart,
     FinishReason,
     Message,
@@ -121,11 +124,18 @@ def text_of(events: list[StreamEvent]) -> str:
     return "".join(e.text for e in events if isinstance(e, TextDelta))
 
 
+def fix_jitter(provider: Provider, value: float) -> Provider:
+    """Make the provider's retry jitter deterministic: ``rand()`` always returns ``value``."""
+    cast(Any, provider)._http.rand = lambda: value
+    return provider
+
+
 @contextlib.asynccontextmanager
 async def serving(
-    fake: FakeLLM, provider_type: str = "openai-compat", **settings: Any
+    fake: FakeLLM, provider_type: str = "openai-compat", *, jitter: float = 1.0, **settings: Any
 ) -> AsyncIterator[Provider]:
-    """Run ``fake`` in a nursery and yield a provider pointed at it."""
+    """Run ``fake`` in a nursery and yield a provider pointed at it; the retry jitter is fixed
+    at ``jitter`` (1.0: the full exponential delay, the exact ``Retry-After`` plus 20%)."""
     async with trio.open_nursery() as nursery:
         url = await nursery.start(fake.serve)
         cfg = Settings(
@@ -135,7 +145,7 @@ async def serving(
             extra_headers={"x-team": "blue"},
             **settings,
         )
-        provider = make_provider("local", cfg)
+        provider = fix_jitter(make_provider("local", cfg), jitter)
         try:
             yield provider
         finally:
@@ -224,14 +234,32 @@ def test_sse_decoder_bounds_a_line_without_end() -> None:
 
 def test_backoff_is_exponential_capped_and_honours_retry_after() -> None:
     cfg = Settings(retry_base_delay=1.0, retry_max_delay=5.0)
-    assert [backoff_delay(cfg, n, None) for n in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-    assert backoff_delay(cfg, 0, 3.5) == 3.5
-    assert backoff_delay(cfg, 0, 120.0) == 5.0
+    top, bottom = (lambda: 1.0), (lambda: 0.0)
+    assert [backoff_delay(cfg, n, None, top) for n in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert [backoff_delay(cfg, n, None, bottom) for n in range(5)] == [0.5, 1.0, 2.0, 2.5, 2.5]
+    assert backoff_delay(cfg, 0, 3.5, bottom) == 3.5
+    assert backoff_delay(cfg, 0, 2.0, top) == pytest.approx(2.4)
+    assert backoff_delay(cfg, 0, 120.0, top) == 5.0
     assert parse_retry_after(httpx.Headers({"Retry-After": "7"})) == 7.0
     assert parse_retry_after(httpx.Headers({"retry-after-ms": "1500"})) == 1.5
     assert (
         parse_retry_after(httpx.Headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})) is None
     )
+
+
+def test_retry_jitter_spreads_clients_that_failed_together() -> None:
+    """Clients that hit a 429 at the same moment wait different times (seeded, so repeatable)."""
+    cfg = Settings(retry_base_delay=1.0, retry_max_delay=30.0)
+    rng = random.Random(18)
+    backoffs = [backoff_delay(cfg, 2, None, rng.random) for _ in range(50)]
+    assert all(2.0 <= d <= 4.0 for d in backoffs)
+    assert len({round(d, 6) for d in backoffs}) == 50
+    told = [backoff_delay(cfg, 0, 7.0, rng.random) for _ in range(50)]
+    assert all(7.0 <= d <= 7.0 * 1.2 for d in told)
+    assert max(told) - min(told) > 0.7
+    # The default source is random, not a constant.
+    fresh = make_provider("local", Settings(base_url="http://127.0.0.1:9/v1"))
+    assert cast(Any, fresh)._http.rand is random.random
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +475,50 @@ async def test_a_burst_of_streams_keeps_its_connections_for_the_next_burst() -> 
 # ---------------------------------------------------------------------------------------------
 # History conversion
 
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n fake image").decode()
+ATTACHED = message(
+    Role.USER,
+    TextPart("What is in these?"),
+    BinaryPart(path="shot.png", mime_type="image/png", data=PNG),
+    BinaryPart(path="notes.txt", mime_type="text/plain", data=base64.b64encode(b"hello").decode()),
+)
+
+
+async def test_openai_sends_an_image_as_an_image_url_part_and_a_text_file_as_text() -> None:
+    fake = FakeLLM([Reply(text="a cat")])
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(fake) as provider:
+            await collect(provider, request(ATTACHED))
+    assert fake.requests[0].body["messages"][1] == {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "What is in these?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}},
+            {"type": "text", "text": '<file path="notes.txt">\nhello\n</file>'},
+        ],
+    }
+
+
+async def test_anthropic_sends_an_image_as_an_image_block_and_a_text_file_as_text() -> None:
+    fake = FakeLLM([Reply(text="a cat")])
+    with trio.fail_after(TEST_TIMEOUT):
+        async with serving(fake, "anthropic") as provider:
+            await collect(provider, request(ATTACHED))
+    assert fake.requests[0].body["messages"] == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in these?"},
+                {
+                    "type": "image",
+                    "source": {"type": "base64", "media_type": "image/png", "data": PNG},
+                },
+                {"type": "text", "text": '<file path="notes.txt">\nhello\n</file>'},
+            ],
+        }
+    ]
+
+
 HISTORY = [
     user("Read a.txt and b.txt"),
     message(
@@ -544,7 +616,7 @@ async def test_rate_limit_is_retried_after_retry_after(
         [Reply(status=429, retry_after=7, error="slow down"), Reply(text="finally")],
     )
     with trio.fail_after(LONG_TEST_TIMEOUT):
-        async with serving(fake, provider_type) as provider:
+        async with serving(fake, provider_type, jitter=0.0) as provider:
             start = trio.current_time()
             events = await collect(provider, request(user("hi")))
             elapsed = trio.current_time() - start
@@ -600,8 +672,9 @@ async def test_unreachable_server_is_retried_then_reported(autojump_clock: MockC
     with trio.socket.socket() as sock:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    provider = make_provider(
-        "local", Settings(base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
+    provider = fix_jitter(
+        make_provider("local", Settings(base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)),
+        1.0,
     )
     try:
         with trio.fail_after(LONG_TEST_TIMEOUT):

@@ -29,7 +29,7 @@ from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.run_cmd import UsageError, add_run_parser, build_options
 from crush_trio.testing import CrushServer
-from crush_trio.wire import AgentEvent, EventKind
+from crush_trio.wire import AgentEvent, BinaryPart, EventKind
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +138,43 @@ async def test_prints_the_reply_exactly(
     assert (done.code, done.out) == (0, reply + "\n"), done.err
     uuid.UUID(session_line(done.err))
     assert scripted_model.requests[-1].messages[-1].text() == "say hello"
+
+
+async def test_attach_sends_files_with_the_prompt_to_the_model(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    project = crush_server.project()
+    png = b"\x89PNG\r\n\x1a\n not really a picture"
+    (project / "shot.png").write_bytes(png)
+    (project / "notes.md").write_text("# notes\n")
+    scripted_model.add(Step("seen"))
+    done = await run_cli(
+        "--attach",
+        "shot.png",
+        "--attach",
+        "notes.md",
+        "what is this?",
+        tmp_path=tmp_path,
+        server=crush_server,
+        cwd=project,
+    )
+    assert (done.code, done.out) == (0, "seen\n"), done.err
+    sent = scripted_model.requests[-1].messages[-1]
+    assert sent.text() == "what is this?"
+    files = [p for p in sent.parts if isinstance(p, BinaryPart)]
+    assert [(p.path, p.mime_type, p.content()) for p in files] == [
+        ("shot.png", "image/png", png),
+        ("notes.md", "text/markdown", b"# notes\n"),
+    ]
+    missing = await run_cli(
+        "--attach", "nope.png", "x", tmp_path=tmp_path, server=crush_server, cwd=project
+    )
+    assert missing.code == 2 and "--attach nope.png: cannot read it" in missing.err
+    (project / "big.txt").write_bytes(b"x" * (2 * 1024 * 1024 + 1))
+    big = await run_cli(
+        "--attach", "big.txt", "x", tmp_path=tmp_path, server=crush_server, cwd=project
+    )
+    assert big.code == 1 and "server.max_attachment_bytes" in big.err, big.err
 
 
 async def test_provider_failure_exits_1_with_the_message(

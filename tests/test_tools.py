@@ -463,6 +463,96 @@ async def grep(ctx: ToolContext, use_rg: bool, **params: Any) -> ToolResult:
         )
 
 
+def ignored_project(ws: Path) -> None:
+    """A repository whose .gitignore files (root and nested, with negations) hide some files."""
+    (ws / ".git").mkdir()
+    (ws / ".gitignore").write_text("*.log\nbuild/\n!keep.log\n")
+    (ws / "src" / "deep").mkdir(parents=True)
+    (ws / "src" / ".gitignore").write_text("gen.py\n!special.log\n")
+    (ws / "build").mkdir()
+    for name in [
+        "app.log",
+        "keep.log",
+        "build/out.txt",
+        "src/main.py",
+        "src/gen.py",
+        "src/other.log",
+        "src/special.log",
+        "src/deep/gen.py",
+        "src/deep/ok.txt",
+    ]:
+        (ws / name).write_text("needle\n")
+
+
+#: What the .gitignore files above leave visible, relative to the workspace.
+VISIBLE = ["keep.log", "src/deep/ok.txt", "src/main.py", "src/special.log"]
+
+
+@pytest.mark.parametrize("use_rg", GREP_MODES)
+async def test_gitignore_is_honoured_alike_by_ls_glob_and_grep(
+    ctx: ToolContext, ws: Path, use_rg: bool
+) -> None:
+    ignored_project(ws)
+    found = await run(ctx, "glob", pattern="**/*.{log,py,txt}")
+    assert sorted(found.content.splitlines()) == VISIBLE
+    searched = await grep(ctx, use_rg, pattern="needle")
+    assert sorted(line.split(":")[0] for line in searched.content.splitlines()) == VISIBLE
+    # From a subdirectory, the root's rules still apply (parents up to the repository root).
+    sub = await grep(ctx, use_rg, pattern="needle", path="src")
+    assert sorted(line.split(":")[0] for line in sub.content.splitlines()) == [
+        "src/deep/ok.txt",
+        "src/main.py",
+        "src/special.log",
+    ]
+    listing = (await run(ctx, "ls", depth=3)).content
+    for name in ["app.log", "build/", "gen.py", "other.log", "out.txt"]:
+        assert f"- {name}" not in listing, (name, listing)
+    for name in ["keep.log", "main.py", "special.log", "ok.txt", "deep/"]:
+        assert f"- {name}" in listing, (name, listing)
+
+
+def test_each_gitignore_is_parsed_once_until_it_changes(
+    ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pathspec
+
+    from crush_trio.tools import grep_worker
+
+    ignored_project(ws)
+    parsed: list[int] = []
+    original = pathspec.GitIgnoreSpec.from_lines
+
+    def counting(lines: Any) -> Any:
+        parsed.append(1)
+        return original(lines)
+
+    monkeypatch.setattr(pathspec.GitIgnoreSpec, "from_lines", counting)
+    grep_worker._spec_cache.clear()
+
+    def walk() -> list[str]:
+        files = grep_worker.walk_files(
+            ws, data_dir=ws / ".crush", skip_hidden=True, ignored={".git"}, check=lambda: None
+        )
+        return sorted(p.relative_to(ws).as_posix() for p in files)
+
+    assert walk() == VISIBLE
+    assert len(parsed) == 2  # the root's and src's
+    assert walk() == VISIBLE
+    assert len(parsed) == 2
+    (ws / "src" / ".gitignore").write_text("gen.py\nspecial.log\n# changed\n")
+    assert "src/special.log" not in walk()
+    assert len(parsed) == 3
+    unfiltered = grep_worker.walk_files(
+        ws,
+        data_dir=ws / ".crush",
+        skip_hidden=True,
+        ignored={".git"},
+        check=lambda: None,
+        gitignore=False,
+    )
+    assert len(list(unfiltered)) == 9
+
+
 @pytest.mark.parametrize("use_rg", GREP_MODES)
 async def test_grep_finds_lines_with_include_filter(
     ctx: ToolContext, ws: Path, use_rg: bool
@@ -509,12 +599,12 @@ async def test_grep_invalid_regex_is_an_error(ctx: ToolContext, ws: Path, use_rg
 async def test_grep_fallback_forced_by_environment(
     ctx: ToolContext, ws: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # ripgrep honours .ignore files and the Python search does not, which tells them apart.
-    (ws / ".ignore").write_text("skipped.txt\n")
-    (ws / "skipped.txt").write_text("needle\n")
-    assert "No matches" in (await grep(ctx, True, pattern="needle")).content
+    # Python's re has look-ahead and ripgrep's default engine does not: that tells them apart
+    # (they agree on which files they search).
+    (ws / "found.txt").write_text("needle\n")
+    assert (await grep(ctx, True, pattern="ne(?=edle)")).is_error
     monkeypatch.setenv("CRUSH_TRIO_GREP_NO_RG", "1")
-    assert (await grep(ctx, True, pattern="needle")).content == "skipped.txt:1:needle"
+    assert (await grep(ctx, True, pattern="ne(?=edle)")).content == "found.txt:1:needle"
 
 
 # ---------------------------------------------------------------------------------------------

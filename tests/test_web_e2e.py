@@ -355,6 +355,49 @@ def test_prompt_streams_the_reply(server: ThreadServer, pages: Pages, project: P
     screenshot(page, "web-main.png")
 
 
+PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+def test_attach_a_file_and_paste_an_image(
+    server: ThreadServer, pages: Pages, project: Path, tmp_path: Path
+) -> None:
+    page = pages.open(server)
+    open_workspace(page, project)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some notes\n")
+    page.set_input_files("#attach-input", str(notes))
+    expect(page.locator("#attachment-list li")).to_have_count(1)
+    # Paste an image into the prompt box.
+    page.evaluate(
+        """(b64) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const data = new DataTransfer();
+            data.items.add(new File([bytes], "image.png", { type: "image/png" }));
+            const box = document.getElementById("prompt");
+            box.dispatchEvent(new ClipboardEvent("paste", { clipboardData: data, bubbles: true,
+                                                            cancelable: true }));
+        }""",
+        PIXEL_PNG,
+    )
+    expect(page.locator("#attachment-list li")).to_have_count(2)
+    send(page, "what are these")
+    wait_for_run(page, "completed")
+    expect(page.locator("#attachment-list")).to_be_hidden()
+    user = page.locator(".message.role-user")
+    expect(user.locator(".attachment figcaption")).to_have_text(["📎 notes.txt", "📎 pasted-2.png"])
+    expect(user.locator(".attachment img")).to_have_count(1)
+    with server.http() as http:
+        [ws] = http.get("/v1/workspaces").json()
+        [session] = http.get(f"/v1/workspaces/{ws['id']}/sessions").json()
+        [first, *_] = http.get(
+            f"/v1/workspaces/{ws['id']}/sessions/{session['id']}/messages"
+        ).json()
+    assert [p["data"]["mime_type"] for p in first["parts"] if p["type"] == "binary"] == [
+        "text/plain",
+        "image/png",
+    ]
+
+
 def test_shift_enter_adds_a_line_and_enter_sends(
     server: ThreadServer, pages: Pages, project: Path
 ) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -210,7 +210,12 @@ class Agent:
         return self.state.is_busy(session_id)
 
     async def submit(
-        self, session_id: str, text: str, run_id: str | None, model: str | None = None
+        self,
+        session_id: str,
+        text: str,
+        run_id: str | None,
+        model: str | None = None,
+        attachments: Sequence[wire.BinaryPart] = (),
     ) -> wire.AcceptedPrompt:
         """Accept a prompt; returns the run's id and status once its record is durable.
 
@@ -226,7 +231,7 @@ class Agent:
             StoreError: the record could not be stored; the run is cancelled, nothing was
                 accepted.
         """
-        accepted = await self.accept(session_id, text, run_id, model)
+        accepted = await self.accept(session_id, text, run_id, model, attachments)
         await self.durable(accepted.run_id)
         return accepted
 
@@ -243,14 +248,19 @@ class Agent:
             raise
 
     async def accept(
-        self, session_id: str, text: str, run_id: str | None, model: str | None = None
+        self,
+        session_id: str,
+        text: str,
+        run_id: str | None,
+        model: str | None = None,
+        attachments: Sequence[wire.BinaryPart] = (),
     ) -> wire.AcceptedPrompt:
         """Take the decision on a prompt (PROTOCOL §3); its record is not durable yet (see
         :meth:`submit` and :meth:`RunBook.wait_inserted`). ``model`` (``provider/model``) is
         the model for this prompt's turn instead of ``models.large``."""
         if self.closing:
             raise Conflict("workspace closing: it is shutting down; open it again and resend")
-        if not text.strip():
+        if not text.strip() and not attachments:
             raise BadRequest("prompt is empty; send the text for the agent in 'prompt'")
         if model is not None:
             try:
@@ -276,12 +286,17 @@ class Agent:
             # The same run_id sent twice at once (a client resending over another connection):
             # both passed the store check above while it ran; the first to get here wins.
             raise BadRequest(f"run_id {run_id!r} was already used; pick a new one")
-        size = len(text.encode())
+        size = len(text.encode()) + sum(len(part.data) for part in attachments)
         if self.state.would_queue(session_id):
             self._check_queue_bound(session_id, size)
         explicit = run_id is not None
         prompt, admission, turn = self.state.accept(
-            session_id, run_id or new_id(), text, explicit=explicit, size=size
+            session_id,
+            run_id or new_id(),
+            text,
+            explicit=explicit,
+            size=size,
+            parts=tuple(attachments),
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
@@ -570,7 +585,9 @@ class Agent:
         await self.runs.save_now()
 
     async def _write_user_message(self, progress: _TurnProgress, prompt: Prompt) -> None:
-        msg = Message(new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text)])
+        msg = Message(
+            new_id(), prompt.session_id, Role.USER, [TextPart(prompt.text), *prompt.parts]
+        )
         await self.messages.create(msg)
         progress.history.append(msg)
         progress.user_written.add(prompt.run_id)

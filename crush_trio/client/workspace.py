@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -243,6 +243,7 @@ class WorkspaceClient:
         *,
         auto_approve: bool = False,
         model: str | None = None,
+        attachments: Sequence[wire.Attachment] = (),
     ) -> RunHandle:
         """Send a prompt to a session; returns the handle of its run once the server accepted it.
 
@@ -257,9 +258,12 @@ class WorkspaceClient:
                 another run's and never workspace-wide.
             model: the model for this prompt, ``provider/model``; ``None`` uses the
                 workspace's ``models.large``.
+            attachments: files sent with the prompt (see
+                :func:`crush_trio.attachments.attachment_from_file`).
 
         Raises:
             BadRequest: empty prompt, unknown session, or a ``run_id`` already used.
+            TooLarge: an attachment over the server's limits.
             Conflict: the workspace is closing.
             Unreachable: the server or its event stream is gone.
         """
@@ -280,6 +284,8 @@ class WorkspaceClient:
         body: dict[str, Any] = {"session_id": session_id, "prompt": text, "run_id": run_id}
         if model is not None:
             body["model"] = model
+        if attachments:
+            body["attachments"] = [wire.unstructure(a) for a in attachments]
         try:
             handle.accepted = await self._send_prompt(body)
         except BaseException:

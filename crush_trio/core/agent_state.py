@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
@@ -49,6 +50,8 @@ class Prompt:
     explicit: bool
     #: UTF-8 size of ``text`` (counted against the session's queue bound while it waits).
     size: int = 0
+    #: Parts stored after the text in the user message (attachments, as ``BinaryPart``).
+    parts: tuple[Any, ...] = ()
 
 
 @attrs.define(eq=False)
@@ -165,11 +168,18 @@ class AgentState:
     # -- transitions ----------------------------------------------------------------------------
 
     def accept(
-        self, session_id: str, run_id: str, text: str, *, explicit: bool, size: int = 0
+        self,
+        session_id: str,
+        run_id: str,
+        text: str,
+        *,
+        explicit: bool,
+        size: int = 0,
+        parts: tuple[Any, ...] = (),
     ) -> tuple[Prompt, Admission, Turn | None]:
         """Accept a prompt. Returns it, whether it runs or is queued, and the new turn if any."""
         self.accept_seq += 1
-        prompt = Prompt(session_id, run_id, text, self.accept_seq, explicit, size)
+        prompt = Prompt(session_id, run_id, text, self.accept_seq, explicit, size, parts)
         state = self._session(session_id)
         if state.active is None and not state.queue:
             state.active = Turn(session_id, prompt)

@@ -18,8 +18,10 @@ from typing import Any, Final
 import attrs
 import orjson
 
+from ..attachments import as_text, is_image
 from ..errors import ProviderError
 from ..wire import (
+    BinaryPart,
     FinishReason,
     Message,
     ReasoningPart,
@@ -122,8 +124,20 @@ def to_anthropic_messages(messages: list[Message]) -> tuple[list[str], list[dict
                     results.append(block)
                 elif isinstance(part, TextPart) and part.text:
                     texts.append({"type": "text", "text": part.text})
+                elif isinstance(part, BinaryPart):
+                    texts.append(_attachment_block(part))
             add("user", results + texts)
     return system, turns
+
+
+def _attachment_block(part: BinaryPart) -> dict[str, Any]:
+    """An attachment as a Messages API block: an ``image`` block, or text for a text file."""
+    if is_image(part):
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": part.mime_type, "data": part.data},
+        }
+    return {"type": "text", "text": as_text(part)}
 
 
 def to_anthropic_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:

@@ -19,17 +19,22 @@ Timeouts (all config keys of a provider, in seconds):
 * ``chunk_timeout``: the longest silence between two chunks of a streaming body.
 
 Retries: a connection failure, HTTP 429 and HTTP 5xx are retried up to ``max_retries`` times, only
-before any content was streamed. The delay is ``min(retry_max_delay, retry_base_delay * 2**n)``
-for the ``n``-th retry (counting from 0), or the server's ``Retry-After`` when it sent one
-(capped by ``retry_max_delay``). A :class:`~crush_trio.providers.base.Retrying` event is yielded
-before each retry sleep so clients can show it. Timeouts are not retried: a provider that is
-silent for ``first_byte_timeout`` is reported at once instead of multiplying the wait.
+before any content was streamed. The delay for the ``n``-th retry (counting from 0) takes "equal
+jitter": with ``cap = min(retry_max_delay, retry_base_delay * 2**n)`` it is uniform in
+``[cap/2, cap]``. When the server sent ``Retry-After`` the delay is that value plus up to
+:data:`RETRY_AFTER_JITTER` of it (never earlier than asked), capped by ``retry_max_delay``. The
+jitter keeps runs that hit a 429 together from retrying together; its random source is
+:attr:`HttpStreamer.rand` (tests set it to a constant). A
+:class:`~crush_trio.providers.base.Retrying` event is yielded before each retry sleep so clients
+can show it. Timeouts are not retried: a provider that is silent for ``first_byte_timeout`` is
+reported at once instead of multiplying the wait.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Final, Protocol
 
@@ -49,6 +54,9 @@ DEFAULT_CHUNK_TIMEOUT: Final = 60.0
 DEFAULT_MAX_RETRIES: Final = 3
 DEFAULT_RETRY_BASE_DELAY: Final = 1.0
 DEFAULT_RETRY_MAX_DELAY: Final = 30.0
+#: Largest extra wait added to a server's ``Retry-After``, as a fraction of it (so that clients
+#: told the same delay spread out instead of retrying at the same instant).
+RETRY_AFTER_JITTER: Final = 0.2
 
 #: How long closing a response may take when the stream ends or is cancelled (shielded cleanup).
 CLOSE_TIMEOUT: Final = 5.0
@@ -221,15 +229,25 @@ class SSEDecoder:
 # Retry and error helpers, without I/O
 
 
-def backoff_delay(settings: ProviderSettings, retry: int, retry_after: float | None) -> float:
-    """Seconds to wait before the ``retry``-th retry (0-based).
+def backoff_delay(
+    settings: ProviderSettings,
+    retry: int,
+    retry_after: float | None,
+    rand: Callable[[], float] = random.random,
+) -> float:
+    """Seconds to wait before the ``retry``-th retry (0-based), with jitter from ``rand()``
+    (a float in ``[0, 1]``).
 
-    ``Retry-After`` wins when the server sent one; either way the delay is capped by
-    ``retry_max_delay``.
+    Without ``Retry-After``: equal jitter, uniform in ``[cap/2, cap]`` for
+    ``cap = min(retry_max_delay, retry_base_delay * 2**retry)``. With it: ``Retry-After`` plus up
+    to :data:`RETRY_AFTER_JITTER` of it. Either way the delay is capped by ``retry_max_delay``.
     """
+    jitter = min(1.0, max(0.0, rand()))
     if retry_after is not None:
-        return max(0.0, min(settings.retry_max_delay, retry_after))
-    return max(0.0, min(settings.retry_max_delay, settings.retry_base_delay * float(2**retry)))
+        wait = max(0.0, retry_after) * (1.0 + RETRY_AFTER_JITTER * jitter)
+        return min(settings.retry_max_delay, wait)
+    cap = max(0.0, min(settings.retry_max_delay, settings.retry_base_delay * float(2**retry)))
+    return cap / 2 + cap / 2 * jitter
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:
@@ -332,6 +350,8 @@ class HttpStreamer:
     ) -> None:
         self.provider = provider
         self.settings = settings
+        #: Random source of the retry jitter (a float in [0, 1]); tests replace it.
+        self.rand: Callable[[], float] = random.random
         # An event stream is not worth compressing, and an uncompressed body can be read as it
         # arrives on the socket, without httpx's decoder and re-chunker layers (see _open).
         merged = {
@@ -385,7 +405,7 @@ class HttpStreamer:
                 break
             if retry >= self.settings.max_retries:
                 raise ProviderError(outcome.message, retryable=True)
-            delay = backoff_delay(self.settings, retry, outcome.retry_after)
+            delay = backoff_delay(self.settings, retry, outcome.retry_after, self.rand)
             retry += 1
             yield Retrying(attempt=retry, delay=delay, reason=outcome.reason)
             await trio.sleep(delay)

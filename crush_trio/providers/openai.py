@@ -17,8 +17,9 @@ from typing import Any, Final
 import attrs
 import orjson
 
+from ..attachments import as_text, is_image
 from ..errors import ConfigError, ProviderError
-from ..wire import FinishReason, Message, Role, ToolResultPart
+from ..wire import BinaryPart, FinishReason, Message, Role, ToolResultPart
 from .base import (
     Finished,
     ModelRequest,
@@ -89,9 +90,24 @@ def to_chat_messages(system: str, messages: list[Message]) -> list[dict[str, Any
                     out.append(
                         {"role": "tool", "tool_call_id": part.tool_call_id, "content": part.content}
                     )
-            if message.role is Role.USER and (text := message.text()):
+            files = [part for part in message.parts if isinstance(part, BinaryPart)]
+            if message.role is Role.USER and files:
+                content: list[dict[str, Any]] = []
+                if text := message.text():
+                    content.append({"type": "text", "text": text})
+                content.extend(_attachment_part(part) for part in files)
+                out.append({"role": "user", "content": content})
+            elif message.role is Role.USER and (text := message.text()):
                 out.append({"role": "user", "content": text})
     return out
+
+
+def _attachment_part(part: BinaryPart) -> dict[str, Any]:
+    """An attachment as a content part: ``image_url`` with a data URL, or text for a text file."""
+    if is_image(part):
+        url = f"data:{part.mime_type};base64,{part.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "text", "text": as_text(part)}
 
 
 def to_chat_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:

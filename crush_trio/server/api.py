@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..attachments import check_attachments
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
 from ..errors import BadRequest, Conflict, NotFound
@@ -15,6 +16,7 @@ from ..wire import (
     AcceptedPrompt,
     AgentInfo,
     AgentMessage,
+    BinaryPart,
     CreateSessionRequest,
     GrantRequest,
     Message,
@@ -117,12 +119,25 @@ class Api:
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
         """Accept a prompt and return once its run record is committed (the 202's promise)."""
         ws.check_open()
-        return await ws.agent.submit(body.session_id, body.prompt, body.run_id, body.model)
+        parts = self._attachments(ws, body)
+        return await ws.agent.submit(body.session_id, body.prompt, body.run_id, body.model, parts)
 
     async def accept_prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
         """Accept a prompt; the caller answers after ``ws.agent.durable(run_id)`` returns."""
         ws.check_open()
-        return await ws.agent.accept(body.session_id, body.prompt, body.run_id, body.model)
+        parts = self._attachments(ws, body)
+        return await ws.agent.accept(body.session_id, body.prompt, body.run_id, body.model, parts)
+
+    @staticmethod
+    def _attachments(ws: Workspace, body: AgentMessage) -> list[BinaryPart]:
+        if not body.attachments:
+            return []
+        return check_attachments(
+            body.attachments,
+            max_each=ws.server.max_attachment_bytes,
+            max_total=ws.server.max_attachments_bytes,
+            max_count=ws.server.max_attachments,
+        )
 
     async def summarize(self, ws: Workspace, session_id: str, *, in_body: bool = False) -> Session:
         """``POST .../agent/sessions/{sid}/summarize``: 409 while the session is busy; returns

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 import attrs
 import orjson
+import pathspec
 import trio
 
 from . import grep_worker
@@ -31,6 +32,8 @@ __all__ = [
 ]
 
 #: ``grep``: most matching lines returned.
+#: Where the search child (run without site-packages) finds ``pathspec`` for ``.gitignore``.
+PATHSPEC_SYS_PATH: Final = str(Path(pathspec.__file__).resolve().parent.parent)
 GREP_MAX_MATCHES: Final = 100
 #: ``grep``: longer matching lines are cut to this many characters.
 GREP_MAX_LINE_CHARS: Final = 500
@@ -73,6 +76,7 @@ async def _grep_python(
         "include_by_name": by_name,
         "data_dir": str(ctx.data_dir),
         "ignored": sorted(IGNORED_DIR_NAMES),
+        "sys_path": [PATHSPEC_SYS_PATH],
         "max_matches": GREP_MAX_MATCHES,
         "max_file_bytes": GREP_MAX_FILE_BYTES,
         "sniff_bytes": BINARY_SNIFF_BYTES,
@@ -125,6 +129,12 @@ async def _grep_rg(
     command = [
         rg,
         "--no-config",
+        # The other tools' notion of ignored files: .gitignore files, in a repository or not,
+        # and no other ignore files (docs/tools.md "Ignored files").
+        "--no-require-git",
+        "--no-ignore-dot",
+        "--no-ignore-global",
+        "--no-ignore-exclude",
         "--line-number",
         "--no-heading",
         "--with-filename",
@@ -207,8 +217,8 @@ class GrepTool(ToolBase):
             "Search file contents with a regular expression (ripgrep/Python syntax, e.g. "
             "'def \\w+_handler', 'TODO|FIXME'). Returns 'file:line:text' for up to "
             f"{GREP_MAX_MATCHES} matching lines, sorted by path. Hidden files, binary files, "
-            "version-control and cache directories and the server's data directory are skipped; "
-            "files listed in .gitignore are skipped when ripgrep is available. Use 'include' to "
+            "version-control and cache directories, files the project's .gitignore files exclude "
+            "and the server's data directory are skipped. Use 'include' to "
             "limit the files searched (e.g. '*.py', 'src/**/*.{ts,tsx}'). Paths outside the "
             "workspace need the user's permission."
         ),

@@ -6,7 +6,16 @@ thread running it cannot be stopped. This module is therefore run as a script in
 behind and no worker thread of the server is held.
 
 It imports nothing from the package (running it must not load the server), so the ``grep`` tool
-and the other walkers share :func:`walk_files` from here.
+and the other walkers share :func:`walk_files` and :class:`GitIgnore` from here. The only library
+it needs, ``pathspec``, is found through the ``sys_path`` the tool passes in the job (the child
+runs isolated, without site-packages).
+
+Ignored files (docs/tools.md "Ignored files"): ``ls``, ``glob`` and this search skip what the
+project's ``.gitignore`` files exclude, as ripgrep does: the ``.gitignore`` of every directory
+walked, and of its parents up to the repository root (the nearest directory holding ``.git``); a
+deeper file's rules win over a shallower one's, ``!pattern`` re-includes, and a directory that is
+excluded is not entered. Each directory's ``.gitignore`` is parsed once and kept in a bounded cache
+keyed by its path, size and modification time.
 
 Protocol: one JSON object on stdin (:func:`main` lists its keys); one JSON array per match on
 stdout (``[path, line number, text]``), then a last line ``{"more": bool}``.
@@ -19,10 +28,99 @@ import os
 import re
 import stat
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["open_regular", "walk_files"]
+__all__ = ["GitIgnore", "open_regular", "walk_files"]
+
+#: Parsed ``.gitignore`` files kept per process (keyed by path, size and mtime).
+GITIGNORE_CACHE_ENTRIES = 1024
+#: A ``.gitignore`` larger than this is not read (its directory is walked as if it had none).
+GITIGNORE_MAX_BYTES = 1024 * 1024
+
+#: The rules in force in one directory: (directory, compiled spec) from shallowest to deepest.
+Chain = tuple[tuple[str, Any], ...]
+
+_spec_cache: OrderedDict[tuple[str, int, int], Any] = OrderedDict()
+
+
+def _load_spec(directory: str) -> Any | None:
+    """The compiled ``.gitignore`` of ``directory``, or None when it has none (cached)."""
+    path = os.path.join(directory, ".gitignore")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > GITIGNORE_MAX_BYTES:
+        return None
+    key = (path, st.st_size, st.st_mtime_ns)
+    spec = _spec_cache.get(key)
+    if spec is not None:
+        _spec_cache.move_to_end(key)
+        return spec
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return None
+    import pathspec
+
+    spec = pathspec.GitIgnoreSpec.from_lines(lines)
+    _spec_cache[key] = spec
+    while len(_spec_cache) > GITIGNORE_CACHE_ENTRIES:
+        _spec_cache.popitem(last=False)
+    return spec
+
+
+class GitIgnore:
+    """Which paths below a root the project's ``.gitignore`` files exclude."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        # Parents of the root up to the repository root contribute their rules too.
+        parents: list[str] = []
+        current = os.path.dirname(self.root)
+        probe = self.root
+        in_repo = os.path.exists(os.path.join(probe, ".git"))
+        while not in_repo and current != probe:
+            parents.append(current)
+            if os.path.exists(os.path.join(current, ".git")):
+                in_repo = True
+                break
+            probe, current = current, os.path.dirname(current)
+        chain: Chain = ()
+        if in_repo:
+            for directory in reversed(parents):
+                chain = self.enter(directory, chain)
+        self.root_chain = self.enter(self.root, chain)
+
+    @staticmethod
+    def enter(directory: str, chain: Chain, has_file: bool | None = None) -> Chain:
+        """The rules in force inside ``directory``, whose parent's rules are ``chain``.
+
+        ``has_file``: whether the directory holds a ``.gitignore`` (when the caller already
+        listed it), to skip a ``stat``.
+        """
+        if has_file is False:
+            return chain
+        spec = _load_spec(directory)
+        return chain if spec is None else (*chain, (directory, spec))
+
+    @staticmethod
+    def ignored(chain: Chain, path: str, is_dir: bool) -> bool:
+        """Whether ``path`` (absolute) is excluded by the rules in force in its directory."""
+        for directory, spec in reversed(chain):
+            # ``path`` lies below ``directory`` (both come from the walk), so slicing suffices.
+            cut = len(directory) if directory.endswith(os.sep) else len(directory) + 1
+            rel = path[cut:].replace(os.sep, "/")
+            if is_dir:
+                rel += "/"
+            result = spec.check_file(rel).include
+            if result is not None:
+                return bool(result)
+        return False
 
 
 def walk_files(
@@ -32,26 +130,36 @@ def walk_files(
     skip_hidden: bool,
     ignored: Collection[str],
     check: Callable[[], None],
+    gitignore: bool = True,
 ) -> Iterator[Path]:
     """Yield the regular files below ``root`` in path order (symlinks are not followed).
 
-    Directories named in ``ignored`` and ``data_dir`` are not entered; ``check`` runs before each
-    entry (it raises to stop the walk at a deadline).
+    Directories named in ``ignored`` and ``data_dir`` are not entered, nor are files and
+    directories the ``.gitignore`` files exclude (unless ``gitignore`` is false); ``check`` runs
+    before each entry (it raises to stop the walk at a deadline).
     """
-    stack: list[Iterator[os.DirEntry[str]]] = []
+    stack: list[tuple[Iterator[os.DirEntry[str]], Chain]] = []
+    rules = GitIgnore(root) if gitignore else None
 
-    def entries(directory: str) -> Iterator[os.DirEntry[str]]:
+    def entries(
+        directory: str, chain: Chain, *, top: bool = False
+    ) -> tuple[Iterator[os.DirEntry[str]], Chain]:
         try:
             with os.scandir(directory) as it:
                 found = sorted(it, key=lambda e: e.name)
         except OSError:
-            return iter(())
-        return iter(found)
+            return iter(()), chain
+        if rules is not None and not top:
+            has_file = any(e.name == ".gitignore" for e in found)
+            chain = rules.enter(directory, chain, has_file)
+        return iter(found), chain
 
-    stack.append(entries(str(root)))
+    # The root's own rules and its parents' make the root chain.
+    stack.append(entries(str(root), rules.root_chain if rules else (), top=True))
     while stack:
         check()
-        entry = next(stack[-1], None)
+        it, chain = stack[-1]
+        entry = next(it, None)
         if entry is None:
             stack.pop()
             continue
@@ -61,8 +169,12 @@ def walk_files(
             if entry.is_dir(follow_symlinks=False):
                 if entry.name in ignored or Path(entry.path) == data_dir:
                     continue
-                stack.append(entries(entry.path))
+                if chain and GitIgnore.ignored(chain, entry.path, True):
+                    continue
+                stack.append(entries(entry.path, chain))
             elif entry.is_file(follow_symlinks=False):
+                if chain and GitIgnore.ignored(chain, entry.path, False):
+                    continue
                 yield Path(entry.path)
         except OSError:
             continue
@@ -99,6 +211,8 @@ def _search(job: dict[str, object]) -> None:
     # A little over the limit, so the caller still sees that the line was cut.
     keep = int(job["max_line_chars"]) + 2  # type: ignore[call-overload]
     ignored = {str(name) for name in job["ignored"]}  # type: ignore[attr-defined]
+    # The child runs without site-packages: the tool names where ``pathspec`` lives.
+    sys.path.extend(str(entry) for entry in job.get("sys_path") or [])  # type: ignore[attr-defined]
     out = sys.stdout
     if root.is_file():
         files: Iterator[Path] = iter([root])

@@ -31,7 +31,7 @@ from .base import (
 )
 from .files import IGNORED_DIR_NAMES, VIEW_MAX_LINE_CHARS, number_lines, read_text_file, split_lines
 from .globs import compile_glob, split_absolute_glob
-from .grep_worker import walk_files
+from .grep_worker import Chain, GitIgnore, walk_files
 from .paths import check_read, display_path, resolve_path, resolve_search_root
 
 __all__ = [
@@ -110,12 +110,13 @@ def _list_tree(
 ) -> tuple[list[str], bool]:
     """Breadth-first listing (so a large first directory cannot hide the rest), shown as a tree."""
     children: dict[Path, list[tuple[str, Path | None]]] = {}
-    queue: deque[tuple[Path, int]] = deque([(root, 1)])
+    rules = GitIgnore(root)
+    queue: deque[tuple[Path, int, Chain]] = deque([(root, 1, rules.root_chain)])
     count = 0
     truncated = False
     while queue and not truncated:
         _check_deadline(deadline, "ls")
-        directory, level = queue.popleft()
+        directory, level, chain = queue.popleft()
         listed: list[tuple[str, Path | None]] = []
         children[directory] = listed
         try:
@@ -129,18 +130,21 @@ def _list_tree(
                 truncated = True
                 break
             path = Path(entry.path)
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if chain and GitIgnore.ignored(chain, entry.path, is_dir):
+                continue
             if entry.is_symlink():
                 try:
                     target = os.readlink(entry.path)
                 except OSError:
                     target = "?"
                 listed.append((f"{entry.name} -> {target}", None))
-            elif entry.is_dir(follow_symlinks=False):
+            elif is_dir:
                 if entry.name in IGNORED_DIR_NAMES or path == data_dir:
                     continue
                 listed.append((f"{entry.name}/", path))
                 if level < depth:
-                    queue.append((path, level + 1))
+                    queue.append((path, level + 1, rules.enter(entry.path, chain)))
             else:
                 listed.append((entry.name, None))
             count += 1
@@ -166,7 +170,8 @@ class LsTool(ToolBase):
         description=(
             "List files and directories as a tree. Use it to explore the project layout before "
             "reading files. Directories end with '/', symlinks show their target. Version-control "
-            "and cache directories (.git, node_modules, __pycache__, .venv, ...) and the server's "
+            "and cache directories (.git, node_modules, __pycache__, .venv, ...), files the "
+            "project's .gitignore files exclude and the server's "
             f"data directory are skipped. Lists {LS_DEFAULT_DEPTH} levels and at most "
             f"{LS_DEFAULT_LIMIT} entries by default; a truncated listing says so. Paths outside "
             "the workspace need the user's permission."
@@ -333,8 +338,9 @@ class GlobTool(ToolBase):
             "'?', '[abc]' and '{a,b}'. A pattern without '/' matches file names at any depth "
             "(e.g. '*.py'); with '/' it matches the path relative to 'path' (e.g. "
             f"'src/**/*.ts'). Returns up to {GLOB_MAX_RESULTS} paths, most recently modified "
-            "first. Version-control and cache directories and the server's data directory are "
-            "skipped. Paths outside the workspace need the user's permission."
+            "first. Version-control and cache directories, files the project's .gitignore files "
+            "exclude and the server's data directory are skipped. Paths outside the workspace "
+            "need the user's permission."
         ),
         parameters={
             "type": "object",

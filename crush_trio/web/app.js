@@ -48,6 +48,16 @@ const RUN_LABELS = {
 
 const $ = (id) => document.getElementById(id);
 
+/** A file's bytes as base64 (the `content` of an attachment). */
+function readBase64(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(String(reader.result).replace(/^data:[^,]*,/, ""));
+    reader.onerror = () => reject(reader.error || new Error("read failed"));
+    reader.readAsDataURL(file);
+  });
+}
+
 class App {
   constructor() {
     this.clientId = uuid();
@@ -79,6 +89,8 @@ class App {
     this.runs = new Map();
     this.permissions = new Map();
     this.queued = [];
+    /** Files attached to the next prompt: {file_name, mime_type, content (base64)}. */
+    this.attachments = [];
     this.renaming = null;
     this.syncGen = 0;
     this.loadGen = 0;
@@ -105,6 +117,17 @@ class App {
         ev.preventDefault();
         this.sendPrompt();
       }
+    });
+    $("attach").addEventListener("click", () => $("attach-input").click());
+    $("attach-input").addEventListener("change", (ev) => {
+      this.attachFiles([...ev.target.files]);
+      ev.target.value = "";
+    });
+    $("prompt").addEventListener("paste", (ev) => {
+      const files = [...(ev.clipboardData?.files || [])].filter((f) => f.type.startsWith("image/"));
+      if (!files.length) return;
+      ev.preventDefault();
+      this.attachFiles(files);
     });
     $("cancel-run").addEventListener("click", () => this.cancelRun());
     $("clear-queue").addEventListener("click", () => this.clearQueue());
@@ -917,21 +940,59 @@ class App {
 
   // -- prompting --------------------------------------------------------------------------------
 
+  /** Read files (picked or pasted) and add them to the next prompt's attachments. */
+  async attachFiles(files) {
+    for (const file of files) {
+      try {
+        const content = await readBase64(file);
+        const ext = (file.type.split("/")[1] || "bin").replace("jpeg", "jpg");
+        const name = file.name && file.name !== "image.png" ? file.name : `pasted-${this.attachments.length + 1}.${ext}`;
+        this.attachments.push({ file_name: name, mime_type: file.type || "", content });
+      } catch (err) {
+        this.toast(`Cannot read ${file.name || "the file"}: ${err.message}`, "error");
+      }
+    }
+    this.renderAttachments();
+  }
+
+  renderAttachments() {
+    const list = clear($("attachment-list"));
+    list.hidden = !this.attachments.length;
+    this.attachments.forEach((att, index) => {
+      const remove = h("button", { type: "button", class: "remove-attachment", "aria-label": `Remove ${att.file_name}`, text: "×" });
+      remove.addEventListener("click", () => {
+        this.attachments.splice(index, 1);
+        this.renderAttachments();
+      });
+      list.append(h("li", {}, h("span", { text: `📎 ${att.file_name}`, title: att.file_name }), remove));
+    });
+  }
+
   async sendPrompt() {
     const box = $("prompt");
     const text = box.value;
-    if (!text.trim()) return;
+    const attachments = this.attachments;
+    if (!text.trim() && !attachments.length) return;
     if (!this.wid) {
       this.toast("Open a workspace first.", "error");
       $("workspace-path").focus();
       return;
     }
     box.value = "";
+    this.attachments = [];
+    this.renderAttachments();
+    const restore = () => {
+      if (!box.value) box.value = text;
+      if (!this.attachments.length) {
+        this.attachments = attachments;
+        this.renderAttachments();
+      }
+    };
     let sid = this.current;
     if (!sid) {
       const session = await this.createSession();
       if (!session) {
-        box.value = text;
+        restore();
         return;
       }
       sid = session.id;
@@ -945,6 +1006,7 @@ class App {
         session_id: sid,
         prompt: text,
         run_id: run.run_id,
+        ...(attachments.length ? { attachments } : {}),
       });
       if (!TERMINAL.has(run.status)) run.status = accepted.status;
     } catch (err) {
@@ -954,7 +1016,7 @@ class App {
       } else {
         run.status = "failed";
         run.error = err.message;
-        if (!box.value) box.value = text;
+        restore();
         this.toast(`Prompt not sent: ${err.message}`, "error");
       }
     }
@@ -1092,7 +1154,7 @@ class App {
   }
 
   setEnabled(on) {
-    for (const id of ["prompt", "send", "new-session"]) $(id).disabled = !on;
+    for (const id of ["prompt", "send", "new-session", "attach"]) $(id).disabled = !on;
   }
 
   // -- permissions ------------------------------------------------------------------------------

@@ -170,6 +170,9 @@ export class MessageView {
         case "finish":
           body.append(finishLine(d));
           break;
+        case "binary":
+          body.append(attachment(d));
+          break;
         default:
           break;
       }
@@ -177,6 +180,17 @@ export class MessageView {
     if (streaming) body.append(h("span", { class: "typing", "aria-hidden": "true", text: "…" }));
     return el;
   }
+}
+
+/** A file attached to a user message: the image itself, or the file's name. */
+function attachment(d) {
+  const name = String(d.path || "file").split("/").pop();
+  const fig = h("figure", { class: "attachment", dataset: { path: d.path || "" } });
+  if (/^image\/(png|jpeg|gif|webp)$/.test(d.mime_type || "")) {
+    fig.append(h("img", { src: `data:${d.mime_type};base64,${d.data || ""}`, alt: name }));
+  }
+  fig.append(h("figcaption", { text: `📎 ${name}` }));
+  return fig;
 }
 
 /** Everything that the rendering of `msg` depends on except its streamed fields. */
