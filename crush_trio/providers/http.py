@@ -446,8 +446,11 @@ class HttpStreamer:
                         "an API that supports streaming"
                     )
                 encoded = response.headers.get("content-encoding", "identity").lower()
-                if encoded in ("", "identity"):
-                    chunks = response.aiter_raw()
+                stream = response.stream
+                if encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
+                    # The transport's byte stream itself: ``aiter_raw`` would add a generator
+                    # and a re-chunker per chunk and changes nothing without a chunk size.
+                    chunks = aiter(stream)
                 else:  # the server compressed it anyway
                     chunks = response.aiter_bytes()
                 try:
