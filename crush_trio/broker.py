@@ -570,23 +570,24 @@ class Broker:
         """
         self.seq += 1
         seq = self.seq
+        payload = {
+            "message_id": delta.message_id,
+            "session_id": delta.session_id,
+            "part": delta.part,
+            "part_type": delta.part_type,
+            "offset": delta.offset,
+            "text": delta.text,
+        }
+        # Left out when empty, as the converter does (PROTOCOL §6.6).
+        if delta.tool_call_id:
+            payload["tool_call_id"] = delta.tool_call_id
+        if delta.tool_name:
+            payload["tool_name"] = delta.tool_name
         data = orjson.dumps(
             {
                 "seq": seq,
                 "type": "message_delta",
-                "payload": {
-                    "type": "updated",
-                    "payload": {
-                        "message_id": delta.message_id,
-                        "session_id": delta.session_id,
-                        "part": delta.part,
-                        "part_type": delta.part_type,
-                        "offset": delta.offset,
-                        "text": delta.text,
-                        "tool_call_id": delta.tool_call_id,
-                        "tool_name": delta.tool_name,
-                    },
-                },
+                "payload": {"type": "updated", "payload": payload},
             }
         )
         event = Event(seq, "message_delta", data.decode(), False, len(data))

@@ -608,6 +608,17 @@ def _make_converter() -> cattrs.Converter:
             mcp=override(omit_if_default=True),
         ),
     )
+    # A delta that does not create a tool call part leaves these two out (PROTOCOL §6.6): every
+    # delta would otherwise carry them empty. A missing key structures as "".
+    conv.register_unstructure_hook(
+        MessageDelta,
+        make_dict_unstructure_fn(
+            MessageDelta,
+            conv,
+            tool_call_id=override(omit_if_default=True),
+            tool_name=override(omit_if_default=True),
+        ),
+    )
     conv.register_unstructure_hook_func(
         lambda t: t is Part,
         lambda part: unstructure_part(part),  # type: ignore[comparison-overlap]

@@ -206,8 +206,6 @@ async def test_one_change_one_seq_two_forms_encoded_once() -> None:
                 "part_type": "text",
                 "offset": 0,
                 "text": "hi",
-                "tool_call_id": "",
-                "tool_name": "",
             },
         },
     }
@@ -218,6 +216,24 @@ async def test_one_change_one_seq_two_forms_encoded_once() -> None:
     assert broker.stats()["replay_bytes"] == a.size + c.size
     with pytest.raises(ValueError, match="publish_delta"):
         broker.publish(MessageDelta("m", "s", 0, DeltaPartType.TEXT, 2, "x"))
+
+
+def test_delta_encoding_leaves_out_empty_tool_fields() -> None:
+    """``tool_call_id`` and ``tool_name`` are on the wire only when set; the broker's own encoder
+    and the converter agree, and a missing key decodes as ""."""
+    broker = Broker()
+    client, _ = broker.subscribe(deltas=True)
+    text = MessageDelta("m", "s", 0, DeltaPartType.TEXT, 0, "hi")
+    call = MessageDelta("m", "s", 1, DeltaPartType.TOOL_CALL, 0, "{", "c1", "bash")
+    msg = Message("m", "s", Role.ASSISTANT, [TextPart("hi"), ToolCallPart("c1", "bash", "{")])
+    for delta in (text, call):
+        broker.publish_delta(delta, msg)
+        (event,) = drain_events(client)
+        payload = orjson.loads(event.text)["payload"]["payload"]
+        assert payload == orjson.loads(wire.dumps(delta))
+        assert wire.converter.structure(payload, MessageDelta) == delta
+    assert "tool_call_id" not in orjson.loads(wire.dumps(text))
+    assert orjson.loads(wire.dumps(call))["tool_name"] == "bash"
 
 
 def drain_events(stream: ClientStream) -> Iterable[Event]:

@@ -731,10 +731,17 @@ async def test_first_byte_timeout(provider_type: str, autojump_clock: MockClock)
 
 
 @both_apis
-async def test_chunk_timeout(provider_type: str, autojump_clock: MockClock) -> None:
+@pytest.mark.parametrize("first_byte_timeout", [60.0, 20.0], ids=["own-scope", "read-timeout"])
+async def test_chunk_timeout(
+    provider_type: str, first_byte_timeout: float, autojump_clock: MockClock
+) -> None:
+    """Timed per chunk on Trio's clock (chunk_timeout < first_byte_timeout) or by the HTTP
+    client's per-read timeout (chunk_timeout >= first_byte_timeout): the same error."""
     fake = FakeLLM([Reply(text="a b c d", fault=Fault.HANG, fault_after=4)])
     with trio.fail_after(LONG_TEST_TIMEOUT):
-        async with serving(fake, provider_type, chunk_timeout=20) as provider:
+        async with serving(
+            fake, provider_type, chunk_timeout=20, first_byte_timeout=first_byte_timeout
+        ) as provider:
             seen, error = await collect_until_error(provider, request(user("hi")))
             await fake.wait_for_disconnects(1)
     assert text_of(seen)

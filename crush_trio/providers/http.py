@@ -360,9 +360,18 @@ class HttpStreamer:
             **headers,
             **dict(settings.extra_headers),
         }
-        # Only connect uses httpx's own timeout; first byte and chunk gaps are timed on Trio's
-        # clock below, which also covers writing the request and waiting for the pool.
-        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
+        # The first byte is timed on Trio's clock in _open, which also covers writing the
+        # request and waiting for the pool. A chunk gap is timed by httpcore's own per-read
+        # timeout (it enters a cancel scope around every socket read anyway, so one more scope
+        # per chunk is saved) when that cannot cut the first-byte wait short, i.e. when
+        # chunk_timeout >= first_byte_timeout (the defaults); otherwise on Trio's clock per chunk.
+        self._read_timeout = settings.chunk_timeout >= settings.first_byte_timeout
+        timeout = httpx.Timeout(
+            connect=settings.connect_timeout,
+            read=settings.chunk_timeout if self._read_timeout else None,
+            write=None,
+            pool=None,
+        )
         limits = httpx.Limits(
             max_connections=MAX_PROVIDER_CONNECTIONS,
             max_keepalive_connections=MAX_PROVIDER_CONNECTIONS,
@@ -457,8 +466,11 @@ class HttpStreamer:
                         "an API that supports streaming"
                     )
                 encoded = response.headers.get("content-encoding", "identity").lower()
-                if encoded in ("", "identity"):
-                    chunks = response.aiter_raw()
+                stream = response.stream
+                if encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
+                    # The transport's byte stream itself: ``aiter_raw`` would add a generator
+                    # and a re-chunker per chunk and changes nothing without a chunk size.
+                    chunks = aiter(stream)
                 else:  # the server compressed it anyway
                     chunks = response.aiter_bytes()
                 try:
@@ -540,7 +552,15 @@ class HttpStreamer:
 
     async def _next_chunk(self, chunks: AsyncIterator[bytes]) -> bytes | None:
         """The next body chunk, or None at the end (chunk timeout, errors translated)."""
-        name = self.provider
+        if self._read_timeout:  # httpcore times each read: no scope of our own per chunk
+            try:
+                return await anext(chunks)
+            except StopAsyncIteration:
+                return None
+            except httpx.ReadTimeout:
+                raise self._stalled() from None
+            except httpx.HTTPError as exc:
+                raise self._broken(exc) from exc
         chunk: bytes | None = None
         with trio.move_on_after(self.settings.chunk_timeout) as scope:
             try:
@@ -548,18 +568,25 @@ class HttpStreamer:
             except StopAsyncIteration:
                 return None
             except httpx.HTTPError as exc:
-                raise ProviderError(
-                    f"provider {name!r} closed the connection mid-stream: {_describe(exc)}",
-                    retryable=True,
-                ) from exc
+                raise self._broken(exc) from exc
         if scope.cancelled_caught:
-            raise ProviderError(
-                f"provider {name!r} stalled mid-stream: nothing for chunk_timeout="
-                f"{self.settings.chunk_timeout:g}s; raise chunk_timeout for provider {name!r} "
-                "if the model pauses that long",
-                retryable=True,
-            )
+            raise self._stalled()
         return chunk
+
+    def _broken(self, exc: httpx.HTTPError) -> ProviderError:
+        return ProviderError(
+            f"provider {self.provider!r} closed the connection mid-stream: {_describe(exc)}",
+            retryable=True,
+        )
+
+    def _stalled(self) -> ProviderError:
+        name = self.provider
+        return ProviderError(
+            f"provider {name!r} stalled mid-stream: nothing for chunk_timeout="
+            f"{self.settings.chunk_timeout:g}s; raise chunk_timeout for provider {name!r} "
+            "if the model pauses that long",
+            retryable=True,
+        )
 
     def _decode(self, decoder: SSEDecoder, chunk: bytes | None) -> list[SSEEvent]:
         try:

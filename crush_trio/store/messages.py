@@ -299,6 +299,16 @@ class MessageService:
         """
         mid = message.id
         old = self._shapes.get(mid)
+        if append is not None and old is not None:
+            # An append grows one part's text: the message's shape is unchanged, so the change
+            # is not terminal and the baseline stays (no walk over the parts per chunk).
+            self._add_pending(message)
+            if self._publish_delta is None:
+                self._appends[mid] = None
+            else:
+                self._add_append(mid, append)
+            self._schedule_publish(message)
+            return
         shape = shape_of(message)
         terminal = is_terminal_change(old[1] if old else None, shape)
         if shape.finished:
