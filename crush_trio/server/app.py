@@ -35,6 +35,7 @@ from ..wire import (
     TrustRequest,
     UpdateSessionRequest,
 )
+from . import openapi
 from .api import Api
 from .connection import check_upgrade, parse_subscription
 from .security import (
@@ -161,6 +162,16 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.get("/v1/version")
     async def version() -> Response:
         return json_response({"version": __version__})
+
+    @app.get("/v1/openapi.json")
+    async def openapi_document() -> Response:
+        return json_response(openapi.document())
+
+    @app.get("/v1/docs")
+    async def openapi_page() -> Response:
+        response = Response(openapi.docs_page(), content_type="text/html; charset=utf-8")
+        response.headers["Content-Security-Policy"] = "default-src 'none'; frame-ancestors 'none'"
+        return response
 
     @app.post("/v1/control")
     async def control() -> Response:
