@@ -138,7 +138,11 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             message = f"method {request.method} is not allowed on {request.path}"
         else:
             message = exc.description or exc.name
-        return json_response({"message": message}, status)
+        response = json_response({"message": message}, status)
+        allowed = getattr(exc, "valid_methods", None)
+        if status == 405 and allowed:
+            response.headers["Allow"] = ", ".join(sorted(allowed))  # RFC 9110 asks for it
+        return response
 
     @app.errorhandler(Exception)
     async def _bug(exc: Exception) -> Response:

@@ -372,7 +372,7 @@ def _operation(sch: _Schemas, route: Route) -> dict[str, Any]:
         "tags": [route.tag],
     }
     params = [
-        {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        {"name": name, "in": "path", "required": True, "schema": _PATH_PARAMS.get(name, _STR)}
         for name in _path_params(route.path)
     ]
     params += [
@@ -383,7 +383,7 @@ def _operation(sch: _Schemas, route: Route) -> dict[str, Any]:
         op["parameters"] = params
     if route.body is not None:
         op["requestBody"] = {
-            "required": False,
+            "required": bool(attrs.has(route.body) and _required_fields(route.body)),
             "content": {"application/json": {"schema": sch.of(route.body)}},
         }
     ok: dict[str, Any] = {"description": "OK"}
@@ -419,6 +419,14 @@ def _operation(sch: _Schemas, route: Route) -> dict[str, Any]:
         op["security"] = []
     op.update(route.extra)
     return op
+
+
+_STR: Final = {"type": "string"}
+_PATH_PARAMS: Final = {"client_id": {"type": "string", "format": "uuid"}}
+
+
+def _required_fields(cls: type[Any]) -> list[str]:
+    return [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING]
 
 
 def _path_params(path: str) -> list[str]:
