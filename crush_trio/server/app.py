@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
 from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
+from ..logs import set_log_context
 from ..wire import (
     AgentMessage,
     ControlRequest,
@@ -86,6 +87,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.before_request
     async def _auth() -> Response | None:
         request.environ_started = time.perf_counter()  # type: ignore[attr-defined]
+        ids = request.view_args or {}
+        set_log_context(
+            workspace_id=ids.get("wid"), session_id=ids.get("sid"), run_id=ids.get("run_id")
+        )
         try:
             check_request_host(settings, request.headers)
             if request.path == "/v1/health":
@@ -108,7 +113,17 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             elapsed = (time.perf_counter() - started) * 1000 if started else 0.0
             target = redact_target(request.path, request.query_string, settings.token)
             access_log.info(
-                "%s %s %d %.1fms", request.method, target, response.status_code, elapsed
+                "%s %s %d %.1fms",
+                request.method,
+                target,
+                response.status_code,
+                elapsed,
+                extra={
+                    "method": request.method,
+                    "target": target,
+                    "status": response.status_code,
+                    "duration_ms": round(elapsed, 1),
+                },
             )
         return response
 
