@@ -42,6 +42,7 @@ from ..errors import (
     bug_message,
     unwrap_group,
 )
+from ..logs import log_context
 from ..providers import base as pb
 from ..wire import (
     AgentEvent,
@@ -393,7 +394,9 @@ class Agent:
 
     async def _drive(self, turn: Turn | None) -> None:
         while turn is not None:
-            completes = await self._run_turn(turn)
+            # Log records of the turn (tools, providers, saves) name its session and run.
+            with log_context(session_id=turn.session_id, run_id=turn.primary.run_id):
+                completes = await self._run_turn(turn)
             next_turn, dropped = self.state.finish_turn(turn)
             if next_turn is None:
                 self._publish_busy(turn.session_id)
