@@ -56,6 +56,17 @@ def current_context() -> dict[str, str]:
     return {name: value for name, var in _context.items() if (value := var.get()) is not None}
 
 
+class ContextFilter(logging.Filter):
+    """Stamps the context ids onto each record as it is emitted (in the logging task), so a
+    handler that formats later still has them; ids given with ``extra=`` win."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, value in current_context().items():
+            if getattr(record, name, None) is None:
+                setattr(record, name, value)
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record, on one line (newlines inside values are escaped)."""
 
@@ -94,6 +105,7 @@ def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | N
         raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(ContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -16,7 +16,11 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.logs import JsonFormatter, configure_logging, log_context
+from crush_trio.client import RunFailed, WorkspaceClient
+from crush_trio.logs import ContextFilter, JsonFormatter, configure_logging, log_context
+from crush_trio.providers.scripted import ScriptedModel, Step
+
+from .conftest import WAIT
 
 TOKEN = "s3cret-log-token"
 
@@ -129,3 +133,23 @@ def test_served_json_logs_carry_ids_and_never_the_token(tmp_path: Path) -> None:
     assert first["target"] == "/v1/workspaces/w-404/sessions/s-404?token=[redacted]"
     assert second["workspace_id"] == "w-2" and second["run_id"] == "r-2"
     assert "[redacted]" in second["target"] and "x=1" in second["target"]
+
+
+async def test_a_turn_logs_with_its_workspace_session_and_run(
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.handler.addFilter(ContextFilter())
+    ws = crush_workspace
+    scripted_model.add(Step(text="partial", error=RuntimeError("a bug in the model")))
+    sid = (await ws.create_session()).id
+    handle = await ws.prompt(sid, "go", run_id="bug-run")
+    with pytest.raises(RunFailed):
+        await handle.result(WAIT)
+    bugs = [r for r in caplog.records if "failed with a bug" in r.getMessage()]
+    assert bugs, [r.getMessage() for r in caplog.records]
+    data = orjson.loads(JsonFormatter().format(bugs[0]))
+    assert data["run_id"] == "bug-run" and data["session_id"] == sid
+    assert data["workspace_id"] == ws.id
+    assert "a bug in the model" in data["exception"]
