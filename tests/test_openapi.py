@@ -8,11 +8,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import schemathesis
@@ -28,6 +31,9 @@ from crush_trio.server.settings import Settings
 #: Examples per operation in the suite (``just fuzz-api`` runs more).
 EXAMPLES = int(os.environ.get("CRUSH_TRIO_API_FUZZ_EXAMPLES", "8"))
 TOKEN = "openapi-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+#: Workspace operations that answered 2xx during the fuzz run.
+REACHED: set[str] = set()
 #: Operations left out of the fuzz run: control stops the server, event streams never end.
 FUZZ_EXCLUDED_PATHS = ("/v1/control", "/v1/workspaces/{wid}/events", "/v1/workspaces/{wid}/ws")
 
@@ -135,8 +141,27 @@ def test_wire_objects_match_their_components() -> None:
 # -- the live server ----------------------------------------------------------------------------
 
 
+@attrs.define
+class Live:
+    base: str
+    workspace_id: str = ""
+    session_id: str = ""
+
+
+def _hold_open(url: str) -> None:
+    """Read the workspace's event stream until the server ends it, so the workspace stays open
+    for the whole run (a creating client must open a stream within server.create_grace)."""
+    timeout = httpx.Timeout(10, read=None)
+    try:
+        with httpx.stream("GET", url, headers=AUTH, timeout=timeout) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass
+
+
 @pytest.fixture(scope="module")
-def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """A real server process; afterwards it must still be alive and answering."""
     root = tmp_path_factory.mktemp("openapi")
     (root / "proj").mkdir()
@@ -150,10 +175,30 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         line = proc.stdout.readline()
         match = re.search(r"(http://[^/]+)/", line)
         assert match, f"no listening line: {line!r}"
-        base = match.group(1)
-        yield base
+        live = Live(match.group(1))
+        client_id = str(uuid.uuid4())
+        got = httpx.post(
+            live.base + "/v1/workspaces",
+            json={"path": str(root / "proj"), "client_id": client_id},
+            headers=AUTH,
+            timeout=10,
+        )
+        assert got.status_code == 200, got.text
+        live.workspace_id = got.json()["id"]
+        events = f"{live.base}/v1/workspaces/{live.workspace_id}/events?client_id={client_id}"
+        holder = threading.Thread(target=_hold_open, args=(events,), daemon=True)
+        holder.start()
+        got = httpx.post(
+            f"{live.base}/v1/workspaces/{live.workspace_id}/sessions",
+            json={"title": "fuzz"},
+            headers=AUTH,
+            timeout=10,
+        )
+        assert got.status_code == 200, got.text
+        live.session_id = got.json()["id"]
+        yield live
         assert proc.poll() is None, "the server exited during the fuzz run"
-        health = httpx.get(base + "/v1/health", timeout=10)
+        health = httpx.get(live.base + "/v1/health", timeout=10)
         assert health.status_code == 200
     finally:
         if proc.stdout is not None:
@@ -166,16 +211,17 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait(timeout=10)
 
 
-def test_document_served_behind_the_token(live_server: str) -> None:
-    assert httpx.get(live_server + "/v1/openapi.json", timeout=10).status_code == 401
+def test_document_served_behind_the_token(live_server: Live) -> None:
+    base = live_server.base
+    assert httpx.get(base + "/v1/openapi.json", timeout=10).status_code == 401
     got = httpx.get(
-        live_server + "/v1/openapi.json",
+        base + "/v1/openapi.json",
         headers={"Authorization": f"Bearer {TOKEN}"},
         timeout=10,
     )
     assert got.status_code == 200
     assert got.json() == openapi.document()
-    page = httpx.get(live_server + "/v1/docs?token=" + TOKEN, timeout=10)
+    page = httpx.get(base + "/v1/docs?token=" + TOKEN, timeout=10)
     assert page.status_code == 200 and "/v1/openapi.json" in page.text
     assert "<script" not in page.text
 
@@ -192,13 +238,29 @@ for _path in FUZZ_EXCLUDED_PATHS:
     suppress_health_check=list(HealthCheck),
     derandomize=os.environ.get("CRUSH_TRIO_API_FUZZ_EXAMPLES") is None,
 )
-def test_api_fuzz(case: Any, live_server: str) -> None:
+def test_api_fuzz(case: Any, live_server: Live) -> None:
+    # Most examples address the open workspace and its session, so that the routes behind the
+    # 404 of an unknown id are exercised too.
+    params = case.path_parameters or {}
+    if "wid" in params:
+        params["wid"] = live_server.workspace_id
+    if "sid" in params and len(params["sid"]) % 2 == 0:
+        params["sid"] = live_server.session_id
     # Schema-valid is not always acceptable: a workspace path must name an existing directory,
     # ids must exist, a title must not be blank. Those answers are 4xx with the Error envelope,
     # which the other checks hold the server to.
-    case.call_and_validate(
-        base_url=live_server,
-        headers={"Authorization": f"Bearer {TOKEN}"},
+    response = case.call_and_validate(
+        base_url=live_server.base,
+        headers=AUTH,
         timeout=30,
         excluded_checks=[positive_data_acceptance],
     )
+    if response.status_code < 300 and "{wid}" in case.path:
+        REACHED.add(f"{case.method} {case.path}")
+
+
+def test_fuzz_reached_the_workspace_routes() -> None:
+    """The examples got past the 404 of an unknown id: the fuzz run exercised real state."""
+    if not REACHED:
+        pytest.skip("the fuzz run did not run in this session")
+    assert len(REACHED) >= 10, sorted(REACHED)
