@@ -354,10 +354,12 @@ _STATUS_TEXT: Final = {
     401: "Token missing or wrong",
     403: "Foreign Origin or cross-site request",
     404: "Unknown id in the path",
+    408: "The request head or body did not arrive in time",
     409: "Conflict (workspace closing, client retired, busy, not idle)",
     413: "Body over server.max_body_bytes",
     415: "Body is not application/json",
     421: "Host not allowed",
+    431: "Request head over 16 KiB",
     429: "A configured bound is reached",
     500: "A bug",
     502: "The model failed",
@@ -395,15 +397,17 @@ def _operation(sch: _Schemas, route: Route) -> dict[str, Any]:
     if route.status == 101:
         ok["description"] = _STATUS_TEXT[101]
     responses: dict[str, Any] = {str(route.status): ok}
-    codes = {421, 500}
+    # Every request: a malformed or slow head (the connection dispatcher, docs/protocol.md
+    # section 2), the Host allow-list, and a bug.
+    codes = {400, 408, 421, 431, 500}
     if route.auth:
         codes.add(401)
     if route.method in ("POST", "PUT", "PATCH", "DELETE"):
-        codes |= {400, 403, 415}
+        codes |= {403, 415}
         if route.body is not None:
             codes.add(413)
     if _path_params(route.path) or route.query:
-        codes |= {400, 404}
+        codes |= {404}
     if route.path.endswith(("/events", "/ws")):
         codes.add(403)
     if route.path == "/":
