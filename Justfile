@@ -33,3 +33,7 @@ bench *ARGS:
 # Every benchmark at tiny sizes, so they cannot rot (part of the test suite too).
 bench-smoke:
     {{py}} -m bench --smoke
+
+# The HTTP API fuzzed at length by schemathesis against a live server (docs/operations.md).
+fuzz-api EXAMPLES="200" *ARGS:
+    CRUSH_TRIO_API_FUZZ_EXAMPLES={{EXAMPLES}} {{py}} -m pytest -q -p no:cacheprovider tests/test_openapi.py {{ARGS}}

@@ -6,7 +6,6 @@ argparse (stdlib) is enough for these flat flag sets and keeps start-up fast for
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -62,6 +61,12 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="another host name the server answers to, besides loopback ones (repeatable)",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text lines, or one JSON object per line (docs/operations.md)",
+    )
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
 
 
@@ -173,13 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "trust":
         return _trust_main(args)
     if args.command == "serve":
+        from .logs import configure_logging
         from .server.serve import ServeOptions
 
-        logging.basicConfig(
-            level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+        configure_logging(args.log_level, args.log_format, sys.stderr)
         token = args.token
         if args.token_file is not None:
             try:

@@ -42,6 +42,7 @@ from ..errors import (
     bug_message,
     unwrap_group,
 )
+from ..logs import current_context, log_context
 from ..providers import base as pb
 from ..wire import (
     AgentEvent,
@@ -158,6 +159,8 @@ class Agent:
         self.store = store
         self.messages = messages
         self.broker = broker
+        #: The log ids of the task that made the agent (its workspace's), for its turns' logs.
+        self._log_ids = current_context()
         self.runs = runs
         self.config = config
         self.state = AgentState()
@@ -408,7 +411,10 @@ class Agent:
 
     async def _drive(self, turn: Turn | None) -> None:
         while turn is not None:
-            completes = await self._run_turn(turn)
+            # Log records of the turn (tools, providers, saves) name its session and run.
+            ids = {**self._log_ids, "session_id": turn.session_id, "run_id": turn.primary.run_id}
+            with log_context(**ids):
+                completes = await self._run_turn(turn)
             next_turn, dropped = self.state.finish_turn(turn)
             if next_turn is None:
                 self._publish_busy(turn.session_id)

@@ -34,6 +34,7 @@ from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
 from ..errors import Conflict
+from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
@@ -240,6 +241,7 @@ class Workspace:
         self, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
+        set_log_context(workspace_id=self.id)  # this task's records and its children's
         await self._set_up_sandbox()
         self.store = await Store.open(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout

@@ -25,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
 from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
+from ..logs import set_log_context
 from ..wire import (
     AgentMessage,
     ControlRequest,
@@ -35,6 +36,7 @@ from ..wire import (
     TrustRequest,
     UpdateSessionRequest,
 )
+from . import openapi
 from .api import Api
 from .connection import check_upgrade, parse_subscription
 from .security import (
@@ -85,6 +87,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.before_request
     async def _auth() -> Response | None:
         request.environ_started = time.perf_counter()  # type: ignore[attr-defined]
+        ids = request.view_args or {}
+        set_log_context(
+            workspace_id=ids.get("wid"), session_id=ids.get("sid"), run_id=ids.get("run_id")
+        )
         try:
             check_request_host(settings, request.headers)
             if request.path == "/v1/health":
@@ -107,7 +113,17 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             elapsed = (time.perf_counter() - started) * 1000 if started else 0.0
             target = redact_target(request.path, request.query_string, settings.token)
             access_log.info(
-                "%s %s %d %.1fms", request.method, target, response.status_code, elapsed
+                "%s %s %d %.1fms",
+                request.method,
+                target,
+                response.status_code,
+                elapsed,
+                extra={
+                    "method": request.method,
+                    "target": target,
+                    "status": response.status_code,
+                    "duration_ms": round(elapsed, 1),
+                },
             )
         return response
 
@@ -137,7 +153,11 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             message = f"method {request.method} is not allowed on {request.path}"
         else:
             message = exc.description or exc.name
-        return json_response({"message": message}, status)
+        response = json_response({"message": message}, status)
+        allowed = getattr(exc, "valid_methods", None)
+        if status == 405 and allowed:
+            response.headers["Allow"] = ", ".join(sorted(allowed))  # RFC 9110 asks for it
+        return response
 
     @app.errorhandler(Exception)
     async def _bug(exc: Exception) -> Response:
@@ -161,6 +181,16 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.get("/v1/version")
     async def version() -> Response:
         return json_response({"version": __version__})
+
+    @app.get("/v1/openapi.json")
+    async def openapi_document() -> Response:
+        return json_response(openapi.document())
+
+    @app.get("/v1/docs")
+    async def openapi_page() -> Response:
+        response = Response(openapi.docs_page(), content_type="text/html; charset=utf-8")
+        response.headers["Content-Security-Policy"] = "default-src 'none'; frame-ancestors 'none'"
+        return response
 
     @app.post("/v1/control")
     async def control() -> Response:
