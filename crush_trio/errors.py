@@ -96,12 +96,6 @@ class ShuttingDown(CrushError):
     status = 503
 
 
-class TooSlow(CrushError):
-    """A client could not take a must-deliver event in time (websocket close 1013)."""
-
-    status = 503
-
-
 class ConfigError(CrushError):
     """The configuration is invalid; the message names the JSON path and the fix."""
 

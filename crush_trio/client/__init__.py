@@ -53,7 +53,6 @@ from .errors import (
     ShuttingDown,
     Timeout,
     TooLarge,
-    TooSlow,
     Unreachable,
 )
 from .events import DEFAULT_MAILBOX_SIZE, Event, Gap
@@ -93,7 +92,6 @@ __all__ = [
     "Subscription",
     "Timeout",
     "TooLarge",
-    "TooSlow",
     "Transcript",
     "Unreachable",
     "Workspace",

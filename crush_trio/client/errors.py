@@ -23,7 +23,6 @@ from ..errors import (
     NotFound,
     ShuttingDown,
     TooLarge,
-    TooSlow,
     UnsupportedMediaType,
 )
 from ..wire import Run
@@ -39,7 +38,6 @@ __all__ = [
     "ShuttingDown",
     "Timeout",
     "TooLarge",
-    "TooSlow",
     "Unreachable",
     "UnsupportedMediaType",
     "error_for_status",
