@@ -52,6 +52,11 @@ LINGER_TIMEOUT: Final = 2.0
 LINGER_BYTES: Final = 64 * 1024 * 1024
 #: Bound on writing an error answer of the dispatcher, or the last bytes before a close (seconds).
 SEND_TIMEOUT: Final = 2.0
+#: Longest a connection's close may take: the wait for a write in progress, then the close.
+CLOSE_BOUND: Final = SEND_TIMEOUT + 1.0
+#: Longest one write of a response's bytes may take (seconds); a peer that takes nothing for
+#: this long counts as gone and the connection is closed.
+WRITE_TIMEOUT: Final = 30.0
 
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
 _WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
@@ -138,10 +143,9 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             writing.set()
 
     async def aclose(self) -> None:
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(SEND_TIMEOUT):
-                await self._write_done()
-            await self.transport.aclose()
+        with trio.move_on_after(SEND_TIMEOUT, shield=True):
+            await self._write_done()
+        await trio.aclose_forcefully(self.transport)
 
 
 async def read_head(stream: trio.abc.ReceiveStream) -> bytes:
@@ -329,7 +333,7 @@ async def contained(
         if lifetime is not None:
             raise lifetime from None
     finally:
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(CLOSE_BOUND, shield=True):
             try:
                 await stream.aclose()
             except Exception as exc:
@@ -380,9 +384,12 @@ class HttpConnection(TCPServer):
             return
         async with self.send_lock:
             try:
-                with trio.CancelScope(shield=True):
+                with trio.move_on_after(WRITE_TIMEOUT, shield=True) as writing:
                     await self.stream.send_all(event.data)
+                gone = writing.cancelled_caught  # a peer that takes nothing counts as gone
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                gone = True
+            if gone:
                 self._reading.cancel()
                 await self.protocol.handle(Closed())
 
@@ -405,7 +412,7 @@ class HttpConnection(TCPServer):
         await discard_until_eof(self.stream)
 
     async def _close(self) -> None:
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(CLOSE_BOUND + LINGER_TIMEOUT + SEND_TIMEOUT, shield=True):
             if not self._eof_sent:
                 self._eof_sent = True
                 with trio.move_on_after(SEND_TIMEOUT):
@@ -422,7 +429,7 @@ class HttpConnection(TCPServer):
                             nursery.start_soon(_set_when, self.context.terminated, waiting)
                             await self._reader_done.wait()
                             nursery.cancel_scope.cancel()
-            await self.stream.aclose()
+        await trio.aclose_forcefully(self.stream)
 
 
 async def _set_when(event: Any, scope: trio.CancelScope) -> None:
