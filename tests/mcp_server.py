@@ -12,9 +12,9 @@ With ``PID_FILE`` the process writes its pid there first, so a test can check it
 """
 
 import os
+import signal
 import sys
 import threading
-import time
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
         sys.exit(3)
     if mode == "hang":
         while True:
-            time.sleep(60)
+            signal.pause()  # never answers; the server's start timeout must end it
 
     from mcp.server.mcpserver import Context, Image, MCPServer
 

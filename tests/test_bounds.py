@@ -281,11 +281,14 @@ async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
         info = await server.open_workspace()
         wid = info["id"]
         sid = (await server.create_session(wid))["id"]
-        run = await server.prompt(wid, sid, "word " * 10_000)  # echoed: ~100 KB of messages
         ws = server.backend.get(wid)
+        watcher, _ = ws.broker.subscribe(client_id="run-watcher")
+        run = await server.prompt(wid, sid, "word " * 10_000)  # echoed: ~100 KB of messages
         with trio.fail_after(WAIT):
-            while ws.agent.is_busy():
-                await trio.sleep(0.05)
+            async for event in watcher.receive:  # until the run's messages are stored
+                if event.type == "run_complete":
+                    break
+        watcher.close()
         assert run["run_id"]
         async with trio.open_nursery() as nursery:
             flooder = str(uuid.uuid4())

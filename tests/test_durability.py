@@ -440,21 +440,22 @@ class _Proc:
                 trio.run_process,
                 cmd,
                 env=env,
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 check=False,
             )
         )
-        async with httpx.AsyncClient(timeout=2) as http:
-            with trio.fail_after(START_TIMEOUT):
-                while True:
-                    try:
-                        r = await http.get(f"{self.url}/v1/health")
-                        if r.status_code == 200:
-                            return
-                    except httpx.TransportError:
-                        pass
-                    await trio.sleep(0.05)  # polling a process that is starting
+        # The server prints its listening line once it accepts connections.
+        assert self.proc.stdout is not None
+        out = self.proc.stdout
+        seen = b""
+        with trio.fail_after(START_TIMEOUT):
+            while b"crush-trio listening on" not in seen:
+                chunk = await out.receive_some()
+                if not chunk:
+                    raise AssertionError(f"the server exited while starting: {seen!r}")
+                seen += chunk
+        nursery.start_soon(_drain, out)
 
     async def kill(self) -> None:
         assert self.proc is not None
@@ -648,3 +649,9 @@ async def test_a_version_1_database_gets_the_prompt_column(tmp_path: Path) -> No
         assert [r.run_id for r in await store.list_runs({RunStatus.RUNNING})] == ["old"]
     finally:
         await store.aclose()
+
+
+async def _drain(stream: trio.abc.ReceiveStream) -> None:
+    """Read a server's stdout to its end, so that its pipe never fills."""
+    while await stream.receive_some():
+        pass
