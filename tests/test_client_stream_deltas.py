@@ -11,18 +11,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
-from trio_websocket import WebSocketConnection
 
 from crush_trio.client import Event, RunHandle, Transcript, WorkspaceClient, connect
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.testing import CrushServer
 from crush_trio.wire import Message, ReasoningPart, Role, TextPart
+
+from .test_client import held_reconnect
 
 #: Cap on every test's waits (seconds).
 CAP = 30
@@ -99,25 +98,6 @@ async def test_assembled_text_equals_the_stored_message(
     assert printed(events) == reply == final.text()
 
 
-@asynccontextmanager
-async def held_reconnect(ws: WorkspaceClient) -> AsyncIterator[tuple[trio.Event, trio.Event]]:
-    """Make the next reconnect of ``ws`` wait: yields (reconnecting, allow)."""
-    reconnecting, allow = trio.Event(), trio.Event()
-    original = ws._open_socket
-
-    @asynccontextmanager
-    async def held(since: int | None) -> AsyncIterator[WebSocketConnection]:
-        reconnecting.set()
-        await allow.wait()
-        async with original(since) as conn:
-            yield conn
-
-    ws._open_socket = held  # type: ignore[method-assign]
-    try:
-        yield reconnecting, allow
-    finally:
-        ws._open_socket = original  # type: ignore[method-assign]
-        allow.set()
 
 
 def kill_streams(server: CrushServer, workspace_id: str, client_id: str) -> None:
