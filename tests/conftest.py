@@ -32,6 +32,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from crush_trio.client import Event
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
+from tests.services import pg_dsn, postgres_server, redis_server, redis_url  # noqa: F401 (fixtures)
 
 TOKEN: Final = "test-token"
 #: Bound on each wait of a test on a run or an event (seconds).
