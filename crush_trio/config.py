@@ -610,9 +610,7 @@ def _structure_webhook_event(value: Any, _: Any) -> str:
     return value
 
 
-converter.register_structure_hook_func(
-    lambda t: t == _WEBHOOK_EVENT_HINT, _structure_webhook_event
-)
+converter.register_structure_hook_func(lambda t: t == _WEBHOOK_EVENT_HINT, _structure_webhook_event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1217,7 +1215,7 @@ def _load_webhooks(expander: _Expander, config: Config, problems: list[_Problem]
             problems.append(
                 _Problem(
                     (*base, "secret"),
-                    "a webhook needs a secret to sign its requests: set secret (\"$VAR\" reads "
+                    'a webhook needs a secret to sign its requests: set secret ("$VAR" reads '
                     "an environment variable) or secret_file",
                 )
             )
