@@ -244,7 +244,9 @@ class Webhooks:
         assert self._nursery is not None
         self._pending[delivery.id] = delivery
         METRICS.webhook_pending.inc()
-        self._nursery.start_soon(self._deliver, delivery)
+        # The scope exists from now on, so a drop before the task runs cancels it too.
+        scope = self._scopes[delivery.id] = trio.CancelScope()
+        self._nursery.start_soon(self._deliver, delivery, scope)
 
     def _mark(self, delivery: Delivery | None, delivery_id: str = "") -> None:
         key = delivery.id if delivery is not None else delivery_id
@@ -342,9 +344,8 @@ class Webhooks:
 
     # -- one delivery ---------------------------------------------------------------------------
 
-    async def _deliver(self, delivery: Delivery) -> None:
-        with trio.CancelScope() as scope:
-            self._scopes[delivery.id] = scope
+    async def _deliver(self, delivery: Delivery, scope: trio.CancelScope) -> None:
+        with scope:
             try:
                 saved = self._saved.get(delivery.id)
                 if saved is not None:
