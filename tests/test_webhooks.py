@@ -587,3 +587,41 @@ async def test_a_hanging_receiver_never_delays_run_complete(
         assert receiver.hanging == 1 and len(receiver.requests) == 1
         hooks: Webhooks = crush_server.handle.backend.webhooks
         assert [orjson.loads(d.body)["run_id"] for d in hooks.pending] == ["run-a", "run-b"]
+
+
+async def test_a_trusted_workspace_adds_endpoints_found_again_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    from crush_trio.backend.registry import Backend
+    from crush_trio.config import WebhookConfig
+
+    user = tmp_path / "user"
+    user.mkdir()
+    project = (tmp_path / "project").resolve()
+    project.mkdir()
+    own = {"url": "https://own.example/hook", "secret": "own-secret"}
+    shared = {"url": "https://server.example/hook", "secret": "ws-copy"}
+    (project / "crush.json").write_bytes(orjson.dumps({"webhooks": [shared, own]}))
+    (user / "crush.json").write_bytes(orjson.dumps({"trusted_workspaces": [str(project)]}))
+    backend = Backend(
+        server=ServerOptions(),
+        data_dir=tmp_path / "data",
+        user_config_dir=user,
+        webhooks=[WebhookConfig("https://server.example/hook", secret="server-secret")],
+    )
+    config = load_config_report(config_file=None, workspace=project, user_config_dir=user).config
+    server_hook, ws_hook = backend._endpoints(config, project)
+    # The server's own endpoint comes first and is not repeated (same URL).
+    assert (server_hook.url, server_hook.scope, server_hook.secret) == (
+        "https://server.example/hook",
+        "",
+        b"server-secret",
+    )
+    assert (ws_hook.url, ws_hook.scope) == ("https://own.example/hook", str(project))
+    # After a restart the workspace is not open: its configuration is read again.
+    assert await backend._webhook_secret(str(project), own["url"]) == b"own-secret"
+    assert await backend._webhook_secret("", shared["url"]) == b"server-secret"
+    assert await backend._webhook_secret("", own["url"]) is None
+    # Untrusted now: its file no longer names endpoints, so there is no secret to sign with.
+    (user / "crush.json").write_bytes(orjson.dumps({}))
+    assert await backend._webhook_secret(str(project), own["url"]) is None

@@ -223,6 +223,7 @@ class Webhooks:
                 scope.cancel()
             self._saved.pop(oldest.id, None)
             self._dirty[oldest.id] = None
+            self._wake.set()
             self._count_dropped(
                 oldest,
                 f"the outbox is full ({self.options.webhook_outbox_max} pending, "
@@ -270,14 +271,6 @@ class Webhooks:
                 loaded = await self._file.pending()
             except StoreError as exc:
                 log.error("webhook outbox: %s; pending deliveries are not resumed", exc)
-        ssl_context = await trio.to_thread.run_sync(shared_ssl_context)
-        self._client = httpx.AsyncClient(
-            follow_redirects=False,
-            verify=ssl_context,
-            timeout=httpx.Timeout(self.options.webhook_timeout),
-            limits=httpx.Limits(max_connections=self.options.webhook_concurrency),
-            transport=self._transport,
-        )
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -296,7 +289,8 @@ class Webhooks:
                     await self._flush()
                 except Exception as exc:
                     log.error("webhook outbox: the final save failed: %s", exc)
-                await self._client.aclose()
+                if self._client is not None:
+                    await self._client.aclose()
                 if self._file is not None:
                     await self._file.aclose()
             METRICS.webhook_pending.dec(len(self._pending))
@@ -403,7 +397,7 @@ class Webhooks:
             if secret is None:
                 return Verdict.FAILED, UNCONFIGURED_ERROR, None
             delivery.secret = secret
-        assert self._client is not None
+        client = await self._http()
         attempt = delivery.attempts + 1
         stamp = int(self._wall())
         headers = policy.headers(
@@ -418,7 +412,7 @@ class Webhooks:
         started = trio.current_time()
         try:
             with trio.fail_after(timeout):
-                async with self._client.stream(
+                async with client.stream(
                     "POST", delivery.url, content=delivery.body, headers=headers
                 ) as response:
                     # The body is not read: an endpoint's answer is its status code.
@@ -452,6 +446,21 @@ class Webhooks:
         delivery.attempts = attempt
         self.attempts += 1
         return verdict, error, retry_after
+
+    async def _http(self) -> httpx.AsyncClient:
+        """The HTTP client, made on the first attempt (a server with no endpoint never loads
+        the TLS trust store for it)."""
+        if self._client is None:
+            ssl_context = await trio.to_thread.run_sync(shared_ssl_context)
+            if self._client is None:
+                self._client = httpx.AsyncClient(
+                    follow_redirects=False,
+                    verify=ssl_context,
+                    timeout=httpx.Timeout(self.options.webhook_timeout),
+                    limits=httpx.Limits(max_connections=self.options.webhook_concurrency),
+                    transport=self._transport,
+                )
+        return self._client
 
     def _finish(self, delivery: Delivery) -> None:
         self._forget(delivery)
