@@ -347,6 +347,23 @@ async def test_a_pending_delivery_survives_a_restart(outbox_file: Path) -> None:
         await box.aclose()
 
 
+async def test_a_post_in_flight_at_shutdown_stays_pending(outbox_file: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        receiver = await start_receiver(nursery, Receiver(answers=["hang"]))
+        hooks = await nursery.start(webhooks(outbox_file).run)
+        delivery_id = enqueue(hooks, receiver.url)
+        await receiver.wait_for(1)
+        nursery.cancel_scope.cancel()
+    assert hooks.attempts == 0 and hooks.failed == 0
+    box = await OutboxFile.open(outbox_file)
+    try:
+        (stored,) = await box.pending()
+    finally:
+        await box.aclose()
+    # The cut attempt is not counted: the next start sends attempt 1 again, same delivery id.
+    assert stored.id == delivery_id and stored.attempts == 0
+
+
 async def test_a_delivery_whose_endpoint_is_gone_after_a_restart_fails(outbox_file: Path) -> None:
     async with trio.open_nursery() as nursery:
         hooks = await nursery.start(webhooks(outbox_file, sleep=trio.sleep).run)
