@@ -217,6 +217,9 @@ DEFAULT_MAX_RETIRED_CLIENTS: Final = 10_000
 # Run-completion webhooks (docs/webhooks.md).
 #: Deliveries waiting in the server's outbox; when it is full the oldest pending one is dropped.
 DEFAULT_WEBHOOK_OUTBOX_MAX: Final = 1000
+#: Bytes of the bodies of the pending deliveries (held in memory as well as in the file); past
+#: it the oldest pending ones are dropped.
+DEFAULT_WEBHOOK_OUTBOX_BYTES: Final = 32 * 1024 * 1024
 #: Failed deliveries kept in the outbox file for inspection (the oldest are removed first).
 DEFAULT_WEBHOOK_FAILED_KEPT: Final = 1000
 #: POSTs of one delivery before it is marked failed.
@@ -467,6 +470,7 @@ class ServerOptions:
     max_attachments: int = _positive(DEFAULT_MAX_ATTACHMENTS)
     # Run-completion webhooks: the outbox and its deliveries (docs/webhooks.md).
     webhook_outbox_max: int = _positive(DEFAULT_WEBHOOK_OUTBOX_MAX)
+    webhook_outbox_bytes: int = _positive(DEFAULT_WEBHOOK_OUTBOX_BYTES)
     webhook_failed_kept: int = DEFAULT_WEBHOOK_FAILED_KEPT
     webhook_max_attempts: int = _positive(DEFAULT_WEBHOOK_MAX_ATTEMPTS)
     webhook_backoff_base: float = DEFAULT_WEBHOOK_BACKOFF_BASE

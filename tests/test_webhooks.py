@@ -400,6 +400,19 @@ async def test_the_outbox_bound_drops_the_oldest_pending(outbox_file: Path) -> N
         await box.aclose()
 
 
+async def test_the_outbox_byte_bound_drops_the_oldest_pending(outbox_file: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/hook"
+    async with trio.open_nursery() as nursery:
+        hooks = await nursery.start(
+            webhooks(outbox_file, sleep=trio.sleep, webhook_outbox_bytes=5000).run
+        )
+        ids = [enqueue(hooks, url, f"r{i}", text="x" * 1200) for i in range(5)]
+        sizes = {len(d.body) for d in hooks.pending}
+        assert max(sizes) * 3 <= 5000 < min(sizes) * 4  # three fit
+        assert [d.id for d in hooks.pending] == ids[2:] and hooks.dropped == 2
+        nursery.cancel_scope.cancel()
+
+
 async def test_hostile_receivers(outbox_file: Path) -> None:
     """A huge answer is not read; a redirect is not followed (permanent failure); an endpoint
     that never answers costs one timeout per attempt."""

@@ -13,11 +13,13 @@ The run's ``run_complete`` is published to the event streams right after, whatev
 endpoints do. A delivery's first POST waits for its row to be committed, so a restart never loses
 a delivery that could have been attempted.
 
-**Bounds.** At most ``server.webhook_outbox_max`` deliveries are pending; enqueueing one more
-drops the oldest pending delivery (counted in ``webhook_deliveries{outcome="dropped"}`` and
-logged): a receiver that has been down for long gets the most recent run ends. At most
-``server.webhook_concurrency`` POSTs are in flight; each is bounded by ``server.webhook_timeout``;
-the answer's body is never read (a huge body costs nothing); redirects are not followed.
+**Bounds.** At most ``server.webhook_outbox_max`` deliveries, and
+``server.webhook_outbox_bytes`` bytes of their bodies, are pending (the outbox keeps them in
+memory as well as in the file); enqueueing one more drops the oldest pending delivery
+(counted in ``webhook_deliveries{outcome="dropped"}`` and logged): a receiver that has been down
+for long gets the most recent run ends. At most ``server.webhook_concurrency`` POSTs are in
+flight; each is bounded by ``server.webhook_timeout``; the answer's body is never read (a huge
+body costs nothing); redirects are not followed.
 
 **Retries.** A connection error, a timeout, 408, 429 and 5xx are retried after
 :func:`~crush_trio.webhooks.policy.backoff_delay` (exponential, with jitter, at least the
@@ -127,8 +129,9 @@ class Webhooks:
         self._draw = draw
         self._wall = wall
         self._transport = transport
-        #: Pending deliveries, oldest first.
+        #: Pending deliveries, oldest first, and the bytes of their bodies.
         self._pending: collections.OrderedDict[str, Delivery] = collections.OrderedDict()
+        self._pending_bytes = 0
         #: The cancel scope of each delivery's task.
         self._scopes: dict[str, trio.CancelScope] = {}
         #: Changes for the writer: a delivery's new state, or None to delete its row.
@@ -207,16 +210,21 @@ class Webhooks:
             if self._nursery is None:
                 self._count_dropped(delivery, "the server is shutting down")
                 continue
-            self._make_room()
-            self._add(delivery)
+            self._make_room(len(body))
             self._saved[delivery.id] = trio.Event()
+            self._add(delivery)
             self._mark(delivery)
             made.append(delivery_id)
         return made
 
-    def _make_room(self) -> None:
-        while len(self._pending) >= self.options.webhook_outbox_max:
+    def _make_room(self, size: int) -> None:
+        """Drop the oldest pending deliveries until one more of ``size`` bytes fits."""
+        limit, limit_bytes = self.options.webhook_outbox_max, self.options.webhook_outbox_bytes
+        while self._pending and (
+            len(self._pending) >= limit or self._pending_bytes + size > limit_bytes
+        ):
             _, oldest = self._pending.popitem(last=False)
+            self._pending_bytes -= len(oldest.body)
             METRICS.webhook_pending.dec()
             scope = self._scopes.pop(oldest.id, None)
             if scope is not None:
@@ -226,8 +234,8 @@ class Webhooks:
             self._wake.set()
             self._count_dropped(
                 oldest,
-                f"the outbox is full ({self.options.webhook_outbox_max} pending, "
-                "server.webhook_outbox_max)",
+                f"the outbox is full ({limit} deliveries or {limit_bytes} bytes pending: "
+                "server.webhook_outbox_max, server.webhook_outbox_bytes)",
             )
 
     def _count_dropped(self, delivery: Delivery, why: str) -> None:
@@ -244,6 +252,7 @@ class Webhooks:
     def _add(self, delivery: Delivery) -> None:
         assert self._nursery is not None
         self._pending[delivery.id] = delivery
+        self._pending_bytes += len(delivery.body)
         METRICS.webhook_pending.inc()
         # The scope exists from now on, so a drop before the task runs cancels it too.
         scope = self._scopes[delivery.id] = trio.CancelScope()
@@ -276,7 +285,7 @@ class Webhooks:
                 self._nursery = nursery
                 await nursery.start(self._writer)
                 for delivery in loaded:
-                    self._make_room()
+                    self._make_room(len(delivery.body))
                     self._add(delivery)
                 if loaded:
                     log.info("webhook outbox: resuming %d pending deliveries", len(loaded))
@@ -493,6 +502,7 @@ class Webhooks:
 
     def _forget(self, delivery: Delivery) -> None:
         if self._pending.pop(delivery.id, None) is not None:
+            self._pending_bytes -= len(delivery.body)
             METRICS.webhook_pending.dec()
 
 
