@@ -213,6 +213,10 @@ def metric(outcome: str) -> float:
     return value or 0.0
 
 
+def latency_count() -> float:
+    return METRICS.registry.get_sample_value("crush_trio_webhook_latency_seconds_count") or 0.0
+
+
 def pending_gauge() -> float:
     return METRICS.registry.get_sample_value("crush_trio_webhook_pending") or 0.0
 
@@ -227,6 +231,7 @@ async def test_failing_twice_with_503_then_200_takes_three_attempts_with_growing
 ) -> None:
     sleep = Clockless()
     before = {o: metric(o) for o in ("retry", "delivered")}
+    posts = latency_count()
     async with trio.open_nursery() as nursery:
         receiver = await start_receiver(nursery, Receiver(answers=[(503, {}), (503, {})]))
         hooks = await nursery.start(webhooks(outbox_file, sleep=sleep).run)
@@ -242,6 +247,7 @@ async def test_failing_twice_with_503_then_200_takes_three_attempts_with_growing
     assert hooks.attempts == 3 and hooks.retried == 2 and hooks.failed == 0
     assert metric("retry") - before["retry"] == 2
     assert metric("delivered") - before["delivered"] == 1
+    assert latency_count() - posts == 3
 
 
 async def test_retry_after_is_honoured_up_to_the_backoff_cap(outbox_file: Path) -> None:

@@ -52,6 +52,10 @@ class Backend:
         config_file: ``--config FILE``: when given, the only config file for every workspace.
         data_dir: ``--data-dir``: when given, workspace databases live under it.
         version: the server version reported in ``hello`` frames.
+        webhooks: the server's own webhook endpoints (its config's ``webhooks``), POSTed at the
+            end of every workspace's runs (docs/webhooks.md).
+        outbox: the webhook outbox to use (default: one in ``data_dir``, else in
+            :func:`~crush_trio.webhooks.default_outbox_dir`).
     """
 
     def _sandbox_hidden(self) -> tuple[Path, ...]:
