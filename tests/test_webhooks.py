@@ -384,6 +384,25 @@ async def test_a_delivery_whose_endpoint_is_gone_after_a_restart_fails(outbox_fi
     assert again.attempts == 0
 
 
+def write_garbage(path: Path) -> None:
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"this is not a database" * 100)
+
+
+async def test_a_damaged_outbox_file_does_not_stop_deliveries(
+    outbox_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_garbage(outbox_file)
+    async with trio.open_nursery() as nursery:
+        receiver = await start_receiver(nursery, Receiver())
+        hooks = await nursery.start(webhooks(outbox_file).run)
+        enqueue(hooks, receiver.url)
+        await settle(hooks, lambda: hooks.delivered == 1)
+        nursery.cancel_scope.cancel()
+    assert "pending deliveries are not resumed" in caplog.text
+    assert "deliveries go on from memory" in caplog.text
+
+
 async def test_the_outbox_bound_drops_the_oldest_pending(outbox_file: Path) -> None:
     before = metric("dropped")
     gauge = pending_gauge()

@@ -274,12 +274,12 @@ class Webhooks:
         saved inside ``trio.move_on_after(save_timeout, shield=True)`` and the file is closed.
         """
         loaded: list[Delivery] = []
-        if await trio.to_thread.run_sync(self.path.exists):
-            try:
+        try:
+            if await trio.to_thread.run_sync(os.path.lexists, self.path):
                 self._file = await OutboxFile.open(self.path)
                 loaded = await self._file.pending()
-            except StoreError as exc:
-                log.error("webhook outbox: %s; pending deliveries are not resumed", exc)
+        except (StoreError, OSError) as exc:
+            log.error("webhook outbox: %s; pending deliveries are not resumed", exc)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
