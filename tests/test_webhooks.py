@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import itertools
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -55,7 +56,7 @@ class Receiver:
     """An HTTP endpoint that records each POST and answers from :attr:`answers` (then 200).
 
     Answers: ``(status, headers)``; ``"hang"`` reads the request and never answers;
-    ``"huge"`` answers 200 with an endless body.
+    ``"huge"`` answers 200 with an endless body; ``"close"`` closes the connection unanswered.
     """
 
     url: str = ""
@@ -93,6 +94,8 @@ class Receiver:
             self._changed.set()
             self._changed = trio.Event()
             answer = self.answers.pop(0) if self.answers else (200, {})
+            if answer == "close":
+                return
             if answer == "hang":
                 self.hanging += 1
                 await trio.sleep_forever()
@@ -470,6 +473,17 @@ async def test_hostile_receivers(outbox_file: Path) -> None:
     assert "server.webhook_timeout" in silent.last_error and silent.attempts == 2
 
 
+async def test_a_connection_closed_without_an_answer_is_retried(outbox_file: Path) -> None:
+    sleep = Clockless()
+    async with trio.open_nursery() as nursery:
+        receiver = await start_receiver(nursery, Receiver(answers=["close", (200, {})]))
+        hooks = await nursery.start(webhooks(outbox_file, sleep=sleep).run)
+        enqueue(hooks, receiver.url)
+        await settle(hooks, lambda: hooks.delivered == 1)
+        nursery.cancel_scope.cancel()
+    assert len(receiver.requests) == 2 and hooks.retried == 1 and len(sleep.delays) == 1
+
+
 async def test_a_long_text_is_cut_to_the_body_bound(outbox_file: Path) -> None:
     async with trio.open_nursery() as nursery:
         receiver = await start_receiver(nursery, Receiver())
@@ -614,6 +628,7 @@ async def test_a_run_end_is_posted_once_with_a_valid_signature(
     assert not verify_like_the_docs(b"another secret", request.headers, request.body)
     assert request.headers["content-type"] == "application/json"
     assert request.headers["x-crush-trio-event"] == "run_complete"
+    assert abs(int(request.headers["x-crush-trio-timestamp"]) - time.time()) < WAIT
     body = request.json()
     assert body["delivery_id"] == request.headers["x-crush-trio-delivery"]
     assert body["workspace_id"] == ws.id and body["workspace_path"] == str(project.resolve())
