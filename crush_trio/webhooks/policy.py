@@ -110,17 +110,19 @@ def build_body(
         **payload,
         "text_truncated": False,
     }
-    data = orjson.dumps(body)
-    if len(data) <= max_bytes:
-        return data
     text: str = body["text"]
+    if len(text) <= max_bytes:  # else the text alone is too long: no need to encode it all
+        data = orjson.dumps(body)
+        if len(data) <= max_bytes:
+            return data
     body["text"] = ""
     body["text_truncated"] = True
     room = max_bytes - len(orjson.dumps(body))
+    raw = text[:max_bytes].encode()  # a character is at least one byte
     # JSON escapes can make a character longer than its UTF-8 bytes: shrink until it fits.
     keep = max(room, 0)
     while True:
-        cut = text.encode()[:keep].decode(errors="ignore")
+        cut = raw[:keep].decode(errors="ignore")
         body["text"] = cut
         data = orjson.dumps(body)
         if len(data) <= max_bytes or not cut:
