@@ -518,6 +518,31 @@ def test_answers_are_judged_by_status(status: int, verdict: policy.Verdict) -> N
     assert policy.classify(status) is verdict
 
 
+@pytest.mark.parametrize("char", ["a", "é", "€", "😀", '"', "\x01"])
+@pytest.mark.parametrize("max_bytes", [600, 4096])
+def test_a_cut_body_fits_its_bound_and_stays_valid_json(char: str, max_bytes: int) -> None:
+    data = policy.build_body(
+        complete(text=char * 10_000),
+        delivery_id="d",
+        workspace_id="w",
+        workspace_path="/p",
+        created_at=0,
+        max_bytes=max_bytes,
+    )
+    body = orjson.loads(data)
+    assert len(data) <= max_bytes and body["text_truncated"] is True
+    assert body["text"] and set(body["text"]) == {char}
+    whole = policy.build_body(
+        complete(text=char * 10),
+        delivery_id="d",
+        workspace_id="w",
+        workspace_path="/p",
+        created_at=0,
+        max_bytes=max_bytes,
+    )
+    assert orjson.loads(whole)["text_truncated"] is False
+
+
 def test_retry_after_forms() -> None:
     assert policy.parse_retry_after("120", 0) == 120
     assert policy.parse_retry_after("Wed, 21 Oct 2015 07:28:10 GMT", 1445412480) == 10

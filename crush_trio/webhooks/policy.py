@@ -117,17 +117,19 @@ def build_body(
             return data
     body["text"] = ""
     body["text_truncated"] = True
-    room = max_bytes - len(orjson.dumps(body))
+    overhead = len(orjson.dumps(body))
+    room = max(max_bytes - overhead, 0)
     raw = text[:max_bytes].encode()  # a character is at least one byte
-    # JSON escapes can make a character longer than its UTF-8 bytes: shrink until it fits.
-    keep = max(room, 0)
+    # JSON escapes make some characters longer than their UTF-8 bytes: shrink in proportion
+    # until it fits (once or twice).
+    keep = room
     while True:
         cut = raw[:keep].decode(errors="ignore")
         body["text"] = cut
         data = orjson.dumps(body)
         if len(data) <= max_bytes or not cut:
             return data
-        keep -= max(len(data) - max_bytes, 1)
+        keep = min(keep - 1, keep * room // (len(data) - overhead))
 
 
 def sign(secret: bytes, timestamp: int, body: bytes) -> str:
