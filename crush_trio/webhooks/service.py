@@ -353,7 +353,9 @@ class Webhooks:
                 saved = self._saved.get(delivery.id)
                 if saved is not None:
                     await saved.wait()
-                wait = delivery.next_at - self._wall()
+                # At most one backoff: a wall clock set back since the time was stored must
+                # not hold a delivery for longer.
+                wait = min(delivery.next_at - self._wall(), self.options.webhook_backoff_max)
                 if wait > 0:
                     await self._sleep(wait)
                 while True:
