@@ -155,8 +155,12 @@ class Agent:
         on_idle: Callable[[], None] = lambda: None,
         max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
+        on_complete: Callable[[RunComplete], None] = lambda _: None,
     ) -> None:
         self.store = store
+        #: Told each run's end, once, just before its run_complete is published (webhooks); it
+        #: must return at once.
+        self._on_complete = on_complete
         self.messages = messages
         self.broker = broker
         #: The log ids of the task that made the agent (its workspace's), for its turns' logs.
@@ -457,6 +461,10 @@ class Agent:
         if complete.run_id not in self._live:
             return
         self._live.discard(complete.run_id)
+        try:
+            self._on_complete(complete)
+        except Exception:
+            log.exception("the run-end hook failed for run %s", complete.run_id)
         await self.broker.publish_must_deliver(complete, EventKind.CREATED)
 
     def _publish_busy(self, session_id: str) -> None:

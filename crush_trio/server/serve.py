@@ -162,6 +162,7 @@ async def serve(
         version=__version__,
         user_config_dir=options.user_config_dir,
         provider_factory=options.provider_factory,
+        webhooks=config.webhooks,
     )
     settings = Settings(
         token=token,
