@@ -422,6 +422,9 @@ class ServerOptions:
     max_attachment_bytes: int = _positive(DEFAULT_MAX_ATTACHMENT_BYTES)
     max_attachments_bytes: int = _positive(DEFAULT_MAX_ATTACHMENTS_BYTES)
     max_attachments: int = _positive(DEFAULT_MAX_ATTACHMENTS)
+    #: Serve ``/metrics`` without the token on this port of 127.0.0.1 (0: any free one);
+    #: None (the default): only ``/metrics`` with the token on the main address.
+    metrics_port: int | None = None
 
 
 @attrs.frozen
