@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Final, Protocol
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -40,8 +39,9 @@ __all__ = [
     "render",
 ]
 
-#: The Content-Type of `render()`'s output (Prometheus text format 0.0.4).
-CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
+#: The Content-Type of `render()`'s output: Prometheus text format 0.0.4, which every Prometheus
+#: version reads (the names here are plain ASCII, so nothing needs format 1.0.0's escaping).
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 # Bucket edges, in seconds.
 _RUN_SECONDS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
