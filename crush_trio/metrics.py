@@ -219,8 +219,7 @@ class Metrics:
         # Store.
         self.store_write_latency = Histogram(
             p + "store_write_seconds",
-            "Time of one store write transaction, by kind (messages, runs, other)",
-            ["kind"],
+            "Time of one committed store write transaction (messages, run records, sessions)",
             buckets=_LATENCY_SECONDS,
             registry=r,
         )

@@ -86,7 +86,7 @@ async def test_a_run_moves_the_run_event_and_store_metrics(
     completed = ("crush_trio_runs_finished_total", {"outcome": "completed", "reason": "ok"})
     published = ("crush_trio_events_published_total", {"type": "run_complete"})
     messages = ("crush_trio_store_batch_size_count", {"kind": "messages"})
-    runs = ("crush_trio_store_write_seconds_count", {"kind": "runs"})
+    runs = ("crush_trio_store_batch_size_count", {"kind": "runs"})
     snap = snapshot(
         "crush_trio_runs_accepted_total",
         completed,
@@ -95,6 +95,7 @@ async def test_a_run_moves_the_run_event_and_store_metrics(
         published,
         messages,
         runs,
+        "crush_trio_store_write_seconds_count",
     )
     assert value("crush_trio_workspaces_open") >= 1
     sid = (await ws.create_session()).id
@@ -107,6 +108,7 @@ async def test_a_run_moves_the_run_event_and_store_metrics(
     assert snap.delta(*published) == 1
     assert snap.delta(*messages) >= 1  # the user message and the reply were written
     assert snap.delta(*runs) >= 1  # the run record was committed
+    assert snap.delta("crush_trio_store_write_seconds_count") >= 2
     # The same figures at /metrics, with the token.
     async with httpx.AsyncClient(base_url=crush_server.url) as http:
         r = await http.get("/metrics", headers={"Authorization": f"Bearer {crush_server.token}"})

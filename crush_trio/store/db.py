@@ -255,11 +255,8 @@ def _run_from_row(row: tuple[Any, ...]) -> Run:
 # Connection setup (worker thread)
 
 
-def _transaction(
-    conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T], kind: str = "other"
-) -> T:
-    """Run ``fn`` in one write transaction; roll back if it raises. A committed one is timed
-    in ``store_write_seconds`` under ``kind``."""
+def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """Run ``fn`` in one write transaction; roll back if it raises (a commit is timed)."""
     started = time.perf_counter()
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -269,7 +266,7 @@ def _transaction(
             conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
-    METRICS.store_write_latency.labels(kind).observe(time.perf_counter() - started)
+    METRICS.store_write_latency.observe(time.perf_counter() - started)
     return result
 
 
@@ -714,7 +711,7 @@ class Store:
                         written.add(row[0])
                 return written
 
-            return _transaction(conn, tx, "messages")
+            return _transaction(conn, tx)
 
         METRICS.store_batch_size.labels("messages").observe(len(rows))
         return await self._call(f"writing {len(rows)} message(s)", op)
@@ -742,7 +739,6 @@ class Store:
                     "error = excluded.error, finished_at = excluded.finished_at",
                     rows,
                 ),
-                "runs",
             )
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
