@@ -26,6 +26,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
@@ -123,6 +124,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # The standard process_* families (CPU seconds, resident memory, open descriptors).
+        ProcessCollector(registry=r)
         p = "crush_trio_"
         # Runs.
         self.runs_accepted = Counter(
