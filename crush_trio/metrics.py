@@ -294,12 +294,10 @@ class Metrics:
     def _queued_total(self) -> float:
         return float(sum(source.queued_count() for source in list(self._queues)))
 
-    def run_finished(self, started: float | None, now: float, outcome: str, reason: str) -> None:
-        """A run reached its terminal state; ``started``: when it was accepted (None: accepted
-        by an earlier server process, so only the outcome is counted)."""
+    def run_finished(self, seconds: float, outcome: str, reason: str) -> None:
+        """A run reached its terminal state ``seconds`` after it was accepted."""
         self.runs_finished.labels(outcome=outcome, reason=reason).inc()
-        if started is not None:
-            self.run_duration.observe(now - started)
+        self.run_duration.observe(seconds)
 
     def tool_called(self, tool: str, outcome: str) -> None:
         """Count one tool call; tool names past :data:`MAX_TOOL_LABELS` count as ``other``."""

@@ -304,10 +304,24 @@ async def test_metrics_need_the_token_and_the_loopback_port_serves_them_without(
         url = server.handle.metrics_url
         assert url is not None and url.startswith("http://127.0.0.1:")
         async with httpx.AsyncClient(timeout=WAIT) as scraper:
-            r = await scraper.get(url)
+            before = parse((await scraper.get(url)).text)
+            # A run of the built-in echo model, followed on the event websocket.
+            wid = (await server.open_workspace())["id"]
+            sid = (await server.create_session(wid))["id"]
+            async with server.websocket(wid) as events:
+                await server.prompt(wid, sid, "echo me", run_id="m-echo")
+                with trio.fail_after(WAIT):
+                    complete, _ = await events.run_complete("m-echo")
+                r = await scraper.get(url)
+            assert complete["text"] == "echo me"
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-            assert "crush_trio_workspaces_open" in r.text
+            after = parse(r.text)
+            accepted = "crush_trio_runs_accepted_total"
+            done = 'crush_trio_runs_finished_total{outcome="completed",reason="ok"}'
+            assert after[accepted] - before[accepted] == 1
+            assert after[done] - before.get(done, 0) == 1
+            assert after['crush_trio_client_streams{transport="ws"}'] >= 1
             # A page whose DNS name was re-bound to 127.0.0.1 is refused.
             r = await scraper.get(url, headers={"Host": "attacker.example"})
             assert r.status_code == 421

@@ -574,7 +574,7 @@ class Agent:
         """The run metrics of a run's end (once: its acceptance time is taken)."""
         started = self._accepted_at.pop(run_id, None)
         if started is not None:
-            METRICS.run_finished(started, trio.current_time(), status.value, reason)
+            METRICS.run_finished(trio.current_time() - started, status.value, reason)
 
     def _first_token(self, progress: _TurnProgress) -> None:
         progress.first_token = True
