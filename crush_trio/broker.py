@@ -47,6 +47,7 @@ import trio
 
 from . import wire
 from .errors import WS_CLOSE_TRY_AGAIN_LATER
+from .metrics import METRICS
 from .wire import EventKind
 
 log = logging.getLogger(__name__)
@@ -307,9 +308,12 @@ class ClientStream:
         client_id: str = "",
         max_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
         deltas: bool = False,
+        transport: str = "other",
     ) -> None:
         self.broker = broker
         self.client_id = client_id
+        #: This transport's metrics (drops, gaps, kills, open streams).
+        self.metrics = METRICS.transport(transport)
         #: Whether this client gets ``message_delta`` events (else their ``message`` snapshots).
         self.deltas = deltas
         self.receive = ClientQueue(size, max_bytes)
@@ -371,6 +375,7 @@ class ClientStream:
             return True
         if self._push_nowait(self._gap.frame(self.broker.seq)):
             self._gap = None
+            self.metrics.gaps.inc()
             return True
         return False
 
@@ -401,6 +406,7 @@ class ClientStream:
 
     def _drop(self, seq: int) -> None:
         self.dropped += 1
+        self.metrics.dropped.inc()
         self.broker.dropped += 1
         if self._gap is None:
             self._gap = Gap(1, seq, seq)
@@ -422,15 +428,18 @@ class ClientStream:
         """
         self._md_waiting += 1
         self.must_deliver_waits += 1
+        started = trio.current_time()
         try:
             async with self._md_lock:
                 if self._gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
                     gap, self._gap = self._gap, None
                     await self._push_waiting(gap.frame(self.broker.seq))
+                    self.metrics.gaps.inc()
                 await self._push_waiting(event)
         finally:
             self._md_waiting -= 1
+            METRICS.must_deliver_wait.observe(trio.current_time() - started)
         if self._md_waiting == 0:
             self._flush_gap_nowait()  # lossy events dropped while it waited
 
@@ -462,6 +471,8 @@ class ClientStream:
         if not self.killed.is_set():
             self.kill_reason = reason
             self.kill_code = code
+            if reason == TOO_SLOW_REASON:
+                self.metrics.killed.inc()
             on_kill, self.on_kill = self.on_kill, None
             if on_kill is not None:
                 on_kill()
@@ -560,6 +571,7 @@ class Broker:
         ):
             self._replay_used -= _replay_size(self.replay.popleft())
         self.published += 1
+        METRICS.published[event.type].inc()
 
     def publish_delta(self, delta: wire.MessageDelta, message: wire.Message) -> Event:
         """Publish an append to a streaming message (lossy; never blocks).
@@ -651,7 +663,12 @@ class Broker:
                     client.kill(TOO_SLOW_REASON)
 
     def subscribe(
-        self, *, since: int | None = None, client_id: str = "", deltas: bool = False
+        self,
+        *,
+        since: int | None = None,
+        client_id: str = "",
+        deltas: bool = False,
+        transport: str = "other",
     ) -> tuple[ClientStream, list[Event]]:
         """Add a client. Returns its stream and the frames to send first.
 
@@ -659,6 +676,7 @@ class Broker:
         replay buffer and the replayed events after ``since``, in order. Everything published
         after this call goes to the stream's channel, so nothing is missed or sent twice.
         ``deltas``: the client gets ``message_delta`` events, else their ``message`` snapshots.
+        ``transport`` (``ws``, ``sse``, ``other``) labels the client's metrics.
         """
         if self.closed:
             raise trio.ClosedResourceError("broker is closed")
@@ -668,11 +686,16 @@ class Broker:
             client_id=client_id,
             max_bytes=self.client_queue_bytes,
             deltas=deltas,
+            transport=transport,
         )
         self.clients.add(stream)
+        stream.metrics.streams.inc()
         if not deltas:
             self.snapshot_clients += 1
-        return stream, list(self._resume_frames(since, deltas))
+        first = list(self._resume_frames(since, deltas))
+        if since is not None:
+            stream.metrics.gaps.inc(sum(1 for frame in first if frame.type == "gap"))
+        return stream, first
 
     def hello(self, workspace_id: str, version: str) -> Event:
         return connection_frame(
@@ -712,6 +735,7 @@ class Broker:
     def _unsubscribe(self, stream: ClientStream) -> None:
         if stream in self.clients:
             self.clients.discard(stream)
+            stream.metrics.streams.dec()
             if not stream.deltas:
                 self.snapshot_clients -= 1
         self._stalled.discard(stream)

@@ -478,6 +478,9 @@ class ServerOptions:
     webhook_timeout: float = _positive(DEFAULT_WEBHOOK_TIMEOUT)
     webhook_concurrency: int = _positive(DEFAULT_WEBHOOK_CONCURRENCY)
     webhook_max_body_bytes: int = _positive(DEFAULT_WEBHOOK_MAX_BODY_BYTES)
+    #: Serve ``/metrics`` without the token on this port of 127.0.0.1 (0: any free one);
+    #: None (the default): only ``/metrics`` with the token on the main address.
+    metrics_port: int | None = None
 
 
 @attrs.frozen

@@ -37,6 +37,7 @@ from ..errors import (
     ShuttingDown,
     TooManyRequests,
 )
+from ..metrics import METRICS
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
@@ -305,6 +306,7 @@ class Backend:
     async def _serve_workspace(
         self, ws: Workspace, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        METRICS.workspaces_open.inc()
         try:
             await ws.serve(task_status=task_status)
         except Exception:
@@ -312,6 +314,7 @@ class Backend:
             if ws.state.value == "starting":
                 raise
         finally:
+            METRICS.workspaces_open.dec()
             if self.workspaces.get(ws.id) is ws:
                 del self.workspaces[ws.id]
             if self._by_path.get(ws.path) is ws:
