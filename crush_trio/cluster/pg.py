@@ -46,7 +46,8 @@ Leases and fencing:
     shared and then reads the epoch (the database function ``crush_check_epoch``: the read comes
     after the lock, with a fresh snapshot). A claim that takes a lease over takes the lock
     exclusively before it bumps the epoch. So either the claim committed first (the write sees
-    the new epoch, raises :class:`Fenced` and rolls back: nothing lands) or the claim waits until
+    the new epoch, raises :class:`~crush_trio.eventlog.Fenced` (the class the event log raises
+    too) and rolls back: nothing lands) or the claim waits until
     the writes in progress have committed. PostgreSQL queues lock requests fairly (a shared
     request waits behind a waiting exclusive one), so a stream of writes cannot starve a claim;
     and since writes take no lock on the lease row, they never delay a renewal. A node that lost
@@ -63,7 +64,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 import trio
 
-from ..errors import CrushError, StoreError
+from ..errors import StoreError
+from ..eventlog import Fenced as Fenced  # one class for the store and the event log
 
 if TYPE_CHECKING:
     import psycopg
@@ -218,23 +220,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
-class Fenced(CrushError):
-    """A write for a workspace whose lease another node has taken since (its epoch moved on).
-
-    Nothing of the write landed. The node must stop serving the workspace without writing
-    anything more: clients reconnect to the new owner (503: retry elsewhere).
-    """
-
-    status = 503
-
-    @classmethod
-    def superseded(cls, workspace_id: str, epoch: int, current: int | None) -> Fenced:
-        now = "is gone" if current is None else f"is at epoch {current}"
-        return cls(
-            f"workspace {workspace_id!r} is no longer owned by this node: its lease (epoch "
-            f"{epoch}) was taken over and the workspace {now}; nothing was written, reconnect "
-            "to the workspace's current owner"
-        )
+def superseded(workspace_id: str, epoch: int, current: int | None) -> Fenced:
+    """The :class:`~crush_trio.eventlog.Fenced` of a write made at ``epoch`` after the
+    workspace moved to ``current`` (None: the workspace is gone)."""
+    now = "is gone" if current is None else f"is at epoch {current}"
+    return Fenced(
+        f"workspace {workspace_id!r} is no longer owned by this node: its lease (epoch {epoch}) "
+        f"was taken over and the workspace {now}; nothing was written, reconnect to the "
+        "workspace's current owner"
+    )
 
 
 @attrs.frozen
@@ -274,7 +268,7 @@ def check_epoch(conn: psycopg.Connection[Any], workspace_id: str, epoch: int) ->
             raise
         detail = exc.diag.message_detail or ""
         current = int(detail) if detail.isdigit() else None
-        raise Fenced.superseded(workspace_id, epoch, current) from None
+        raise superseded(workspace_id, epoch, current) from None
 
 
 def _describe(dsn: str) -> str:
