@@ -310,3 +310,63 @@ async def test_a_write_in_progress_delays_a_takeover_but_not_a_renewal_and_a_lat
             assert type(fenced.value) is eventlog.Fenced  # the class the event log raises
     finally:
         await impatient.aclose()
+
+
+async def test_a_node_stopped_inside_a_write_cannot_hold_up_a_takeover(pg_dsn: str) -> None:
+    """A node paused between the epoch check and its commit holds the fence; the server ends
+    its idle transaction after the idle timeout, the takeover goes on, and the paused write,
+    resumed, fails without landing anything."""
+    paused = await PgCluster.open(pg_dsn, idle_in_transaction_timeout=0.5)
+    other = await PgCluster.open(pg_dsn, pool_size=2)
+    try:
+        with trio.fail_after(TEST_TIMEOUT):
+            lease = await paused.claim_workspace("/p", "a", TTL)
+            assert isinstance(lease, Lease)
+            checked = trio.Event()
+            resume = threading.Event()
+            token = trio.lowlevel.current_trio_token()
+            outcome: list[BaseException] = []
+
+            def write(conn: psycopg.Connection[Any]) -> None:
+                check_epoch(conn, lease.workspace_id, lease.epoch)
+                trio.from_thread.run_sync(checked.set, trio_token=token)
+                resume.wait(TEST_TIMEOUT)  # the node is stopped here
+                conn.execute(
+                    "INSERT INTO sessions (workspace_id, id, created_at, updated_at) "
+                    "VALUES (%s, 'late', 1, 1)",
+                    (lease.workspace_id,),
+                )
+
+            async def writer() -> None:
+                try:
+                    await paused.call("a paused write", write)
+                except StoreError as exc:
+                    outcome.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                await checked.wait()
+                expire(pg_dsn, "/p")
+                taken = await other.claim_workspace("/p", "b", TTL)
+                assert isinstance(taken, Lease)
+                assert taken.epoch == 2
+                resume.set()
+            assert len(outcome) == 1
+            assert sql(pg_dsn, "SELECT count(*) FROM sessions") == [(0,)]
+            # The paused node's pool replaced the connection the server closed.
+            assert await paused.current_epoch(lease.workspace_id) == 2
+    finally:
+        await paused.aclose()
+        await other.aclose()
+
+
+async def test_connections_carry_the_statement_and_idle_timeouts(cluster: PgCluster) -> None:
+    def settings(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+        row = conn.execute(
+            "SELECT current_setting('statement_timeout'), "
+            "current_setting('idle_in_transaction_session_timeout')"
+        ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    assert await cluster.call("reading settings", settings) == ("30s", "5s")

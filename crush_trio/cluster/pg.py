@@ -81,6 +81,20 @@ CONNECT_TIMEOUT: Final = 10.0
 #: Bound on waiting for a pooled connection inside a call (seconds). The limiter keeps calls to
 #: the pool's size, so this is reached only while the pool reconnects after losing the database.
 POOL_WAIT_TIMEOUT: Final = 30.0
+#: Bound on one statement of a call, lock waits included (seconds; the server cancels it).
+STATEMENT_TIMEOUT: Final = 30.0
+#: A transaction idle this long (seconds) is ended by the server, which releases its locks: a
+#: node stopped in the middle of a write (SIGSTOP, a long pause) cannot hold up the node taking
+#: its workspace over for longer. The calls' own transactions never pause between statements.
+IDLE_IN_TRANSACTION_TIMEOUT: Final = 5.0
+#: Bound on unacknowledged data on a connection (seconds): the kernel breaks a connection whose
+#: database stopped answering (network partition) instead of retrying for many minutes.
+TCP_USER_TIMEOUT: Final = 10.0
+#: TCP keepalive of idle pooled connections: first probe after this many idle seconds, then
+#: every KEEPALIVE_INTERVAL seconds, dropped after KEEPALIVE_COUNT unanswered probes.
+KEEPALIVE_IDLE: Final = 10
+KEEPALIVE_INTERVAL: Final = 5
+KEEPALIVE_COUNT: Final = 3
 #: Bound on closing the pool (seconds): connections still busy after it are dropped.
 CLOSE_TIMEOUT: Final = 5.0
 #: SQLSTATE raised by the database's epoch check (``crush_check_epoch``) for a fenced write.
@@ -332,8 +346,14 @@ class PgCluster:
         *,
         pool_size: int = POOL_SIZE,
         connect_timeout: float = CONNECT_TIMEOUT,
+        statement_timeout: float = STATEMENT_TIMEOUT,
+        idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT,
     ) -> PgCluster:
         """Connect to the database and bring its schema up to date.
+
+        Every pooled connection gets the session settings ``statement_timeout`` and
+        ``idle_in_transaction_session_timeout`` (from the arguments), and client-side
+        :data:`TCP_USER_TIMEOUT` and keepalives.
 
         Raises:
             StoreError: the database cannot be reached within ``connect_timeout``, or its schema
@@ -346,6 +366,19 @@ class PgCluster:
 
         where = _describe(dsn)
 
+        settings = (
+            f"{round(statement_timeout * 1000)}ms",
+            f"{round(idle_in_transaction_timeout * 1000)}ms",
+        )
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), "
+                "set_config('idle_in_transaction_session_timeout', %s, false)",
+                settings,
+            )
+            conn.commit()
+
         def open_pool() -> ConnectionPool[Any]:
             pool: ConnectionPool[Any] = ConnectionPool(
                 dsn,
@@ -353,7 +386,15 @@ class PgCluster:
                 max_size=pool_size,
                 open=False,
                 timeout=POOL_WAIT_TIMEOUT,
-                kwargs={"connect_timeout": max(1, round(connect_timeout))},
+                kwargs={
+                    "connect_timeout": max(1, round(connect_timeout)),
+                    "tcp_user_timeout": round(TCP_USER_TIMEOUT * 1000),
+                    "keepalives": 1,
+                    "keepalives_idle": KEEPALIVE_IDLE,
+                    "keepalives_interval": KEEPALIVE_INTERVAL,
+                    "keepalives_count": KEEPALIVE_COUNT,
+                },
+                configure=configure,
                 name=f"crush-trio {where}",
             )
             try:
