@@ -46,12 +46,14 @@ Leases and fencing:
     shared and then reads the epoch (the database function ``crush_check_epoch``: the read comes
     after the lock, with a fresh snapshot). A claim that takes a lease over takes the lock
     exclusively before it bumps the epoch. So either the claim committed first (the write sees
-    the new epoch, raises :class:`~crush_trio.eventlog.Fenced` (the class the event log raises
-    too) and rolls back: nothing lands) or the claim waits until
-    the writes in progress have committed. PostgreSQL queues lock requests fairly (a shared
-    request waits behind a waiting exclusive one), so a stream of writes cannot starve a claim;
-    and since writes take no lock on the lease row, they never delay a renewal. A node that lost
-    its lease can therefore never write after the new owner took over.
+    the new epoch, raises :class:`~crush_trio.eventlog.Fenced`, the class the event log raises
+    too, and rolls back: nothing lands) or the claim waits until the writes in progress have
+    committed. PostgreSQL queues lock requests fairly (a shared request waits behind a waiting
+    exclusive one), so a stream of writes cannot starve a claim; and since writes take no lock on
+    the lease row, they never delay a renewal. A node that lost its lease can therefore never
+    write after the new owner took over. A node paused inside a write holds the fence until the
+    server ends its idle transaction (:data:`IDLE_IN_TRANSACTION_TIMEOUT`); its write then fails
+    without landing.
 """
 
 from __future__ import annotations
