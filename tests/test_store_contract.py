@@ -288,6 +288,34 @@ async def test_write_messages_skips_the_rows_of_a_deleted_session(backend: Backe
         assert await store.write_messages([]) == set()
 
 
+async def test_writes_racing_a_session_delete_never_fail_or_bring_rows_back(
+    backend: Backend,
+) -> None:
+    store = backend.store
+    with trio.fail_after(TEST_TIMEOUT):
+        for round_ in range(5):
+            sid = f"s{round_}"
+            await store.create_session(Session(id=sid))
+            started = trio.Event()
+
+            async def writer(k: int, sid: str, started: trio.Event) -> None:
+                for i in range(20):
+                    batch = [
+                        Message(id=f"{sid}-{k}-{i}-{j}", session_id=sid, role=Role.USER)
+                        for j in range(5)
+                    ]
+                    await store.write_messages(batch)
+                    started.set()
+
+            async with trio.open_nursery() as nursery:
+                for k in range(3):
+                    nursery.start_soon(writer, k, sid, started)
+                await started.wait()
+                assert await store.delete_session(sid) is True
+            assert await store.list_messages(sid) == []
+            assert await store.get_session(sid) is None
+
+
 async def test_unfinished_assistant_messages(backend: Backend) -> None:
     store = backend.store
     with trio.fail_after(TEST_TIMEOUT):
