@@ -4,6 +4,7 @@ store has: fencing by the lease epoch and the once-only terminal record."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import attrs
 import psycopg
 import pytest
 import trio
+import trio.testing
 
 from crush_trio import eventlog
 from crush_trio.cluster.pg import Fenced, Lease, PgCluster
@@ -577,6 +579,51 @@ async def test_no_write_of_the_old_owner_lands_after_the_claim(
             assert session is not None and session.message_count == len(landed_ok)
     finally:
         await other_node.aclose()
+
+
+async def test_a_call_waiting_for_its_turn_when_the_store_closes_is_refused(
+    pg_dsn: str,
+) -> None:
+    cluster = await PgCluster.open(pg_dsn, pool_size=1)
+    try:
+        with trio.fail_after(TEST_TIMEOUT):
+            store = await claim(cluster, "node-a")
+            release = threading.Event()
+            entered = trio.Event()
+            token = trio.lowlevel.current_trio_token()
+            errors: list[BaseException] = []
+
+            def hold(conn: psycopg.Connection[Any]) -> None:
+                trio.from_thread.run_sync(entered.set, trio_token=token)
+                release.wait(TEST_TIMEOUT)
+
+            async def queued(call: Callable[[], Awaitable[object]]) -> None:
+                try:
+                    await call()
+                except StoreError as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.call, "holding the only connection", hold)
+                await entered.wait()
+                nursery.start_soon(queued, lambda: store.get_session("s"))
+                nursery.start_soon(queued, lambda: store.create_session(Session(id="s")))
+                await trio.testing.wait_all_tasks_blocked()
+                await store.aclose()
+                release.set()
+            assert len(errors) == 2
+            assert all("closed" in str(e) for e in errors)
+            assert await cluster.current_epoch(store.workspace_id) == 1
+            assert sql_count(pg_dsn, "sessions") == 0
+    finally:
+        await cluster.aclose()
+
+
+def sql_count(dsn: str, table: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()  # type: ignore[arg-type]
+        assert row is not None
+        return int(row[0])
 
 
 # -- PostgreSQL only: the terminal record ---------------------------------------------------------
