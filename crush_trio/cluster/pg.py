@@ -384,7 +384,7 @@ class PgCluster:
         def open_pool() -> ConnectionPool[Any]:
             pool: ConnectionPool[Any] = ConnectionPool(
                 dsn,
-                min_size=1,
+                min_size=pool_size,  # warm: a takeover's first writes need no connect
                 max_size=pool_size,
                 open=False,
                 timeout=POOL_WAIT_TIMEOUT,
