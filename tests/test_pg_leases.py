@@ -370,3 +370,20 @@ async def test_connections_carry_the_statement_and_idle_timeouts(cluster: PgClus
         return tuple(row)
 
     assert await cluster.call("reading settings", settings) == ("30s", "5s")
+
+
+async def test_calls_go_on_after_the_database_dropped_every_connection(
+    cluster: PgCluster, pg_dsn: str
+) -> None:
+    """A database restart (here: every session of the pool terminated) costs no failed call:
+    a pooled connection is checked before use and replaced when broken."""
+    with trio.fail_after(TEST_TIMEOUT):
+        await cluster.register_node("n1", "http://a")
+        dropped = sql(
+            pg_dsn,
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        assert len(dropped) >= 1
+        for _ in range(20):
+            assert await cluster.node_url("n1") == "http://a"

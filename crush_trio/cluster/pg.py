@@ -58,6 +58,7 @@ Leases and fencing:
 
 from __future__ import annotations
 
+import select
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -287,6 +288,16 @@ def check_epoch(conn: psycopg.Connection[Any], workspace_id: str, epoch: int) ->
         raise superseded(workspace_id, epoch, current) from None
 
 
+def _dropped(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is closed or has input waiting (an idle connection gets
+    none unless the server is closing it)."""
+    if conn.closed or conn.broken:
+        return True
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
 def _describe(dsn: str) -> str:
     """The DSN without credentials, for messages."""
     from psycopg.conninfo import conninfo_to_dict
@@ -338,6 +349,7 @@ class PgCluster:
         self.where = where
         #: One slot per pooled connection: a call holding a slot never waits for a connection.
         self.limiter = trio.CapacityLimiter(pool_size)
+        self._pool_size = pool_size
         #: Transactions run (tests and benchmarks read it).
         self.call_count = 0
 
@@ -447,8 +459,12 @@ class PgCluster:
             if pool is None:  # closed while this call waited for its turn
                 raise self._closed_error()
             try:
-                with pool.connection() as conn:
-                    return fn(conn)
+                conn = self._healthy_connection(pool)
+                try:
+                    with conn:  # commit on return, roll back on an exception
+                        return fn(conn)
+                finally:
+                    pool.putconn(conn)
             except psycopg.Error as exc:
                 raise StoreError(
                     f"cluster database {self.where}: {what} failed: {exc}".rstrip()
@@ -456,6 +472,22 @@ class PgCluster:
 
         self.call_count += 1
         return await trio.to_thread.run_sync(in_thread, limiter=self.limiter)
+
+    def _healthy_connection(self, pool: ConnectionPool[Any]) -> psycopg.Connection[Any]:
+        """A pooled connection the server has not dropped (worker thread).
+
+        A connection the server closed (a restart, an administrator's terminate) has its
+        farewell waiting on the socket: such connections are closed and handed back, and the
+        pool opens replacements. No round trip is spent on a healthy one.
+        """
+        for _ in range(self._pool_size):
+            conn: psycopg.Connection[Any] = pool.getconn()
+            if not _dropped(conn):
+                return conn
+            conn.close()
+            pool.putconn(conn)  # discarded; the pool opens a replacement
+        last: psycopg.Connection[Any] = pool.getconn()
+        return last
 
     # -- nodes ---------------------------------------------------------------------------------
 
