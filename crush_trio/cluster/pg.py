@@ -8,8 +8,9 @@ Threads and the event loop:
     (first come, first served). Every call is one transaction on one pooled connection: committed
     when the call returns, rolled back when it raises. Once its thread has started, a call is not
     cancellable (it commits or rolls back as a whole; the cancellation arrives at the caller's
-    next checkpoint), as in :mod:`crush_trio.store.db`. psycopg is imported only when a cluster is
-    opened, so single-node mode never needs it.
+    next checkpoint), as in :mod:`crush_trio.store.db`. A pooled connection the server dropped
+    (a database restart) is noticed before use and replaced, so it fails no call. psycopg is
+    imported only when a cluster is opened, so single-node mode never needs it.
 
 Clock:
     Every lease time is the database's (``clock_timestamp()``), never a node's, so nodes with
