@@ -40,7 +40,7 @@ async def cluster(pg_dsn: str) -> AsyncIterator[PgCluster]:
 def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Run one statement on a connection of its own (checks and changes below the API)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(query.encode() if not params else query, params or None)
+        cur = conn.execute(query, params or None)
         return cur.fetchall() if cur.description else []
 
 
