@@ -27,7 +27,7 @@ from trio_websocket import WebSocketConnection
 from trio_websocket._impl import CloseReason as TrioCloseReason
 from wsproto.connection import ConnectionState
 from wsproto.events import AcceptConnection, CloseConnection, Request
-from wsproto.extensions import PerMessageDeflate
+from wsproto.extensions import Extension, PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 #: LZ77 window of a connection's compressor (bits; the window is ``2**bits`` bytes). A client's
 #: ``server_max_window_bits`` lowers it further.
 SERVER_WINDOW_BITS: Final = 11
-#: zlib memory level of a connection's compressor (1–9; the hash table is ``2**(level+7)`` slots).
+#: zlib memory level of a connection's compressor (1 to 9; its hash has ``2**(level+7)`` slots).
 SERVER_MEM_LEVEL: Final = 4
 #: zlib compression level of every compressor.
 COMPRESS_LEVEL: Final = 6
@@ -89,7 +89,7 @@ class BoundedDeflate(PerMessageDeflate):
 
     # -- negotiation -----------------------------------------------------------------------------
 
-    def accept(self, offer: str) -> bool | None | str:
+    def accept(self, offer: str) -> bool | str | None:
         """Accept a client's offer; an offer whose parameters do not parse is declined (the
         connection goes on uncompressed)."""
         try:
@@ -116,7 +116,9 @@ class BoundedDeflate(PerMessageDeflate):
             return None
         data = self._inflate(_SYNC_TAIL)
         self._inflated = 0
-        no_takeover = self.server_no_context_takeover if proto.client else self.client_no_context_takeover
+        no_takeover = (
+            self.server_no_context_takeover if proto.client else self.client_no_context_takeover
+        )
         if no_takeover:
             self._decompressor = None
         self._inbound_compressed = None
@@ -180,7 +182,7 @@ class DeflateConnection(WebSocketConnection):
     (None: no extension, exactly trio-websocket's behaviour).
 
     A client offers it in its upgrade request; a server accepts it only when the client offered
-    it (:attr:`compressing` tells afterwards). Built by :func:`wrap_server` and
+    it (:attr:`compressing` tells afterwards). Built by :mod:`crush_trio.server.ws_trio` and
     :func:`crush_trio.client.transport.open_stream_socket`, since trio-websocket's own
     constructors take no extension.
     """
@@ -209,7 +211,7 @@ class DeflateConnection(WebSocketConnection):
         # trio-websocket's accept, with the extension (wsproto negotiates it against the offer).
         self._subprotocol = subprotocol
         self._path = request.target
-        extensions = [self.deflate] if self.deflate is not None else []
+        extensions: list[Extension] = [self.deflate] if self.deflate is not None else []
         await self._send(
             AcceptConnection(
                 subprotocol=subprotocol, extra_headers=extra_headers, extensions=extensions

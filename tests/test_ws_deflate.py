@@ -206,7 +206,9 @@ async def test_a_compressed_client_decodes_the_same_stream_as_an_uncompressed_on
         # Negotiated only with the client that offered it; every frame of that one is compressed
         # (RSV1, 0x40), none of the other's is.
         assert plain.response_extensions == []
-        assert deflated.response_extensions and "PerMessageDeflate" in deflated.response_extensions[0]
+        assert (
+            deflated.response_extensions and "PerMessageDeflate" in deflated.response_extensions[0]
+        )
         assert plain.first_bytes and all(b == 0x81 for b in plain.first_bytes)
         assert deflated.first_bytes and all(b == 0xC1 for b in deflated.first_bytes)
         # Several deltas, decoded identically: same seqs, same payloads.

@@ -183,7 +183,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
                 # answered by trio-websocket's reader (426 or 400), which then closes the stream
                 # and ends, without ever completing the wait for the request: stop waiting then.
                 serialized.on_close = handshake
-                request = await _wrap_server_stream(nursery, serialized, settings.max_body_bytes)
+                request = await wrap_server_stream(nursery, serialized, settings.max_body_bytes)
             serialized.on_close = None
         except (trio.TooSlowError, ConnectionClosed, trio.BrokenResourceError, OSError):
             await stream.aclose()
@@ -232,7 +232,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
         nursery.cancel_scope.cancel()
 
 
-async def _wrap_server_stream(
+async def wrap_server_stream(
     nursery: trio.Nursery, stream: SerializedStream, max_message_size: int
 ) -> WebSocketRequest:
     """trio-websocket's ``wrap_server_stream`` with a connection that accepts permessage-deflate
