@@ -45,6 +45,10 @@ COMPRESS_LEVEL: Final = 6
 #: so that one huge event costs one encoding, not one compression per client.
 MAX_COMPRESSED_EVENT: Final = 64 * 1024
 
+#: Frames of one connection, not of the workspace (``hello``, ``gap``) go out uncompressed, so a
+#: connection that only ever gets those (an idle client) never allocates a compressor.
+UNCOMPRESSED_TYPES: Final = frozenset({"hello", "gap"})
+
 #: Close reason of a compressed message that inflates past the connection's bound (1009).
 TOO_BIG_REASON: Final = "Exceeded maximum message size: {} bytes (inflated)"
 
@@ -163,9 +167,10 @@ class BoundedDeflate(PerMessageDeflate):
     def frame(self, event: Event) -> bytes:
         """The server's frame of ``event`` on this connection: compressed into the connection's
         window (RSV1 set), or the shared uncompressed frame when it is larger than
-        :data:`MAX_COMPRESSED_EVENT`."""
+        :data:`MAX_COMPRESSED_EVENT` or one of :data:`UNCOMPRESSED_TYPES`. The compressor is
+        created on the first compressed frame."""
         shared = event.ws_frame
-        if len(shared) > MAX_COMPRESSED_EVENT:
+        if len(shared) > MAX_COMPRESSED_EVENT or event.type in UNCOMPRESSED_TYPES:
             return shared
         if self._compressor is None:
             self._compressor = self._new_compressor(False)
