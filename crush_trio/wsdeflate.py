@@ -11,11 +11,12 @@ for all clients (:attr:`crush_trio.broker.Event.ws_frame`), then deflated into e
 client's own LZ77 window, where the envelope of the previous events (the keys, the message and
 session ids) makes a ``message_delta`` cost about 20 bytes instead of about 230. Compressing each
 event once with ``server_no_context_takeover`` and sharing the compressed bytes keeps the
-encode-once property but saves little on small events (measured on a recorded paced run: 22 bytes
-per reply character against 33 uncompressed and 3 with context takeover, at 5.5 µs per frame and
-client); docs/performance.md has the figures. The window and memory level are kept small
-(:data:`SERVER_WINDOW_BITS`, :data:`SERVER_MEM_LEVEL`: about 22 KB of zlib state per connection)
-because a server holds one compressor per connection.
+encode-once property but saves little on small events (measured on a recorded paced run: 22
+bytes per reply character against 33 uncompressed and 3.3 with context takeover, at about 5 µs
+per frame and client); docs/performance.md has the figures. The window and memory level are kept
+small (:data:`SERVER_WINDOW_BITS`, :data:`SERVER_MEM_LEVEL`: about 22 KB of zlib state per
+compressing connection) because a server holds one compressor per connection; connection frames
+go out uncompressed, so an idle client holds none.
 """
 
 from __future__ import annotations
