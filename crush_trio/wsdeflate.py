@@ -183,6 +183,13 @@ class BoundedDeflate(PerMessageDeflate):
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
 
 
+def client_deflate(max_message_size: int) -> BoundedDeflate:
+    """A client's offer: the server's window no larger than :data:`SERVER_WINDOW_BITS` (what this
+    server uses anyway; it keeps the client's inflater at 2 KiB of window, not 32), received
+    messages bounded by ``max_message_size``."""
+    return BoundedDeflate(max_message_size, server_max_window_bits=SERVER_WINDOW_BITS)
+
+
 class DeflateConnection(WebSocketConnection):
     """A trio-websocket connection that negotiates permessage-deflate through ``deflate``
     (None: no extension, exactly trio-websocket's behaviour).

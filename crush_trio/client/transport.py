@@ -19,7 +19,7 @@ import trio
 from trio_websocket import ConnectionRejected, WebSocketConnection
 from wsproto import ConnectionType, WSConnection
 
-from ..wsdeflate import BoundedDeflate, DeflateConnection
+from ..wsdeflate import DeflateConnection, client_deflate
 from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable, single_errors
 
 #: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
@@ -111,9 +111,8 @@ async def _connect(ws_url: str, unix_path: str | None) -> tuple[trio.abc.Stream,
     secure = split.scheme == "wss"
     host = split.hostname or "localhost"
     port = split.port or (443 if secure else 80)
-    host_header = host if port in (80, 443) else f"{host}:{port}"
-    if ":" in host and port not in (80, 443):  # an IPv6 literal
-        host_header = f"[{host}]:{port}"
+    name = f"[{host}]" if ":" in host else host  # an IPv6 literal
+    host_header = name if port in (80, 443) else f"{name}:{port}"
     if secure:
         stream: trio.abc.Stream = await trio.open_ssl_over_tcp_stream(
             host, port, ssl_context=ssl.create_default_context(), https_compatible=True
@@ -163,7 +162,7 @@ async def open_stream_socket(
                     client_extra_headers=headers,
                     message_queue_size=message_queue_size,
                     max_message_size=max_message_size,
-                    deflate=BoundedDeflate(max_message_size) if compression else None,
+                    deflate=client_deflate(max_message_size) if compression else None,
                 )
                 nursery.start_soon(conn._reader_task)
                 with trio.fail_at(deadline):
