@@ -32,6 +32,7 @@ from wsproto.events import (
 )
 from wsproto.extensions import Extension, PerMessageDeflate
 
+from crush_trio.broker import Event as BrokerEvent
 from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
@@ -333,3 +334,43 @@ async def test_an_offer_that_does_not_parse_is_declined(
         assert hello["type"] == "hello"
         assert raw.response_extensions == [] and raw.first_bytes == [0x81]
         await raw.stream.aclose()
+
+
+@pytest.mark.parametrize("no_takeover", [False, True])
+def test_frames_of_one_connection_decode_in_order_compressed_or_not(no_takeover: bool) -> None:
+    """The server's frames on a compressing connection: small events compressed into the
+    connection's window, connection frames and events over the size bound sent as the shared
+    uncompressed frame (RSV1 clear); a standard inflater reads them all, in order."""
+    server = BoundedDeflate(1 << 20)
+    offer = "permessage-deflate" + ("; server_no_context_takeover" if no_takeover else "")
+    assert server.accept(offer) is not None
+    texts = [
+        orjson.dumps({"seq": 1, "type": "hello", "payload": {}}).decode(),
+        *[
+            orjson.dumps(
+                {"seq": n, "type": "message_delta", "payload": {"text": f"t{n} "}}
+            ).decode()
+            for n in range(2, 6)
+        ],
+        orjson.dumps({"seq": 6, "type": "message", "payload": {"text": "x" * 70_000}}).decode(),
+        orjson.dumps({"seq": 7, "type": "message_delta", "payload": {"text": "after"}}).decode(),
+        orjson.dumps({"seq": 7, "type": "gap", "payload": {"dropped": 1}}).decode(),
+        orjson.dumps({"seq": 8, "type": "message_delta", "payload": {"text": "end"}}).decode(),
+    ]
+    events = [BrokerEvent(orjson.loads(t)["seq"], orjson.loads(t)["type"], t, False) for t in texts]
+    frames = [server.frame(e) for e in events]
+    assert [f[0] for f in frames] == [0x81, 0xC1, 0xC1, 0xC1, 0xC1, 0x81, 0xC1, 0x81, 0xC1]
+    assert frames[5] is events[5].ws_frame and frames[0] is events[0].ws_frame  # shared bytes
+    client_ext = PerMessageDeflate()
+    client_ext.finalize(offer)
+    client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
+    client.receive_data(b"".join(frames))
+    got: list[str] = []
+    parts: list[str] = []
+    for event in client.events():
+        assert isinstance(event, TextMessage)
+        parts.append(event.data)
+        if event.message_finished:
+            got.append("".join(parts))
+            parts = []
+    assert got == texts
