@@ -410,6 +410,7 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 compression=compression,
             ) as sock:
                 wire_start = sock.wire_bytes
+                stats["compressed"] += sock.compressed
                 handshakes.release()
                 holding = False
                 stats["connected"] += 1
@@ -477,7 +478,8 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 frames=stats["frames"],
                 bytes=stats["bytes"],
                 wire_bytes=stats["wire_bytes"],
-                compressed=compression,
+                # Every connection negotiated permessage-deflate (the offer alone is not enough).
+                compressed=stats["connected"] > 0 and stats["compressed"] == stats["connected"],
                 gaps=stats["gaps"],
                 run_complete=stats["run_complete"],
                 ended=stats["ended"],

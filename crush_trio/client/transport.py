@@ -139,7 +139,7 @@ async def open_stream_socket(
     ``wss://``), or over the Unix socket ``unix_path`` when it is set. Leaving the block closes it
     (bounded by :data:`CLOSE_TIMEOUT`).
 
-    With ``compression`` the upgrade offers permessage-deflate (PROTOCOL §5); a compressed frame
+    With ``compression`` the upgrade offers permessage-deflate (protocol.md 6.7); a compressed frame
     that inflates past ``max_message_size`` closes the connection with 1009. ``counter``, when
     given, counts the bytes read from the socket.
 
