@@ -183,6 +183,33 @@ class BoundedDeflate(PerMessageDeflate):
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
 
 
+class HypercornDeflate(BoundedDeflate):
+    """The bounded inflater for hypercorn's websocket (the ``"asgi"`` transport).
+
+    hypercorn negotiates wsproto's permessage-deflate, which inflates a whole message before
+    hypercorn compares its size with ``websocket_max_message_size``: a small deflate bomb would
+    take gigabytes first. :func:`bound_hypercorn_deflate` makes hypercorn build this class
+    instead, so an inflated message past :attr:`bound` closes with 1009 as it inflates.
+    """
+
+    #: Bound on one inflated message (``server.max_body_bytes`` of the server started last).
+    bound: int = 4 * 1024 * 1024
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(self.bound, **kwargs)
+
+
+def bound_hypercorn_deflate(max_message_size: int) -> None:
+    """Make hypercorn's websocket handshake offer :class:`HypercornDeflate`, bounded by
+    ``max_message_size``. hypercorn looks the extension class up by name in its module at each
+    handshake, so this replaces that name; it is process-wide, and the bound of the server
+    started last applies (one server per process outside tests)."""
+    from hypercorn.protocol import ws_stream
+
+    HypercornDeflate.bound = max_message_size
+    ws_stream.PerMessageDeflate = HypercornDeflate  # type: ignore[misc]
+
+
 def client_deflate(max_message_size: int) -> BoundedDeflate:
     """A client's offer: the server's window no larger than :data:`SERVER_WINDOW_BITS` (what this
     server uses anyway; it keeps the client's inflater at 2 KiB of window, not 32), received

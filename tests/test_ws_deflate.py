@@ -12,9 +12,11 @@ Every wait is bounded by ``trio.fail_after``; order comes from frames, never fro
 
 from __future__ import annotations
 
+import contextlib
 import tracemalloc
 import uuid
 import zlib
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -38,6 +40,7 @@ from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.testing import CrushServer
 from crush_trio.wsdeflate import BoundedDeflate
+from tests.conftest import running_server
 
 #: Cap on every test's waits (seconds).
 CAP = 20
@@ -374,3 +377,36 @@ def test_frames_of_one_connection_decode_in_order_compressed_or_not(no_takeover:
             got.append("".join(parts))
             parts = []
     assert got == texts
+
+
+async def test_a_deflate_bomb_on_the_framework_websocket_ends_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    """The ``"asgi"`` transport's websocket (hypercorn's) inflates with the same bound: a bomb
+    ends the connection as it passes the bound (hypercorn closes a connection whose frames fail
+    to parse without a close frame) instead of being inflated whole first (64 MiB here)."""
+    config = tmp_path / "crush.json"
+    config.write_text('{"server": {"ws_transport": "asgi"}}')
+    limit = DEFAULT_MAX_BODY_BYTES
+    bomb = deflate_bomb(16 * limit)
+    async with running_server(tmp_path, config_file=config) as server:
+        ws = await server.open_workspace()
+        with trio.fail_after(CAP):
+            raw = await open_raw(server, ws["id"], [PerMessageDeflate()])  # type: ignore[arg-type]
+            assert "PerMessageDeflate" in raw.response_extensions[0]
+            await raw.messages_until(None)  # the hello
+            tracemalloc.start()
+            try:
+                with contextlib.suppress(trio.BrokenResourceError):  # closed before it all went
+                    await raw.stream.send_all(client_frame(bomb, 0xC1))
+                codes = []
+                while (event := await raw.next_event()) is not None:
+                    if isinstance(event, CloseConnection):
+                        codes.append(event.code)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert codes in ([], [1009])  # the connection ended
+            assert peak < 3 * limit, f"inflating took {peak} bytes"
+            await raw.stream.aclose()
+            assert (await server.http.get("/v1/health")).status_code == 200

@@ -32,6 +32,7 @@ from ..config import Config, load_config
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from ..tools.sandbox import probe as sandbox_probe
+from ..wsdeflate import bound_hypercorn_deflate
 from .api import Api
 from .app import create_app
 from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
@@ -194,6 +195,7 @@ async def serve(
     hconfig.graceful_timeout = HYPERCORN_GRACE
     hconfig.websocket_ping_interval = server_opts.ws_ping_interval or None
     hconfig.websocket_max_message_size = server_opts.max_body_bytes
+    bound_hypercorn_deflate(server_opts.max_body_bytes)
     hconfig.wsgi_max_body_size = server_opts.max_body_bytes
     hconfig.include_server_header = False
     logging.getLogger("crush_trio.access").disabled = not options.access_log
