@@ -207,7 +207,7 @@ def bound_hypercorn_deflate(max_message_size: int) -> None:
     from hypercorn.protocol import ws_stream
 
     HypercornDeflate.bound = max_message_size
-    ws_stream.PerMessageDeflate = HypercornDeflate  # type: ignore[misc]
+    setattr(ws_stream, "PerMessageDeflate", HypercornDeflate)  # noqa: B010 (a module global)
 
 
 def client_deflate(max_message_size: int) -> BoundedDeflate:
