@@ -968,7 +968,8 @@ class Broker:
         the replay buffer (cluster mode; without a log this is :meth:`subscribe`).
 
         The read and the subscription happen so that nothing is missed or sent twice: the
-        subscription is made in the same tick as the last read's check against the buffer.
+        subscription is made in the same tick as the last read's check against the buffer. What
+        the log no longer keeps, or cannot be read, is sent as a ``gap``.
         """
         older: list[Event] = []
         event_log = self.log
@@ -978,7 +979,12 @@ class Broker:
                 oldest = self.replay[0].seq if self.replay else self.durable_seq + 1
                 if after + 1 >= oldest:
                     break
-                records = await event_log.read(after, min(LOG_READ_PAGE, oldest - 1 - after))
+                try:
+                    records = await event_log.read(after, min(LOG_READ_PAGE, oldest - 1 - after))
+                except EventLogError as exc:
+                    # What could not be read is missing for this client: it gets a gap.
+                    log.warning("resume from the event log after seq %d failed: %s", after, exc)
+                    break
                 if not records:
                     break
                 older.extend(event_from_log(seq, data) for seq, data in records)

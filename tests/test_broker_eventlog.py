@@ -352,3 +352,19 @@ async def test_old_and_new_owner_on_redis(redis_url: str) -> None:
             frame = await client.receive.receive()
         assert frame.seq == 19
         nursery.cancel_scope.cancel()
+
+
+async def test_a_resume_the_log_cannot_serve_gets_a_gap(nursery: trio.Nursery) -> None:
+    class Unreadable(GatedLog):
+        async def read(self, after_seq: int, limit: int) -> list[EventRecord]:
+            raise EventLogError("connection refused")
+
+    broker = Broker(log=Unreadable(MemoryEventLog()), replay_size=2)
+    await nursery.start(broker.write_log)
+    for n in range(1, 6):
+        broker.publish(lossy(n))
+    await trio.testing.wait_all_tasks_blocked()
+    _, first = await broker.subscribe_resuming(since=1)
+    assert first[0].type == "gap"
+    assert orjson.loads(first[0].text)["payload"] == {"dropped": 2, "from_seq": 2, "to_seq": 3}
+    assert seqs(first) == [4, 5]
