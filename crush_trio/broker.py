@@ -985,6 +985,9 @@ class Broker:
                     # What could not be read is missing for this client: it gets a gap.
                     log.warning("resume from the event log after seq %d failed: %s", after, exc)
                     break
+                # Only what the buffer lacks: past a hole (events the log trimmed) a read can
+                # reach events the log holds that are not delivered yet.
+                records = [record for record in records if record[0] < oldest]
                 if not records:
                     break
                 older.extend(event_from_log(seq, data) for seq, data in records)

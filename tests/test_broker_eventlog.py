@@ -368,3 +368,35 @@ async def test_a_resume_the_log_cannot_serve_gets_a_gap(nursery: trio.Nursery) -
     assert first[0].type == "gap"
     assert orjson.loads(first[0].text)["payload"] == {"dropped": 2, "from_seq": 2, "to_seq": 3}
     assert seqs(first) == [4, 5]
+
+
+async def test_a_resume_across_a_trimmed_log_skips_what_is_not_delivered_yet(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Past a hole the log read reaches appended events the writer has not delivered yet: they
+    come live, once, not also among the resumed frames."""
+    log = GatedLog(MemoryEventLog(max_events=6))
+    broker = Broker(log=log, replay_size=2)
+    await nursery.start(broker.write_log)
+    for n in range(1, 11):
+        broker.publish(lossy(n))
+    await trio.testing.wait_all_tasks_blocked()  # the buffer keeps 9..10
+    log.gate = trio.Event()
+    for n in range(11, 13):
+        broker.publish(lossy(n))
+    await log.entered.wait()
+    await log.inner.append(events_of(broker, 11, 12))  # landed; the writer has not seen it yet
+    client, first = await broker.subscribe_resuming(since=2)
+    assert first[0].type == "gap" and seqs(first) == [7, 8, 9, 10]  # the log keeps 7..12
+    log.gate.set()  # the writer's append: already there, reconciled by last_seq()
+    with trio.fail_after(WAIT):
+        while broker.durable_seq < 12:
+            await trio.sleep(0.01)
+    assert seqs(drain(client)) == [11, 12]
+
+
+def events_of(broker: Broker, first: int, last: int) -> list[EventRecord]:
+    from crush_trio.broker import log_record
+
+    queued = broker._inflight + broker._pending
+    return [(e.seq, log_record(e)) for e in queued if first <= e.seq <= last]
