@@ -89,8 +89,10 @@ LOG_BATCH_MAX: Final = 1000
 LOG_READ_PAGE: Final = 1000
 
 TOO_SLOW_REASON: Final = "too slow"
-#: Close reason of the clients of a broker whose log was lost (fenced by a newer owner).
-LOG_LOST_REASON: Final = "workspace moved: reconnect with since"
+#: Close reasons (with 1012) of the clients of a broker whose log was lost: fenced by a newer
+#: owner, or unavailable for ``log_append_timeout``. Clients reconnect and resume with ``since``.
+LOG_FENCED_REASON: Final = "workspace moved to another node: event log fenced"
+LOG_UNAVAILABLE_REASON: Final = "workspace moved to another node: event log unavailable"
 #: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
 GAP_FRAME_BYTES: Final = 160
 
@@ -932,7 +934,8 @@ class Broker:
         for done in self._md_waiters.values():
             done.set()
         self._md_waiters.clear()
-        closed = self.drop_all(LOG_LOST_REASON, WS_CLOSE_SERVICE_RESTART)
+        reason = LOG_FENCED_REASON if isinstance(exc, Fenced) else LOG_UNAVAILABLE_REASON
+        closed = self.drop_all(reason, WS_CLOSE_SERVICE_RESTART)
         self.closed = True
         log.warning(
             "event log lost (%s): %d queued events dropped, %d clients closed", exc, lost, closed

@@ -12,7 +12,13 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.broker import LOG_LOST_REASON, Broker, ClientStream, Event
+from crush_trio.broker import (
+    LOG_FENCED_REASON,
+    LOG_UNAVAILABLE_REASON,
+    Broker,
+    ClientStream,
+    Event,
+)
 from crush_trio.errors import WS_CLOSE_SERVICE_RESTART, CrushError
 from crush_trio.eventlog import EventLog, EventLogError, EventRecord, Fenced, MemoryEventLog
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
@@ -236,7 +242,7 @@ async def test_a_fenced_log_closes_the_clients_and_tells_the_owner(nursery: trio
         # A must-deliver publish after the loss returns at once, delivered to nobody.
         await broker.publish_must_deliver(RunComplete("s", "r"), EventKind.CREATED)
     assert client.kill_code == WS_CLOSE_SERVICE_RESTART
-    assert client.kill_reason == LOG_LOST_REASON
+    assert client.kill_reason == LOG_FENCED_REASON
     assert len(lost) == 1 and isinstance(lost[0], Fenced)
     assert drain(client) == []
     assert await ring.last_seq() == 1  # nothing after the fence landed
@@ -259,6 +265,7 @@ async def test_an_unavailable_log_is_given_up_after_the_append_timeout(
         await client.killed.wait()
     assert 3.0 <= trio.current_time() - start < 3.5
     assert isinstance(lost[0], EventLogError) and "log_append_timeout" in str(lost[0])
+    assert client.kill_reason == LOG_UNAVAILABLE_REASON
     assert drain(client) == []
 
 
