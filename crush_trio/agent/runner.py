@@ -43,6 +43,7 @@ from ..errors import (
     unwrap_group,
 )
 from ..logs import current_context, log_context
+from ..metrics import METRICS, run_reason
 from ..providers import base as pb
 from ..wire import (
     AgentEvent,
@@ -73,7 +74,8 @@ from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
-    from ..store import MessageService, Store
+    from ..store import MessageService
+    from ..store.protocol import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class _TurnProgress:
     history: list[Message] = attrs.field(factory=list)  # what the next model step is sent
     usage: pb.Usage | None = None  # the last step's, as the provider reported it
     model_entry: Any = None  # the ModelEntry the turn uses (prices, context window)
+    first_token: bool = False  # the turn's first streamed content was seen (metrics)
 
 
 @attrs.define
@@ -142,7 +145,7 @@ class Agent:
     def __init__(
         self,
         *,
-        store: Store,
+        store: WorkspaceStore,
         messages: MessageService,
         broker: Broker,
         runs: RunBook,
@@ -155,8 +158,12 @@ class Agent:
         on_idle: Callable[[], None] = lambda: None,
         max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
+        on_complete: Callable[[RunComplete], None] = lambda _: None,
     ) -> None:
         self.store = store
+        #: Told each run's end, once, just before its run_complete is published (webhooks); it
+        #: must return at once.
+        self._on_complete = on_complete
         self.messages = messages
         self.broker = broker
         #: The log ids of the task that made the agent (its workspace's), for its turns' logs.
@@ -164,6 +171,7 @@ class Agent:
         self.runs = runs
         self.config = config
         self.state = AgentState()
+        METRICS.track_queue(self.state)
         self._runs_nursery = runs_nursery
         self._bg = background_nursery
         self.save_timeout = save_timeout
@@ -175,6 +183,8 @@ class Agent:
         #: Runs accepted and not yet ended: a run_complete is published only for a run still in
         #: here, and the run leaves it then (exactly once; memory bounded by the live runs).
         self._live: set[str] = set()
+        #: When each live run was accepted (trio clock), for the run metrics.
+        self._accepted_at: dict[str, float] = {}
         #: The model a prompt named (``AgentMessage.model``), by run id, until its turn ends.
         self._prompt_models: dict[str, str] = {}
         #: Turns that are a summary asked for by a client (by ``id(turn)``).
@@ -303,6 +313,8 @@ class Agent:
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
+        self._accepted_at[prompt.run_id] = trio.current_time()
+        METRICS.runs_accepted.inc()
         if model is not None:
             self._prompt_models[prompt.run_id] = model
         if turn is not None:
@@ -428,8 +440,10 @@ class Agent:
     async def _complete_dropped(self, dropped: list[Prompt]) -> None:
         """Queued prompts dropped by a cancel, a clear or shutdown: cancelled terminals."""
         completes = []
+        reason = "shutdown" if self.closing else "cancel"
         for prompt in dropped:
             self._prompt_models.pop(prompt.run_id, None)
+            self._count_end(prompt.run_id, RunStatus.CANCELLED, reason)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(run, RunStatus.CANCELLED)
@@ -457,6 +471,10 @@ class Agent:
         if complete.run_id not in self._live:
             return
         self._live.discard(complete.run_id)
+        try:
+            self._on_complete(complete)
+        except Exception:
+            log.exception("the run-end hook failed for run %s", complete.run_id)
         await self.broker.publish_must_deliver(complete, EventKind.CREATED)
 
     def _publish_busy(self, session_id: str) -> None:
@@ -535,8 +553,10 @@ class Agent:
         message_id = progress.assistant.id if progress.assistant else None
         text = progress.assistant.text() if progress.assistant else ""
         completes = []
+        reason = run_reason(error, cancelled=cancelled, closing=self.closing)
         for prompt in turn.prompts:
             self._prompt_models.pop(prompt.run_id, None)
+            self._count_end(prompt.run_id, status, reason)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(
@@ -558,6 +578,18 @@ class Agent:
                     EventKind.CREATED,
                 )
         return completes
+
+    def _count_end(self, run_id: str, status: RunStatus, reason: str) -> None:
+        """The run metrics of a run's end (once: its acceptance time is taken)."""
+        started = self._accepted_at.pop(run_id, None)
+        if started is not None:
+            METRICS.run_finished(trio.current_time() - started, status.value, reason)
+
+    def _first_token(self, progress: _TurnProgress) -> None:
+        progress.first_token = True
+        started = self._accepted_at.get(progress.turn.primary.run_id)
+        if started is not None:
+            METRICS.time_to_first_token.observe(trio.current_time() - started)
 
     async def _save_final(
         self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
@@ -876,6 +908,8 @@ class Agent:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for event in stream:
                 if assembler.feed(event):
+                    if not progress.first_token:
+                        self._first_token(progress)
                     await self.messages.update(msg, assembler.append)
                 elif isinstance(event, pb.Usage):
                     await self._on_usage(msg, event, progress)

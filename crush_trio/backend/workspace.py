@@ -52,6 +52,7 @@ from ..wire import (
     Message,
     Part,
     Role,
+    RunComplete,
     RunStatus,
     SandboxInfo,
     Session,
@@ -127,8 +128,11 @@ class Workspace:
         warnings: tuple[str, ...] = (),
         sandbox_hidden: tuple[Path, ...] = (),
         sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
+        on_run_complete: Callable[[Workspace, RunComplete], None] | None = None,
     ) -> None:
         self.id = new_id()
+        #: Told each run's end before its run_complete is published (the server's webhooks).
+        self.on_run_complete = on_run_complete
         self.path = path
         self.config = config
         self.trusted = trusted
@@ -275,6 +279,7 @@ class Workspace:
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
+                        on_complete=self._run_completed,
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -303,6 +308,10 @@ class Workspace:
             self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
+
+    def _run_completed(self, complete: RunComplete) -> None:
+        if self.on_run_complete is not None:
+            self.on_run_complete(self, complete)
 
     def _mcp_changed(self, info: McpServerInfo) -> None:
         """Tell the clients that an MCP server's state changed (an ``mcp`` agent event)."""

@@ -35,6 +35,7 @@ from ..tools.sandbox import probe as sandbox_probe
 from .api import Api
 from .app import create_app
 from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
+from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
@@ -63,6 +64,9 @@ class ServeOptions:
     allow_hosts: list[str] = attrs.field(factory=list)
     user_config_dir: Path | None = None
     access_log: bool = True
+    #: ``--metrics-port``: serve ``/metrics`` without the token on this loopback port (0: any
+    #: free one); None: ``server.metrics_port`` decides.
+    metrics_port: int | None = None
     #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
     provider_factory: Any = None
 
@@ -76,6 +80,8 @@ class ServerHandle:
     backend: Backend
     config: Config
     _stop: trio.Event
+    #: ``http://127.0.0.1:PORT/metrics`` when the metrics port is open.
+    metrics_url: str | None = None
 
     @property
     def listening_line(self) -> str:
@@ -155,6 +161,12 @@ async def serve(
         options.host, options.port, tcp_user_timeout_ms=server_opts.tcp_user_timeout_ms
     )
     url = _url_of(sock, options.host)
+    port = options.metrics_port if options.metrics_port is not None else server_opts.metrics_port
+    try:
+        msock = metrics_socket(port) if port is not None else None
+    except BaseException:
+        sock.close()
+        raise
     backend = Backend(
         server=server_opts,
         config_file=options.config_file,
@@ -162,6 +174,7 @@ async def serve(
         version=__version__,
         user_config_dir=options.user_config_dir,
         provider_factory=options.provider_factory,
+        webhooks=config.webhooks,
     )
     settings = Settings(
         token=token,
@@ -209,7 +222,12 @@ async def serve(
                     shutdown_trigger=http_stop.wait,
                 )
             )
-            task_status.started(ServerHandle(url, token, backend, config, stop))
+            murl = None
+            if msock is not None:
+                await nursery.start(partial(serve_metrics, msock, shutdown_trigger=http_stop.wait))
+                murl = metrics_url(msock)
+                log.info("metrics without the token at %s", murl)
+            task_status.started(ServerHandle(url, token, backend, config, stop, murl))
             await stop.wait()
             log.info("shutting down")
             with trio.move_on_after(backend.shutdown_bound()):
@@ -217,6 +235,8 @@ async def serve(
             http_stop.set()
     finally:
         sock.close()
+        if msock is not None:
+            msock.close()
         if unix:
             try:
                 os.unlink(url[len("unix:") :])
