@@ -828,12 +828,21 @@ class Broker:
         ``last_seq()`` so that a batch whose reply was lost is not appended twice.
 
         Cancellation: a batch being appended stays queued; :meth:`aclose` finishes it.
+
+        Raises:
+            EventLogError: the log could not be opened (its message says why).
         """
         event_log = self.log
         if event_log is None:
             raise RuntimeError("this broker has no event log")
-        with trio.fail_after(self.log_append_timeout):
+        last: int | None = None
+        with trio.move_on_after(self.log_append_timeout):
             last = await event_log.last_seq()
+        if last is None:
+            raise EventLogError(
+                f"the event log did not answer last_seq() within log_append_timeout "
+                f"({self.log_append_timeout:g} s)"
+            )
         self.seq = self.durable_seq = max(last, self.seq)
         self._log_open = True
         self._writer_done = trio.Event()
