@@ -68,6 +68,36 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="text lines, or one JSON object per line (docs/operations.md)",
     )
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    cluster = p.add_argument_group(
+        "cluster",
+        "run as one node of a cluster (docs/cluster.md); each flag overrides the "
+        "config's cluster section",
+    )
+    cluster.add_argument(
+        "--cluster-database-url",
+        default=None,
+        metavar="DSN",
+        help="PostgreSQL DSN shared by the nodes (turns cluster mode on)",
+    )
+    cluster.add_argument(
+        "--cluster-redis-url", default=None, metavar="URL", help="Redis URL for the event logs"
+    )
+    cluster.add_argument(
+        "--cluster-node-id", default=None, metavar="ID", help="this node's unique id"
+    )
+    cluster.add_argument(
+        "--cluster-advertise-url",
+        default=None,
+        metavar="URL",
+        help="the URL other nodes send clients to (default: the listening URL)",
+    )
+    cluster.add_argument(
+        "--cluster-lease-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a workspace lease lasts unrenewed (cluster.lease_ttl)",
+    )
 
 
 def _trust_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -198,6 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_origins=args.allow_origin,
             allow_hosts=args.allow_host,
             access_log=not args.no_access_log,
+            cluster={
+                key: value
+                for key, value in (
+                    ("database_url", args.cluster_database_url),
+                    ("redis_url", args.cluster_redis_url),
+                    ("node_id", args.cluster_node_id),
+                    ("advertise_url", args.cluster_advertise_url),
+                    ("lease_ttl", args.cluster_lease_ttl),
+                )
+                if value is not None
+            },
         )
         try:
             trio.run(_serve_main, options)

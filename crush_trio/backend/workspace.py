@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from .. import wire
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
@@ -33,7 +34,7 @@ from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
-from ..errors import Conflict
+from ..errors import WS_CLOSE_SERVICE_RESTART, Conflict
 from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -52,6 +53,8 @@ from ..wire import (
     Message,
     Part,
     Role,
+    Run,
+    RunComplete,
     RunStatus,
     SandboxInfo,
     Session,
@@ -127,8 +130,18 @@ class Workspace:
         warnings: tuple[str, ...] = (),
         sandbox_hidden: tuple[Path, ...] = (),
         sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
+        workspace_id: str | None = None,
+        store_factory: Callable[[Path], Awaitable[Any]] | None = None,
+        event_log: Any = None,
     ) -> None:
-        self.id = new_id()
+        self.id = workspace_id or new_id()
+        #: Opens the store from the data directory: SQLite (default), or a cluster's
+        #: PostgreSQL store fenced by the lease's epoch.
+        self.store_factory: Callable[[Path], Awaitable[Any]] = store_factory or Store.open
+        #: The broker's event log: None for the in-memory ring, or a cluster's Redis stream.
+        self.event_log = event_log
+        #: Set when a cluster lease was lost: the workspace stops without writing anything more.
+        self.fenced = False
         self.path = path
         self.config = config
         self.trusted = trusted
@@ -147,12 +160,14 @@ class Workspace:
         self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
+        broker_options: dict[str, Any] = {} if event_log is None else {"log": event_log}
         self.broker = Broker(
             replay_size=server.replay_buffer,
             replay_bytes=server.replay_bytes,
             client_queue_size=server.client_queue_size,
             client_queue_bytes=server.client_queue_bytes,
             must_deliver_timeout=server.must_deliver_timeout,
+            **broker_options,
         )
         self._changed = trio.Event()
         self._stop = trio.Event()
@@ -235,6 +250,14 @@ class Workspace:
         self._stop.set()
         self.poke()
 
+    def lose_lease(self, reason: str) -> None:
+        """Another node owns the workspace now: close the event streams (1012: reconnect, the
+        new owner resumes them) and stop at once, without writing (the writes would be fenced
+        anyway)."""
+        self.fenced = True
+        self.broker.drop_all(f"workspace moved to another node: {reason}", WS_CLOSE_SERVICE_RESTART)
+        self.request_shutdown()
+
     # -- lifetime -------------------------------------------------------------------------------
 
     async def serve(
@@ -243,7 +266,7 @@ class Workspace:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
         set_log_context(workspace_id=self.id)  # this task's records and its children's
         await self._set_up_sandbox()
-        self.store = await Store.open(self.data_dir)
+        self.store = await self.store_factory(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout
         self.messages = MessageService(
             self.store,
@@ -285,7 +308,8 @@ class Workspace:
                     self.agent.begin_shutdown()
                     # Deadline first, then cancel: drivers finish their cancelled turns and
                     # publish terminals; anything still running after the grace is cancelled.
-                    runs.cancel_scope.deadline = trio.current_time() + self.server.shutdown_grace
+                    grace = 0.0 if self.fenced else self.server.shutdown_grace
+                    runs.cancel_scope.deadline = trio.current_time() + grace
                 background.cancel_scope.cancel()
         finally:
             if self.state is not WorkspaceState.CLOSING:
@@ -293,8 +317,9 @@ class Workspace:
             # Each step is shielded and bounded, and a failing store cannot stop the close: the
             # records and messages it could not save are ended by the next start's recovery, as
             # after a kill.
-            await self._close_step("writing messages", self.messages.flush_all, save_timeout)
-            await self._close_step("saving run records", self.runs.save_now, save_timeout)
+            if not self.fenced:  # a fenced workspace's writes belong to the new owner
+                await self._close_step("writing messages", self.messages.flush_all, save_timeout)
+                await self._close_step("saving run records", self.runs.save_now, save_timeout)
             self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
                 await self._close_step("closing providers", agent.aclose, save_timeout)
@@ -400,6 +425,8 @@ class Workspace:
             run.finished_at = finished
         if stale:
             await self.store.save_runs(stale)
+        if self.event_log is not None:
+            await self._complete_recovered(stale)
         unfinished = await self.store.unfinished_assistant_messages()
         for msg in unfinished:
             repair_tool_calls(msg)
@@ -423,6 +450,17 @@ class Workspace:
                 len(unfinished),
                 sum(len(m.parts) for m in results),
             )
+
+    async def _complete_recovered(self, stale: list[Run]) -> None:
+        """In a cluster, clients of the node that stopped resume their streams from the log:
+        each recovered run gets its one ``run_complete`` there (the store's terminal record
+        decides which node publishes it, so a run is never completed twice)."""
+        record = getattr(self.store, "record_terminal", None)
+        for run in stale:
+            complete = RunComplete(run.session_id, run.run_id, None, "", STOPPED_RUN_ERROR)
+            if record is not None and not await record(run.run_id, wire.dumps(complete)):
+                continue
+            await self.broker.publish_must_deliver(complete, EventKind.CREATED)
 
     # -- sessions -------------------------------------------------------------------------------
 

@@ -17,9 +17,11 @@ import os
 import secrets
 import socket
 import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -38,6 +40,9 @@ from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatch
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
+
+if TYPE_CHECKING:
+    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,8 @@ class ServeOptions:
     access_log: bool = True
     #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
     provider_factory: Any = None
+    #: ``--cluster-*`` flags: fields of the config's ``cluster`` section they replace.
+    cluster: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -155,6 +162,22 @@ async def serve(
         options.host, options.port, tcp_user_timeout_ms=server_opts.tcp_user_timeout_ms
     )
     url = _url_of(sock, options.host)
+    cluster_opts = config.cluster
+    if options.cluster:
+        try:
+            cluster_opts = attrs.evolve(cluster_opts, **options.cluster)
+        except TypeError as exc:
+            sock.close()
+            raise ConfigError(f"bad --cluster flag: {exc}") from None
+    placement: Placement | None = None
+    if cluster_opts.enabled:
+        from ..cluster.placement import Placement
+
+        try:
+            placement = Placement(cluster_opts, url)
+        except ConfigError:
+            sock.close()
+            raise
     backend = Backend(
         server=server_opts,
         config_file=options.config_file,
@@ -162,6 +185,7 @@ async def serve(
         version=__version__,
         user_config_dir=options.user_config_dir,
         provider_factory=options.provider_factory,
+        placement=placement,
     )
     settings = Settings(
         token=token,
@@ -185,7 +209,7 @@ async def serve(
     hconfig.include_server_header = False
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
-        async with backend.running(), trio.open_nursery() as nursery:
+        async with _placed(placement, backend), backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
@@ -222,3 +246,13 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
+
+
+@asynccontextmanager
+async def _placed(placement: Placement | None, backend: Backend) -> AsyncIterator[None]:
+    """Run the node's placement (cluster mode) for the block; nothing on a single server."""
+    if placement is None:
+        yield
+        return
+    async with placement.running(backend):
+        yield
