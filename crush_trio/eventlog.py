@@ -1,0 +1,205 @@
+"""Event logs: where a workspace's encoded events are kept so that any ``seq`` a client saw can be
+replayed, here or on another node.
+
+:class:`EventLog` is the interface the broker writes through when a log is configured (cluster
+mode). An event is a ``(seq, bytes)`` pair: ``seq`` is the broker's sequence number (1, 2, ...; a
+log keeps them strictly increasing) and the bytes are the event's encoding, opaque to the log.
+
+Two implementations:
+
+* :class:`MemoryEventLog`: a bounded ring in memory (by events and by bytes, the oldest evicted
+  first), the same semantics as the broker's own replay buffer. It serves tests and the contract;
+  the embedded single-node server does not use a log at all (its broker keeps its ring itself).
+* ``crush_trio.cluster.redislog.RedisEventLog``: one Redis stream per workspace (cluster mode).
+
+Ownership and fencing: a log belongs to one owner at a time, identified by an **epoch** (the
+workspace lease's epoch, which grows with every change of owner). :meth:`EventLog.fence` claims the
+log for an epoch; from then on appends made through a handle fenced with an older epoch raise
+:class:`Fenced` and land nothing. Fencing is monotonic: fencing with an epoch older than the
+current one raises :class:`Fenced` too. A new owner fences first, then continues numbering from
+:meth:`EventLog.last_seq`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Final, Protocol, runtime_checkable
+
+from .errors import CrushError
+
+#: Default number of events an event log keeps for resume.
+DEFAULT_LOG_MAX_EVENTS: Final = 100_000
+#: Default bound on the bytes of encoded events :class:`MemoryEventLog` keeps.
+DEFAULT_LOG_MAX_BYTES: Final = 64 * 1024 * 1024
+
+
+class Fenced(CrushError):
+    """A newer owner (a newer lease epoch) holds the workspace: this node may no longer write.
+
+    Raised by an append (or a fence) made with an epoch older than the log's current one. Nothing
+    of the refused write landed. The workspace must stop on this node; its clients reconnect and
+    find the new owner.
+    """
+
+    status = 409
+
+
+class EventLogError(CrushError):
+    """The log refused a write for a reason other than fencing (a seq out of order, a bad
+    batch); the message says which."""
+
+    status = 500
+
+
+EventRecord = tuple[int, bytes]
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """One workspace's event log (see the module's docstring)."""
+
+    async def append(self, batch: Sequence[EventRecord]) -> None:
+        """Append ``batch`` (``(seq, bytes)`` pairs, seqs increasing and above
+        :meth:`last_seq`) atomically: all of it or none.
+
+        Raises:
+            Fenced: a newer epoch owns the log; nothing was appended.
+            EventLogError: a seq is not above the last one.
+        """
+        ...
+
+    async def read(self, after_seq: int, limit: int) -> list[EventRecord]:
+        """Up to ``limit`` kept events with a seq above ``after_seq``, in order."""
+        ...
+
+    async def last_seq(self) -> int:
+        """The seq of the newest event appended (0 when none)."""
+        ...
+
+    async def first_seq(self) -> int:
+        """The seq of the oldest event kept (``last_seq() + 1`` when none is kept)."""
+        ...
+
+    async def fence(self, epoch: int) -> None:
+        """Claim the log for ``epoch``: appends through handles fenced with an older epoch fail
+        from now on. Claiming again with the current epoch is allowed.
+
+        Raises:
+            Fenced: the log already belongs to a newer epoch.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release this handle's resources (the log's contents stay)."""
+        ...
+
+
+def check_batch(batch: Sequence[EventRecord], last: int) -> None:
+    """Check that ``batch``'s seqs increase and start above ``last``.
+
+    Raises:
+        EventLogError: they do not.
+    """
+    for seq, _ in batch:
+        if seq <= last:
+            raise EventLogError(
+                f"event log append out of order: seq {seq} is not above {last}; "
+                "a new owner continues from last_seq()"
+            )
+        last = seq
+
+
+class _Ring:
+    """The shared contents of one in-memory log (every handle of it sees the same ring)."""
+
+    __slots__ = ("bytes", "epoch", "events", "last", "max_bytes", "max_events")
+
+    def __init__(self, max_events: int, max_bytes: int) -> None:
+        self.events: collections.deque[EventRecord] = collections.deque()
+        self.bytes = 0
+        self.last = 0
+        self.epoch = 0
+        self.max_events = max_events
+        self.max_bytes = max_bytes
+
+
+class MemoryEventLog:
+    """An :class:`EventLog` in memory: a ring bounded by events and by bytes.
+
+    The oldest events are evicted first once either bound is passed (the newest event is always
+    kept, even when it alone is over the byte bound). :meth:`handle` gives another handle on the
+    same ring, as another node would open the same Redis stream; each handle has its own epoch.
+
+    Args:
+        max_events: events kept.
+        max_bytes: bytes of encoded events kept.
+    """
+
+    def __init__(
+        self, max_events: int = DEFAULT_LOG_MAX_EVENTS, max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    ) -> None:
+        if max_events < 1 or max_bytes < 1:
+            raise ValueError("an event log keeps at least one event and one byte")
+        self._ring = _Ring(max_events, max_bytes)
+        #: The epoch this handle was fenced with (0: never fenced).
+        self.epoch = 0
+
+    def handle(self) -> MemoryEventLog:
+        """Another handle on the same log (with its own epoch, 0 until fenced)."""
+        other = MemoryEventLog.__new__(MemoryEventLog)
+        other._ring = self._ring
+        other.epoch = 0
+        return other
+
+    def _check_epoch(self) -> None:
+        ring = self._ring
+        if ring.epoch != self.epoch:
+            raise Fenced(
+                f"event log fenced: epoch {ring.epoch} owns it, this writer has epoch "
+                f"{self.epoch}; the workspace must stop on this node"
+            )
+
+    async def append(self, batch: Sequence[EventRecord]) -> None:
+        ring = self._ring
+        self._check_epoch()
+        check_batch(batch, ring.last)
+        events = ring.events
+        for record in batch:
+            events.append(record)
+            ring.bytes += len(record[1])
+        if batch:
+            ring.last = batch[-1][0]
+        while len(events) > 1 and (len(events) > ring.max_events or ring.bytes > ring.max_bytes):
+            ring.bytes -= len(events.popleft()[1])
+
+    async def read(self, after_seq: int, limit: int) -> list[EventRecord]:
+        out: list[EventRecord] = []
+        if limit <= 0:
+            return out
+        for record in self._ring.events:
+            if record[0] > after_seq:
+                out.append(record)
+                if len(out) >= limit:
+                    break
+        return out
+
+    async def last_seq(self) -> int:
+        return self._ring.last
+
+    async def first_seq(self) -> int:
+        events = self._ring.events
+        return events[0][0] if events else self._ring.last + 1
+
+    async def fence(self, epoch: int) -> None:
+        ring = self._ring
+        if epoch < ring.epoch:
+            raise Fenced(
+                f"event log fence refused: epoch {ring.epoch} owns it, {epoch} is older; "
+                "the workspace belongs to another node"
+            )
+        ring.epoch = epoch
+        self.epoch = epoch
+
+    async def aclose(self) -> None:
+        return None
