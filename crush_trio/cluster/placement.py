@@ -119,7 +119,8 @@ class Placement:
         self.url = (options.advertise_url or url).rstrip("/")
         self.node_id = options.node_id or default_node_id(self.url)
         self.cluster: Any = None
-        self.redis: Any = None
+        #: The node's Redis client and the workspaces' logs on it.
+        self.logs: Any = None
         #: Workspace id → its lease and what to do when it is lost.
         self.owned: dict[str, Owned] = {}
         self.backend: Backend | None = None
@@ -133,26 +134,25 @@ class Placement:
     async def running(self, backend: Backend) -> AsyncIterator[Placement]:
         """Connect, register the node, renew and scan in the background for the block."""
         from .pg import PgCluster
-        from .redislog import open_redis
+        from .redislog import open_redis_logs
 
         self.backend = backend
         self.cluster = await PgCluster.open(
-            self.options.database_url, max_size=self.options.database_pool
+            self.options.database_url, pool_size=self.options.database_pool
         )
         try:
-            self.redis = await open_redis(self.options.redis_url)
-            await self.cluster.register_node(self.node_id, self.url)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._renew_loop)
-                nursery.start_soon(self._scan_loop)
-                try:
-                    yield self
-                finally:
-                    nursery.cancel_scope.cancel()
+            async with open_redis_logs(self.options.redis_url) as logs:
+                self.logs = logs
+                await self.cluster.register_node(self.node_id, self.url)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._renew_loop)
+                    nursery.start_soon(self._scan_loop)
+                    try:
+                        yield self
+                    finally:
+                        nursery.cancel_scope.cancel()
         finally:
             with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
-                if self.redis is not None:
-                    await _aclose(self.redis)
                 await self.cluster.aclose()
 
     # -- claims ------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class Placement:
         raises :class:`Moved`, :class:`OwnerUnavailable`, or :class:`NotFound` for an id the
         cluster does not know.
         """
-        row = await self.cluster.workspace_owner(workspace_id)
+        row = await workspace_owner(self.cluster, workspace_id)
         if row is None:
             raise NotFound(
                 f"workspace {workspace_id!r} not found in the cluster; open it with "
@@ -214,10 +214,9 @@ class Placement:
         return await PgStore.open(self.cluster, lease.workspace_id, lease.epoch)
 
     async def open_log(self, lease: Any) -> Any:
-        """The workspace's event log in Redis, fenced for the lease's epoch first."""
-        from .redislog import RedisEventLog
-
-        event_log = RedisEventLog(self.redis, lease.workspace_id, lease.epoch)
+        """The workspace's event log in Redis, fenced for the lease's epoch first (an older
+        owner's appends fail from then on)."""
+        event_log = self.logs.log(lease.workspace_id)
         await event_log.fence(lease.epoch)
         return event_log
 
@@ -298,10 +297,31 @@ class Placement:
             await self.release(wid)
 
 
-async def _aclose(client: Any) -> None:
-    close = getattr(client, "aclose", None) or getattr(client, "close", None)
-    if close is None:
-        return
-    result = close()
-    if hasattr(result, "__await__"):
-        await result
+@attrs.frozen
+class Owner:
+    """Who holds a workspace's lease, as another node sees it."""
+
+    path: str
+    owner_node: str | None
+    owner_url: str | None
+    #: Seconds until the lease expires (negative: expired).
+    expires_in: float
+
+
+async def workspace_owner(cluster: Any, workspace_id: str) -> Owner | None:
+    """The lease of ``workspace_id`` (None: the cluster has no such workspace)."""
+
+    def op(conn: Any) -> Owner | None:
+        row = conn.execute(
+            "SELECT w.path, w.owner_node, n.url, "
+            "extract(epoch FROM w.lease_expires_at - clock_timestamp())::float8 "
+            "FROM cluster_workspaces w LEFT JOIN cluster_nodes n ON n.node_id = w.owner_node "
+            "WHERE w.workspace_id = %s",
+            (workspace_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        return Owner(str(row[0]), row[1], row[2], float(row[3]))
+
+    result: Owner | None = await cluster.call(f"locating workspace {workspace_id!r}", op)
+    return result
