@@ -349,6 +349,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
+            if backend.placement is not None:
+                check_request_host(settings, websocket.headers)
+                check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
+                await api.place(websocket.path, websocket.query_string, websocket.args)
             ws, sub = check_upgrade(
                 settings,
                 api,
