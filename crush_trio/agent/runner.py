@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 import trio
@@ -125,6 +125,16 @@ SUMMARY_CANCELLED: Final = "Summary cancelled"
 ProviderFactory = Callable[[str, Any], pb.Provider]
 
 
+class Terminals(Protocol):
+    """The once-only terminal record of a cluster's runs (see ``Workspace``): ``record`` stores
+    the run's terminal event with its final status (False: already recorded, do not publish);
+    ``logged`` notes that the event log holds the published event."""
+
+    async def record(self, run: Run, complete: RunComplete) -> bool: ...
+
+    async def logged(self, run_id: str, event: Any) -> None: ...
+
+
 class Agent:
     """Turns for every session of one workspace.
 
@@ -155,8 +165,11 @@ class Agent:
         on_idle: Callable[[], None] = lambda: None,
         max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
+        terminals: Terminals | None = None,
     ) -> None:
         self.store = store
+        #: In a cluster: the once-only record of each run's terminal event (None: embedded).
+        self.terminals = terminals
         self.messages = messages
         self.broker = broker
         #: The log ids of the task that made the agent (its workspace's), for its turns' logs.
@@ -457,7 +470,14 @@ class Agent:
         if complete.run_id not in self._live:
             return
         self._live.discard(complete.run_id)
-        await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        if self.terminals is None:
+            await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+            return
+        run = self.runs.get(complete.run_id)
+        if run is not None and not await self.terminals.record(run, complete):
+            return  # another node ended the run (it recovered it after this one lost its lease)
+        event = await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        await self.terminals.logged(complete.run_id, event)
 
     def _publish_busy(self, session_id: str) -> None:
         self._bg.start_soon(self._publish_session, session_id)

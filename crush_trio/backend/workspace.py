@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import trio
 
 from .. import wire
@@ -68,6 +69,9 @@ log = logging.getLogger(__name__)
 
 STOPPED_RUN_ERROR = "server stopped before the run finished"
 STOPPED_TOOL_RESULT = "Error: the server stopped before the tool call finished"
+#: How far back in a cluster's event log a recovering node looks for the ``run_complete`` of a
+#: terminal record not marked as logged (events).
+RECOVERY_SCAN_EVENTS = 10_000
 
 
 def _missing_tool_results(history: list[Message]) -> list[Message]:
@@ -298,6 +302,7 @@ class Workspace:
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
+                        terminals=None if self.event_log is None else LoggedTerminals(self.store),
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -423,10 +428,10 @@ class Workspace:
             run.status = RunStatus.FAILED
             run.error = STOPPED_RUN_ERROR
             run.finished_at = finished
-        if stale:
-            await self.store.save_runs(stale)
         if self.event_log is not None:
             await self._complete_recovered(stale)
+        elif stale:
+            await self.store.save_runs(stale)
         unfinished = await self.store.unfinished_assistant_messages()
         for msg in unfinished:
             repair_tool_calls(msg)
@@ -452,15 +457,50 @@ class Workspace:
             )
 
     async def _complete_recovered(self, stale: list[Run]) -> None:
-        """In a cluster, clients of the node that stopped resume their streams from the log:
-        each recovered run gets its one ``run_complete`` there (the store's terminal record
-        decides which node publishes it, so a run is never completed twice)."""
-        record = getattr(self.store, "record_terminal", None)
+        """In a cluster, clients of a node that stopped resume their streams from the log, so
+        every run it left must end there with exactly one ``run_complete``:
+
+        1. terminal events recorded but not known to be in the log (the node stopped between
+           the record and the append): appended unless the log's tail already holds them;
+        2. runs it left ``queued`` or ``running``: failed, each with its terminal record and
+           status in one transaction (False: another node did it first), then appended.
+        """
+        store: Any = self.store  # the cluster's store
+        unlogged = await store.unlogged_terminals()
+        if unlogged:
+            present = await self._completes_in_log({run_id for run_id, _ in unlogged})
+            for run_id, data in unlogged:
+                if run_id not in present:
+                    complete = wire.converter.structure(orjson.loads(data), RunComplete)
+                    await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+            await store.mark_logged([run_id for run_id, _ in unlogged])
+        ended = []
         for run in stale:
             complete = RunComplete(run.session_id, run.run_id, None, "", STOPPED_RUN_ERROR)
-            if record is not None and not await record(run.run_id, wire.dumps(complete)):
-                continue
-            await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+            if await store.record_terminal(run, wire.dumps(complete)):
+                await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+                ended.append(run.run_id)
+        await store.mark_logged(ended)
+
+    async def _completes_in_log(self, run_ids: set[str]) -> set[str]:
+        """Which of ``run_ids`` have a ``run_complete`` among the log's last
+        :data:`RECOVERY_SCAN_EVENTS` events."""
+        log_ = self.event_log
+        last = await log_.last_seq()
+        found: set[str] = set()
+        after = max(0, last - RECOVERY_SCAN_EVENTS)
+        while after < last:
+            batch = await log_.read(after, 1000)
+            if not batch:
+                break
+            for seq, data in batch:
+                after = seq
+                if b'"run_complete"' not in data:
+                    continue
+                payload = orjson.loads(data).get("payload") or {}
+                if payload.get("run_id") in run_ids:
+                    found.add(payload["run_id"])
+        return found
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -495,3 +535,22 @@ class Workspace:
         await self.store.delete_session(session_id)
         self.broker.publish(session, EventKind.DELETED)
         return True
+
+
+class LoggedTerminals:
+    """A cluster's once-only terminal records for the agent (``agent.runner.Terminals``): a
+    run's ``run_complete`` is recorded with its final status before it is published, and marked
+    logged once the event log holds it, so a node that takes the workspace over publishes
+    exactly the ones that never reached the log."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def record(self, run: Run, complete: RunComplete) -> bool:
+        if not run.status.terminal:
+            return True
+        recorded: bool = await self.store.record_terminal(run, wire.dumps(complete))
+        return recorded
+
+    async def logged(self, run_id: str, event: Any) -> None:
+        await self.store.mark_logged([run_id])
