@@ -160,9 +160,11 @@ class Client:
         limit = self.request_timeout if timeout is None else timeout
         wid = workspace_id_of(path)
         give_up = trio.current_time() + limit
+        location: str | None = None
         for hops in range(MAX_REDIRECTS + 1):
             owner = self.owners.get(wid) if wid is not None else None
-            url = owner + path if owner is not None else path
+            url = location or (owner + path if owner is not None else path)
+            location = None
             try:
                 response = await self.http.request(
                     method,
@@ -188,9 +190,12 @@ class Client:
                 break
             status = response.status_code
             if status == 307 and "location" in response.headers:
-                self.moved(wid, response.headers["location"])
-                if wid is None:
-                    break  # not a workspace route: nothing to follow
+                location = response.headers["location"]
+                self.moved(wid, location)
+                if wid is not None:
+                    location = None  # the owner's base is remembered: the path is rebuilt
+                elif not location.startswith(("http://", "https://")):
+                    break  # nothing this client can follow
                 continue
             if status == 503 and owner is not None:
                 self.forget_owner(wid or "")  # a node that stops: ask the server again
