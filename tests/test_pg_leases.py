@@ -262,42 +262,50 @@ async def test_expired_with_work_lists_only_expired_workspaces_with_active_runs(
         assert sorted(found) == sorted([(ids["/busy"], "/busy"), (ids["/unlogged"], "/unlogged")])
 
 
-async def test_a_write_holding_the_epoch_blocks_a_claim_and_a_write_after_it_is_fenced(
-    cluster: PgCluster,
-    pg_dsn: str,
+async def test_a_write_in_progress_delays_a_takeover_but_not_a_renewal_and_a_later_write_is_fenced(
+    cluster: PgCluster, pg_dsn: str
 ) -> None:
-    """The fence is a row lock: a claim cannot commit while a write that checked the epoch is
-    open, and a write that starts after the claim sees the new epoch."""
-    dsn = pg_dsn
-    with trio.fail_after(TEST_TIMEOUT):
-        lease = await cluster.claim_workspace("/p", "a", TTL)
-        assert isinstance(lease, Lease)
-        checked = trio.Event()
-        finish = threading.Event()
-        token = trio.lowlevel.current_trio_token()
+    """The fence: a claim cannot take the lease over while a write that checked the epoch is
+    open, the owner's renewal is not held up by it, and a write that starts after the claim
+    sees the new epoch."""
+    # Another node whose statements give up after waiting 200 ms for a lock.
+    impatient = await PgCluster.open(pg_dsn + "?options=-c%20lock_timeout%3D200ms", pool_size=2)
+    try:
+        with trio.fail_after(TEST_TIMEOUT):
+            lease = await cluster.claim_workspace("/p", "a", TTL)
+            assert isinstance(lease, Lease)
+            checked = trio.Event()
+            finish = threading.Event()
+            token = trio.lowlevel.current_trio_token()
 
-        def write(conn: psycopg.Connection[Any]) -> None:
-            check_epoch(conn, lease.workspace_id, lease.epoch)
-            trio.from_thread.run_sync(checked.set, trio_token=token)
-            finish.wait(TEST_TIMEOUT)
+            def write(conn: psycopg.Connection[Any]) -> None:
+                check_epoch(conn, lease.workspace_id, lease.epoch)
+                trio.from_thread.run_sync(checked.set, trio_token=token)
+                finish.wait(TEST_TIMEOUT)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(cluster.call, "a held write", write)
-            await checked.wait()
-            # What claim_workspace locks, from another node, refusing to wait.
-            with psycopg.connect(dsn) as conn:
-                conn.execute("SET lock_timeout = '200ms'")
-                with pytest.raises(psycopg.errors.LockNotAvailable):
-                    conn.execute("SELECT 1 FROM cluster_workspaces WHERE path = '/p' FOR UPDATE")
-            finish.set()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cluster.call, "a held write", write)
+                await checked.wait()
+                assert await impatient.renew(lease) is True
+                expire(pg_dsn, "/p")
+                with pytest.raises(StoreError) as info:
+                    await impatient.claim_workspace("/p", "b", TTL)
+                assert isinstance(info.value.__cause__, psycopg.errors.LockNotAvailable)
+                # A live lease is answered without waiting for the write.
+                assert await impatient.renew(lease) is True
+                held = await impatient.claim_workspace("/p", "b", TTL)
+                assert isinstance(held, Held)
+                finish.set()
 
-        expire(dsn, "/p")
-        taken = await cluster.claim_workspace("/p", "b", TTL)
-        assert isinstance(taken, Lease)
+            expire(pg_dsn, "/p")
+            taken = await impatient.claim_workspace("/p", "b", TTL)
+            assert isinstance(taken, Lease)
 
-        def late_write(conn: psycopg.Connection[Any]) -> None:
-            check_epoch(conn, lease.workspace_id, lease.epoch)
+            def late_write(conn: psycopg.Connection[Any]) -> None:
+                check_epoch(conn, lease.workspace_id, lease.epoch)
 
-        with pytest.raises(Fenced, match=r"epoch 1\).*epoch 2") as info:
-            await cluster.call("a late write", late_write)
-        assert info.value.status == 503
+            with pytest.raises(Fenced, match=r"epoch 1\).*epoch 2") as fenced:
+                await cluster.call("a late write", late_write)
+            assert fenced.value.status == 503
+    finally:
+        await impatient.aclose()

@@ -35,17 +35,22 @@ Schema (version :data:`SCHEMA_VERSION`, in table ``crush_schema``):
 
 Leases and fencing:
     :meth:`PgCluster.claim_workspace` creates a workspace's row (a new ``workspace_id``, epoch 1)
-    or takes the lease when it has expired, bumping the epoch; the row is locked (``FOR
+    or takes the lease when it has expired, bumping the epoch. Claims lock the row (``FOR NO KEY
     UPDATE``) and the path is unique, so of two nodes claiming at once exactly one wins and the
     other gets :class:`Held`. A claim of a live lease the node already holds extends it and keeps
     the epoch. The owner keeps the lease with :meth:`~PgCluster.renew` (which fails once the epoch
     moved) and gives it up with :meth:`~PgCluster.release`.
 
-    A write of a workspace's data starts with :func:`check_epoch`: ``SELECT epoch ... FOR SHARE``
-    on the workspace's row, inside the write's transaction. The shared row lock conflicts with the
-    ``FOR UPDATE`` of a claim, so either the claim committed first (the write sees the new epoch,
-    raises :class:`Fenced` and rolls back: nothing lands) or the claim waits until the write has
-    committed. A node that lost its lease can therefore never write after the new owner took over.
+    The fence is a transaction-scoped advisory lock per workspace (key: ``hashtextextended`` of
+    its id). A write of a workspace's data starts with :func:`check_epoch`, which takes the lock
+    shared and then reads the epoch (the database function ``crush_check_epoch``: the read comes
+    after the lock, with a fresh snapshot). A claim that takes a lease over takes the lock
+    exclusively before it bumps the epoch. So either the claim committed first (the write sees
+    the new epoch, raises :class:`Fenced` and rolls back: nothing lands) or the claim waits until
+    the writes in progress have committed. PostgreSQL queues lock requests fairly (a shared
+    request waits behind a waiting exclusive one), so a stream of writes cannot starve a claim;
+    and since writes take no lock on the lease row, they never delay a renewal. A node that lost
+    its lease can therefore never write after the new owner took over.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ CONNECT_TIMEOUT: Final = 10.0
 POOL_WAIT_TIMEOUT: Final = 30.0
 #: Bound on closing the pool (seconds): connections still busy after it are dropped.
 CLOSE_TIMEOUT: Final = 5.0
+#: SQLSTATE raised by the database's epoch check (``crush_check_epoch``) for a fenced write.
+FENCED_SQLSTATE: Final = "CR001"
 #: Key of the advisory lock that serializes schema migrations of nodes starting together.
 SCHEMA_LOCK_KEY: Final = 0x637275736874  # "crusht"
 
@@ -182,6 +189,25 @@ CREATE TABLE run_terminals (
 );
 
 CREATE INDEX run_terminals_unlogged ON run_terminals (workspace_id) WHERE NOT logged;
+
+-- The fence of every write (crush_trio.cluster.pg.check_epoch): the workspace's advisory lock,
+-- shared, then its epoch, read after the lock (a volatile function's statements each take a new
+-- snapshot). A mismatch raises SQLSTATE CR001 with "workspace_id epoch current" as the detail.
+CREATE FUNCTION crush_check_epoch(ws text, expected bigint) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    current_epoch bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended(ws, 0));
+    SELECT epoch INTO current_epoch FROM cluster_workspaces WHERE workspace_id = ws;
+    IF current_epoch IS DISTINCT FROM expected THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'CR001',
+            MESSAGE = format('workspace %s is at epoch %s, not %s', ws, current_epoch, expected),
+            DETAIL = coalesce(current_epoch::text, '');
+    END IF;
+END
+$$;
 """
 
 #: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
@@ -237,14 +263,18 @@ class Held:
 
 
 def check_epoch(conn: psycopg.Connection[Any], workspace_id: str, epoch: int) -> None:
-    """Inside a write transaction: hold the workspace's row (``FOR SHARE``, until commit) and
-    raise :class:`Fenced` unless its epoch is still ``epoch``."""
-    row = conn.execute(
-        "SELECT epoch FROM cluster_workspaces WHERE workspace_id = %s FOR SHARE", (workspace_id,)
-    ).fetchone()
-    current = None if row is None else int(row[0])
-    if current != epoch:
-        raise Fenced.superseded(workspace_id, epoch, current)
+    """First statement of a write transaction: hold the workspace's fence (shared, until the
+    transaction ends) and raise :class:`Fenced` unless the workspace is still at ``epoch``."""
+    import psycopg
+
+    try:
+        conn.execute("SELECT crush_check_epoch(%s, %s)", (workspace_id, epoch))
+    except psycopg.Error as exc:
+        if exc.sqlstate != FENCED_SQLSTATE:
+            raise
+        detail = exc.diag.message_detail or ""
+        current = int(detail) if detail.isdigit() else None
+        raise Fenced.superseded(workspace_id, epoch, current) from None
 
 
 def _describe(dsn: str) -> str:
@@ -466,10 +496,11 @@ class PgCluster:
             if row is not None:
                 return Lease(new_id, path, 1, row[0], ttl)
             # The row exists (perhaps committed by a concurrent claim this statement waited
-            # for): lock it, then look at the lease with the clock read after the lock.
+            # for): lock it against other claims and renewals (not against writes, which take no
+            # lock on it), then look at the lease with the clock read after the lock.
             found = conn.execute(
                 "SELECT workspace_id, owner_node, epoch FROM cluster_workspaces "
-                "WHERE path = %s FOR UPDATE",
+                "WHERE path = %s FOR NO KEY UPDATE",
                 (path,),
             ).fetchone()
             if found is None:  # deleted meanwhile; there is no API that deletes one
@@ -486,6 +517,12 @@ class PgCluster:
                     "SELECT url FROM cluster_nodes WHERE node_id = %s", (owner,)
                 ).fetchone()
                 return Held(workspace_id, owner, None if url is None else url[0], remaining)
+            if not live:
+                # Taking over: wait for the writes in progress (they hold the fence shared);
+                # writes that start later wait for this commit, then see the new epoch.
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (workspace_id,)
+                )
             new_epoch = epoch if live else epoch + 1
             (expires_at,) = conn.execute(
                 "UPDATE cluster_workspaces SET owner_node = %s, epoch = %s, "

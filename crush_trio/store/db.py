@@ -672,6 +672,8 @@ class Store:
         memory (an empty list) without a database call.
         """
         if session_id in self._empty_sessions:
+            if self._conn is None:
+                raise self._closed_error()
             await trio.lowlevel.checkpoint()
             return []
 
