@@ -372,6 +372,19 @@ async def test_sigterm_hands_the_workspace_over_in_about_a_second(cluster: Clust
     assert took < LEASE_TTL, f"hand-over took {took:.2f} s"
 
 
+async def test_crush_trio_run_follows_the_redirect_to_the_owner(cluster: Cluster) -> None:
+    a, _b, c = cluster.nodes
+    await hold_on(a, cluster.project)
+    result = await trio.run_process(
+        [sys.executable, "-m", "crush_trio", "run", "--server", c.url, "--token", TOKEN,
+         "--workspace", str(cluster.project), "--quiet", "--timeout", str(WAIT), "hi", "there"],
+        capture_stdout=True, capture_stderr=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().strip() == "hi there"
+
+
 async def test_two_nodes_opening_one_path_at_once_get_one_owner(cluster: Cluster) -> None:
     a, b, _c = cluster.nodes
     ids: list[str] = []
@@ -389,5 +402,11 @@ async def test_two_nodes_opening_one_path_at_once_get_one_owner(cluster: Cluster
         nursery.start_soon(open_on, a)
         nursery.start_soon(open_on, b)
     assert len(set(ids)) == 1
+    listed = []
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for node in cluster.nodes:
+            response = await http.get(node.url + "/v1/workspaces", timeout=WAIT)
+            listed += [node.name for w in response.json() if w["id"] == ids[0]]
+    assert len(listed) == 1
     rows = cluster.sql("SELECT workspace_id, owner_node FROM cluster_workspaces")
     assert len(rows) == 1 and rows[0][1] in ("node-a", "node-b")
