@@ -143,7 +143,9 @@ class Backend:
             return self.get(workspace_id)
         path = await self.placement.locate(workspace_id, target)
         holder = client_id if client_id and not self.is_retired(client_id) else None
-        return await self._open(Path(path), holder)
+        # Without a client of its own, the request's hold is the node's: it lasts the create
+        # grace, so the clients that follow find the workspace open.
+        return await self._open(Path(path), holder or self.placement.hold_id)
 
     async def adopt(self, path: str) -> Workspace:
         """Open a workspace whose owner stopped while it had runs, to recover them."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Final
@@ -118,6 +119,9 @@ class Placement:
         self.options = options
         self.url = (options.advertise_url or url).rstrip("/")
         self.node_id = options.node_id or default_node_id(self.url)
+        #: The client id of the holds this node takes on a workspace it opens for a request
+        #: that names no client (they last ``server.create_grace``).
+        self.hold_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"crush-trio-node:{self.node_id}"))
         self.cluster: Any = None
         #: The node's Redis client and the workspaces' logs on it.
         self.logs: Any = None

@@ -11,7 +11,7 @@ from typing import Any
 from ..attachments import check_attachments
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
-from ..cluster.placement import workspace_id_of
+from ..cluster.placement import OwnerUnavailable, workspace_id_of
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -55,7 +55,15 @@ class Api:
         ``OwnerUnavailable`` (503); nothing on a single server."""
         backend = self.backend
         wid = workspace_id_of(path)
-        if backend.placement is None or wid is None or wid in backend.workspaces:
+        if backend.placement is None or wid is None:
+            return
+        ws = backend.workspaces.get(wid)
+        if ws is not None:
+            if ws.closing:  # it moves to another node once closed: ask again then
+                raise OwnerUnavailable(
+                    f"workspace {wid} is closing on this node; retry, another node takes it",
+                    retry_after=backend.placement.options.retry_after,
+                )
             return
         target = path + ("?" + query.decode("latin-1") if query else "")
         client_id = args.get("client_id")
