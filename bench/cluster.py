@@ -136,12 +136,17 @@ class Load:
 async def workspaces(
     clients: list[Client], projects: list[Path]
 ) -> AsyncIterator[list[WorkspaceClient]]:
-    """Every project's workspace, opened round-robin through the clients' nodes."""
+    """Every project's workspace, owned round-robin by the nodes: workspace ``i`` is opened first
+    through node ``i`` (which so owns it), without events; the client that works in it enters
+    through the next node, which sends it on to the owner (a client whose entry node survives
+    the owner, as behind a load balancer)."""
     async with AsyncExitStack() as stack:
         opened = []
+        n = len(clients)
         for i, project in enumerate(projects):
-            client = clients[i % len(clients)]
-            opened.append(await stack.enter_async_context(client.workspace(project)))
+            if n > 1:
+                await stack.enter_async_context(clients[i % n].workspace(project, events=False))
+            opened.append(await stack.enter_async_context(clients[(i + 1) % n].workspace(project)))
         yield opened
 
 
@@ -209,10 +214,7 @@ async def failover(nodes: list[Node], projects: list[Path], runs: int) -> dict[s
             for n in nodes
         ]
         async with workspaces(clients, projects) as opened:
-            owners: dict[str, str] = {}
-            for i, ws in enumerate(opened):
-                client = clients[i % len(clients)]
-                owners[ws.id] = client.owners.get(ws.id, client.base_url)
+            owners = {ws.id: clients[i % len(clients)].base_url for i, ws in enumerate(opened)}
             counts: dict[str, int] = {}
             for url in owners.values():
                 counts[url] = counts.get(url, 0) + 1
