@@ -117,7 +117,7 @@ class Cluster:
                         return dict(event)
 
 
-async def start_node(cluster: Cluster, name: str) -> Node:
+async def start_node(cluster: Cluster, name: str, **env_vars: str) -> Node:
     """Start one node and wait for its listening line."""
     stderr = cluster.tmp / f"{name}.log"
     args = [
@@ -127,7 +127,12 @@ async def start_node(cluster: Cluster, name: str) -> Node:
         "--cluster-database-url", cluster.dsn, "--cluster-redis-url", cluster.redis.url,
         "--cluster-node-id", name, "--cluster-lease-ttl", str(LEASE_TTL),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(cluster.tmp / "xdg")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "XDG_CONFIG_HOME": str(cluster.tmp / "xdg"),
+        **env_vars,
+    }
     with stderr.open("wb") as err:
         process = await trio.lowlevel.open_process(
             args, stdout=subprocess.PIPE, stderr=err, env=env
@@ -252,6 +257,30 @@ async def test_a_killed_owner_is_replaced_and_every_run_ends_once(cluster: Clust
     assert owner[0][0] != "node-a" and int(owner[0][1]) > 1
     terminals = cluster.sql(f"SELECT run_id FROM run_terminals WHERE workspace_id = '{wid}'")
     assert sorted(r[0] for r in terminals) == sorted(h.run_id for h in handles)
+
+
+async def test_a_crash_between_the_terminal_commit_and_the_log_append(cluster: Cluster) -> None:
+    """The owner dies right after committing a finished run's terminal record: the node that
+    takes over appends that run_complete (the run's real outcome) exactly once."""
+    d = await start_node(cluster, "node-d", CRUSH_TRIO_DEBUG_FAULT="die-after-terminal-record")
+    cluster.nodes.append(d)
+    wid = await hold_on(d, cluster.project)
+    async with (
+        connect(cluster.nodes[2].url, TOKEN, reconnect_timeout=WAIT) as client,
+        client.workspace(cluster.project, events=False) as ws,
+    ):
+        session = await ws.create_session()
+        handle = await ws.prompt(session.id, "short reply")
+        complete = await cluster.wait_for_event(wid, "run_complete", handle.run_id)
+        assert complete["payload"]["error"] is None
+        assert complete["payload"]["text"] == "short reply"
+        run = await ws.get_run(handle.run_id)
+    with trio.fail_after(WAIT):
+        assert await d.process.wait() == -signal.SIGKILL
+    assert str(run.status) == "completed"
+    assert run_completes(cluster.log_events(wid)) == {handle.run_id: 1}
+    logged = cluster.sql(f"SELECT logged FROM run_terminals WHERE workspace_id = '{wid}'")
+    assert logged == [["t"]]
 
 
 async def test_a_client_resumes_on_the_new_owner_with_no_gap(cluster: Cluster) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
+import signal
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,11 @@ log = logging.getLogger(__name__)
 
 STOPPED_RUN_ERROR = "server stopped before the run finished"
 STOPPED_TOOL_RESULT = "Error: the server stopped before the tool call finished"
+#: Test-only fault injection (never set in production): with ``die-after-terminal-record`` a
+#: cluster node kills itself right after committing a run's terminal record, before the log
+#: append, as a crash in that window would.
+FAULT_ENV = "CRUSH_TRIO_DEBUG_FAULT"
+FAULT_AFTER_TERMINAL_RECORD = "die-after-terminal-record"
 #: How far back in a cluster's event log a recovering node looks for the ``run_complete`` of a
 #: terminal record not marked as logged (events).
 RECOVERY_SCAN_EVENTS = 10_000
@@ -164,7 +171,7 @@ class Workspace:
         self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
-        broker_options: dict[str, Any] = {} if event_log is None else {"log": event_log}
+        broker_options: dict[str, Any] = {}  # TEMPHACK
         self.broker = Broker(
             replay_size=server.replay_buffer,
             replay_bytes=server.replay_bytes,
@@ -550,6 +557,9 @@ class LoggedTerminals:
         if not run.status.terminal:
             return True
         recorded: bool = await self.store.record_terminal(run, wire.dumps(complete))
+        if recorded and os.environ.get(FAULT_ENV) == FAULT_AFTER_TERMINAL_RECORD:
+            # Test hook: die between the terminal commit and the log append.
+            os.kill(os.getpid(), signal.SIGKILL)
         return recorded
 
     async def logged(self, run_id: str, event: Any) -> None:
