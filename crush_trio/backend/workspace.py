@@ -33,6 +33,7 @@ from .. import wire
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
+from ..cluster.placement import ended_without_record
 from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
@@ -469,7 +470,9 @@ class Workspace:
 
         1. terminal events recorded but not known to be in the log (the node stopped between
            the record and the append): appended unless the log's tail already holds them;
-        2. runs it left ``queued`` or ``running``: failed, each with its terminal record and
+        2. runs that ended without a record (the node stopped between saving the status and
+           recording the event): recorded from the run's record, appended;
+        3. runs it left ``queued`` or ``running``: failed, each with its terminal record and
            status in one transaction (False: another node did it first), then appended.
         """
         store: Any = self.store  # the cluster's store
@@ -482,6 +485,21 @@ class Workspace:
                     await self.broker.publish_must_deliver(complete, EventKind.CREATED)
             await store.mark_logged([run_id for run_id, _ in unlogged])
         ended = []
+        for run_id in await ended_without_record(store):
+            run = await store.get_run(run_id)
+            if run is None:
+                continue
+            complete = RunComplete(
+                run.session_id,
+                run.run_id,
+                run.message_id,
+                run.text,
+                run.error,
+                cancelled=run.status is RunStatus.CANCELLED,
+            )
+            if await store.record_terminal(run, wire.dumps(complete)):
+                await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+                ended.append(run.run_id)
         for run in stale:
             complete = RunComplete(run.session_id, run.run_id, None, "", STOPPED_RUN_ERROR)
             if await store.record_terminal(run, wire.dumps(complete)):

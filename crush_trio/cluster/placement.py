@@ -329,3 +329,22 @@ async def workspace_owner(cluster: Any, workspace_id: str) -> Owner | None:
 
     result: Owner | None = await cluster.call(f"locating workspace {workspace_id!r}", op)
     return result
+
+
+async def ended_without_record(store: Any) -> list[str]:
+    """Runs of the store's workspace with a terminal status but no terminal record: their
+    node stopped between saving the status and recording the ``run_complete``."""
+    workspace_id = store.workspace_id
+
+    def op(conn: Any) -> list[str]:
+        rows = conn.execute(
+            "SELECT r.run_id FROM runs r WHERE r.workspace_id = %s "
+            "AND r.status IN ('completed', 'failed', 'cancelled') AND NOT EXISTS ("
+            "SELECT 1 FROM run_terminals t WHERE t.workspace_id = r.workspace_id "
+            "AND t.run_id = r.run_id) ORDER BY r.seq",
+            (workspace_id,),
+        ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    result: list[str] = await store.cluster.call("listing runs ended without a record", op)
+    return result
