@@ -439,3 +439,48 @@ async def test_two_nodes_opening_one_path_at_once_get_one_owner(cluster: Cluster
     assert len(listed) == 1
     rows = cluster.sql("SELECT workspace_id, owner_node FROM cluster_workspaces")
     assert len(rows) == 1 and rows[0][1] in ("node-a", "node-b")
+
+
+# -- configuration (no services needed) ---------------------------------------------------------
+
+
+def test_the_cluster_section_comes_from_the_users_file_only(tmp_path: Path) -> None:
+    from crush_trio.config import load_config_report
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "crush.json").write_text(
+        json.dumps({"cluster": {"database_url": "postgresql:///crush", "lease_ttl": 4}})
+    )
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "crush.json").write_text(
+        json.dumps({"cluster": {"database_url": "postgresql://evil/db"}})
+    )
+    loaded = load_config_report(config_file=None, workspace=project, user_config_dir=user)
+    assert loaded.config.cluster.database_url == "postgresql:///crush"
+    assert loaded.config.cluster.enabled
+    assert loaded.config.cluster.renew_every == pytest.approx(4 / 3)
+    assert any("cluster" in w and "only the user's own" in w for w in loaded.warnings)
+
+
+def test_serve_flags_fill_the_cluster_section() -> None:
+    from crush_trio.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--cluster-database-url", "postgresql:///x", "--cluster-redis-url",
+         "redis://r/0", "--cluster-node-id", "n1", "--cluster-lease-ttl", "3"]
+    )  # fmt: skip
+    assert (args.cluster_database_url, args.cluster_redis_url) == ("postgresql:///x", "redis://r/0")
+    assert (args.cluster_node_id, args.cluster_lease_ttl) == ("n1", 3.0)
+
+
+async def test_a_cluster_without_redis_is_refused_with_the_flag_to_use(tmp_path: Path) -> None:
+    from crush_trio.errors import ConfigError
+    from crush_trio.server.serve import ServeOptions, serve
+
+    options = ServeOptions(
+        port=0, token=TOKEN, user_config_dir=tmp_path, cluster={"database_url": "postgresql:///x"}
+    )
+    with pytest.raises(ConfigError, match="--cluster-redis-url"):
+        await serve(options)
