@@ -241,9 +241,13 @@ async def test_a_killed_owner_is_replaced_and_every_run_ends_once(cluster: Clust
         seen = ws.stats.last_seq
         a.process.kill()
         killed_at = trio.current_time()
+        # The server's side: another node ends every run in the log.
         for handle in handles:
-            await handle.wait(timeout=LEASE_TTL + TAKEOVER_SLACK + 5)
+            await cluster.wait_for_event(wid, "run_complete", handle.run_id)
         ended = trio.current_time() - killed_at
+        # The client's side: its stream follows the workspace and every handle ends.
+        for handle in handles:
+            await handle.wait(timeout=WAIT)
         runs = [await ws.get_run(h.run_id) for h in handles]
         assert ws.stats.gaps == 0
         assert ws.stats.last_seq > seen
