@@ -134,14 +134,19 @@ class Backend:
             raise Conflict(f"client {client_id} was retired; use a new client_id")
         return await self._open(self._resolve(raw_path), client_id)
 
-    async def locate(self, workspace_id: str, target: str, client_id: str | None) -> Workspace:
+    async def locate(
+        self, workspace_id: str, target: str, client_id: str | None, *, adopt: bool = True
+    ) -> Workspace | None:
         """In a cluster: the workspace ``workspace_id`` when this node has it open, else open it
         here when no live node holds its lease (for ``client_id``'s hold, or a hold of the
-        create grace), else raise ``Moved`` / ``OwnerUnavailable`` / ``NotFound``."""
+        create grace; with ``adopt`` False: None), else raise ``Moved`` / ``OwnerUnavailable``
+        / ``NotFound``."""
         ws = self.workspaces.get(workspace_id)
         if ws is not None or self.placement is None:
             return self.get(workspace_id)
         path = await self.placement.locate(workspace_id, target)
+        if not adopt:
+            return None
         holder = client_id if client_id and not self.is_retired(client_id) else None
         # Without a client of its own, the request's hold is the node's: it lasts the create
         # grace, so the clients that follow find the workspace open.

@@ -49,7 +49,7 @@ class Api:
     def workspace(self, workspace_id: str) -> Workspace:
         return self.backend.get(workspace_id)
 
-    async def place(self, path: str, query: bytes, args: Any) -> None:
+    async def place(self, path: str, query: bytes, args: Any, method: str = "GET") -> None:
         """In a cluster, a request for a workspace this node has not open: open it here when no
         live node owns it, else raise ``Moved`` (307 to the owner, same path and query) or
         ``OwnerUnavailable`` (503); nothing on a single server."""
@@ -67,7 +67,11 @@ class Api:
             return
         target = path + ("?" + query.decode("latin-1") if query else "")
         client_id = args.get("client_id")
-        await backend.locate(wid, target, client_id if isinstance(client_id, str) else None)
+        # Releasing a hold on a workspace no node serves opens nothing (404 follows).
+        releasing = method == "DELETE" and path.rstrip("/") == f"/v1/workspaces/{wid}"
+        await backend.locate(
+            wid, target, client_id if isinstance(client_id, str) else None, adopt=not releasing
+        )
 
     async def open_workspace(self, raw_path: str, client_id: str) -> Workspace:
         """``POST /v1/workspaces``: the path is checked here, then the backend opens it."""

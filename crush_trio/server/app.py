@@ -101,7 +101,7 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             if request.path.endswith("/events"):
                 check_request_origin(settings, request.headers, request.scheme)
             check_state_change(settings, request.method, request.headers, request.scheme)
-            await api.place(request.path, request.query_string, request.args)
+            await api.place(request.path, request.query_string, request.args, request.method)
         except CrushError as exc:
             response = error_response(exc)
             if request.method in ("POST", "PUT", "PATCH", "DELETE"):
