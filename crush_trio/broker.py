@@ -31,11 +31,26 @@ replay buffer's byte bound counts both forms.
 
 The broker never touches a socket: each transport runs one writer task per connection that drains
 the client's queue (see ``server/connection.py``).
+
+With an event log (cluster mode, :mod:`crush_trio.eventlog`), an event reaches clients only after
+the log accepted it, so any ``seq`` a client saw can be replayed from any node. Publishing still
+assigns the ``seq`` and encodes at once (and never blocks for lossy events), but queues the event
+for :meth:`Broker.write_log`: one task that appends everything queued since its last append in one
+batch (a publish window: the events published while the previous append was in flight), then puts
+the batch into the replay buffer and offers it to the clients, in order. A must-deliver publish
+returns once its event was appended and delivered. A resume from further back than the replay
+buffer reads the log (:meth:`Broker.subscribe_resuming`). When the log refuses an append because
+a newer owner fenced it (:class:`~crush_trio.eventlog.Fenced`), or stays unavailable for
+``log_append_timeout``, nothing queued reaches anybody: every client is closed with 1012 (they
+reconnect, with ``since``, to whichever node owns the workspace now), later publishes are
+dropped, and ``on_log_lost`` tells the owner so the workspace stops. Without a log (embedded
+mode) none of this runs: publishing fans out synchronously, as it always did.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -46,7 +61,8 @@ import orjson
 import trio
 
 from . import wire
-from .errors import WS_CLOSE_TRY_AGAIN_LATER
+from .errors import WS_CLOSE_SERVICE_RESTART, WS_CLOSE_TRY_AGAIN_LATER, CrushError
+from .eventlog import EventLog, EventLogError, Fenced
 from .wire import EventKind
 
 log = logging.getLogger(__name__)
@@ -62,7 +78,21 @@ DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
 #: Default bound on how long a must-deliver publish waits for slow clients (seconds).
 DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 
+#: Default bound on how long the log may refuse or delay one batch before the broker gives it up
+#: (seconds; retried meanwhile).
+DEFAULT_LOG_APPEND_TIMEOUT: Final = 10.0
+#: Pause between two attempts of a failed append (seconds).
+LOG_RETRY_DELAY: Final = 0.1
+#: Most events one append carries (a longer queue is sent in several appends).
+LOG_BATCH_MAX: Final = 1000
+#: Events one log read asks for when a resume reaches back past the replay buffer.
+LOG_READ_PAGE: Final = 1000
+
 TOO_SLOW_REASON: Final = "too slow"
+#: Close reasons (with 1012) of the clients of a broker whose log was lost: fenced by a newer
+#: owner, or unavailable for ``log_append_timeout``. Clients reconnect and resume with ``since``.
+LOG_FENCED_REASON: Final = "workspace moved to another node: event log fenced"
+LOG_UNAVAILABLE_REASON: Final = "workspace moved to another node: event log unavailable"
 #: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
 GAP_FRAME_BYTES: Final = 160
 
@@ -136,6 +166,39 @@ def _replay_size(event: Event) -> int:
     """Bytes an event holds in the replay buffer: both forms of a delta change."""
     snapshot = event.snapshot
     return event.size if snapshot is None else event.size + snapshot.size
+
+
+def log_record(event: Event) -> bytes:
+    """An event as the log keeps it: its envelope, and for a delta change whose snapshot form was
+    encoded, a newline and that form (compact JSON holds no raw newline)."""
+    data = event.text.encode()
+    snapshot = event.snapshot
+    if snapshot is not None:
+        data += b"\n" + snapshot.text.encode()
+    return data
+
+
+def event_from_log(seq: int, data: bytes) -> Event:
+    """The :class:`Event` of a log record (see :func:`log_record`)."""
+    text, _, snapshot = data.partition(b"\n")
+    ptype = wire.PayloadType(orjson.loads(text)["type"])
+    event = Event(seq, ptype.value, text.decode(), ptype.must_deliver, len(text))
+    if ptype is wire.PayloadType.MESSAGE_DELTA:
+        event.is_delta = True
+        if snapshot:
+            event.snapshot = Event(
+                seq, wire.PayloadType.MESSAGE.value, snapshot.decode(), False, len(snapshot)
+            )
+    return event
+
+
+def _widen(gap: Gap | None, first: int, last: int) -> Gap:
+    """``gap`` extended by the missing seqs ``first..last`` (they follow it)."""
+    if gap is None:
+        return Gap(last - first + 1, first, last)
+    gap.dropped += last - first + 1
+    gap.to_seq = last
+    return gap
 
 
 def websocket_text_frame(text: str) -> bytes:
@@ -369,7 +432,7 @@ class ClientStream:
         """Queue the pending gap frame if there is room; True when nothing is pending."""
         if self._gap is None:
             return True
-        if self._push_nowait(self._gap.frame(self.broker.seq)):
+        if self._push_nowait(self._gap.frame(self.broker.latest_seq)):
             self._gap = None
             return True
         return False
@@ -414,20 +477,28 @@ class ClientStream:
             return False
         return self._flush_gap_nowait() and self._push_nowait(event)
 
-    async def deliver(self, event: Event) -> None:
+    def reserve_delivery(self) -> None:
+        """Hold lossy events back (into the gap) from now on, until a :meth:`deliver` with
+        ``reserved`` queued the must-deliver event they would overtake."""
+        self._md_waiting += 1
+        self.must_deliver_waits += 1
+
+    async def deliver(self, event: Event, *, reserved: bool = False) -> None:
         """Wait for room for a must-deliver event (the caller bounds the wait).
+
+        ``reserved``: :meth:`reserve_delivery` was called for this event already.
 
         Cancellation: if cancelled while waiting the event was not queued; the caller then kills
         this client.
         """
-        self._md_waiting += 1
-        self.must_deliver_waits += 1
+        if not reserved:
+            self.reserve_delivery()
         try:
             async with self._md_lock:
                 if self._gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
                     gap, self._gap = self._gap, None
-                    await self._push_waiting(gap.frame(self.broker.seq))
+                    await self._push_waiting(gap.frame(self.broker.latest_seq))
                 await self._push_waiting(event)
         finally:
             self._md_waiting -= 1
@@ -503,6 +574,13 @@ class Broker:
         client_queue_bytes: capacity of each client's queue (bytes of encoded frames).
         must_deliver_timeout: total bound on one must-deliver publish, on one command reply's
             wait, and on how long a client's queue may stay full without it taking anything.
+        log: the event log events must reach before any client sees them (cluster mode); None
+            (embedded mode): clients get events as they are published. With a log,
+            :meth:`write_log` must run (it opens the log) before anything is published.
+        log_append_timeout: how long the log may refuse or delay one batch (retried meanwhile)
+            before the broker gives it up as lost.
+        on_log_lost: called once with the exception when the log is lost (fenced by a newer
+            owner, or unavailable for ``log_append_timeout``), after every client was closed.
     """
 
     def __init__(
@@ -513,6 +591,9 @@ class Broker:
         client_queue_size: int = DEFAULT_CLIENT_QUEUE_SIZE,
         client_queue_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
         must_deliver_timeout: float = DEFAULT_MUST_DELIVER_TIMEOUT,
+        log: EventLog | None = None,
+        log_append_timeout: float = DEFAULT_LOG_APPEND_TIMEOUT,
+        on_log_lost: Callable[[CrushError], object] | None = None,
     ) -> None:
         self.seq = 0
         self.replay: collections.deque[Event] = collections.deque()
@@ -534,6 +615,32 @@ class Broker:
         self.killed = 0
         self.published = 0
         self.closed = False
+        # -- cluster mode: the event log -------------------------------------------------------
+        self.log = log
+        self.log_append_timeout = log_append_timeout
+        self.on_log_lost = on_log_lost
+        #: The seq of the newest event the log accepted (what clients may have seen).
+        self.durable_seq = 0
+        #: Why the log was lost (Fenced or EventLogError); None while it is usable.
+        self.log_lost: CrushError | None = None
+        self._log_open = False
+        #: Events published and not yet handed to the log (the next publish window).
+        self._pending: list[Event] = []
+        #: The batch being appended (kept until it is delivered, so a close can finish it).
+        self._inflight: list[Event] = []
+        self._pending_lot = trio.lowlevel.ParkingLot()
+        #: Must-deliver publishers waiting for their event to be appended and delivered.
+        self._md_waiters: dict[int, trio.Event] = {}
+        self._writer_scope: trio.CancelScope | None = None
+        self._writer_done = trio.Event()
+        #: Appends made and events they carried (cluster mode).
+        self.log_appends = 0
+        self.log_appended = 0
+
+    @property
+    def latest_seq(self) -> int:
+        """The seq of the newest event clients may have seen (``hello`` and ``gap`` carry it)."""
+        return self.seq if self.log is None else self.durable_seq
 
     def _encode(self, obj: Any, kind: EventKind) -> Event:
         self.seq += 1
@@ -568,8 +675,11 @@ class Broker:
         carrying ``message`` (its state after the append) for the others, encoded now only when
         a snapshot-mode client is connected.
         """
-        self.seq += 1
-        seq = self.seq
+        if self.log is not None:
+            seq = self._log_seq()
+        else:
+            self.seq += 1
+            seq = self.seq
         payload = {
             "message_id": delta.message_id,
             "session_id": delta.session_id,
@@ -596,6 +706,8 @@ class Broker:
             event.snapshot = self._encode_at(seq, message, EventKind.UPDATED)
         else:
             self.snapshots_skipped += 1
+        if self.log is not None:
+            return self._queue_for_log(event)
         self._remember(event)
         for client in list(self.clients):
             client.offer(event)
@@ -611,6 +723,8 @@ class Broker:
             raise ValueError(f"{type(obj).__name__} is must-deliver; use publish_must_deliver")
         if isinstance(obj, wire.MessageDelta):
             raise ValueError("a MessageDelta has two forms; use publish_delta")
+        if self.log is not None:
+            return self._queue_for_log(self._encode_at(self._log_seq(), obj, kind))
         event = self._encode(obj, kind)
         for client in list(self.clients):
             client.offer(event)
@@ -625,18 +739,26 @@ class Broker:
         Cancellation: if the caller is cancelled, clients not yet served are killed rather than
         left without the event; callers publish terminal events inside shielded, time-bounded
         scopes so this does not happen on the normal paths.
+
+        With an event log it returns once the log accepted the event and it was delivered (or
+        at once when the log was lost: the event reaches nobody). Cancelled while waiting, the
+        event is still appended and delivered by :meth:`write_log`.
         """
+        if self.log is not None:
+            return await self._publish_logged(self._encode_at(self._log_seq(), obj, kind))
         event = self._encode(obj, kind)
         slow = [c for c in list(self.clients) if not c.try_deliver_nowait(event)]
         if slow:
             await self._deliver_slow(event, slow)
         return event
 
-    async def _deliver_slow(self, event: Event, slow: list[ClientStream]) -> None:
+    async def _deliver_slow(
+        self, event: Event, slow: list[ClientStream], *, reserved: bool = False
+    ) -> None:
         served: set[ClientStream] = set()
 
         async def one(client: ClientStream) -> None:
-            await client.deliver(event)
+            await client.deliver(event, reserved=reserved)
             served.add(client)
 
         try:
@@ -650,8 +772,238 @@ class Broker:
                     self.killed += 1
                     client.kill(TOO_SLOW_REASON)
 
-    def subscribe(
+    # -- cluster mode: the event log ----------------------------------------------------------
+
+    def _log_seq(self) -> int:
+        if not self._log_open:
+            raise RuntimeError(
+                "the event log is not open: start Broker.write_log before publishing"
+            )
+        self.seq += 1
+        return self.seq
+
+    def _queue_for_log(self, event: Event) -> Event:
+        """Queue ``event`` for the writer (dropped once the log is lost: it reaches nobody)."""
+        if self.log_lost is None:
+            self._pending.append(event)
+            self._pending_lot.unpark_all()
+        return event
+
+    async def _publish_logged(self, event: Event) -> Event:
+        if self.log_lost is not None:
+            return event
+        done = self._md_waiters[event.seq] = trio.Event()
+        self._queue_for_log(event)
+        try:
+            await done.wait()
+        finally:
+            self._md_waiters.pop(event.seq, None)
+        return event
+
+    async def write_log(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Open the log, then append every publish window's events and deliver them. Runs until
+        cancelled or until the log is lost.
+
+        Opening reads the log's :meth:`~crush_trio.eventlog.EventLog.last_seq` and continues
+        numbering after it (a new owner fences the log first). Started means publishing may
+        begin.
+
+        Each append carries everything published since the previous one began (at most
+        :data:`LOG_BATCH_MAX` events). An append that fails is retried every
+        :data:`LOG_RETRY_DELAY` seconds for ``log_append_timeout``; a retry first re-reads
+        ``last_seq()`` so that a batch whose reply was lost is not appended twice.
+
+        Cancellation: a batch being appended stays queued; :meth:`aclose` finishes it.
+        """
+        event_log = self.log
+        if event_log is None:
+            raise RuntimeError("this broker has no event log")
+        with trio.fail_after(self.log_append_timeout):
+            last = await event_log.last_seq()
+        self.seq = self.durable_seq = max(last, self.seq)
+        self._log_open = True
+        self._writer_done = trio.Event()
+        try:
+            with trio.CancelScope() as self._writer_scope:
+                async with trio.open_nursery() as deliveries:
+                    task_status.started()
+                    while self.log_lost is None:
+                        while not self._inflight and not self._pending:
+                            await self._pending_lot.park()
+                        if not self._inflight:
+                            self._inflight = self._pending[:LOG_BATCH_MAX]
+                            del self._pending[:LOG_BATCH_MAX]
+                        try:
+                            await self._append(self._inflight)
+                        except (Fenced, EventLogError) as exc:
+                            self._lose_log(exc)
+                            break
+                        batch, self._inflight = self._inflight, []
+                        self._fan_out(batch, deliveries)
+        finally:
+            self._writer_done.set()
+
+    async def _append(self, batch: list[Event]) -> None:
+        """Append ``batch`` to the log, retrying for ``log_append_timeout``.
+
+        Raises:
+            Fenced: a newer owner fenced the log.
+            EventLogError: the log did not accept the batch in time.
+        """
+        event_log = self.log
+        assert event_log is not None
+        records = [(event.seq, log_record(event)) for event in batch]
+        deadline = trio.current_time() + self.log_append_timeout
+        error: BaseException | None = None
+        while True:
+            with trio.move_on_at(deadline):
+                try:
+                    await event_log.append(records)
+                except EventLogError as exc:
+                    error = exc
+                else:
+                    self.log_appends += 1
+                    self.log_appended += len(records)
+                    return
+                log.warning(
+                    "event log append of seq %d..%d failed: %s (retrying)",
+                    records[0][0],
+                    records[-1][0],
+                    error,
+                )
+                await trio.sleep(LOG_RETRY_DELAY)
+                try:
+                    last = await event_log.last_seq()
+                except EventLogError as exc:
+                    error = exc
+                    continue
+                records = [record for record in records if record[0] > last]
+                if not records:  # the failed attempt had landed after all
+                    self.log_appends += 1
+                    self.log_appended += len(batch)
+                    return
+                continue
+            raise EventLogError(
+                f"the event log did not accept events {batch[0].seq}..{batch[-1].seq} within "
+                f"log_append_timeout ({self.log_append_timeout:g} s): {error or 'no reply'}"
+            )
+
+    def _fan_out(self, batch: list[Event], deliveries: trio.Nursery) -> None:
+        """The log accepted ``batch``: keep it for replay and offer it to every client, in order.
+
+        A must-deliver event that a client has no room for is delivered by a task in
+        ``deliveries`` (bounded by ``must_deliver_timeout``); the client holds later lossy
+        events back into its gap meanwhile, so it still sees events in seq order.
+        """
+        for event in batch:
+            self.durable_seq = event.seq
+            self._remember(event)
+            if event.must_deliver:
+                slow = [c for c in list(self.clients) if not c.try_deliver_nowait(event)]
+                done = self._md_waiters.pop(event.seq, None)
+                if slow:
+                    for client in slow:
+                        client.reserve_delivery()
+                    deliveries.start_soon(self._deliver_reserved, event, slow, done)
+                elif done is not None:
+                    done.set()
+            else:
+                for client in list(self.clients):
+                    client.offer(event)
+
+    async def _deliver_reserved(
+        self, event: Event, slow: list[ClientStream], done: trio.Event | None
+    ) -> None:
+        try:
+            await self._deliver_slow(event, slow, reserved=True)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _lose_log(self, exc: CrushError) -> None:
+        """The log is gone for this node: nothing queued reaches anybody, every client is closed
+        (1012: reconnect with ``since``), and the owner is told."""
+        if self.log_lost is not None:
+            return
+        self.log_lost = exc
+        lost = len(self._pending) + len(self._inflight)
+        self._pending = []
+        self._inflight = []
+        for done in self._md_waiters.values():
+            done.set()
+        self._md_waiters.clear()
+        reason = LOG_FENCED_REASON if isinstance(exc, Fenced) else LOG_UNAVAILABLE_REASON
+        closed = self.drop_all(reason, WS_CLOSE_SERVICE_RESTART)
+        self.closed = True
+        log.warning(
+            "event log lost (%s): %d queued events dropped, %d clients closed", exc, lost, closed
+        )
+        if self.on_log_lost is not None:
+            self.on_log_lost(exc)
+
+    async def aclose(self) -> None:
+        """Close every client stream; with a log, first stop the writer, then append and deliver
+        what is still queued (a close that cannot reach the log drops it, as a kill would).
+
+        The caller bounds this (the workspace's shielded close step)."""
+        if self.log is not None and self._log_open and self.log_lost is None:
+            if self._writer_scope is not None:
+                self._writer_scope.cancel()
+                await self._writer_done.wait()
+            batch = self._inflight + self._pending
+            self._inflight, self._pending = [], []
+            if batch:
+                try:
+                    await self._append(batch)
+                except (Fenced, EventLogError) as exc:
+                    self._lose_log(exc)
+                else:
+                    async with trio.open_nursery() as deliveries:
+                        self._fan_out(batch, deliveries)
+        self.close()
+
+    async def subscribe_resuming(
         self, *, since: int | None = None, client_id: str = "", deltas: bool = False
+    ) -> tuple[ClientStream, list[Event]]:
+        """:meth:`subscribe`, reading the log for the events a resume needs that are older than
+        the replay buffer (cluster mode; without a log this is :meth:`subscribe`).
+
+        The read and the subscription happen so that nothing is missed or sent twice: the
+        subscription is made in the same tick as the last read's check against the buffer. What
+        the log no longer keeps, or cannot be read, is sent as a ``gap``.
+        """
+        older: list[Event] = []
+        event_log = self.log
+        if event_log is not None and since is not None and self.log_lost is None:
+            after = since
+            while after < self.durable_seq:
+                oldest = self.replay[0].seq if self.replay else self.durable_seq + 1
+                if after + 1 >= oldest:
+                    break
+                try:
+                    records = await event_log.read(after, min(LOG_READ_PAGE, oldest - 1 - after))
+                except EventLogError as exc:
+                    # What could not be read is missing for this client: it gets a gap.
+                    log.warning("resume from the event log after seq %d failed: %s", after, exc)
+                    break
+                # Only what the buffer lacks: past a hole (events the log trimmed) a read can
+                # reach events the log holds that are not delivered yet.
+                records = [record for record in records if record[0] < oldest]
+                if not records:
+                    break
+                older.extend(event_from_log(seq, data) for seq, data in records)
+                after = records[-1][0]
+        return self.subscribe(since=since, client_id=client_id, deltas=deltas, older=older)
+
+    def subscribe(
+        self,
+        *,
+        since: int | None = None,
+        client_id: str = "",
+        deltas: bool = False,
+        older: list[Event] | None = None,
     ) -> tuple[ClientStream, list[Event]]:
         """Add a client. Returns its stream and the frames to send first.
 
@@ -659,6 +1011,7 @@ class Broker:
         replay buffer and the replayed events after ``since``, in order. Everything published
         after this call goes to the stream's channel, so nothing is missed or sent twice.
         ``deltas``: the client gets ``message_delta`` events, else their ``message`` snapshots.
+        ``older``: events read from the log that precede the replay buffer (cluster mode).
         """
         if self.closed:
             raise trio.ClosedResourceError("broker is closed")
@@ -672,11 +1025,13 @@ class Broker:
         self.clients.add(stream)
         if not deltas:
             self.snapshot_clients += 1
+        if self.log is not None:
+            return stream, list(self._resume_frames_logged(since, older or [], deltas))
         return stream, list(self._resume_frames(since, deltas))
 
     def hello(self, workspace_id: str, version: str) -> Event:
         return connection_frame(
-            self.seq, "hello", {"workspace_id": workspace_id, "server_version": version}
+            self.latest_seq, "hello", {"workspace_id": workspace_id, "server_version": version}
         )
 
     def _resume_frames(self, since: int | None, deltas: bool = False) -> Iterable[Event]:
@@ -708,6 +1063,41 @@ class Broker:
             yield form
         if missing is not None:
             yield missing.frame(self.seq)
+
+    def _resume_frames_logged(
+        self, since: int | None, older: list[Event], deltas: bool
+    ) -> Iterable[Event]:
+        """The resume frames in cluster mode: ``older`` (from the log) then the replay buffer,
+        with one ``gap`` for each run of seqs that neither holds (or whose form was not
+        encoded)."""
+        latest = self.durable_seq
+        if since is None or since == latest:
+            return
+        if since > latest:
+            yield Gap(latest, 1 if latest else 0, latest).frame(latest)
+            return
+        after = older[-1].seq if older else since
+        events = itertools.chain(older, (e for e in self.replay if e.seq > after))
+        missing: Gap | None = None
+        expected = since + 1
+        for event in events:
+            if event.seq < expected:
+                continue
+            if event.seq > expected:  # neither the log nor the buffer holds these
+                missing = _widen(missing, expected, event.seq - 1)
+            form = event.form_for(deltas) if event.is_delta else event
+            expected = event.seq + 1
+            if form is None:
+                missing = _widen(missing, event.seq, event.seq)
+                continue
+            if missing is not None:
+                yield missing.frame(latest)
+                missing = None
+            yield form
+        if expected <= latest:
+            missing = _widen(missing, expected, latest)
+        if missing is not None:
+            yield missing.frame(latest)
 
     def _unsubscribe(self, stream: ClientStream) -> None:
         if stream in self.clients:
@@ -748,7 +1138,7 @@ class Broker:
             self._stalled_changed = trio.Event()
 
     def stats(self) -> dict[str, Any]:
-        return {
+        stats: dict[str, Any] = {
             "seq": self.seq,
             "clients": len(self.clients),
             "snapshot_clients": self.snapshot_clients,
@@ -761,6 +1151,13 @@ class Broker:
             "killed": self.killed,
             "peak_depth": max((c.peak_depth for c in self.clients), default=0),
         }
+        if self.log is not None:
+            stats["durable_seq"] = self.durable_seq
+            stats["log_pending"] = len(self._pending) + len(self._inflight)
+            stats["log_appends"] = self.log_appends
+            stats["log_appended"] = self.log_appended
+            stats["log_lost"] = str(self.log_lost) if self.log_lost is not None else None
+        return stats
 
     def drop_all(self, reason: str, code: int) -> int:
         """Disconnect every client (they may resume with ``since``); returns how many."""

@@ -26,6 +26,8 @@ import collections
 from collections.abc import Sequence
 from typing import Final, Protocol, runtime_checkable
 
+import trio
+
 from .errors import CrushError
 
 #: Default number of events an event log keeps for resume.
@@ -161,6 +163,7 @@ class MemoryEventLog:
             )
 
     async def append(self, batch: Sequence[EventRecord]) -> None:
+        await trio.lowlevel.checkpoint()  # like a remote log: other tasks run meanwhile
         ring = self._ring
         self._check_epoch()
         check_batch(batch, ring.last)
@@ -174,6 +177,7 @@ class MemoryEventLog:
             ring.bytes -= len(events.popleft()[1])
 
     async def read(self, after_seq: int, limit: int) -> list[EventRecord]:
+        await trio.lowlevel.checkpoint()
         out: list[EventRecord] = []
         if limit <= 0:
             return out
@@ -185,13 +189,16 @@ class MemoryEventLog:
         return out
 
     async def last_seq(self) -> int:
+        await trio.lowlevel.checkpoint()
         return self._ring.last
 
     async def first_seq(self) -> int:
+        await trio.lowlevel.checkpoint()
         events = self._ring.events
         return events[0][0] if events else self._ring.last + 1
 
     async def fence(self, epoch: int) -> None:
+        await trio.lowlevel.checkpoint()
         ring = self._ring
         if epoch < ring.epoch:
             raise Fenced(
@@ -202,4 +209,4 @@ class MemoryEventLog:
         self.epoch = epoch
 
     async def aclose(self) -> None:
-        return None
+        await trio.lowlevel.checkpoint()

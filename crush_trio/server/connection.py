@@ -21,8 +21,8 @@ off at once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -135,16 +135,19 @@ def check_upgrade(
     return ws, sub
 
 
-@contextmanager
-def subscribed(
+@asynccontextmanager
+async def subscribed(
     ws: Workspace, sub: Subscription
-) -> Iterator[tuple[ClientStream, Event, list[Event]]]:
+) -> AsyncIterator[tuple[ClientStream, Event, list[Event]]]:
     """Subscribe ``sub.client_id`` to the workspace's events and hold the workspace for it.
 
     Yields ``(stream, hello, first)``: the client's queue, the ``hello`` frame and the frames
-    that resume after ``sub.since``. On the way out the stream is closed and the hold dropped.
+    that resume after ``sub.since`` (in cluster mode read from the event log when they are older
+    than the replay buffer). On the way out the stream is closed and the hold dropped.
     """
-    stream, first = ws.broker.subscribe(since=sub.since, client_id=sub.client_id, deltas=sub.deltas)
+    stream, first = await ws.broker.subscribe_resuming(
+        since=sub.since, client_id=sub.client_id, deltas=sub.deltas
+    )
     hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
     ws.attach(sub.client_id)
     try:
@@ -169,23 +172,22 @@ async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, 
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
-    with subscribed(ws, sub) as (stream, hello, first):
-        async with trio.open_nursery() as nursery:
-            writer_scope = trio.CancelScope()
-            stream.on_kill = writer_scope.cancel
+    async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
+        writer_scope = trio.CancelScope()
+        stream.on_kill = writer_scope.cancel
 
-            async def writer() -> None:
-                with writer_scope:
-                    try:
-                        await write_events(sock, stream, hello, first)
-                    except PeerGone:
-                        pass
-                nursery.cancel_scope.cancel()
+        async def writer() -> None:
+            with writer_scope:
+                try:
+                    await write_events(sock, stream, hello, first)
+                except PeerGone:
+                    pass
+            nursery.cancel_scope.cancel()
 
-            nursery.start_soon(writer)
-            while (raw := await sock.receive()) is not None:
-                await answer_command(raw, ws, api, stream, nursery)
-            nursery.cancel_scope.cancel()  # the client left
+        nursery.start_soon(writer)
+        while (raw := await sock.receive()) is not None:
+            await answer_command(raw, ws, api, stream, nursery)
+        nursery.cancel_scope.cancel()  # the client left
     await sock.close(*close_code(stream, ws))
 
 
