@@ -11,6 +11,7 @@ import psycopg
 import pytest
 import trio
 
+from crush_trio import eventlog
 from crush_trio.cluster.pg import (
     SCHEMA_VERSION,
     Fenced,
@@ -39,7 +40,7 @@ async def cluster(pg_dsn: str) -> AsyncIterator[PgCluster]:
 def sql(dsn: str, query: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     """Run one statement on a connection of its own (checks and changes below the API)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(query.encode() if not params else query, params or None)
+        cur = conn.execute(query, params or None)
         return cur.fetchall() if cur.description else []
 
 
@@ -306,6 +307,83 @@ async def test_a_write_in_progress_delays_a_takeover_but_not_a_renewal_and_a_lat
 
             with pytest.raises(Fenced, match=r"epoch 1\).*epoch 2") as fenced:
                 await cluster.call("a late write", late_write)
-            assert fenced.value.status == 503
+            assert type(fenced.value) is eventlog.Fenced  # the class the event log raises
     finally:
         await impatient.aclose()
+
+
+async def test_a_node_stopped_inside_a_write_cannot_hold_up_a_takeover(pg_dsn: str) -> None:
+    """A node paused between the epoch check and its commit holds the fence; the server ends
+    its idle transaction after the idle timeout, the takeover goes on, and the paused write,
+    resumed, fails without landing anything."""
+    paused = await PgCluster.open(pg_dsn, idle_in_transaction_timeout=0.5)
+    other = await PgCluster.open(pg_dsn, pool_size=2)
+    try:
+        with trio.fail_after(TEST_TIMEOUT):
+            lease = await paused.claim_workspace("/p", "a", TTL)
+            assert isinstance(lease, Lease)
+            checked = trio.Event()
+            resume = threading.Event()
+            token = trio.lowlevel.current_trio_token()
+            outcome: list[BaseException] = []
+
+            def write(conn: psycopg.Connection[Any]) -> None:
+                check_epoch(conn, lease.workspace_id, lease.epoch)
+                trio.from_thread.run_sync(checked.set, trio_token=token)
+                resume.wait(TEST_TIMEOUT)  # the node is stopped here
+                conn.execute(
+                    "INSERT INTO sessions (workspace_id, id, created_at, updated_at) "
+                    "VALUES (%s, 'late', 1, 1)",
+                    (lease.workspace_id,),
+                )
+
+            async def writer() -> None:
+                try:
+                    await paused.call("a paused write", write)
+                except StoreError as exc:
+                    outcome.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                await checked.wait()
+                expire(pg_dsn, "/p")
+                taken = await other.claim_workspace("/p", "b", TTL)
+                assert isinstance(taken, Lease)
+                assert taken.epoch == 2
+                resume.set()
+            assert len(outcome) == 1
+            assert sql(pg_dsn, "SELECT count(*) FROM sessions") == [(0,)]
+            # The paused node's pool replaced the connection the server closed.
+            assert await paused.current_epoch(lease.workspace_id) == 2
+    finally:
+        await paused.aclose()
+        await other.aclose()
+
+
+async def test_connections_carry_the_statement_and_idle_timeouts(cluster: PgCluster) -> None:
+    def settings(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+        row = conn.execute(
+            "SELECT current_setting('statement_timeout'), "
+            "current_setting('idle_in_transaction_session_timeout')"
+        ).fetchone()
+        assert row is not None
+        return tuple(row)
+
+    assert await cluster.call("reading settings", settings) == ("30s", "5s")
+
+
+async def test_calls_go_on_after_the_database_dropped_every_connection(
+    cluster: PgCluster, pg_dsn: str
+) -> None:
+    """A database restart (here: every session of the pool terminated) costs no failed call:
+    a pooled connection is checked before use and replaced when broken."""
+    with trio.fail_after(TEST_TIMEOUT):
+        await cluster.register_node("n1", "http://a")
+        dropped = sql(
+            pg_dsn,
+            "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+        assert len(dropped) >= 1
+        for _ in range(20):
+            assert await cluster.node_url("n1") == "http://a"

@@ -73,7 +73,8 @@ from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
-    from ..store import MessageService, Store
+    from ..store import MessageService
+    from ..store.protocol import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Agent:
     def __init__(
         self,
         *,
-        store: Store,
+        store: WorkspaceStore,
         messages: MessageService,
         broker: Broker,
         runs: RunBook,

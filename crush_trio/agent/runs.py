@@ -31,7 +31,7 @@ from ..errors import StoreError
 from ..wire import Run, RunStatus, check_run_transition, now
 
 if TYPE_CHECKING:
-    from ..store import Store
+    from ..store.protocol import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _text_bytes(run: Run) -> int:
 class RunBook:
     """Live and recently finished runs of one workspace."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: WorkspaceStore) -> None:
         self._store = store
         self._runs: dict[str, Run] = {}
         #: Finished, saved runs still in memory, oldest first, with their text's size.

@@ -21,7 +21,7 @@ from ..wire import EventKind, Message, Role, TextPart, new_id, now
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
-    from ..store import Store
+    from ..store.protocol import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Titles:
     def __init__(
         self,
         *,
-        store: Store,
+        store: WorkspaceStore,
         broker: Broker,
         config: Config,
         provider_for: Callable[[str, Any], pb.Provider],

@@ -8,8 +8,9 @@ Threads and the event loop:
     (first come, first served). Every call is one transaction on one pooled connection: committed
     when the call returns, rolled back when it raises. Once its thread has started, a call is not
     cancellable (it commits or rolls back as a whole; the cancellation arrives at the caller's
-    next checkpoint), as in :mod:`crush_trio.store.db`. psycopg is imported only when a cluster is
-    opened, so single-node mode never needs it.
+    next checkpoint), as in :mod:`crush_trio.store.db`. A pooled connection the server dropped
+    (a database restart) is noticed before use and replaced, so it fails no call. psycopg is
+    imported only when a cluster is opened, so single-node mode never needs it.
 
 Clock:
     Every lease time is the database's (``clock_timestamp()``), never a node's, so nodes with
@@ -46,15 +47,19 @@ Leases and fencing:
     shared and then reads the epoch (the database function ``crush_check_epoch``: the read comes
     after the lock, with a fresh snapshot). A claim that takes a lease over takes the lock
     exclusively before it bumps the epoch. So either the claim committed first (the write sees
-    the new epoch, raises :class:`Fenced` and rolls back: nothing lands) or the claim waits until
-    the writes in progress have committed. PostgreSQL queues lock requests fairly (a shared
-    request waits behind a waiting exclusive one), so a stream of writes cannot starve a claim;
-    and since writes take no lock on the lease row, they never delay a renewal. A node that lost
-    its lease can therefore never write after the new owner took over.
+    the new epoch, raises :class:`~crush_trio.eventlog.Fenced`, the class the event log raises
+    too, and rolls back: nothing lands) or the claim waits until the writes in progress have
+    committed. PostgreSQL queues lock requests fairly (a shared request waits behind a waiting
+    exclusive one), so a stream of writes cannot starve a claim; and since writes take no lock on
+    the lease row, they never delay a renewal. A node that lost its lease can therefore never
+    write after the new owner took over. A node paused inside a write holds the fence until the
+    server ends its idle transaction (:data:`IDLE_IN_TRANSACTION_TIMEOUT`); its write then fails
+    without landing.
 """
 
 from __future__ import annotations
 
+import select
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -63,7 +68,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 import trio
 
-from ..errors import CrushError, StoreError
+from ..errors import StoreError
+from ..eventlog import Fenced as Fenced  # one class for the store and the event log
 
 if TYPE_CHECKING:
     import psycopg
@@ -79,6 +85,20 @@ CONNECT_TIMEOUT: Final = 10.0
 #: Bound on waiting for a pooled connection inside a call (seconds). The limiter keeps calls to
 #: the pool's size, so this is reached only while the pool reconnects after losing the database.
 POOL_WAIT_TIMEOUT: Final = 30.0
+#: Bound on one statement of a call, lock waits included (seconds; the server cancels it).
+STATEMENT_TIMEOUT: Final = 30.0
+#: A transaction idle this long (seconds) is ended by the server, which releases its locks: a
+#: node stopped in the middle of a write (SIGSTOP, a long pause) cannot hold up the node taking
+#: its workspace over for longer. The calls' own transactions never pause between statements.
+IDLE_IN_TRANSACTION_TIMEOUT: Final = 5.0
+#: Bound on unacknowledged data on a connection (seconds): the kernel breaks a connection whose
+#: database stopped answering (network partition) instead of retrying for many minutes.
+TCP_USER_TIMEOUT: Final = 10.0
+#: TCP keepalive of idle pooled connections: first probe after this many idle seconds, then
+#: every KEEPALIVE_INTERVAL seconds, dropped after KEEPALIVE_COUNT unanswered probes.
+KEEPALIVE_IDLE: Final = 10
+KEEPALIVE_INTERVAL: Final = 5
+KEEPALIVE_COUNT: Final = 3
 #: Bound on closing the pool (seconds): connections still busy after it are dropped.
 CLOSE_TIMEOUT: Final = 5.0
 #: SQLSTATE raised by the database's epoch check (``crush_check_epoch``) for a fenced write.
@@ -218,23 +238,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
-class Fenced(CrushError):
-    """A write for a workspace whose lease another node has taken since (its epoch moved on).
-
-    Nothing of the write landed. The node must stop serving the workspace without writing
-    anything more: clients reconnect to the new owner (503: retry elsewhere).
-    """
-
-    status = 503
-
-    @classmethod
-    def superseded(cls, workspace_id: str, epoch: int, current: int | None) -> Fenced:
-        now = "is gone" if current is None else f"is at epoch {current}"
-        return cls(
-            f"workspace {workspace_id!r} is no longer owned by this node: its lease (epoch "
-            f"{epoch}) was taken over and the workspace {now}; nothing was written, reconnect "
-            "to the workspace's current owner"
-        )
+def superseded(workspace_id: str, epoch: int, current: int | None) -> Fenced:
+    """The :class:`~crush_trio.eventlog.Fenced` of a write made at ``epoch`` after the
+    workspace moved to ``current`` (None: the workspace is gone)."""
+    now = "is gone" if current is None else f"is at epoch {current}"
+    return Fenced(
+        f"workspace {workspace_id!r} is no longer owned by this node: its lease (epoch {epoch}) "
+        f"was taken over and the workspace {now}; nothing was written, reconnect to the "
+        "workspace's current owner"
+    )
 
 
 @attrs.frozen
@@ -274,7 +286,17 @@ def check_epoch(conn: psycopg.Connection[Any], workspace_id: str, epoch: int) ->
             raise
         detail = exc.diag.message_detail or ""
         current = int(detail) if detail.isdigit() else None
-        raise Fenced.superseded(workspace_id, epoch, current) from None
+        raise superseded(workspace_id, epoch, current) from None
+
+
+def _dropped(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection is closed or has input waiting (an idle connection gets
+    none unless the server is closing it)."""
+    if conn.closed or conn.broken:
+        return True
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
 
 
 def _describe(dsn: str) -> str:
@@ -328,6 +350,7 @@ class PgCluster:
         self.where = where
         #: One slot per pooled connection: a call holding a slot never waits for a connection.
         self.limiter = trio.CapacityLimiter(pool_size)
+        self._pool_size = pool_size
         #: Transactions run (tests and benchmarks read it).
         self.call_count = 0
 
@@ -338,8 +361,14 @@ class PgCluster:
         *,
         pool_size: int = POOL_SIZE,
         connect_timeout: float = CONNECT_TIMEOUT,
+        statement_timeout: float = STATEMENT_TIMEOUT,
+        idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT,
     ) -> PgCluster:
         """Connect to the database and bring its schema up to date.
+
+        Every pooled connection gets the session settings ``statement_timeout`` and
+        ``idle_in_transaction_session_timeout`` (from the arguments), and client-side
+        :data:`TCP_USER_TIMEOUT` and keepalives.
 
         Raises:
             StoreError: the database cannot be reached within ``connect_timeout``, or its schema
@@ -352,14 +381,35 @@ class PgCluster:
 
         where = _describe(dsn)
 
+        settings = (
+            f"{round(statement_timeout * 1000)}ms",
+            f"{round(idle_in_transaction_timeout * 1000)}ms",
+        )
+
+        def configure(conn: psycopg.Connection[Any]) -> None:
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), "
+                "set_config('idle_in_transaction_session_timeout', %s, false)",
+                settings,
+            )
+            conn.commit()
+
         def open_pool() -> ConnectionPool[Any]:
             pool: ConnectionPool[Any] = ConnectionPool(
                 dsn,
-                min_size=1,
+                min_size=pool_size,  # warm: a takeover's first writes need no connect
                 max_size=pool_size,
                 open=False,
                 timeout=POOL_WAIT_TIMEOUT,
-                kwargs={"connect_timeout": max(1, round(connect_timeout))},
+                kwargs={
+                    "connect_timeout": max(1, round(connect_timeout)),
+                    "tcp_user_timeout": round(TCP_USER_TIMEOUT * 1000),
+                    "keepalives": 1,
+                    "keepalives_idle": KEEPALIVE_IDLE,
+                    "keepalives_interval": KEEPALIVE_INTERVAL,
+                    "keepalives_count": KEEPALIVE_COUNT,
+                },
+                configure=configure,
                 name=f"crush-trio {where}",
             )
             try:
@@ -410,8 +460,12 @@ class PgCluster:
             if pool is None:  # closed while this call waited for its turn
                 raise self._closed_error()
             try:
-                with pool.connection() as conn:
-                    return fn(conn)
+                conn = self._healthy_connection(pool)
+                try:
+                    with conn:  # commit on return, roll back on an exception
+                        return fn(conn)
+                finally:
+                    pool.putconn(conn)
             except psycopg.Error as exc:
                 raise StoreError(
                     f"cluster database {self.where}: {what} failed: {exc}".rstrip()
@@ -419,6 +473,22 @@ class PgCluster:
 
         self.call_count += 1
         return await trio.to_thread.run_sync(in_thread, limiter=self.limiter)
+
+    def _healthy_connection(self, pool: ConnectionPool[Any]) -> psycopg.Connection[Any]:
+        """A pooled connection the server has not dropped (worker thread).
+
+        A connection the server closed (a restart, an administrator's terminate) has its
+        farewell waiting on the socket: such connections are closed and handed back, and the
+        pool opens replacements. No round trip is spent on a healthy one.
+        """
+        for _ in range(self._pool_size):
+            conn: psycopg.Connection[Any] = pool.getconn()
+            if not _dropped(conn):
+                return conn
+            conn.close()
+            pool.putconn(conn)  # discarded; the pool opens a replacement
+        last: psycopg.Connection[Any] = pool.getconn()
+        return last
 
     # -- nodes ---------------------------------------------------------------------------------
 

@@ -178,7 +178,12 @@ class PgStore:
 
     async def _read(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         self._check_open()
-        return await self.cluster.call(what, fn)
+
+        def tx(conn: psycopg.Connection[Any]) -> T:
+            self._check_open()  # closed while this call waited for its turn
+            return fn(conn)
+
+        return await self.cluster.call(what, tx)
 
     async def _write(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
         """Run ``fn`` in one transaction behind the epoch check."""
@@ -188,6 +193,7 @@ class PgStore:
         workspace_id, epoch = self.workspace_id, self.epoch
 
         def tx(conn: psycopg.Connection[Any]) -> T:
+            self._check_open()  # closed while this call waited for its turn
             check_epoch(conn, workspace_id, epoch)
             return fn(conn)
 
