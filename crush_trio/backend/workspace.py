@@ -172,7 +172,9 @@ class Workspace:
         self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
-        broker_options: dict[str, Any] = {}  # TEMPHACK
+        broker_options: dict[str, Any] = {}
+        if event_log is not None:  # cluster mode: events reach clients through the log
+            broker_options = {"log": event_log, "on_log_lost": self._log_lost}
         self.broker = Broker(
             replay_size=server.replay_buffer,
             replay_bytes=server.replay_bytes,
@@ -262,6 +264,11 @@ class Workspace:
         self._stop.set()
         self.poke()
 
+    def _log_lost(self, exc: Exception) -> None:
+        """The broker lost the event log (a newer owner fenced it, or Redis stayed unreachable):
+        its clients are closed already; stop the workspace without writing."""
+        self.lose_lease(f"event log lost: {exc}")
+
     def lose_lease(self, reason: str) -> None:
         """Another node owns the workspace now: close the event streams (1012: reconnect, the
         new owner resumes them) and stop at once, without writing (the writes would be fenced
@@ -291,6 +298,8 @@ class Workspace:
         agent: Agent | None = None
         try:
             async with trio.open_nursery() as background:
+                if self.event_log is not None:
+                    await background.start(self.broker.write_log)  # before anything publishes
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
@@ -310,7 +319,11 @@ class Workspace:
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
-                        terminals=None if self.event_log is None else LoggedTerminals(self.store),
+                        terminals=(
+                            None
+                            if self.event_log is None
+                            else LoggedTerminals(self.store, self.broker)
+                        ),
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -336,6 +349,10 @@ class Workspace:
             self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
                 await self._close_step("closing providers", agent.aclose, save_timeout)
+            if self.event_log is not None and not self.fenced:
+                await self._close_step(
+                    "appending the last events", self.broker.aclose, save_timeout
+                )
             self.broker.close()
             await self._close_step("closing the store", self.store.aclose, save_timeout)
             self.state = WorkspaceState.CLOSED
@@ -482,7 +499,7 @@ class Workspace:
             for run_id, data in unlogged:
                 if run_id not in present:
                     complete = wire.converter.structure(orjson.loads(data), RunComplete)
-                    await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+                    await self._append_terminal(complete)
             await store.mark_logged([run_id for run_id, _ in unlogged])
         ended = []
         for run_id in await ended_without_record(store):
@@ -498,14 +515,22 @@ class Workspace:
                 cancelled=run.status is RunStatus.CANCELLED,
             )
             if await store.record_terminal(run, wire.dumps(complete)):
-                await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+                await self._append_terminal(complete)
                 ended.append(run.run_id)
         for run in stale:
             complete = RunComplete(run.session_id, run.run_id, None, "", STOPPED_RUN_ERROR)
             if await store.record_terminal(run, wire.dumps(complete)):
-                await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+                await self._append_terminal(complete)
                 ended.append(run.run_id)
         await store.mark_logged(ended)
+
+    async def _append_terminal(self, complete: RunComplete) -> None:
+        """Publish a recovered ``run_complete``; raises when the log did not take it (this node
+        lost the workspace meanwhile: the terminal stays unlogged for the next owner)."""
+        event = await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        lost = self.broker.log_lost
+        if lost is not None or event.seq > self.broker.durable_seq:
+            raise lost or Conflict(f"the event log did not take the end of run {complete.run_id}")
 
     async def _completes_in_log(self, run_ids: set[str]) -> set[str]:
         """Which of ``run_ids`` have a ``run_complete`` among the log's last
@@ -568,8 +593,9 @@ class LoggedTerminals:
     logged once the event log holds it, so a node that takes the workspace over publishes
     exactly the ones that never reached the log."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, broker: Broker) -> None:
         self.store = store
+        self.broker = broker
 
     async def record(self, run: Run, complete: RunComplete) -> bool:
         if not run.status.terminal:
@@ -581,4 +607,5 @@ class LoggedTerminals:
         return recorded
 
     async def logged(self, run_id: str, event: Any) -> None:
-        await self.store.mark_logged([run_id])
+        if self.broker.log_lost is None and event.seq <= self.broker.durable_seq:
+            await self.store.mark_logged([run_id])
