@@ -7,13 +7,14 @@ on the clock. What they check is in docs/cluster.md ("What fail-over guarantees"
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -26,6 +27,7 @@ import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
 
 from crush_trio.client import connect
+from crush_trio.cluster.redislog import stream_key
 from tests.services import PostgresServer, RedisServer
 
 TOKEN: Final = "cluster-token"
@@ -77,7 +79,7 @@ class Cluster:
         """Every event in the workspace's Redis stream, decoded, in order."""
         raw = subprocess.run(
             ["redis-cli", "-p", str(self.redis.port), "--json", "XRANGE",
-             f"crush_trio:ws:{workspace_id}:events", "-", "+"],
+             stream_key(workspace_id), "-", "+"],
             check=True, capture_output=True, timeout=WAIT, text=True,
         ).stdout  # fmt: skip
         entries = json.loads(raw) if raw.strip() else []
@@ -93,9 +95,9 @@ class Cluster:
     ) -> dict[str, Any]:
         """The log's event of ``event_type`` for run ``run_id``, once it is there (blocking
         reads of the Redis stream: the server's own signal, no polling)."""
-        key = f"crush_trio:ws:{workspace_id}:events"
+        key = stream_key(workspace_id)
         last = "0-0"
-        with trio.fail_after(WAIT):
+        with trio.fail_after(WAIT), _show_log_on_failure(self, workspace_id):
             while True:
                 command = [
                     "redis-cli", "-p", str(self.redis.port), "--json", "XREAD", "BLOCK",
@@ -113,8 +115,17 @@ class Cluster:
                 for entry_id, fields in entries:
                     last = entry_id
                     event = orjson.loads(fields[1])
-                    if event["type"] == event_type and event["payload"].get("run_id") == run_id:
-                        return dict(event)
+                    if event["type"] == event_type and body(event).get("run_id") == run_id:
+                        return body(event)
+
+
+@contextlib.contextmanager
+def _show_log_on_failure(cluster: Cluster, workspace_id: str) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        print("log:", [(e["seq"], e["type"]) for e in cluster.log_events(workspace_id)])
+        raise
 
 
 async def start_node(cluster: Cluster, name: str, **env_vars: str) -> Node:
@@ -188,6 +199,8 @@ async def cluster(
             with trio.move_on_after(WAIT, shield=True):
                 for node in c.nodes:
                     await node.process.wait()
+            for node in c.nodes:  # shown by pytest when the test failed
+                print(f"---- {node.name} ----\n{node.log()[-6000:]}")
             nursery.cancel_scope.cancel()
 
 
@@ -209,11 +222,17 @@ async def hold_on(node: Node, project: Path) -> str:
     return wid
 
 
+def body(event: dict[str, Any]) -> dict[str, Any]:
+    """An event's object (the envelope's ``payload`` holds the change kind and the object)."""
+    inner: dict[str, Any] = event["payload"]["payload"]
+    return inner
+
+
 def run_completes(events: list[dict[str, Any]]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for event in events:
         if event["type"] == "run_complete":
-            run_id = event["payload"]["run_id"]
+            run_id = body(event)["run_id"]
             counts[run_id] = counts.get(run_id, 0) + 1
     return counts
 
@@ -276,8 +295,8 @@ async def test_a_crash_between_the_terminal_commit_and_the_log_append(cluster: C
         session = await ws.create_session()
         handle = await ws.prompt(session.id, "short reply")
         complete = await cluster.wait_for_event(wid, "run_complete", handle.run_id)
-        assert complete["payload"]["error"] is None
-        assert complete["payload"]["text"] == "short reply"
+        assert complete["error"] is None
+        assert complete["text"] == "short reply"
         run = await ws.get_run(handle.run_id)
     with trio.fail_after(WAIT):
         assert await d.process.wait() == -signal.SIGKILL
@@ -358,7 +377,7 @@ async def test_a_paused_owner_is_fenced_and_closes_its_streams(cluster: Cluster)
         # B or C takes the workspace once the lease expired and ends the run: its run_complete
         # lands in the log.
         complete = await cluster.wait_for_event(wid, "run_complete", accepted.run_id)
-        assert complete["payload"]["error"]
+        assert complete["error"]
         async with (
             connect(b.url, TOKEN) as at_b,
             at_b.workspace(cluster.project, events=False) as ws_b,

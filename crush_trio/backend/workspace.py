@@ -547,9 +547,12 @@ class Workspace:
                 after = seq
                 if b'"run_complete"' not in data:
                     continue
-                payload = orjson.loads(data).get("payload") or {}
-                if payload.get("run_id") in run_ids:
-                    found.add(payload["run_id"])
+                envelope = orjson.loads(data)
+                if envelope.get("type") != "run_complete":
+                    continue
+                run_id = ((envelope.get("payload") or {}).get("payload") or {}).get("run_id")
+                if run_id in run_ids:
+                    found.add(run_id)
         return found
 
     # -- sessions -------------------------------------------------------------------------------
