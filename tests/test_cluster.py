@@ -371,8 +371,10 @@ async def test_a_paused_owner_is_fenced_and_closes_its_streams(cluster: Cluster)
         session = await ws_a.create_session()
         accepted = await ws_a.prompt(session.id, LONG_PROMPT)
         with trio.fail_after(WAIT):
-            while orjson.loads(await old_stream.get_message())["type"] != "message_delta":
-                pass  # until the reply streams
+            while True:  # until the reply streams
+                frame = orjson.loads(await old_stream.get_message())
+                if frame["type"] == "message" and body(frame).get("role") == "assistant":
+                    break
         a.process.send_signal(signal.SIGSTOP)
         # B or C takes the workspace once the lease expired and ends the run: its run_complete
         # lands in the log.
