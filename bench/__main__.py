@@ -29,7 +29,7 @@ from pathlib import Path
 
 import trio
 
-from .client import DELTAS_ENV
+from .client import COMPRESSION_ENV, DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import FULL, SMOKE, WORKLOADS, Ctx
@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshots",
         action="store_true",
         help="clients ask for whole message snapshots, not deltas=1 (for comparison)",
+    )
+    p.add_argument(
+        "--no-compression",
+        action="store_true",
+        help="watch clients do not offer permessage-deflate (uncompressed frames, for comparison)",
     )
     p.add_argument("--w1-levels", type=_ints, help="W1 concurrent sessions, e.g. 1,10,50,200")
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
@@ -102,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.snapshots:
         os.environ[DELTAS_ENV] = "0"  # inherited by the client workers
+    if args.no_compression:
+        os.environ[COMPRESSION_ENV] = "0"
     raise_fd_limit()
     workdir = Path(tempfile.mkdtemp(prefix="crush-bench-"))
     out = args.out or (
@@ -122,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "whole message snapshots" if args.snapshots else "message deltas"
     print(
         f"crush_trio benchmarks ({'smoke' if args.smoke else 'full'}): {', '.join(keys)}; "
-        f"clients get {mode}"
+        f"clients get {mode}" + (", uncompressed" if args.no_compression else "")
     )
     print(f"machine: {machine_line(info)}", flush=True)
     ctx = Ctx(sizes=sizes, workdir=workdir, log=log)

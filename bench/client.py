@@ -95,6 +95,16 @@ def client_deltas() -> bool:
     return os.environ.get(DELTAS_ENV, "1") != "0"
 
 
+#: Set to ``0`` (``python -m bench --no-compression``), the ``watch`` workers do not offer
+#: permessage-deflate, so their frames travel uncompressed (as a client that does not offer it).
+COMPRESSION_ENV: Final = "CRUSH_BENCH_COMPRESSION"
+
+
+def client_compression() -> bool:
+    """Whether the ``watch`` workers offer permessage-deflate (see :data:`COMPRESSION_ENV`)."""
+    return os.environ.get(COMPRESSION_ENV, "1") != "0"
+
+
 # ---------------------------------------------------------------------------------------------
 # The line protocol with the orchestrator
 
@@ -365,11 +375,13 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
     wid: str = cfg["wid"]
     record_path: str | None = cfg.get("record")
     deltas = bool(cfg.get("deltas", client_deltas()))
+    compression = bool(cfg.get("compression", client_compression()))
     recorded: list[str] = []
     stats: collections.Counter[str] = collections.Counter()
     closes: collections.Counter[str] = collections.Counter()
     frames_per_conn: list[int] = []
     bytes_per_conn: list[int] = []
+    wire_per_conn: list[int] = []
     end_times: list[float] = []
     ready = trio.Event()
     all_ended = trio.Event()
@@ -395,7 +407,10 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 timeout=CONNECT_TIMEOUT,
                 message_queue_size=RAW_QUEUE_SIZE,
                 deltas=deltas,
+                compression=compression,
             ) as sock:
+                wire_start = sock.wire_bytes
+                stats["compressed"] += sock.compressed
                 handshakes.release()
                 holding = False
                 stats["connected"] += 1
@@ -418,8 +433,11 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                     else:
                         closes[str(sock.close_code)] += 1
                     stats["frames"] += frames
+                    wire = sock.wire_bytes - wire_start
+                    stats["wire_bytes"] += wire
                     frames_per_conn.append(frames)
                     bytes_per_conn.append(size)
+                    wire_per_conn.append(wire)
                     stats["ended"] += 1
                     settled()
                 await finish.wait()
@@ -459,6 +477,9 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 "done",
                 frames=stats["frames"],
                 bytes=stats["bytes"],
+                wire_bytes=stats["wire_bytes"],
+                # Every connection negotiated permessage-deflate (the offer alone is not enough).
+                compressed=stats["connected"] > 0 and stats["compressed"] == stats["connected"],
                 gaps=stats["gaps"],
                 run_complete=stats["run_complete"],
                 ended=stats["ended"],
@@ -467,6 +488,8 @@ async def role_watch(io: Io, cfg: dict[str, Any]) -> None:
                 min_frames=min(frames_per_conn, default=0),
                 min_bytes=min(bytes_per_conn, default=0),
                 max_bytes=max(bytes_per_conn, default=0),
+                min_wire_bytes=min(wire_per_conn, default=0),
+                max_wire_bytes=max(wire_per_conn, default=0),
                 max_frames=max(frames_per_conn, default=0),
                 last_end=max(end_times, default=0.0),
             )

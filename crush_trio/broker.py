@@ -63,6 +63,7 @@ import trio
 from . import wire
 from .errors import WS_CLOSE_SERVICE_RESTART, WS_CLOSE_TRY_AGAIN_LATER, CrushError
 from .eventlog import EventLog, EventLogError, Fenced
+from .metrics import METRICS
 from .wire import EventKind
 
 log = logging.getLogger(__name__)
@@ -370,9 +371,12 @@ class ClientStream:
         client_id: str = "",
         max_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
         deltas: bool = False,
+        transport: str = "other",
     ) -> None:
         self.broker = broker
         self.client_id = client_id
+        #: This transport's metrics (drops, gaps, kills, open streams).
+        self.metrics = METRICS.transport(transport)
         #: Whether this client gets ``message_delta`` events (else their ``message`` snapshots).
         self.deltas = deltas
         self.receive = ClientQueue(size, max_bytes)
@@ -434,6 +438,7 @@ class ClientStream:
             return True
         if self._push_nowait(self._gap.frame(self.broker.latest_seq)):
             self._gap = None
+            self.metrics.gaps.inc()
             return True
         return False
 
@@ -464,6 +469,7 @@ class ClientStream:
 
     def _drop(self, seq: int) -> None:
         self.dropped += 1
+        self.metrics.dropped.inc()
         self.broker.dropped += 1
         if self._gap is None:
             self._gap = Gap(1, seq, seq)
@@ -493,15 +499,18 @@ class ClientStream:
         """
         if not reserved:
             self.reserve_delivery()
+        started = trio.current_time()
         try:
             async with self._md_lock:
                 if self._gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
                     gap, self._gap = self._gap, None
                     await self._push_waiting(gap.frame(self.broker.latest_seq))
+                    self.metrics.gaps.inc()
                 await self._push_waiting(event)
         finally:
             self._md_waiting -= 1
+            METRICS.must_deliver_wait.observe(trio.current_time() - started)
         if self._md_waiting == 0:
             self._flush_gap_nowait()  # lossy events dropped while it waited
 
@@ -533,6 +542,8 @@ class ClientStream:
         if not self.killed.is_set():
             self.kill_reason = reason
             self.kill_code = code
+            if reason == TOO_SLOW_REASON:
+                self.metrics.killed.inc()
             on_kill, self.on_kill = self.on_kill, None
             if on_kill is not None:
                 on_kill()
@@ -667,6 +678,7 @@ class Broker:
         ):
             self._replay_used -= _replay_size(self.replay.popleft())
         self.published += 1
+        METRICS.published[event.type].inc()
 
     def publish_delta(self, delta: wire.MessageDelta, message: wire.Message) -> Event:
         """Publish an append to a streaming message (lossy; never blocks).
@@ -816,12 +828,21 @@ class Broker:
         ``last_seq()`` so that a batch whose reply was lost is not appended twice.
 
         Cancellation: a batch being appended stays queued; :meth:`aclose` finishes it.
+
+        Raises:
+            EventLogError: the log could not be opened (its message says why).
         """
         event_log = self.log
         if event_log is None:
             raise RuntimeError("this broker has no event log")
-        with trio.fail_after(self.log_append_timeout):
+        last: int | None = None
+        with trio.move_on_after(self.log_append_timeout):
             last = await event_log.last_seq()
+        if last is None:
+            raise EventLogError(
+                f"the event log did not answer last_seq() within log_append_timeout "
+                f"({self.log_append_timeout:g} s)"
+            )
         self.seq = self.durable_seq = max(last, self.seq)
         self._log_open = True
         self._writer_done = trio.Event()
@@ -965,7 +986,12 @@ class Broker:
         self.close()
 
     async def subscribe_resuming(
-        self, *, since: int | None = None, client_id: str = "", deltas: bool = False
+        self,
+        *,
+        since: int | None = None,
+        client_id: str = "",
+        deltas: bool = False,
+        transport: str = "other",
     ) -> tuple[ClientStream, list[Event]]:
         """:meth:`subscribe`, reading the log for the events a resume needs that are older than
         the replay buffer (cluster mode; without a log this is :meth:`subscribe`).
@@ -995,7 +1021,9 @@ class Broker:
                     break
                 older.extend(event_from_log(seq, data) for seq, data in records)
                 after = records[-1][0]
-        return self.subscribe(since=since, client_id=client_id, deltas=deltas, older=older)
+        return self.subscribe(
+            since=since, client_id=client_id, deltas=deltas, transport=transport, older=older
+        )
 
     def subscribe(
         self,
@@ -1003,6 +1031,7 @@ class Broker:
         since: int | None = None,
         client_id: str = "",
         deltas: bool = False,
+        transport: str = "other",
         older: list[Event] | None = None,
     ) -> tuple[ClientStream, list[Event]]:
         """Add a client. Returns its stream and the frames to send first.
@@ -1012,6 +1041,7 @@ class Broker:
         after this call goes to the stream's channel, so nothing is missed or sent twice.
         ``deltas``: the client gets ``message_delta`` events, else their ``message`` snapshots.
         ``older``: events read from the log that precede the replay buffer (cluster mode).
+        ``transport`` (``ws``, ``sse``, ``other``) labels the client's metrics.
         """
         if self.closed:
             raise trio.ClosedResourceError("broker is closed")
@@ -1021,13 +1051,19 @@ class Broker:
             client_id=client_id,
             max_bytes=self.client_queue_bytes,
             deltas=deltas,
+            transport=transport,
         )
         self.clients.add(stream)
+        stream.metrics.streams.inc()
         if not deltas:
             self.snapshot_clients += 1
         if self.log is not None:
-            return stream, list(self._resume_frames_logged(since, older or [], deltas))
-        return stream, list(self._resume_frames(since, deltas))
+            first = list(self._resume_frames_logged(since, older or [], deltas))
+        else:
+            first = list(self._resume_frames(since, deltas))
+        if since is not None:
+            stream.metrics.gaps.inc(sum(1 for frame in first if frame.type == "gap"))
+        return stream, first
 
     def hello(self, workspace_id: str, version: str) -> Event:
         return connection_frame(
@@ -1102,6 +1138,7 @@ class Broker:
     def _unsubscribe(self, stream: ClientStream) -> None:
         if stream in self.clients:
             self.clients.discard(stream)
+            stream.metrics.streams.dec()
             if not stream.deltas:
                 self.snapshot_clients -= 1
         self._stalled.discard(stream)

@@ -68,6 +68,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="text lines, or one JSON object per line (docs/operations.md)",
     )
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="also serve /metrics without the token on 127.0.0.1:PORT (0: any free port; "
+        "default: server.metrics_port, else off)",
+    )
     cluster = p.add_argument_group(
         "cluster",
         "run as one node of a cluster (docs/cluster.md); each flag overrides the "
@@ -228,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_origins=args.allow_origin,
             allow_hosts=args.allow_host,
             access_log=not args.no_access_log,
+            metrics_port=args.metrics_port,
             cluster={
                 key: value
                 for key, value in (

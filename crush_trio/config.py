@@ -38,6 +38,7 @@ import secrets
 import stat
 import threading
 import types
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, Union, get_args, get_origin
@@ -212,6 +213,33 @@ DEFAULT_MAX_WORKSPACES: Final = 64
 DEFAULT_RETIRED_CLIENT_TTL: Final = 3600.0
 #: Retired client ids remembered at once (the oldest are forgotten first).
 DEFAULT_MAX_RETIRED_CLIENTS: Final = 10_000
+
+# Run-completion webhooks (docs/webhooks.md).
+#: Deliveries waiting in the server's outbox; when it is full the oldest pending one is dropped.
+DEFAULT_WEBHOOK_OUTBOX_MAX: Final = 1000
+#: Bytes of the bodies of the pending deliveries (held in memory as well as in the file); past
+#: it the oldest pending ones are dropped.
+DEFAULT_WEBHOOK_OUTBOX_BYTES: Final = 32 * 1024 * 1024
+#: Failed deliveries kept in the outbox file for inspection (the oldest are removed first).
+DEFAULT_WEBHOOK_FAILED_KEPT: Final = 1000
+#: POSTs of one delivery before it is marked failed.
+DEFAULT_WEBHOOK_MAX_ATTEMPTS: Final = 10
+#: Delay before the second attempt, in seconds; it doubles for each later one.
+DEFAULT_WEBHOOK_BACKOFF_BASE: Final = 1.0
+#: Cap on the delay between two attempts (and on an honoured ``Retry-After``), in seconds.
+DEFAULT_WEBHOOK_BACKOFF_MAX: Final = 300.0
+#: Longest one POST may take, connecting and the answer's headers included, in seconds.
+DEFAULT_WEBHOOK_TIMEOUT: Final = 10.0
+#: POSTs in flight at once, over every endpoint.
+DEFAULT_WEBHOOK_CONCURRENCY: Final = 4
+#: Largest body POSTed; a longer run text is cut to fit (``text_truncated``), in bytes.
+DEFAULT_WEBHOOK_MAX_BODY_BYTES: Final = 256 * 1024
+#: Largest ``secret_file`` of a webhook endpoint, in bytes.
+WEBHOOK_SECRET_FILE_MAX_BYTES: Final = 4096
+#: What ``webhooks[].events`` may list: every run's end, or the runs of one outcome.
+WebhookEvent = Literal[
+    "run_complete", "run_complete.completed", "run_complete.failed", "run_complete.cancelled"
+]
 
 # Bounds on queued prompts (per session).
 #: Prompts one session may have waiting in its queue (a busy session's later prompts).
@@ -398,6 +426,24 @@ class McpServerConfig:
 
 
 @attrs.frozen
+class WebhookConfig:
+    """One entry of ``webhooks``: an endpoint that receives a signed POST for every run's end
+    (docs/webhooks.md). Only the user's file, ``--config`` or a trusted workspace's file may
+    list endpoints.
+
+    After loading, :attr:`secret` holds the effective secret (``$VAR`` expanded, or the contents
+    of ``secret_file``); it is left out of ``repr`` and redacted by :func:`config_to_json`.
+    """
+
+    url: str
+    secret: str = attrs.field(default="", repr=False)
+    #: A file holding the secret (absolute, ``~`` expands; surrounding whitespace is removed).
+    secret_file: str = ""
+    #: Which run ends are POSTed (default: every one).
+    events: list[WebhookEvent] = attrs.field(factory=lambda: ["run_complete"])
+
+
+@attrs.frozen
 class ServerOptions:
     """The server's bounds (top-level key ``server``, an addition to the Crush format)."""
 
@@ -433,6 +479,19 @@ class ServerOptions:
     max_attachment_bytes: int = _positive(DEFAULT_MAX_ATTACHMENT_BYTES)
     max_attachments_bytes: int = _positive(DEFAULT_MAX_ATTACHMENTS_BYTES)
     max_attachments: int = _positive(DEFAULT_MAX_ATTACHMENTS)
+    # Run-completion webhooks: the outbox and its deliveries (docs/webhooks.md).
+    webhook_outbox_max: int = _positive(DEFAULT_WEBHOOK_OUTBOX_MAX)
+    webhook_outbox_bytes: int = _positive(DEFAULT_WEBHOOK_OUTBOX_BYTES)
+    webhook_failed_kept: int = DEFAULT_WEBHOOK_FAILED_KEPT
+    webhook_max_attempts: int = _positive(DEFAULT_WEBHOOK_MAX_ATTEMPTS)
+    webhook_backoff_base: float = DEFAULT_WEBHOOK_BACKOFF_BASE
+    webhook_backoff_max: float = DEFAULT_WEBHOOK_BACKOFF_MAX
+    webhook_timeout: float = _positive(DEFAULT_WEBHOOK_TIMEOUT)
+    webhook_concurrency: int = _positive(DEFAULT_WEBHOOK_CONCURRENCY)
+    webhook_max_body_bytes: int = _positive(DEFAULT_WEBHOOK_MAX_BODY_BYTES)
+    #: Serve ``/metrics`` without the token on this port of 127.0.0.1 (0: any free one);
+    #: None (the default): only ``/metrics`` with the token on the main address.
+    metrics_port: int | None = None
 
 
 @attrs.frozen
@@ -481,6 +540,10 @@ class Config:
     #: Workspace directories whose own config files are applied in full (each entry and every
     #: directory below it); read from the user's file only.
     trusted_workspaces: list[str] = attrs.field(factory=list)
+    #: Endpoints POSTed at every run's end (docs/webhooks.md): the server's own (user file or
+    #: ``--config``) apply to every workspace; a trusted workspace's file replaces the list for
+    #: that workspace, added to the server's.
+    webhooks: list[WebhookConfig] = attrs.field(factory=list)
 
     def resolve_model(
         self, role: Literal["large", "small"]
@@ -583,6 +646,21 @@ def _structure_mcp_type(value: Any, _: Any) -> str:
 
 
 converter.register_structure_hook_func(lambda t: t == _MCP_TYPE_HINT, _structure_mcp_type)
+
+
+_WEBHOOK_EVENT_HINT: Final[object] = WebhookEvent
+#: The allowed values of ``webhooks[].events``.
+WEBHOOK_EVENTS: Final[tuple[str, ...]] = get_args(WebhookEvent)
+
+
+def _structure_webhook_event(value: Any, _: Any) -> str:
+    if not isinstance(value, str) or value not in WEBHOOK_EVENTS:
+        allowed = ", ".join(repr(t) for t in WEBHOOK_EVENTS)
+        raise ValueError(f"unknown webhook event {value!r}; allowed events: {allowed}")
+    return value
+
+
+converter.register_structure_hook_func(lambda t: t == _WEBHOOK_EVENT_HINT, _structure_webhook_event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1150,6 +1228,81 @@ def _check_mcp(config: Config, problems: list[_Problem]) -> None:
             )
 
 
+def _load_webhooks(expander: _Expander, config: Config, problems: list[_Problem]) -> Config:
+    """``$VAR`` in each webhook's ``secret`` (trusted files only), ``secret_file`` read, and
+    each endpoint checked: an http(s) URL with a host, exactly one way to give the secret."""
+    hooks: list[WebhookConfig] = []
+    for index, hook in enumerate(config.webhooks):
+        base: PathParts = ("webhooks", index)
+        before = len(problems)
+        url = urllib.parse.urlsplit(hook.url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            problems.append(
+                _Problem(
+                    (*base, "url"),
+                    "must be an http:// or https:// URL with a host; fix the value",
+                )
+            )
+        if not hook.events:
+            problems.append(
+                _Problem(
+                    (*base, "events"),
+                    'is empty, so the endpoint would receive nothing; list "run_complete" or '
+                    "remove the endpoint",
+                )
+            )
+        secret = expander.expand(hook.secret, (*base, "secret"))
+        if hook.secret and hook.secret_file:
+            problems.append(
+                _Problem(base, "set secret or secret_file, not both; remove one of them")
+            )
+        elif hook.secret_file:
+            try:
+                secret = _read_secret_file(hook.secret_file)
+            except _Problem as problem:
+                problems.append(_Problem((*base, "secret_file"), problem.message))
+        if not secret and len(problems) == before:
+            problems.append(
+                _Problem(
+                    (*base, "secret"),
+                    'a webhook needs a secret to sign its requests: set secret ("$VAR" reads '
+                    "an environment variable) or secret_file",
+                )
+            )
+        hooks.append(attrs.evolve(hook, secret=secret))
+    return attrs.evolve(config, webhooks=hooks)
+
+
+def _read_secret_file(raw: str) -> str:
+    """The secret held by a webhook's ``secret_file``, surrounding whitespace removed."""
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        raise _Problem((), "must be an absolute path (~ expands); fix the value")
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Problem((), f"{path} is {_file_kind(st.st_mode)}; name a regular file")
+        if st.st_size > WEBHOOK_SECRET_FILE_MAX_BYTES:
+            raise _Problem(
+                (),
+                f"{path} is larger than {WEBHOOK_SECRET_FILE_MAX_BYTES} bytes "
+                "(WEBHOOK_SECRET_FILE_MAX_BYTES); a secret file holds one secret",
+            )
+        with open(path, "rb") as file:
+            data = file.read(WEBHOOK_SECRET_FILE_MAX_BYTES + 1)
+    except OSError as exc:
+        raise _Problem(
+            (), f"cannot read {path} ({exc.strerror or exc}); make it a readable file"
+        ) from None
+    try:
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise _Problem((), f"{path} is not UTF-8 text; write the secret as text") from None
+    if not secret:
+        raise _Problem((), f"{path} is empty; write the secret into it")
+    return secret
+
+
 def _resolve_model(
     config: Config, role: Literal["large", "small"]
 ) -> tuple[str, ProviderConfig, ModelEntry]:
@@ -1337,6 +1490,7 @@ def _finish_loading(
         mcp={name: _expand_mcp(expander, name, server) for name, server in config.mcp.items()},
     )
     _check_mcp(config, problems)
+    config = _load_webhooks(expander, config, problems)
 
     roles: list[Literal["large", "small"]] = ["large"]
     if config.models.small is not None:
@@ -1449,8 +1603,8 @@ def _write_user_file(target: Path, data: dict[str, Any]) -> None:
 def config_to_json(config: Config) -> dict[str, Any]:
     """The configuration as JSON data for display, with secrets redacted.
 
-    ``api_key`` and every ``extra_headers`` value (they often carry tokens) become ``"***"``
-    when non-empty.
+    ``api_key``, every ``extra_headers`` value (they often carry tokens) and each webhook's
+    ``secret`` become ``"***"`` when non-empty.
     """
     data: dict[str, Any] = converter.unstructure(config)
     for provider in data["providers"].values():
@@ -1463,6 +1617,9 @@ def config_to_json(config: Config) -> dict[str, Any]:
     for server in data["mcp"].values():
         for secret in ("env", "headers"):
             server[secret] = {k: REDACTED if v else v for k, v in server[secret].items()}
+    for hook in data["webhooks"]:
+        if hook["secret"]:
+            hook["secret"] = REDACTED
     for url in ("database_url", "redis_url"):  # a DSN may carry a password
         if data["cluster"][url]:
             data["cluster"][url] = REDACTED

@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from .broker import Broker
+from .metrics import METRICS
 from .wire import EventKind, PermissionNotification, PermissionRequest, new_id
 
 log = logging.getLogger(__name__)
@@ -121,18 +122,23 @@ class PermissionService:
         )
         pending = _Pending(request)
         self._pending[request.id] = pending
+        METRICS.permissions_pending.inc()
+        started, outcome = trio.current_time(), "cancelled"
         try:
             await self.broker.publish_must_deliver(request, EventKind.CREATED)
             limit = self.timeout if self.timeout is not None else math.inf
             with trio.move_on_after(limit):
                 await pending.done.wait()
+            outcome = "allowed" if pending.allowed else "denied"
             if not pending.resolved:
                 log.info("permission request %s timed out; denied", request.id)
-                pending.resolved = True
+                pending.resolved, outcome = True, "timeout"
                 await self._notify(pending)
             return pending.allowed
         finally:
             self._pending.pop(request.id, None)
+            METRICS.permissions_pending.dec()
+            METRICS.permission_waits.labels(outcome).observe(trio.current_time() - started)
             if not pending.resolved:
                 pending.resolved = True
                 with trio.move_on_after(NOTIFY_TIMEOUT, shield=True):

@@ -53,6 +53,8 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
     assert paced["run_complete"] == paced["clients"] > 0, paced
     assert paced["reply_chars"] > 0 and paced["bytes_per_client_char"] > 0
     assert paced["frame_kinds"].get("message_delta", [0])[0] > 0, paced  # the clients asked
+    # The watchers offered permessage-deflate: their sockets carried fewer bytes than the text.
+    assert paced["compressed"] and 0 < paced["wire_bytes"] < paced["bytes"], paced
     chaos = raw["workloads"]["W5"]["totals"]
     assert chaos["accepted"] > 0
     assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos

@@ -421,13 +421,39 @@ async def _connect_and_abort(port: int, wid: str, limit: trio.Semaphore) -> None
         sock.close()
 
 
-async def _settled_fds(pid: int, target: int) -> int:
-    """The server's descriptor count once it is back to ``target`` (bounded): it closes an
-    aborted socket when it notices the reset, a moment after the client went."""
-    with trio.move_on_after(WAIT):
-        while _fds(pid) > target:
-            await trio.sleep(0.05)  # another process: nothing to wait on but its /proc entry
-    return _fds(pid)
+#: The server's DEBUG line once it has closed an event websocket's socket (listener.contained).
+CLOSED_MARK = b"crush_trio.server.listener: event websocket from "
+#: The server command: ``crush_trio serve`` with only the listener's logger at DEBUG, so that it
+#: reports each closed connection on stderr and nothing else is logged below ERROR.
+SERVE_WITH_CLOSE_LINES = (
+    "import logging, sys; from crush_trio.cli import main; "
+    "logging.getLogger('crush_trio.server.listener').setLevel(logging.DEBUG); "
+    "sys.exit(main(sys.argv[1:]))"
+)
+
+
+class ClosedConnections:
+    """Counts the server's ``event websocket from ... closed`` lines as they arrive on stderr."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._changed = trio.Event()
+
+    async def read(self, stderr: trio.abc.ReceiveStream) -> None:
+        pending = b""
+        async for chunk in stderr:
+            *lines, pending = (pending + chunk).split(b"\n")
+            closed = sum(1 for line in lines if CLOSED_MARK in line and line.endswith(b" closed"))
+            if closed:
+                self.count += closed
+                self._changed.set()
+                self._changed = trio.Event()
+
+    async def wait_for(self, total: int) -> None:
+        """Until the server has closed ``total`` event websockets in all (bounded)."""
+        with trio.fail_after(WAIT):
+            while self.count < total:
+                await self._changed.wait()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -444,8 +470,8 @@ async def test_aborted_websockets_leave_rss_and_descriptors_at_their_baseline(
     (tmp_path / "server.json").write_text(orjson.dumps(config).decode())
     cmd = [
         sys.executable,
-        "-m",
-        "crush_trio",
+        "-c",
+        SERVE_WITH_CLOSE_LINES,
         "serve",
         "--port",
         "0",
@@ -460,26 +486,28 @@ async def test_aborted_websockets_leave_rss_and_descriptors_at_their_baseline(
         "ERROR",
     ]
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    closes = ClosedConnections()
     async with trio.open_nursery() as nursery:
         proc: trio.Process = await nursery.start(
             partial(
                 trio.run_process,
                 cmd,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 env=env,
                 check=False,
             )
         )
         try:
-            assert proc.stdout is not None
+            assert proc.stdout is not None and proc.stderr is not None
+            nursery.start_soon(closes.read, proc.stderr)
             line = b""
             with trio.fail_after(20):
                 while not line.endswith(b"\n"):
                     line += await proc.stdout.receive_some(1)
             url = line.decode().split()[-1].split("/?")[0]
             port = int(url.rsplit(":", 1)[1])
-            await _rounds_keep_baseline(url, port, project, proc.pid)
+            await _rounds_keep_baseline(url, port, project, proc.pid, closes)
         finally:
             proc.terminate()
             with trio.move_on_after(WAIT):
@@ -487,7 +515,9 @@ async def test_aborted_websockets_leave_rss_and_descriptors_at_their_baseline(
             proc.kill()
 
 
-async def _rounds_keep_baseline(url: str, port: int, project: Path, pid: int) -> None:
+async def _rounds_keep_baseline(
+    url: str, port: int, project: Path, pid: int, closes: ClosedConnections
+) -> None:
     headers = {"Authorization": "Bearer tok"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=WAIT) as http:
         r = await http.post(
@@ -505,19 +535,26 @@ async def _rounds_keep_baseline(url: str, port: int, project: Path, pid: int) ->
         limit = trio.Semaphore(50)
         fds_before = _fds(pid)
 
-        async def one_round() -> None:
+        rounds = 0
+
+        async def one_round() -> int:
+            """One round of aborted connections; the server's descriptors once it has closed
+            every one of them (it closes an aborted socket when it notices the reset)."""
+            nonlocal rounds
             async with trio.open_nursery() as nursery:
                 for _ in range(CONNECTIONS):
                     nursery.start_soon(_connect_and_abort, port, wid, limit)
             assert (await http.get("/v1/health")).status_code == 200
+            rounds += 1
+            await closes.wait_for(rounds * CONNECTIONS)
+            return _fds(pid)
 
-        await one_round()  # warm-up: the allocator's arenas, the first-use caches
-        fds_base = await _settled_fds(pid, fds_before)
+        fds_base = await one_round()  # warm-up: the allocator's arenas, the first-use caches
         rss_base = _rss_mb(pid)
         samples = []
         for _ in range(ROUNDS):
-            await one_round()
-            samples.append((_rss_mb(pid), await _settled_fds(pid, fds_base)))
+            fds = await one_round()
+            samples.append((_rss_mb(pid), fds))
         print(f"fds {fds_before} -> {fds_base}; rss base {rss_base:.1f} MB; rounds {samples}")
         assert fds_base == fds_before
         assert all(fds == fds_base for _, fds in samples), samples

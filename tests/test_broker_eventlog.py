@@ -407,3 +407,16 @@ def events_of(broker: Broker, first: int, last: int) -> list[EventRecord]:
 
     queued = broker._inflight + broker._pending
     return [(e.seq, log_record(e)) for e in queued if first <= e.seq <= last]
+
+
+async def test_a_log_that_cannot_be_opened_names_the_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class Silent(GatedLog):
+        async def last_seq(self) -> int:
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    broker = Broker(log=Silent(MemoryEventLog()), log_append_timeout=2.0)
+    with pytest.raises(EventLogError, match="log_append_timeout"):
+        await broker.write_log()

@@ -948,6 +948,32 @@ def test_page_asks_for_deltas_and_applies_them_by_offset(
     expect(page.locator('.message[data-message-id="m-delta"]')).to_have_count(0)
 
 
+def test_the_page_websocket_negotiates_permessage_deflate(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    """Chromium offers permessage-deflate; the server accepts it, and the page reads the
+    compressed stream as it would an uncompressed one."""
+    page = pages.open(server)
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    answers: list[dict[str, str]] = []
+    cdp.on(
+        "Network.webSocketHandshakeResponseReceived",
+        lambda event: answers.append(
+            {k.lower(): v for k, v in event["response"]["headers"].items()}
+        ),
+    )
+    open_workspace(page, project)
+    prompt = "compressed reply " + words(12, "z")
+    send(page, prompt)
+    wait_for_run(page, "completed")
+    expect(page.locator(".message.role-assistant .markdown")).to_have_text(prompt)
+    assert answers, "no websocket handshake seen"
+    assert all(
+        a.get("sec-websocket-extensions", "").startswith("permessage-deflate") for a in answers
+    ), answers
+
+
 #: The long reply of the rendering benchmark (tokens; ~5 characters each, so ~100k characters).
 LONG_REPLY_TOKENS = 20_000
 #: Target: main-thread time per applied delta, 95th percentile, at LONG_REPLY_TOKENS (ms).

@@ -64,6 +64,11 @@ class FanOut:
     bytes: int = 0
     min_bytes: int = 0
     max_bytes: int = 0
+    #: Bytes read from the sockets (frames as they travelled: compressed when negotiated).
+    wire_bytes: int = 0
+    min_wire_bytes: int = 0
+    max_wire_bytes: int = 0
+    compressed: bool = False
     gaps: int = 0
     complete: int = 0
     closes: dict[str, int] = field(default_factory=dict)
@@ -84,10 +89,12 @@ async def watch_until_done(
     measure: Callable[[], float],
     record: Path | None = None,
     within: float | None = None,
+    compression: bool | None = None,
 ) -> FanOut:
     """Connect ``clients`` watchers of workspace ``wid`` at ``url`` over several processes, call
     ``start`` (async), and wait until every watcher saw ``run_complete`` (within ``within`` seconds,
-    by default the phase timeout); ``measure`` reads the server's CPU seconds."""
+    by default the phase timeout); ``measure`` reads the server's CPU seconds. ``compression``
+    (None: the benchmark's default) says whether the watchers offer permessage-deflate."""
     procs = processes_for(clients)
     configs = [
         {
@@ -95,6 +102,7 @@ async def watch_until_done(
             "wid": wid,
             "count": share,
             "record": str(record) if record and i == 0 else None,
+            **({} if compression is None else {"compression": compression}),
         }
         for i, share in enumerate(split(clients, procs))
     ]
@@ -113,6 +121,10 @@ async def watch_until_done(
         fan.bytes = sum(d["bytes"] for d in done)
         fan.min_bytes = min(d["min_bytes"] for d in done)
         fan.max_bytes = max(d["max_bytes"] for d in done)
+        fan.wire_bytes = sum(d["wire_bytes"] for d in done)
+        fan.min_wire_bytes = min(d["min_wire_bytes"] for d in done)
+        fan.max_wire_bytes = max(d["max_wire_bytes"] for d in done)
+        fan.compressed = all(d["compressed"] for d in done)
         fan.gaps = sum(d["gaps"] for d in done)
         fan.complete = sum(d["run_complete"] for d in done)
         for d in done:
@@ -162,6 +174,9 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         "so far each time); when the server falls behind the model it coalesces tokens into "
         "fewer updates, so the update count drops as clients grow.",
         f"Clients are spread over one process per {CLIENTS_PER_PROCESS} clients.",
+        "In the comparison with the bare server the clients do not offer permessage-deflate "
+        "(the bare server negotiates none, so both push the same uncompressed frames); in the "
+        "paced fan-out they do.",
     ]
     result.raw = {"levels": rows, "paced": paced}
     result.chart = lambda path: charts.w3(path, result.raw)
@@ -185,8 +200,9 @@ async def w3_level(
         async def start() -> None:
             await ws.prompt(session.id, "Stream your tokens.")
 
+        # No compression here: the bare server negotiates none, so both push the same frames.
         real = await watch_until_done(
-            ctx, f"w3-{n}-watch", server.url, ws.id, n, start, server.cpu, record
+            ctx, f"w3-{n}-watch", server.url, ws.id, n, start, server.cpu, record, compression=False
         )
     real.updates = sum(1 for frame in _read_frames(record) if _is_update(frame))
     ctx.log(
@@ -211,6 +227,7 @@ async def w3_level(
             go,
             partial(cpu_seconds, bare.pid),
             within=max(ctx.sizes.phase_timeout, BARE_TIMEOUT_FACTOR * real.wall),
+            compression=False,
         )
     ratio = real.per_cpu / ceiling.per_cpu if ceiling.per_cpu else float("nan")
     ctx.log(f"  bare {rate(ceiling.per_cpu)} msgs/CPU-s, ratio {share(ratio)}")
@@ -300,24 +317,30 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         run = await ws.get_run(handles[0].run_id)
     chars = len(run.text)
     kinds = _frame_kinds(_read_frames(record))
-    ctx.log(f"  one client's frames by type (count, bytes): {kinds}")
-    per_char = fan.bytes / n / chars if chars else float("nan")
+    ctx.log(f"  one client's frames by type (count, decoded bytes): {kinds}")
+    per_char = fan.wire_bytes / n / chars if chars else float("nan")
+    decoded_per_char = fan.bytes / n / chars if chars else float("nan")
     cpu_share = fan.cpu / fan.wall if fan.wall > 0 else float("nan")
+    wire = "permessage-deflate" if fan.compressed else "uncompressed"
     ctx.log(
-        f"  {fan.bytes / n:,.0f} bytes and {fan.deliveries / n:,.0f} frames per client for "
-        f"{chars:,} characters ({per_char:.2f} B/char), server CPU {fan.cpu:.2f} s over "
-        f"{fan.wall:.2f} s ({share(cpu_share)} of a core), run_complete {fan.complete}/{n}"
+        f"  {fan.wire_bytes / n:,.0f} bytes on the wire ({wire}; {fan.bytes / n:,.0f} decoded) "
+        f"and {fan.deliveries / n:,.0f} frames per client for {chars:,} characters "
+        f"({per_char:.2f} B/char on the wire, {decoded_per_char:.2f} decoded), server CPU "
+        f"{fan.cpu:.2f} s over {fan.wall:.2f} s ({share(cpu_share)} of a core), run_complete "
+        f"{fan.complete}/{n}"
     )
     table = Table(
         f"Paced fan-out: one run of {tokens:,} tokens at {delay:g} ms per token (fake model, "
         "default publish window) watched by N websocket clients "
-        + ("with `deltas=1`" if client_deltas() else "in snapshot mode (`--snapshots`)"),
+        + ("with `deltas=1`" if client_deltas() else "in snapshot mode (`--snapshots`)")
+        + f", {wire} on the wire",
         [
             "clients",
             "reply chars",
             "frames per client",
-            "bytes per client",
-            "bytes per reply char",
+            "wire bytes per client",
+            "wire bytes per reply char",
+            "decoded bytes per client",
             "server CPU",
             "wall",
             "CPU share of one core",
@@ -329,8 +352,9 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         n,
         f"{chars:,}",
         f"{fan.deliveries / n:,.0f}",
-        f"{fan.bytes / n:,.0f} ({fan.min_bytes:,} to {fan.max_bytes:,})",
+        f"{fan.wire_bytes / n:,.0f} ({fan.min_wire_bytes:,} to {fan.max_wire_bytes:,})",
         f"{per_char:.2f}",
+        f"{fan.bytes / n:,.0f} ({decoded_per_char:.2f} per char)",
         f"{fan.cpu:.2f} s",
         f"{fan.wall:.2f} s",
         share(cpu_share),
@@ -339,12 +363,15 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     )
     result.tables.append(table)
     result.notes.append(
-        "Paced fan-out, one client's frames by type (count, bytes): "
+        "Paced fan-out: bytes per reply character count what each client read from its socket "
+        "from the prompt to its `run_complete` (frame headers included; compressed when the "
+        "client offered permessage-deflate, as the benchmark's clients do unless "
+        "`--no-compression`). One client's frames by type (count, decoded bytes): "
         + ", ".join(f"{k} {c:,} / {b:,} B" for k, (c, b) in sorted(kinds.items()))
     )
     result.targets += [
         Target(
-            f"paced fan-out: bytes per client per reply character, {n} clients",
+            f"paced fan-out: wire bytes per client per reply character, {n} clients",
             f"{per_char:.2f}",
             f"≤ {PACED_BYTES_PER_CHAR_TARGET:g}",
             per_char <= PACED_BYTES_PER_CHAR_TARGET,
@@ -369,7 +396,10 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         "reply_chars": chars,
         "frames": fan.deliveries,
         "bytes": fan.bytes,
+        "wire_bytes": fan.wire_bytes,
+        "compressed": fan.compressed,
         "bytes_per_client_char": per_char,
+        "decoded_bytes_per_client_char": decoded_per_char,
         "server_cpu": fan.cpu,
         "wall": fan.wall,
         "cpu_share": cpu_share,

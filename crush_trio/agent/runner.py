@@ -43,6 +43,7 @@ from ..errors import (
     unwrap_group,
 )
 from ..logs import current_context, log_context
+from ..metrics import METRICS, run_reason
 from ..providers import base as pb
 from ..wire import (
     AgentEvent,
@@ -104,6 +105,7 @@ class _TurnProgress:
     history: list[Message] = attrs.field(factory=list)  # what the next model step is sent
     usage: pb.Usage | None = None  # the last step's, as the provider reported it
     model_entry: Any = None  # the ModelEntry the turn uses (prices, context window)
+    first_token: bool = False  # the turn's first streamed content was seen (metrics)
 
 
 @attrs.define
@@ -166,9 +168,13 @@ class Agent:
         on_idle: Callable[[], None] = lambda: None,
         max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
+        on_complete: Callable[[RunComplete], None] = lambda _: None,
         terminals: Terminals | None = None,
     ) -> None:
         self.store = store
+        #: Told each run's end, once, just before its run_complete is published (webhooks); it
+        #: must return at once.
+        self._on_complete = on_complete
         #: In a cluster: the once-only record of each run's terminal event (None: embedded).
         self.terminals = terminals
         self.messages = messages
@@ -178,6 +184,7 @@ class Agent:
         self.runs = runs
         self.config = config
         self.state = AgentState()
+        METRICS.track_queue(self.state)
         self._runs_nursery = runs_nursery
         self._bg = background_nursery
         self.save_timeout = save_timeout
@@ -189,6 +196,8 @@ class Agent:
         #: Runs accepted and not yet ended: a run_complete is published only for a run still in
         #: here, and the run leaves it then (exactly once; memory bounded by the live runs).
         self._live: set[str] = set()
+        #: When each live run was accepted (trio clock), for the run metrics.
+        self._accepted_at: dict[str, float] = {}
         #: The model a prompt named (``AgentMessage.model``), by run id, until its turn ends.
         self._prompt_models: dict[str, str] = {}
         #: Turns that are a summary asked for by a client (by ``id(turn)``).
@@ -317,6 +326,8 @@ class Agent:
         )
         self.runs.add(Run(prompt.run_id, session_id, RunStatus(admission.value)), text)
         self._live.add(prompt.run_id)
+        self._accepted_at[prompt.run_id] = trio.current_time()
+        METRICS.runs_accepted.inc()
         if model is not None:
             self._prompt_models[prompt.run_id] = model
         if turn is not None:
@@ -442,8 +453,10 @@ class Agent:
     async def _complete_dropped(self, dropped: list[Prompt]) -> None:
         """Queued prompts dropped by a cancel, a clear or shutdown: cancelled terminals."""
         completes = []
+        reason = "shutdown" if self.closing else "cancel"
         for prompt in dropped:
             self._prompt_models.pop(prompt.run_id, None)
+            self._count_end(prompt.run_id, RunStatus.CANCELLED, reason)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(run, RunStatus.CANCELLED)
@@ -471,14 +484,17 @@ class Agent:
         if complete.run_id not in self._live:
             return
         self._live.discard(complete.run_id)
-        if self.terminals is None:
-            await self.broker.publish_must_deliver(complete, EventKind.CREATED)
-            return
-        run = self.runs.get(complete.run_id)
-        if run is not None and not await self.terminals.record(run, complete):
-            return  # another node ended the run (it recovered it after this one lost its lease)
+        if self.terminals is not None:
+            run = self.runs.get(complete.run_id)
+            if run is not None and not await self.terminals.record(run, complete):
+                return  # another node ended the run (it recovered it after this one lost its lease)
+        try:
+            self._on_complete(complete)
+        except Exception:
+            log.exception("the run-end hook failed for run %s", complete.run_id)
         event = await self.broker.publish_must_deliver(complete, EventKind.CREATED)
-        await self.terminals.logged(complete.run_id, event)
+        if self.terminals is not None:
+            await self.terminals.logged(complete.run_id, event)
 
     def _publish_busy(self, session_id: str) -> None:
         self._bg.start_soon(self._publish_session, session_id)
@@ -556,8 +572,10 @@ class Agent:
         message_id = progress.assistant.id if progress.assistant else None
         text = progress.assistant.text() if progress.assistant else ""
         completes = []
+        reason = run_reason(error, cancelled=cancelled, closing=self.closing)
         for prompt in turn.prompts:
             self._prompt_models.pop(prompt.run_id, None)
+            self._count_end(prompt.run_id, status, reason)
             run = self.runs.get(prompt.run_id)
             if run is not None and not run.status.terminal:
                 self.runs.set_status(
@@ -579,6 +597,18 @@ class Agent:
                     EventKind.CREATED,
                 )
         return completes
+
+    def _count_end(self, run_id: str, status: RunStatus, reason: str) -> None:
+        """The run metrics of a run's end (once: its acceptance time is taken)."""
+        started = self._accepted_at.pop(run_id, None)
+        if started is not None:
+            METRICS.run_finished(trio.current_time() - started, status.value, reason)
+
+    def _first_token(self, progress: _TurnProgress) -> None:
+        progress.first_token = True
+        started = self._accepted_at.get(progress.turn.primary.run_id)
+        if started is not None:
+            METRICS.time_to_first_token.observe(trio.current_time() - started)
 
     async def _save_final(
         self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
@@ -897,6 +927,8 @@ class Agent:
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
             async for event in stream:
                 if assembler.feed(event):
+                    if not progress.first_token:
+                        self._first_token(progress)
                     await self.messages.update(msg, assembler.append)
                 elif isinstance(event, pb.Usage):
                     await self._on_usage(msg, event, progress)

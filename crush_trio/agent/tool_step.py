@@ -16,6 +16,7 @@ import orjson
 import trio
 
 from ..errors import ProviderError
+from ..metrics import METRICS
 from ..wire import Message, Part, Role, ToolCallPart, ToolResultPart, new_id
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ def missing_results(msg: Message, done: set[str], *, cancelled: bool) -> list[Pa
     ]
 
 
+def _outcome(result: Any) -> str:
+    """The ``outcome`` label of a tool call's result (ok, error, denied)."""
+    if getattr(result, "stop_turn", False):
+        return "denied"
+    return "error" if result.is_error else "ok"
+
+
 async def run_tools(
     *,
     tools: Any,
@@ -92,9 +100,14 @@ async def run_tools(
                 results.append(ToolResultPart(call.id, call.name, content, is_error=True))
                 done.add(call.id)
                 continue
-            result = await tools.call(
-                call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
-            )
+            outcome = "cancelled"
+            try:
+                result = await tools.call(
+                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
+                )
+                outcome = _outcome(result)
+            finally:
+                METRICS.tool_called(call.name, outcome)
             results.append(
                 ToolResultPart(call.id, call.name, result.content, is_error=result.is_error)
             )

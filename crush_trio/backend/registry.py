@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..config import (
+    Config,
     LoadedConfig,
     ServerOptions,
     TrustChange,
+    WebhookConfig,
     load_config_report,
     set_workspace_trust,
     user_config_file,
@@ -35,7 +37,9 @@ from ..errors import (
     ShuttingDown,
     TooManyRequests,
 )
-from ..wire import validate_client_id
+from ..metrics import METRICS
+from ..webhooks import Endpoint, Webhooks, outbox_path
+from ..wire import RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
 
 if TYPE_CHECKING:
@@ -52,6 +56,10 @@ class Backend:
         config_file: ``--config FILE``: when given, the only config file for every workspace.
         data_dir: ``--data-dir``: when given, workspace databases live under it.
         version: the server version reported in ``hello`` frames.
+        webhooks: the server's own webhook endpoints (its config's ``webhooks``), POSTed at the
+            end of every workspace's runs (docs/webhooks.md).
+        outbox: the webhook outbox to use (default: one in ``data_dir``, else in
+            :func:`~crush_trio.webhooks.default_outbox_dir`).
     """
 
     def _sandbox_hidden(self) -> tuple[Path, ...]:
@@ -72,6 +80,8 @@ class Backend:
         version: str = "",
         user_config_dir: Path | None = None,
         provider_factory: Any = None,
+        webhooks: Sequence[WebhookConfig] = (),
+        outbox: Webhooks | None = None,
         placement: Placement | None = None,
     ) -> None:
         self.server = server
@@ -91,11 +101,22 @@ class Backend:
         #: Set when :meth:`running` has ended: every workspace is closed (tests wait on it).
         self.stopped = trio.Event()
         self._nursery: trio.Nursery | None = None
+        #: The server's own webhook endpoints (its config's ``webhooks``): every workspace's.
+        self.webhook_endpoints = list(webhooks)
+        #: The webhook outbox (docs/webhooks.md), run in the backend's nursery.
+        self.webhooks = outbox or Webhooks(
+            server,
+            outbox_path(data_dir),
+            resolve=self._webhook_secret,
+            version=version,
+            save_timeout=server.shutdown_save_timeout,
+        )
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Backend]:
         """Own the workspaces' nursery for the duration of the block; shut down on exit."""
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.webhooks.run)
             self._nursery = nursery
             try:
                 yield self
@@ -202,6 +223,7 @@ class Backend:
                 warnings=loaded.warnings,
                 sandbox_hidden=self._sandbox_hidden(),
                 sandbox_more_hidden=self._open_data_dirs,
+                on_run_complete=self._run_completed,
                 **cluster,
             )
             if self.shutting_down:
@@ -302,9 +324,57 @@ class Backend:
         )
         return change
 
+    # -- webhooks -------------------------------------------------------------------------------
+
+    def _endpoints(self, config: Config, workspace: Path) -> tuple[Endpoint, ...]:
+        """The endpoints a run of this workspace is POSTed to: the server's own, then those of
+        the workspace's configuration not among them (by URL). An untrusted workspace's own
+        file cannot add any: ``webhooks`` is not on its allow-list."""
+        found: dict[str, Endpoint] = {}
+        for hooks, scope in ((self.webhook_endpoints, ""), (config.webhooks, str(workspace))):
+            for hook in hooks:
+                if hook.url not in found:
+                    found[hook.url] = Endpoint(
+                        hook.url, hook.secret.encode(), tuple(hook.events), scope
+                    )
+        return tuple(found.values())
+
+    def _run_completed(self, ws: Workspace, complete: RunComplete) -> None:
+        endpoints = self._endpoints(ws.config, ws.path)
+        if endpoints:
+            self.webhooks.enqueue(
+                complete,
+                workspace_id=ws.id,
+                workspace_path=str(ws.path),
+                endpoints=endpoints,
+            )
+
+    async def _webhook_secret(self, scope: str, url: str) -> bytes | None:
+        """The secret of a delivery's endpoint, from the configuration as it is now (a
+        delivery loaded after a restart): the server's endpoints, or its workspace's
+        configuration (read again when the workspace is not open)."""
+        hooks: Sequence[WebhookConfig] = self.webhook_endpoints
+        if scope:
+            path = Path(scope)
+            ws = self._by_path.get(path)
+            if ws is not None:
+                hooks = [*hooks, *ws.config.webhooks]
+            else:
+                try:
+                    loaded = await self._load_config(path)
+                except CrushError as exc:
+                    log.warning("webhook endpoint of %s: %s", scope, exc)
+                    return None
+                hooks = [*hooks, *loaded.config.webhooks]
+        for hook in hooks:
+            if hook.url == url:
+                return hook.secret.encode()
+        return None
+
     async def _serve_workspace(
         self, ws: Workspace, *, task_status: trio.TaskStatus[Workspace] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        METRICS.workspaces_open.inc()
         try:
             await ws.serve(task_status=task_status)
         except Exception:
@@ -312,6 +382,7 @@ class Backend:
             if ws.state.value == "starting":
                 raise
         finally:
+            METRICS.workspaces_open.dec()
             if self.workspaces.get(ws.id) is ws:
                 del self.workspaces[ws.id]
             if self._by_path.get(ws.path) is ws:

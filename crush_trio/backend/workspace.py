@@ -142,11 +142,14 @@ class Workspace:
         warnings: tuple[str, ...] = (),
         sandbox_hidden: tuple[Path, ...] = (),
         sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
+        on_run_complete: Callable[[Workspace, RunComplete], None] | None = None,
         workspace_id: str | None = None,
         store_factory: Callable[[Path], Awaitable[Any]] | None = None,
         event_log: Any = None,
     ) -> None:
         self.id = workspace_id or new_id()
+        #: Told each run's end before its run_complete is published (the server's webhooks).
+        self.on_run_complete = on_run_complete
         #: Opens the store from the data directory: SQLite (default), or a cluster's
         #: PostgreSQL store fenced by the lease's epoch.
         self.store_factory: Callable[[Path], Awaitable[Any]] = store_factory or Store.open
@@ -319,6 +322,7 @@ class Workspace:
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
+                        on_complete=self._run_completed,
                         terminals=(
                             None
                             if self.event_log is None
@@ -358,6 +362,10 @@ class Workspace:
             self.state = WorkspaceState.CLOSED
             self.closed.set()
             log.info("workspace %s closed", self.id)
+
+    def _run_completed(self, complete: RunComplete) -> None:
+        if self.on_run_complete is not None:
+            self.on_run_complete(self, complete)
 
     def _mcp_changed(self, info: McpServerInfo) -> None:
         """Tell the clients that an MCP server's state changed (an ``mcp`` agent event)."""

@@ -34,6 +34,7 @@ from .transport import (
     HELLO_TIMEOUT,
     MAX_EVENT_BYTES,
     WS_QUEUE_SIZE,
+    WireCounter,
     bearer_headers,
     open_stream_socket,
     receive_hello,
@@ -64,14 +65,21 @@ class EventSocket:
         close_code: the close code once the connection has closed (``None`` before, and when it
             closed without one, e.g. a reset connection).
         close_reason: the close reason text, once closed.
+        compressed: whether the connection negotiated permessage-deflate.
     """
 
     def __init__(
-        self, connection: WebSocketConnection, hello: dict[str, Any], client_id: str
+        self,
+        connection: WebSocketConnection,
+        hello: dict[str, Any],
+        client_id: str,
+        counter: WireCounter | None = None,
     ) -> None:
         self.connection = connection
         self.hello = hello
         self.client_id = client_id
+        self.compressed = bool(getattr(connection, "compressing", False))
+        self._counter = counter or WireCounter()
         self.closed = False
         self.close_code: int | None = None
         self.close_reason = ""
@@ -89,6 +97,12 @@ class EventSocket:
                 self.close_code, self.close_reason = exc.reason.code, exc.reason.reason or ""
             return None
         return message if isinstance(message, str) else message.decode()
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes read from the socket so far (the upgrade response and every frame as it
+        travelled: compressed, when :attr:`compressed`)."""
+        return self._counter.received
 
     def __aiter__(self) -> EventSocket:
         return self
@@ -112,6 +126,7 @@ async def open_event_socket(
     message_queue_size: int = WS_QUEUE_SIZE,
     max_message_size: int = MAX_EVENT_BYTES,
     deltas: bool = True,
+    compression: bool = True,
 ) -> AsyncIterator[EventSocket]:
     """Open one connection to a workspace's event stream for the block's duration.
 
@@ -134,6 +149,8 @@ async def open_event_socket(
         max_message_size: the largest frame accepted (a bigger one closes the connection, 1009).
         deltas: ask for ``message_delta`` events (``deltas=1``); ``False`` gets whole ``message``
             snapshots only, as a Crush client does.
+        compression: offer permessage-deflate (the frames' text is the same either way;
+            :attr:`EventSocket.wire_bytes` shows what travelled).
 
     Raises:
         ValueError: ``url`` is not a server address.
@@ -147,6 +164,7 @@ async def open_event_socket(
     resource = stream_resource(workspace_id, client_id, since, deltas=deltas)
     headers = bearer_headers(token)
     where = f"the event stream of workspace {workspace_id} at {url.split('?')[0]}"
+    counter = WireCounter()
     with single_errors():
         async with AsyncExitStack() as stack:
             try:
@@ -159,6 +177,8 @@ async def open_event_socket(
                         timeout=timeout,
                         message_queue_size=message_queue_size,
                         max_message_size=max_message_size,
+                        compression=compression,
+                        counter=counter,
                     )
                 )
                 hello = await receive_hello(conn, where, timeout)
@@ -170,7 +190,7 @@ async def open_event_socket(
                 orjson.JSONDecodeError,
             ) as exc:
                 raise _open_failure(where, exc, timeout) from exc
-            yield EventSocket(conn, hello, client_id)
+            yield EventSocket(conn, hello, client_id, counter)
 
 
 def _open_failure(where: str, exc: BaseException, timeout: float) -> CrushError:

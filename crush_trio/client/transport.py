@@ -8,21 +8,19 @@ decodes events or reconnects.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import orjson
 import trio
-from trio_websocket import (
-    ConnectionRejected,
-    WebSocketConnection,
-    open_websocket_url,
-    wrap_client_stream,
-)
+from trio_websocket import ConnectionRejected, WebSocketConnection
+from wsproto import ConnectionType, WSConnection
 
-from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable
+from ..wsdeflate import DeflateConnection, client_deflate
+from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable, single_errors
 
 #: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
 HELLO_TIMEOUT: Final = 10.0
@@ -79,6 +77,54 @@ def rejection_error(where: str, exc: ConnectionRejected) -> CrushError:
     return Unreachable(f"{where} refused the connection: {message}")
 
 
+class WireCounter:
+    """Bytes read from a connection's socket: frames as they travel, compressed or not."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+
+class _CountingStream(trio.abc.Stream):
+    """A stream that adds what it receives to a :class:`WireCounter`."""
+
+    def __init__(self, stream: trio.abc.Stream, counter: WireCounter) -> None:
+        self.stream = stream
+        self.counter = counter
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self.stream.receive_some(max_bytes)
+        self.counter.received += len(data)
+        return data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def _connect(ws_url: str, unix_path: str | None) -> tuple[trio.abc.Stream, str]:
+    """The socket stream to the server and the ``Host`` of the upgrade request."""
+    if unix_path is not None:
+        return await trio.open_unix_socket(unix_path), "localhost"
+    split = urlsplit(ws_url)
+    secure = split.scheme == "wss"
+    host = split.hostname or "localhost"
+    port = split.port or (443 if secure else 80)
+    name = f"[{host}]" if ":" in host else host  # an IPv6 literal
+    host_header = name if port in (80, 443) else f"{name}:{port}"
+    if secure:
+        stream: trio.abc.Stream = await trio.open_ssl_over_tcp_stream(
+            host, port, ssl_context=ssl.create_default_context(), https_compatible=True
+        )
+    else:
+        stream = await trio.open_tcp_stream(host, port)
+    return stream, host_header
+
+
 @asynccontextmanager
 async def open_stream_socket(
     ws_base: str,
@@ -89,39 +135,50 @@ async def open_stream_socket(
     timeout: float,  # noqa: ASYNC109
     message_queue_size: int = WS_QUEUE_SIZE,
     max_message_size: int = MAX_EVENT_BYTES,
+    compression: bool = True,
+    counter: WireCounter | None = None,
 ) -> AsyncIterator[WebSocketConnection]:
-    """One websocket connection to ``resource`` (``/v1/...``): at ``ws_base`` over TCP, or over
-    the Unix socket ``unix_path`` when it is set. Leaving the block closes it (bounded by
-    :data:`CLOSE_TIMEOUT`)."""
-    if unix_path is None:
-        async with open_websocket_url(
-            ws_base + resource,
-            extra_headers=headers,
-            message_queue_size=message_queue_size,
-            max_message_size=max_message_size,
-            connect_timeout=timeout,
-            disconnect_timeout=CLOSE_TIMEOUT,
-        ) as conn:
-            yield conn
-        return
-    async with trio.open_nursery() as nursery:
-        with trio.fail_after(timeout):
-            stream = await trio.open_unix_socket(unix_path)
-            conn = await wrap_client_stream(
-                nursery,
-                stream,
-                "localhost",
-                resource,
-                extra_headers=headers,
-                message_queue_size=message_queue_size,
-                max_message_size=max_message_size,
-            )
-        try:
-            yield conn
-        finally:
-            with trio.move_on_after(CLOSE_TIMEOUT):
-                await conn.aclose()
-            nursery.cancel_scope.cancel()
+    """One websocket connection to ``resource`` (``/v1/...``): at ``ws_base`` over TCP (TLS for
+    ``wss://``), or over the Unix socket ``unix_path`` when it is set. Leaving the block closes it
+    (bounded by :data:`CLOSE_TIMEOUT`).
+
+    With ``compression`` the upgrade offers permessage-deflate (protocol.md 6.7); a compressed frame
+    that inflates past ``max_message_size`` closes the connection with 1009. ``counter``, when
+    given, counts the bytes read from the socket.
+
+    Raises (one exception, never a group): ``ConnectionRejected`` (the server refused the
+    upgrade), ``trio.TooSlowError`` (no answer within ``timeout``), ``OSError``, ``HandshakeError``.
+    """
+    deadline = trio.current_time() + timeout
+    with single_errors():
+        async with trio.open_nursery() as nursery:
+            with trio.fail_at(deadline):
+                stream, host = await _connect(ws_base + resource, unix_path)
+            if counter is not None:
+                stream = _CountingStream(stream, counter)
+            try:
+                conn = DeflateConnection(
+                    stream,
+                    WSConnection(ConnectionType.CLIENT),
+                    host=host,
+                    path=resource,
+                    client_extra_headers=headers,
+                    message_queue_size=message_queue_size,
+                    max_message_size=max_message_size,
+                    deflate=client_deflate(max_message_size) if compression else None,
+                )
+                nursery.start_soon(conn._reader_task)
+                with trio.fail_at(deadline):
+                    await conn._open_handshake.wait()
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            try:
+                yield conn
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT):
+                    await conn.aclose()
+                nursery.cancel_scope.cancel()
 
 
 async def receive_hello(

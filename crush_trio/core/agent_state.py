@@ -158,6 +158,10 @@ class AgentState:
     def busy_sessions(self) -> list[str]:
         return [sid for sid, s in self._sessions.items() if s.active is not None]
 
+    def queued_count(self) -> int:
+        """Prompts waiting in every session's queue."""
+        return sum(len(s.queue) for s in self._sessions.values())
+
     def pending_count(self) -> int:
         """Runs that are running or queued (they hold the workspace open)."""
         return sum(

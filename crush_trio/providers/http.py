@@ -44,6 +44,7 @@ import orjson
 import trio
 
 from ..errors import ProviderError
+from ..metrics import METRICS, status_kind
 from .base import Retrying
 from .pool import ShardedTransport, shared_ssl_context
 
@@ -320,6 +321,8 @@ def is_retryable_status(status: int) -> bool:
 class _Retry:
     """A transient failure before any content: retry it, or report ``message`` when out of tries."""
 
+    #: The ``kind`` of the failure in ``provider_errors``.
+    kind: str
     reason: str
     message: str
     retry_after: float | None = None
@@ -350,6 +353,7 @@ class HttpStreamer:
     ) -> None:
         self.provider = provider
         self.settings = settings
+        self._metrics = METRICS.provider(provider)
         #: Random source of the retry jitter (a float in [0, 1]); tests replace it.
         self.rand: Callable[[], float] = random.random
         # An event stream is not worth compressing, and an uncompressed body can be read as it
@@ -412,10 +416,12 @@ class HttpStreamer:
             outcome = await self._open(url, payload)
             if isinstance(outcome, _Opened):
                 break
+            self._metrics.error(outcome.kind)
             if retry >= self.settings.max_retries:
                 raise ProviderError(outcome.message, retryable=True)
             delay = backoff_delay(self.settings, retry, outcome.retry_after, self.rand)
             retry += 1
+            self._metrics.retries.inc()
             yield Retrying(attempt=retry, delay=delay, reason=outcome.reason)
             await trio.sleep(delay)
 
@@ -446,19 +452,24 @@ class HttpStreamer:
                 "POST", url, content=payload, headers={"content-type": "application/json"}
             )
         except httpx.InvalidURL as exc:
+            self._metrics.error("config")
             raise ProviderError(
                 f"provider {name!r} has an invalid base_url ({url}): {exc}; "
                 "set base_url to an http:// or https:// URL"
             ) from exc
         ok = False
+        self._metrics.requests.inc()
+        started = trio.current_time()
         try:
             with trio.move_on_after(self.settings.first_byte_timeout):
                 response = await self._client.send(request, stream=True)
+                self._metrics.latency.observe(trio.current_time() - started)
                 status = response.status_code
                 if not 200 <= status <= 299:
                     return await self._failed(response, url)
                 content_type = response.headers.get("content-type", "")
                 if content_type.startswith("application/json"):
+                    self._metrics.error("protocol")
                     detail = error_message(await _read_limited(response))
                     raise ProviderError(
                         f"provider {name!r} answered with JSON instead of an event stream "
@@ -479,6 +490,7 @@ class HttpStreamer:
                     first = None
                 ok = True
                 return _Opened(response, chunks, first)
+            self._metrics.error("timeout")
             raise ProviderError(
                 f"provider {name!r} sent no response within first_byte_timeout="
                 f"{self.settings.first_byte_timeout:g}s; check that {url} is up, or raise "
@@ -486,12 +498,14 @@ class HttpStreamer:
                 retryable=True,
             )
         except httpx.UnsupportedProtocol as exc:
+            self._metrics.error("config")
             raise ProviderError(
                 f"provider {name!r} has an unsupported base_url ({url}): {exc}; "
                 "set base_url to an http:// or https:// URL"
             ) from exc
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             return _Retry(
+                kind="connect",
                 reason=f"connection failed: {_describe(exc)}",
                 message=(
                     f"could not connect to provider {name!r} at {url}: {_describe(exc)}; "
@@ -500,6 +514,7 @@ class HttpStreamer:
             )
         except httpx.TransportError as exc:
             if response is not None:
+                self._metrics.error("broken")
                 raise ProviderError(
                     f"provider {name!r} broke the connection before the reply started: "
                     f"{_describe(exc)}",
@@ -507,6 +522,7 @@ class HttpStreamer:
                 ) from exc
             # The connection failed before any response: nothing was streamed, so retry.
             return _Retry(
+                kind="connect",
                 reason=f"connection failed: {_describe(exc)}",
                 message=(
                     f"provider {name!r} at {url} closed the connection before answering: "
@@ -514,6 +530,7 @@ class HttpStreamer:
                 ),
             )
         except httpx.HTTPError as exc:
+            self._metrics.error("http")
             raise ProviderError(f"request to provider {name!r} failed: {_describe(exc)}") from exc
         finally:
             if response is not None and not ok:
@@ -529,6 +546,7 @@ class HttpStreamer:
         except httpx.HTTPError as exc:
             detail = f"(error body unreadable: {_describe(exc)})"
         if status in AUTH_STATUSES:
+            self._metrics.error("auth")
             raise ProviderError(
                 f"provider {name!r} rejected the request ({status}): "
                 f"check the api_key for provider {name!r}",
@@ -536,6 +554,7 @@ class HttpStreamer:
             )
         if is_retryable_status(status):
             return _Retry(
+                kind=status_kind(status),
                 reason=f"HTTP {status}: {detail}",
                 message=(
                     f"provider {name!r} kept failing ({status}: {detail}) after "
@@ -543,6 +562,7 @@ class HttpStreamer:
                 ),
                 retry_after=parse_retry_after(response.headers),
             )
+        self._metrics.error(status_kind(status))
         hint = ""
         if status == 404:
             hint = f"; check base_url for provider {name!r} ({url}) and the model id"
@@ -574,12 +594,14 @@ class HttpStreamer:
         return chunk
 
     def _broken(self, exc: httpx.HTTPError) -> ProviderError:
+        self._metrics.error("broken")
         return ProviderError(
             f"provider {self.provider!r} closed the connection mid-stream: {_describe(exc)}",
             retryable=True,
         )
 
     def _stalled(self) -> ProviderError:
+        self._metrics.error("timeout")
         name = self.provider
         return ProviderError(
             f"provider {name!r} stalled mid-stream: nothing for chunk_timeout="
@@ -592,6 +614,7 @@ class HttpStreamer:
         try:
             return decoder.feed(chunk) if chunk is not None else decoder.close()
         except ValueError as exc:
+            self._metrics.error("protocol")
             raise ProviderError(f"provider {self.provider!r} sent a malformed stream: {exc}")
 
     async def _drain(self, chunks: AsyncIterator[bytes]) -> None:

@@ -27,6 +27,7 @@ from .. import __version__, wire
 from ..cluster.placement import response_headers
 from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
 from ..logs import set_log_context
+from ..metrics import CONTENT_TYPE, render
 from ..wire import (
     AgentMessage,
     ControlRequest,
@@ -194,6 +195,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         response = Response(openapi.docs_page(), content_type="text/html; charset=utf-8")
         response.headers["Content-Security-Policy"] = "default-src 'none'; frame-ancestors 'none'"
         return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(), content_type=CONTENT_TYPE)
 
     @app.post("/v1/control")
     async def control() -> Response:

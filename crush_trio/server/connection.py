@@ -137,16 +137,17 @@ def check_upgrade(
 
 @asynccontextmanager
 async def subscribed(
-    ws: Workspace, sub: Subscription
+    ws: Workspace, sub: Subscription, transport: str = "ws"
 ) -> AsyncIterator[tuple[ClientStream, Event, list[Event]]]:
     """Subscribe ``sub.client_id`` to the workspace's events and hold the workspace for it.
 
     Yields ``(stream, hello, first)``: the client's queue, the ``hello`` frame and the frames
     that resume after ``sub.since`` (in cluster mode read from the event log when they are older
     than the replay buffer). On the way out the stream is closed and the hold dropped.
+    ``transport`` (``ws``, ``sse``) labels the stream's metrics.
     """
     stream, first = await ws.broker.subscribe_resuming(
-        since=sub.since, client_id=sub.client_id, deltas=sub.deltas
+        since=sub.since, client_id=sub.client_id, deltas=sub.deltas, transport=transport
     )
     hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
     ws.attach(sub.client_id)

@@ -165,6 +165,8 @@ def routes() -> list[Route]:
         Route("GET", "/v1/version", "Server version", {"$ref": _REF + "Version"}),
         Route("GET", "/v1/openapi.json", "This document", {"type": "object"}),
         Route("GET", "/v1/docs", "This document as an HTML page", content_type="text/html"),
+        Route("GET", "/metrics", "Prometheus metrics, text format 0.0.4 (docs/operations.md)",
+              content_type="text/plain"),
         Route("POST", "/v1/control", "Shut the server down", _EMPTY, body=wire.ControlRequest,
               errors=(409,)),
         Route("DELETE", "/v1/clients/{client_id}", "Retire a client id everywhere", _EMPTY),

@@ -37,6 +37,7 @@ from ..tools.sandbox import probe as sandbox_probe
 from .api import Api
 from .app import create_app
 from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
+from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
@@ -68,6 +69,9 @@ class ServeOptions:
     allow_hosts: list[str] = attrs.field(factory=list)
     user_config_dir: Path | None = None
     access_log: bool = True
+    #: ``--metrics-port``: serve ``/metrics`` without the token on this loopback port (0: any
+    #: free one); None: ``server.metrics_port`` decides.
+    metrics_port: int | None = None
     #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
     provider_factory: Any = None
     #: ``--cluster-*`` flags: fields of the config's ``cluster`` section they replace.
@@ -83,6 +87,8 @@ class ServerHandle:
     backend: Backend
     config: Config
     _stop: trio.Event
+    #: ``http://127.0.0.1:PORT/metrics`` when the metrics port is open.
+    metrics_url: str | None = None
 
     @property
     def listening_line(self) -> str:
@@ -162,12 +168,18 @@ async def serve(
         options.host, options.port, tcp_user_timeout_ms=server_opts.tcp_user_timeout_ms
     )
     url = _url_of(sock, options.host)
+    port = options.metrics_port if options.metrics_port is not None else server_opts.metrics_port
+    try:
+        msock = metrics_socket(port) if port is not None else None
+    except BaseException:
+        sock.close()
+        raise
     cluster_opts = config.cluster
     if options.cluster:
         try:
             cluster_opts = attrs.evolve(cluster_opts, **options.cluster)
         except TypeError as exc:
-            sock.close()
+            _close_sockets(sock, msock)
             raise ConfigError(f"bad --cluster flag: {exc}") from None
     placement: Placement | None = None
     if cluster_opts.enabled:
@@ -176,7 +188,7 @@ async def serve(
         try:
             placement = Placement(cluster_opts, url)
         except ConfigError:
-            sock.close()
+            _close_sockets(sock, msock)
             raise
     backend = Backend(
         server=server_opts,
@@ -185,6 +197,7 @@ async def serve(
         version=__version__,
         user_config_dir=options.user_config_dir,
         provider_factory=options.provider_factory,
+        webhooks=config.webhooks,
         placement=placement,
     )
     settings = Settings(
@@ -233,7 +246,12 @@ async def serve(
                     shutdown_trigger=http_stop.wait,
                 )
             )
-            task_status.started(ServerHandle(url, token, backend, config, stop))
+            murl = None
+            if msock is not None:
+                await nursery.start(partial(serve_metrics, msock, shutdown_trigger=http_stop.wait))
+                murl = metrics_url(msock)
+                log.info("metrics without the token at %s", murl)
+            task_status.started(ServerHandle(url, token, backend, config, stop, murl))
             await stop.wait()
             log.info("shutting down")
             with trio.move_on_after(backend.shutdown_bound()):
@@ -241,6 +259,8 @@ async def serve(
             http_stop.set()
     finally:
         sock.close()
+        if msock is not None:
+            msock.close()
         if unix:
             try:
                 os.unlink(url[len("unix:") :])
@@ -256,3 +276,9 @@ async def _placed(placement: Placement | None, backend: Backend) -> AsyncIterato
         return
     async with placement.running(backend):
         yield
+
+
+def _close_sockets(*socks: socket.socket | None) -> None:
+    for s in socks:
+        if s is not None:
+            s.close()

@@ -36,7 +36,7 @@ async def serve_sse(ws: Workspace, sub: Subscription, settings: Settings) -> Res
         # only for a body that started.
         if ws.closing:
             return
-        async with subscribed(ws, sub) as (stream, hello, first):
+        async with subscribed(ws, sub, "sse") as (stream, hello, first):
             yield hello.sse
             for frame in first:
                 yield frame.sse

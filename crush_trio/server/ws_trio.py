@@ -2,7 +2,9 @@
 
 Same contract and lifecycle as the quart route (:func:`~.connection.serve_connection`, PROTOCOL §5):
 refusals answer 401/403/400/404 with a JSON body before the upgrade; the first frame is ``hello``;
-commands go over the same socket; close codes 1000/1001/1009/1012/1013.
+commands go over the same socket; close codes 1000/1001/1009/1012/1013. A client that offers
+permessage-deflate gets it (:mod:`crush_trio.wsdeflate`): its frames are compressed per
+connection, and its compressed commands are inflated within ``server.max_body_bytes``.
 
 Tasks per connection: trio-websocket's reader, the writer (the only task that sends events), and
 the handler itself, which runs the commands. Sends here can be cancelled, so the broker cuts a
@@ -22,12 +24,14 @@ from urllib.parse import parse_qsl, urlsplit
 
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 from werkzeug.datastructures import Headers
+from wsproto import ConnectionType, WSConnection
 
 from ..broker import Event
 from ..cluster.placement import response_headers
 from ..errors import CrushError
+from ..wsdeflate import BoundedDeflate, DeflateConnection
 from .connection import CLOSE_TIMEOUT, PeerGone, check_upgrade, serve_connection
 from .listener import PrefixedStream
 from .security import check_request_host, check_request_token
@@ -120,19 +124,30 @@ class TrioEventSocket:
         *,
         client_id: str,
         ping_interval: float,
+        deflate: BoundedDeflate | None = None,
     ) -> None:
         self.conn = conn
         self.stream = stream
         self.client_id = client_id
         self.ping_interval = ping_interval
+        #: The negotiated permessage-deflate, or None: frames go out as shared.
+        self.deflate = deflate
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Write pre-encoded text frames (each event's frame is built once and shared by every
-        client) in one write. Its frames carry no extension (none is negotiated), so the shared
-        bytes are exactly what trio-websocket would send."""
+        client) in one write. Without permessage-deflate the shared bytes are exactly what
+        trio-websocket would send; with it, each frame is compressed into this connection's
+        window first (:meth:`BoundedDeflate.frame`)."""
         if self.conn.closed is not None:  # closing or closed: no data frame after a close frame
             raise PeerGone
-        data = frames[0].ws_frame if len(frames) == 1 else b"".join(f.ws_frame for f in frames)
+        deflate = self.deflate
+        if deflate is not None:
+            frame = deflate.frame
+            data = frame(frames[0]) if len(frames) == 1 else b"".join([frame(f) for f in frames])
+        elif len(frames) == 1:
+            data = frames[0].ws_frame
+        else:
+            data = b"".join([f.ws_frame for f in frames])
         try:
             await self.stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -170,12 +185,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
                 # answered by trio-websocket's reader (426 or 400), which then closes the stream
                 # and ends, without ever completing the wait for the request: stop waiting then.
                 serialized.on_close = handshake
-                request = await wrap_server_stream(
-                    nursery,
-                    serialized,
-                    message_queue_size=INBOUND_QUEUE,
-                    max_message_size=settings.max_body_bytes,
-                )
+                request = await wrap_server_stream(nursery, serialized, settings.max_body_bytes)
             serialized.on_close = None
         except (trio.TooSlowError, ConnectionClosed, trio.BrokenResourceError, OSError):
             await stream.aclose()
@@ -218,8 +228,29 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
         except (*_GONE, trio.TooSlowError):
             nursery.cancel_scope.cancel()
             return  # the client left (or stalled) while the upgrade answer was written
+        assert isinstance(conn, DeflateConnection)
         sock = TrioEventSocket(
-            conn, serialized, client_id=sub.client_id, ping_interval=settings.ws_ping_interval
+            conn,
+            serialized,
+            client_id=sub.client_id,
+            ping_interval=settings.ws_ping_interval,
+            deflate=conn.deflate if conn.compressing else None,
         )
         await serve_connection(sock, ws, sub, api)
         nursery.cancel_scope.cancel()
+
+
+async def wrap_server_stream(
+    nursery: trio.Nursery, stream: SerializedStream, max_message_size: int
+) -> WebSocketRequest:
+    """trio-websocket's ``wrap_server_stream`` with a connection that accepts permessage-deflate
+    when the client offers it (inflating its messages within ``max_message_size``)."""
+    conn = DeflateConnection(
+        stream,
+        WSConnection(ConnectionType.SERVER),
+        message_queue_size=INBOUND_QUEUE,
+        max_message_size=max_message_size,
+        deflate=BoundedDeflate(max_message_size),
+    )
+    nursery.start_soon(conn._reader_task)
+    return await conn._get_request()

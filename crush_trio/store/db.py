@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -31,6 +32,7 @@ from typing import Any, Final, TypeVar
 import trio
 
 from ..errors import StoreError
+from ..metrics import METRICS
 from ..wire import Message, Role, Run, RunStatus, Session, now, parts_from_json, parts_to_json
 from .datadir import ensure_data_dir
 
@@ -254,7 +256,8 @@ def _run_from_row(row: tuple[Any, ...]) -> Run:
 
 
 def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
-    """Run ``fn`` in one write transaction; roll back if it raises."""
+    """Run ``fn`` in one write transaction; roll back if it raises (a commit is timed)."""
+    started = time.perf_counter()
     conn.execute("BEGIN IMMEDIATE")
     try:
         result = fn(conn)
@@ -263,6 +266,7 @@ def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]
             conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+    METRICS.store_write_latency.observe(time.perf_counter() - started)
     return result
 
 
@@ -711,6 +715,7 @@ class Store:
 
             return _transaction(conn, tx)
 
+        METRICS.store_batch_size.labels("messages").observe(len(rows))
         return await self._call(f"writing {len(rows)} message(s)", op)
 
     # -- runs ----------------------------------------------------------------------------------
@@ -739,6 +744,7 @@ class Store:
             )
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
+        METRICS.store_batch_size.labels("runs").observe(len(rows))
         await self._call(what, op, runs=True)
 
     async def get_run_prompt(self, run_id: str) -> str | None:

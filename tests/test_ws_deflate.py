@@ -1,0 +1,376 @@
+"""permessage-deflate on the event websocket (PROTOCOL §5, ``crush_trio.wsdeflate``).
+
+* A client that offers it gets compressed frames (RSV1 set on the wire) and decodes exactly the
+  stream an uncompressed client gets: same seqs, same payloads, live and replayed by ``since``,
+  whatever parameters it offers (context takeover or not, a smaller server window).
+* A client that does not offer it gets today's frames, unchanged.
+* A compressed command that inflates past ``server.max_body_bytes`` (a deflate bomb) closes the
+  connection with 1009 without being inflated whole; an offer that does not parse is declined.
+
+Every wait is bounded by ``trio.fail_after``; order comes from frames, never from sleeping.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import uuid
+import zlib
+from typing import Any
+
+import orjson
+import pytest
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import Connection
+from wsproto.events import (
+    AcceptConnection,
+    CloseConnection,
+    Event,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
+from wsproto.extensions import Extension, PerMessageDeflate
+
+from crush_trio.broker import Event as BrokerEvent
+from crush_trio.client import WorkspaceClient, open_event_socket
+from crush_trio.config import DEFAULT_MAX_BODY_BYTES
+from crush_trio.providers.scripted import ScriptedModel, Step
+from crush_trio.testing import CrushServer
+from crush_trio.wsdeflate import BoundedDeflate
+
+#: Cap on every test's waits (seconds).
+CAP = 20
+#: The reply of the runs watched here: several words, a pause between them, so several deltas.
+REPLY = " ".join(f"word{i} and some more text" for i in range(12))
+
+
+def reply_step() -> Step:
+    return Step(REPLY, token_delay=0.01)
+
+
+def mask(payload: bytes, key: bytes = b"\x01\x02\x03\x04") -> bytes:
+    n = len(payload)
+    keys = (key * (n // 4 + 1))[:n]
+    return (int.from_bytes(payload, "big") ^ int.from_bytes(keys, "big")).to_bytes(n, "big")
+
+
+def client_frame(payload: bytes, first_byte: int) -> bytes:
+    """One masked client frame (``first_byte``: FIN, RSV bits and opcode)."""
+    n = len(payload)
+    if n < 126:
+        header = bytes((first_byte, 0x80 | n))
+    elif n < 1 << 16:
+        header = bytes((first_byte, 0x80 | 126)) + n.to_bytes(2, "big")
+    else:
+        header = bytes((first_byte, 0x80 | 127)) + n.to_bytes(8, "big")
+    key = b"\x01\x02\x03\x04"
+    return header + key + mask(payload, key)
+
+
+def deflate_bomb(inflated: int) -> bytes:
+    """A permessage-deflate payload that inflates to ``inflated`` zero bytes (about 1,000 : 1)."""
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+    chunk = b"\0" * (1 << 20)
+    parts = [comp.compress(chunk) for _ in range(inflated // len(chunk))]
+    parts.append(comp.flush(zlib.Z_SYNC_FLUSH)[:-4])
+    return b"".join(parts)
+
+
+class RawSocket:
+    """A websocket client on a bare TCP stream with wsproto: it sees the frames' first bytes."""
+
+    def __init__(self, stream: trio.SocketStream, ws: WSConnection) -> None:
+        self.stream = stream
+        self.ws = ws
+        self.response_extensions: list[str] = []
+        #: The first byte of every frame the server sent (FIN, RSV1..3, opcode).
+        self.first_bytes: list[int] = []
+        self._raw = b""
+        self._head_done = False
+        self._pending: list[Event] = []
+
+    def _scan(self, data: bytes) -> None:
+        """Record the first byte of each server frame (unmasked: header + payload length)."""
+        self._raw += data
+        if not self._head_done:
+            end = self._raw.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self._head_done = True
+            self._raw = self._raw[end + 4 :]
+        while len(self._raw) >= 2:
+            size = self._raw[1] & 0x7F
+            at = 2
+            if size == 126:
+                if len(self._raw) < 4:
+                    return
+                size, at = int.from_bytes(self._raw[2:4], "big"), 4
+            elif size == 127:
+                if len(self._raw) < 10:
+                    return
+                size, at = int.from_bytes(self._raw[2:10], "big"), 10
+            if len(self._raw) < at + size:
+                return
+            self.first_bytes.append(self._raw[0])
+            self._raw = self._raw[at + size :]
+
+    async def next_event(self) -> Event | None:
+        while not self._pending:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self._scan(data)
+            self.ws.receive_data(data)
+            self._pending.extend(self.ws.events())
+        return self._pending.pop(0)
+
+    async def messages_until(self, run_id: str | None) -> list[dict[str, Any]]:
+        """Decoded frames up to the ``run_complete`` of ``run_id`` (None: the first frame)."""
+        frames: list[dict[str, Any]] = []
+        parts: list[str] = []
+        while (event := await self.next_event()) is not None:
+            if isinstance(event, TextMessage):
+                parts.append(event.data)
+                if not event.message_finished:
+                    continue
+                frame = orjson.loads("".join(parts))
+                parts = []
+                frames.append(frame)
+                if run_id is None or (
+                    frame["type"] == "run_complete"
+                    and frame["payload"]["payload"]["run_id"] == run_id
+                ):
+                    return frames
+            elif isinstance(event, CloseConnection):
+                raise AssertionError(f"closed {event.code} {event.reason}")
+        raise AssertionError("the connection ended")
+
+
+async def open_raw(
+    server: CrushServer, wid: str, extensions: list[Extension], since: int | None = None
+) -> RawSocket:
+    port = int(server.url.rsplit(":", 1)[1])
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    ws = WSConnection(ConnectionType.CLIENT)
+    query = f"client_id={uuid.uuid4()}&deltas=1" + ("" if since is None else f"&since={since}")
+    request = Request(
+        host=f"127.0.0.1:{port}",
+        target=f"/v1/workspaces/{wid}/ws?{query}",
+        extensions=extensions,
+        extra_headers=[(b"authorization", f"Bearer {server.token}".encode())],
+    )
+    await stream.send_all(ws.send(request))
+    raw = RawSocket(stream, ws)
+    event = await raw.next_event()
+    if isinstance(event, RejectConnection):
+        raise AssertionError(f"refused: {event.status_code}")
+    assert isinstance(event, AcceptConnection)
+    raw.response_extensions = [repr(e) for e in event.extensions]
+    return raw
+
+
+def comparable(frames: list[dict[str, Any]]) -> list[tuple[int, str, bytes]]:
+    return [(f["seq"], f["type"], orjson.dumps(f["payload"])) for f in frames]
+
+
+@pytest.mark.parametrize(
+    "offer",
+    [
+        {},
+        {"server_no_context_takeover": True},
+        {"server_max_window_bits": 9},
+        {"client_max_window_bits": 10, "client_no_context_takeover": True},
+    ],
+    ids=["takeover", "server_no_context_takeover", "server_window_9", "client_params"],
+)
+async def test_a_compressed_client_decodes_the_same_stream_as_an_uncompressed_one(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    offer: dict[str, Any],
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    scripted_model.add(reply_step(), reply_step())
+    with trio.fail_after(CAP):
+        plain = await open_raw(crush_server, ws.id, [])
+        deflated = await open_raw(crush_server, ws.id, [PerMessageDeflate(**offer)])
+        hello_plain = (await plain.messages_until(None))[0]
+        hello_deflated = (await deflated.messages_until(None))[0]
+        assert hello_plain["type"] == hello_deflated["type"] == "hello"
+        handle = await ws.prompt(session.id, "stream a reply")
+        got_plain = await plain.messages_until(handle.run_id)
+        got_deflated = await deflated.messages_until(handle.run_id)
+        await handle.wait(CAP)
+
+        # Negotiated only with the client that offered it; every frame of that one but its hello
+        # is compressed (RSV1, 0x40), none of the other's is.
+        assert plain.response_extensions == []
+        assert (
+            deflated.response_extensions and "PerMessageDeflate" in deflated.response_extensions[0]
+        )
+        assert plain.first_bytes and all(b == 0x81 for b in plain.first_bytes)
+        assert deflated.first_bytes[0] == 0x81  # the hello: a connection frame, uncompressed
+        assert len(deflated.first_bytes) > 3 and all(b == 0xC1 for b in deflated.first_bytes[1:])
+        # Several deltas, decoded identically: same seqs, same payloads.
+        assert sum(f["type"] == "message_delta" for f in got_plain) >= 3
+        assert comparable(got_deflated) == comparable(got_plain)
+
+        # Replay: resuming with `since` over a compressed connection gives the same frames.
+        since = got_plain[0]["seq"]
+        again = await open_raw(crush_server, ws.id, [PerMessageDeflate(**offer)], since=since)
+        replayed = await again.messages_until(handle.run_id)
+        assert len(again.first_bytes) > 3 and all(b == 0xC1 for b in again.first_bytes[1:])
+        assert comparable(replayed[1:]) == comparable(got_plain[1:])  # after the hello
+        for raw in (plain, deflated, again):
+            await raw.stream.aclose()
+
+
+async def test_the_client_library_offers_compression_and_moves_fewer_bytes(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    scripted_model.add(reply_step())
+    texts: dict[bool, list[str]] = {True: [], False: []}
+    with trio.fail_after(CAP):
+        async with (
+            open_event_socket(crush_server.url, ws.id, crush_server.token) as packed,
+            open_event_socket(
+                crush_server.url, ws.id, crush_server.token, compression=False
+            ) as plain,
+        ):
+            assert packed.compressed and not plain.compressed
+            handle = await ws.prompt(session.id, "stream a reply")
+            for sock, compressed in ((packed, True), (plain, False)):
+                async for text in sock:
+                    texts[compressed].append(text)
+                    if '"run_complete"' in text and handle.run_id in text:
+                        break
+            await handle.wait(CAP)
+            assert texts[True] == texts[False]
+            decoded = sum(len(t.encode()) for t in texts[True])
+            # The plain socket carries at least the decoded text; the compressed one far less.
+            assert plain.wire_bytes > decoded
+            assert packed.wire_bytes < plain.wire_bytes / 2
+
+
+async def test_a_deflate_bomb_command_is_closed_with_1009_and_the_server_stays_up(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    ws = crush_workspace
+    limit = DEFAULT_MAX_BODY_BYTES
+    bomb = deflate_bomb(16 * limit)
+    assert len(bomb) < limit // 64  # small on the wire
+    with trio.fail_after(CAP):
+        raw = await open_raw(crush_server, ws.id, [PerMessageDeflate()])
+        await raw.messages_until(None)  # the hello
+        await raw.stream.send_all(client_frame(bomb, 0xC1))  # FIN, RSV1, text
+        closes = []
+        while (event := await raw.next_event()) is not None:
+            if isinstance(event, CloseConnection):
+                closes.append(event)
+                break
+        assert [c.code for c in closes] == [1009]
+        assert "inflated" in (closes[0].reason or "")
+        await raw.stream.aclose()
+        # The server goes on serving websockets.
+        async with open_event_socket(crush_server.url, ws.id, crush_server.token) as sock:
+            assert sock.compressed and sock.hello["type"] == "hello"
+
+
+def test_inflating_a_bomb_stays_within_the_bound() -> None:
+    """The extension inflates at most the bound (plus one byte) before refusing: wsproto's own
+    permessage-deflate would inflate the whole 64 MiB first."""
+    bound = 1 << 20
+    ext = BoundedDeflate(bound)
+    assert ext.accept("permessage-deflate") is not None and ext.enabled()
+    conn = Connection(ConnectionType.SERVER, extensions=[ext])
+    frame = client_frame(deflate_bomb(64 * bound), 0xC1)
+    tracemalloc.start()
+    try:
+        conn.receive_data(frame)
+        events = list(conn.events())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ext.overflowed
+    assert [e.code for e in events if isinstance(e, CloseConnection)] == [1009]
+    assert peak < 8 * bound
+
+
+def test_a_compressed_command_within_the_bound_is_inflated() -> None:
+    ext = BoundedDeflate(1 << 20)
+    assert ext.accept("permessage-deflate") is not None and ext.enabled()
+    conn = Connection(ConnectionType.SERVER, extensions=[ext])
+    comp = zlib.compressobj(6, zlib.DEFLATED, -15)
+    text = orjson.dumps({"id": "1", "type": "ping", "payload": "x" * 5000})
+    payload = (comp.compress(text) + comp.flush(zlib.Z_SYNC_FLUSH))[:-4]
+    # Two fragments: RSV1 on the first only.
+    conn.receive_data(client_frame(payload[:10], 0x41) + client_frame(payload[10:], 0x80))
+    messages = [e for e in conn.events() if isinstance(e, TextMessage)]
+    assert "".join(m.data for m in messages).encode() == text
+    assert not ext.overflowed
+
+
+@pytest.mark.parametrize(
+    "offer",
+    [
+        "permessage-deflate; server_max_window_bits=abc",
+        "permessage-deflate; client_max_window_bits=99",
+    ],
+)
+async def test_an_offer_that_does_not_parse_is_declined(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient, offer: str
+) -> None:
+    class Verbatim(PerMessageDeflate):
+        def offer(self) -> str:
+            return offer.split("; ", 1)[1]
+
+    with trio.fail_after(CAP):
+        raw = await open_raw(crush_server, crush_workspace.id, [Verbatim()])
+        (hello,) = await raw.messages_until(None)
+        assert hello["type"] == "hello"
+        assert raw.response_extensions == [] and raw.first_bytes == [0x81]
+        await raw.stream.aclose()
+
+
+@pytest.mark.parametrize("no_takeover", [False, True])
+def test_frames_of_one_connection_decode_in_order_compressed_or_not(no_takeover: bool) -> None:
+    """The server's frames on a compressing connection: small events compressed into the
+    connection's window, connection frames and events over the size bound sent as the shared
+    uncompressed frame (RSV1 clear); a standard inflater reads them all, in order."""
+    server = BoundedDeflate(1 << 20)
+    offer = "permessage-deflate" + ("; server_no_context_takeover" if no_takeover else "")
+    assert server.accept(offer) is not None
+    texts = [
+        orjson.dumps({"seq": 1, "type": "hello", "payload": {}}).decode(),
+        *[
+            orjson.dumps(
+                {"seq": n, "type": "message_delta", "payload": {"text": f"t{n} "}}
+            ).decode()
+            for n in range(2, 6)
+        ],
+        orjson.dumps({"seq": 6, "type": "message", "payload": {"text": "x" * 70_000}}).decode(),
+        orjson.dumps({"seq": 7, "type": "message_delta", "payload": {"text": "after"}}).decode(),
+        orjson.dumps({"seq": 7, "type": "gap", "payload": {"dropped": 1}}).decode(),
+        orjson.dumps({"seq": 8, "type": "message_delta", "payload": {"text": "end"}}).decode(),
+    ]
+    events = [BrokerEvent(orjson.loads(t)["seq"], orjson.loads(t)["type"], t, False) for t in texts]
+    frames = [server.frame(e) for e in events]
+    assert [f[0] for f in frames] == [0x81, 0xC1, 0xC1, 0xC1, 0xC1, 0x81, 0xC1, 0x81, 0xC1]
+    assert frames[5] is events[5].ws_frame and frames[0] is events[0].ws_frame  # shared bytes
+    client_ext = PerMessageDeflate()
+    client_ext.finalize(offer)
+    client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
+    client.receive_data(b"".join(frames))
+    got: list[str] = []
+    parts: list[str] = []
+    for event in client.events():
+        assert isinstance(event, TextMessage)
+        parts.append(event.data)
+        if event.message_finished:
+            got.append("".join(parts))
+            parts = []
+    assert got == texts
