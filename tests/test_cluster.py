@@ -509,3 +509,29 @@ async def test_a_cluster_without_redis_is_refused_with_the_flag_to_use(tmp_path:
     )
     with pytest.raises(ConfigError, match="--cluster-redis-url"):
         await serve(options)
+
+
+def test_a_stale_owner_is_answered_503_with_retry_after_a_live_one_307() -> None:
+    from crush_trio.cluster.placement import (
+        Moved,
+        OwnerUnavailable,
+        Placement,
+        response_headers,
+    )
+    from crush_trio.config import ClusterOptions
+
+    node = Placement(
+        ClusterOptions(database_url="postgresql:///x", redis_url="redis://r/0", lease_ttl=9),
+        "http://127.0.0.1:7001",
+    )
+    # Renewed a moment ago (a renewal every 3 s keeps at least 6 s left): send the client there.
+    live = node._elsewhere("b", "http://127.0.0.1:7002", 8.5, "/v1/workspaces/w/agent?x=1")
+    assert isinstance(live, Moved)
+    assert response_headers(live) == {"Location": "http://127.0.0.1:7002/v1/workspaces/w/agent?x=1"}
+    # Two renewals missed: the owner is gone; wait for the lease to run out.
+    stale = node._elsewhere("b", "http://127.0.0.1:7002", 2.2, "/v1/workspaces/w")
+    assert isinstance(stale, OwnerUnavailable)
+    assert response_headers(stale) == {"Retry-After": "3"}
+    assert stale.status == 503 and "2.2 s" in stale.message
+    # An owner that never registered its URL cannot be redirected to.
+    assert isinstance(node._elsewhere("b", None, 8.5, "/v1/workspaces"), OwnerUnavailable)
