@@ -9,7 +9,7 @@ not expired yet gets :class:`OwnerUnavailable` (HTTP 503 with ``Retry-After``).
 
 Task ownership::
 
-    Placement.running (inside Backend.running's nursery)
+    Placement.running (entered by serve around Backend.running)
       ├─ heartbeat + renew loop     one renewal per owned lease, every renew interval
       └─ scanner                    claims expired leases with work, opens those workspaces
 
@@ -24,7 +24,7 @@ import logging
 import math
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -129,8 +129,6 @@ class Placement:
         self.owned: dict[str, Owned] = {}
         self.backend: Backend | None = None
         self.stopping = False
-        #: Set after each scan (tests and the fail-over benchmark wait on it).
-        self.scanned = trio.Event()
 
     # -- lifetime ----------------------------------------------------------------------------
 
@@ -276,8 +274,6 @@ class Placement:
                 await self.scan()
             except Exception:
                 log.exception("scanning for workspaces to recover failed")
-            self.scanned.set()
-            self.scanned = trio.Event()
 
     async def scan(self) -> None:
         """Claim and open every workspace whose lease expired while it had runs to finish."""
@@ -291,14 +287,6 @@ class Placement:
                 await backend.adopt(path)
             except CrushError as exc:
                 log.info("not recovering workspace %s (%s): %s", workspace_id, path, exc)
-
-    async def stop(self, wait_closed: Callable[[], Awaitable[None]]) -> None:
-        """Hand the node's workspaces over: wait for them to close (their runs stopped and
-        were saved), then expire their leases so that other nodes take them at once."""
-        self.stopping = True
-        await wait_closed()
-        for wid in list(self.owned):
-            await self.release(wid)
 
 
 @attrs.frozen
