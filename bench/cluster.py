@@ -205,7 +205,26 @@ async def throughput(
     }
 
 
-async def failover(nodes: list[Node], projects: list[Path], runs: int) -> dict[str, Any]:
+def run_completes_in_log(redis_port: int, workspace_id: str) -> list[str]:
+    """The run ids of the ``run_complete`` events in a workspace's Redis stream, in order."""
+    from crush_trio.cluster.redislog import stream_key
+
+    raw = subprocess.run(
+        ["redis-cli", "-p", str(redis_port), "--json", "XRANGE", stream_key(workspace_id), "-",
+         "+"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    found = []
+    for _id, fields in json.loads(raw) if raw.strip() else []:
+        event = json.loads(fields[1])
+        if event["type"] == "run_complete":
+            found.append(event["payload"]["payload"]["run_id"])
+    return found
+
+
+async def failover(
+    nodes: list[Node], projects: list[Path], runs: int, redis_port: int
+) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(
@@ -255,6 +274,11 @@ async def failover(nodes: list[Node], projects: list[Path], runs: int) -> dict[s
                 if handle.complete is None or not record.status.terminal:
                     lost += 1
             workspaces_moved = sum(1 for url in owners.values() if url == victim_url)
+    completes: dict[str, int] = {}
+    for wid in load.by_workspace:
+        for run_id in run_completes_in_log(redis_port, wid):
+            completes[run_id] = completes.get(run_id, 0) + 1
+    not_once = sum(1 for h in load.handles if completes.get(h.run_id) != 1)
     return {
         "runs": runs,
         "workspaces_on_killed_node": workspaces_moved,
@@ -262,6 +286,7 @@ async def failover(nodes: list[Node], projects: list[Path], runs: int) -> dict[s
         "lease_ttl_s": LEASE_TTL,
         "failover_s": round(last, 2),
         "runs_lost": lost,
+        "runs_without_exactly_one_run_complete_in_the_log": not_once,
     }
 
 
@@ -305,7 +330,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         "3 nodes", nodes, projects, args.runs, services
                     )
                 else:
-                    results["failover"] = await failover(nodes, projects, args.runs)
+                    results["failover"] = await failover(nodes, projects, args.runs, redis.port)
                 for node in nodes:
                     if node.process.returncode is None:
                         node.process.send_signal(signal.SIGTERM)
@@ -338,7 +363,9 @@ def report(results: dict[str, Any]) -> str:
         f"Fail-over under load (runs of 120 words, 50 ms apart; lease TTL {fo['lease_ttl_s']} s):"
         f" kill -9 of the node owning {fo['workspaces_on_killed_node']} workspaces with "
         f"{fo['runs_on_killed_node']} runs streaming; the last of them had its `run_complete` "
-        f"{fo['failover_s']} s after the kill; runs lost: {fo['runs_lost']} of {fo['runs']}.",
+        f"{fo['failover_s']} s after the kill; runs lost: {fo['runs_lost']} of {fo['runs']}; "
+        "runs without exactly one `run_complete` in the log: "
+        f"{fo['runs_without_exactly_one_run_complete_in_the_log']}.",
         "",
     ]
     return "\n".join(lines)
