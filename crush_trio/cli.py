@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import __version__
-from .errors import ConfigError, unwrap_group
+from .errors import ConfigError, CrushError, unwrap_group
 
 if TYPE_CHECKING:
     from .server.serve import ServeOptions, ServerHandle
@@ -258,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_USAGE
             if isinstance(exc, OSError):
                 print(f"crush-trio: cannot listen on {args.host}: {exc}", file=sys.stderr)
+                return 1
+            if isinstance(exc, CrushError):  # e.g. the cluster's database or Redis unreachable
+                print(f"crush-trio: {exc}", file=sys.stderr)
                 return 1
             raise
         return 0

@@ -535,3 +535,19 @@ def test_a_stale_owner_is_answered_503_with_retry_after_a_live_one_307() -> None
     assert stale.status == 503 and "2.2 s" in stale.message
     # An owner that never registered its URL cannot be redirected to.
     assert isinstance(node._elsewhere("b", None, 8.5, "/v1/workspaces"), OwnerUnavailable)
+
+
+def test_a_node_whose_database_is_unreachable_exits_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from crush_trio.cli import main
+    from tests.services import free_port
+
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/crush"
+    (tmp_path / "none.json").write_text("{}")
+    code = main(
+        ["serve", "--port", "0", "--token", TOKEN, "--config", str(tmp_path / "none.json"),
+         "--cluster-database-url", dead, "--cluster-redis-url", "redis://127.0.0.1:1/0"]
+    )  # fmt: skip
+    assert code == 1
+    assert "cluster database" in capsys.readouterr().err
