@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import __version__
-from .errors import ConfigError, unwrap_group
+from .errors import ConfigError, CrushError, unwrap_group
 
 if TYPE_CHECKING:
     from .server.serve import ServeOptions, ServerHandle
@@ -75,6 +75,36 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="PORT",
         help="also serve /metrics without the token on 127.0.0.1:PORT (0: any free port; "
         "default: server.metrics_port, else off)",
+    )
+    cluster = p.add_argument_group(
+        "cluster",
+        "run as one node of a cluster (docs/cluster.md); each flag overrides the "
+        "config's cluster section",
+    )
+    cluster.add_argument(
+        "--cluster-database-url",
+        default=None,
+        metavar="DSN",
+        help="PostgreSQL DSN shared by the nodes (turns cluster mode on)",
+    )
+    cluster.add_argument(
+        "--cluster-redis-url", default=None, metavar="URL", help="Redis URL for the event logs"
+    )
+    cluster.add_argument(
+        "--cluster-node-id", default=None, metavar="ID", help="this node's unique id"
+    )
+    cluster.add_argument(
+        "--cluster-advertise-url",
+        default=None,
+        metavar="URL",
+        help="the URL other nodes send clients to (default: the listening URL)",
+    )
+    cluster.add_argument(
+        "--cluster-lease-ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a workspace lease lasts unrenewed (cluster.lease_ttl)",
     )
 
 
@@ -207,6 +237,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_hosts=args.allow_host,
             access_log=not args.no_access_log,
             metrics_port=args.metrics_port,
+            cluster={
+                key: value
+                for key, value in (
+                    ("database_url", args.cluster_database_url),
+                    ("redis_url", args.cluster_redis_url),
+                    ("node_id", args.cluster_node_id),
+                    ("advertise_url", args.cluster_advertise_url),
+                    ("lease_ttl", args.cluster_lease_ttl),
+                )
+                if value is not None
+            },
         )
         try:
             trio.run(_serve_main, options)
@@ -217,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_USAGE
             if isinstance(exc, OSError):
                 print(f"crush-trio: cannot listen on {args.host}: {exc}", file=sys.stderr)
+                return 1
+            if isinstance(exc, CrushError):  # e.g. the cluster's database or Redis unreachable
+                print(f"crush-trio: {exc}", file=sys.stderr)
                 return 1
             raise
         return 0

@@ -116,7 +116,7 @@ UNTRUSTED_PROVIDER_KEYS: Final = frozenset(
 #: Provider types an untrusted workspace may define anew (they send nothing anywhere).
 UNTRUSTED_NEW_PROVIDER_TYPES: Final = frozenset({"echo"})
 #: Keys only the user's own file (or ``--config``) may set, trusted workspace or not.
-USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces"})
+USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces", "cluster"})
 
 ProviderType = Literal["openai-compat", "openai", "anthropic", "echo"]
 #: The allowed values of ``providers.<name>.type``.
@@ -256,6 +256,17 @@ DEFAULT_MAX_ATTACHMENT_BYTES: Final = 2 * 1024 * 1024
 DEFAULT_MAX_ATTACHMENTS_BYTES: Final = 3 * 1024 * 1024
 #: Attachments one prompt may carry.
 DEFAULT_MAX_ATTACHMENTS: Final = 16
+
+# The ``cluster`` section (docs/cluster.md); every field also has a ``serve`` flag.
+#: Seconds a workspace lease lasts without a renewal; another node may take the workspace then.
+DEFAULT_LEASE_TTL: Final = 10.0
+#: Seconds between two scans for expired leases of workspaces that still have runs to recover.
+DEFAULT_SCAN_INTERVAL: Final = 1.0
+#: Seconds a non-owner tells a client to wait (``Retry-After``) at the least, while the lease of
+#: an owner that stopped answering has not expired.
+DEFAULT_RETRY_AFTER: Final = 1.0
+#: Connections one node keeps open to the database.
+DEFAULT_DATABASE_POOL: Final = 8
 
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
@@ -484,6 +495,36 @@ class ServerOptions:
 
 
 @attrs.frozen
+class ClusterOptions:
+    """Running as one node of a cluster (top-level key ``cluster``, user's file or ``--config``
+    only; docs/cluster.md). Without ``database_url`` the server is a single node (SQLite and the
+    in-memory event ring), and the rest of the section is ignored."""
+
+    #: This node's id, unique in the cluster (default: the host name and the port).
+    node_id: str = ""
+    #: The URL other nodes redirect clients to (default: the URL the server listens on).
+    advertise_url: str = ""
+    #: PostgreSQL DSN (``postgresql://user@host:port/db``): sessions, runs, leases, nodes.
+    database_url: str = ""
+    #: Redis URL (``redis://host:port/0``): the workspaces' event logs.
+    redis_url: str = ""
+    lease_ttl: float = _positive(DEFAULT_LEASE_TTL)
+    #: Seconds between lease renewals; 0 means a third of ``lease_ttl``.
+    renew_interval: float = 0.0
+    scan_interval: float = _positive(DEFAULT_SCAN_INTERVAL)
+    retry_after: float = _positive(DEFAULT_RETRY_AFTER)
+    database_pool: int = _positive(DEFAULT_DATABASE_POOL)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.database_url)
+
+    @property
+    def renew_every(self) -> float:
+        return self.renew_interval or self.lease_ttl / 3
+
+
+@attrs.frozen
 class Config:
     """The whole configuration; ``Config()`` is the all-defaults one (built-in echo model)."""
 
@@ -492,6 +533,8 @@ class Config:
     options: Options = attrs.field(factory=Options)
     permissions: Permissions = attrs.field(factory=Permissions)
     server: ServerOptions = attrs.field(factory=ServerOptions)
+    #: Running as a node of a cluster (docs/cluster.md); off unless ``database_url`` is set.
+    cluster: ClusterOptions = attrs.field(factory=ClusterOptions)
     #: MCP servers by name (docs/mcp.md).
     mcp: dict[str, McpServerConfig] = attrs.field(factory=dict)
     #: Workspace directories whose own config files are applied in full (each entry and every
@@ -1577,4 +1620,7 @@ def config_to_json(config: Config) -> dict[str, Any]:
     for hook in data["webhooks"]:
         if hook["secret"]:
             hook["secret"] = REDACTED
+    for url in ("database_url", "redis_url"):  # a DSN may carry a password
+        if data["cluster"][url]:
+            data["cluster"][url] = REDACTED
     return data

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 import trio
@@ -128,6 +128,16 @@ SUMMARY_CANCELLED: Final = "Summary cancelled"
 ProviderFactory = Callable[[str, Any], pb.Provider]
 
 
+class Terminals(Protocol):
+    """The once-only terminal record of a cluster's runs (see ``Workspace``): ``record`` stores
+    the run's terminal event with its final status (False: already recorded, do not publish);
+    ``logged`` notes that the event log holds the published event."""
+
+    async def record(self, run: Run, complete: RunComplete) -> bool: ...
+
+    async def logged(self, run_id: str, event: Any) -> None: ...
+
+
 class Agent:
     """Turns for every session of one workspace.
 
@@ -159,11 +169,14 @@ class Agent:
         max_queued_prompts: int = DEFAULT_MAX_QUEUED_PROMPTS,
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
         on_complete: Callable[[RunComplete], None] = lambda _: None,
+        terminals: Terminals | None = None,
     ) -> None:
         self.store = store
         #: Told each run's end, once, just before its run_complete is published (webhooks); it
         #: must return at once.
         self._on_complete = on_complete
+        #: In a cluster: the once-only record of each run's terminal event (None: embedded).
+        self.terminals = terminals
         self.messages = messages
         self.broker = broker
         #: The log ids of the task that made the agent (its workspace's), for its turns' logs.
@@ -471,11 +484,17 @@ class Agent:
         if complete.run_id not in self._live:
             return
         self._live.discard(complete.run_id)
+        if self.terminals is not None:
+            run = self.runs.get(complete.run_id)
+            if run is not None and not await self.terminals.record(run, complete):
+                return  # another node ended the run (it recovered it after this one lost its lease)
         try:
             self._on_complete(complete)
         except Exception:
             log.exception("the run-end hook failed for run %s", complete.run_id)
-        await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        event = await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        if self.terminals is not None:
+            await self.terminals.logged(complete.run_id, event)
 
     def _publish_busy(self, session_id: str) -> None:
         self._bg.start_soon(self._publish_session, session_id)

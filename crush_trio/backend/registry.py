@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -41,6 +41,9 @@ from ..metrics import METRICS
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
+
+if TYPE_CHECKING:
+    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +82,11 @@ class Backend:
         provider_factory: Any = None,
         webhooks: Sequence[WebhookConfig] = (),
         outbox: Webhooks | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.server = server
+        #: The node's placement in a cluster (docs/cluster.md); None for a single server.
+        self.placement = placement
         self.config_file = config_file
         self.data_dir = data_dir
         self.version = version
@@ -139,17 +145,46 @@ class Backend:
         return [ws for ws in self.workspaces.values() if not ws.closing]
 
     async def open(self, raw_path: str, client_id: str) -> Workspace:
-        """Open (or join) the workspace of a directory and give ``client_id`` a hold on it."""
+        """Open (or join) the workspace of a directory and give ``client_id`` a hold on it.
+
+        In a cluster the node takes the workspace's lease first; when another node owns it,
+        :class:`~crush_trio.cluster.placement.Moved` (307) or ``OwnerUnavailable`` (503).
+        """
         validate_client_id(client_id)
-        if self.shutting_down or self._nursery is None:
-            raise ShuttingDown("server shutting down: retry against a new server")
         if self.is_retired(client_id):
             raise Conflict(f"client {client_id} was retired; use a new client_id")
-        path = self._resolve(raw_path)
+        return await self._open(self._resolve(raw_path), client_id)
+
+    async def locate(
+        self, workspace_id: str, target: str, client_id: str | None, *, adopt: bool = True
+    ) -> Workspace | None:
+        """In a cluster: the workspace ``workspace_id`` when this node has it open, else open it
+        here when no live node holds its lease (for ``client_id``'s hold, or a hold of the
+        create grace; with ``adopt`` False: None), else raise ``Moved`` / ``OwnerUnavailable``
+        / ``NotFound``."""
+        ws = self.workspaces.get(workspace_id)
+        if ws is not None or self.placement is None:
+            return self.get(workspace_id)
+        path = await self.placement.locate(workspace_id, target)
+        if not adopt:
+            return None
+        holder = client_id if client_id and not self.is_retired(client_id) else None
+        # Without a client of its own, the request's hold is the node's: it lasts the create
+        # grace, so the clients that follow find the workspace open.
+        return await self._open(Path(path), holder or self.placement.hold_id)
+
+    async def adopt(self, path: str) -> Workspace:
+        """Open a workspace whose owner stopped while it had runs, to recover them."""
+        return await self._open(Path(path), None)
+
+    async def _open(self, path: Path, client_id: str | None) -> Workspace:
+        if self.shutting_down or self._nursery is None:
+            raise ShuttingDown("server shutting down: retry against a new server")
         while True:
             ws = self._by_path.get(path)
             if ws is not None and not ws.closing:
-                ws.open_hold(client_id)
+                if client_id is not None:
+                    ws.open_hold(client_id)
                 return ws
             if ws is not None:
                 await ws.closed.wait()  # a closing workspace finishes before it reopens
@@ -166,7 +201,11 @@ class Backend:
                 "client holds it) or raise server.max_workspaces in the server's config"
             )
         done = self._opening[path] = trio.Event()
+        lease: Any = None
         try:
+            cluster: dict[str, Any] = {}
+            if self.placement is not None:
+                lease, cluster = await self._claim(path)
             loaded = await self._load_config(path)
             data_dir = data_dir_for(path, loaded.config, self.data_dir)
             if self.data_dir is None and not loaded.trusted:
@@ -185,10 +224,14 @@ class Backend:
                 sandbox_hidden=self._sandbox_hidden(),
                 sandbox_more_hidden=self._open_data_dirs,
                 on_run_complete=self._run_completed,
+                **cluster,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")
-            ws.open_hold(client_id)  # before it serves, so the hold watcher sees it
+            if client_id is not None:
+                ws.open_hold(client_id)  # before it serves, so the hold watcher sees it
+            if lease is not None and self.placement is not None:
+                self.placement.hold(ws.id, lease, ws.lose_lease)
             try:
                 await self._nursery.start(self._serve_workspace, ws)
             except CrushError:
@@ -199,10 +242,35 @@ class Backend:
                     "check its permissions or set options.data_directory"
                 ) from exc
             self._register(ws)
+            lease = None
             return ws
         finally:
             del self._opening[path]
             done.set()
+            if lease is not None and self.placement is not None:
+                await self.placement.release(lease.workspace_id)
+
+    async def _claim(self, path: Path) -> tuple[Any, dict[str, Any]]:
+        """Take the workspace's lease; the Workspace arguments that bind it to the cluster's
+        store and event log at the lease's epoch."""
+        assert self.placement is not None
+        placement = self.placement
+        lease = await placement.claim(str(path))
+        placement.hold(lease.workspace_id, lease, lambda reason: None)
+        try:
+            event_log = await placement.open_log(lease)
+        except BaseException:
+            await placement.release(lease.workspace_id)
+            raise
+
+        async def open_store(data_dir: Path) -> Any:
+            return await placement.open_store(lease)
+
+        return lease, {
+            "workspace_id": lease.workspace_id,
+            "store_factory": open_store,
+            "event_log": event_log,
+        }
 
     async def _load_config(self, path: Path) -> LoadedConfig:
         """The workspace's configuration, read in a worker thread (files may be slow or odd)."""
@@ -319,6 +387,8 @@ class Backend:
                 del self.workspaces[ws.id]
             if self._by_path.get(ws.path) is ws:
                 del self._by_path[ws.path]
+            if self.placement is not None:
+                await self.placement.release(ws.id)
 
     def _register(self, ws: Workspace) -> None:
         self.workspaces[ws.id] = ws
@@ -388,6 +458,8 @@ class Backend:
     async def shutdown(self) -> None:
         """Refuse new workspaces (503), shut every workspace down, and wait for them."""
         self.shutting_down = True
+        if self.placement is not None:
+            self.placement.stopping = True
         workspaces = list(self.workspaces.values())
         for ws in workspaces:
             ws.request_shutdown()

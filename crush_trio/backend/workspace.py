@@ -20,20 +20,25 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
+import signal
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import trio
 
+from .. import wire
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
+from ..cluster.placement import ended_without_record
 from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
-from ..errors import Conflict
+from ..errors import WS_CLOSE_SERVICE_RESTART, Conflict
 from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -52,6 +57,7 @@ from ..wire import (
     Message,
     Part,
     Role,
+    Run,
     RunComplete,
     RunStatus,
     SandboxInfo,
@@ -66,6 +72,14 @@ log = logging.getLogger(__name__)
 
 STOPPED_RUN_ERROR = "server stopped before the run finished"
 STOPPED_TOOL_RESULT = "Error: the server stopped before the tool call finished"
+#: Test-only fault injection (never set in production): with ``die-after-terminal-record`` a
+#: cluster node kills itself right after committing a run's terminal record, before the log
+#: append, as a crash in that window would.
+FAULT_ENV = "CRUSH_TRIO_DEBUG_FAULT"
+FAULT_AFTER_TERMINAL_RECORD = "die-after-terminal-record"
+#: How far back in a cluster's event log a recovering node looks for the ``run_complete`` of a
+#: terminal record not marked as logged (events).
+RECOVERY_SCAN_EVENTS = 10_000
 
 
 def _missing_tool_results(history: list[Message]) -> list[Message]:
@@ -129,10 +143,20 @@ class Workspace:
         sandbox_hidden: tuple[Path, ...] = (),
         sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
         on_run_complete: Callable[[Workspace, RunComplete], None] | None = None,
+        workspace_id: str | None = None,
+        store_factory: Callable[[Path], Awaitable[Any]] | None = None,
+        event_log: Any = None,
     ) -> None:
-        self.id = new_id()
+        self.id = workspace_id or new_id()
         #: Told each run's end before its run_complete is published (the server's webhooks).
         self.on_run_complete = on_run_complete
+        #: Opens the store from the data directory: SQLite (default), or a cluster's
+        #: PostgreSQL store fenced by the lease's epoch.
+        self.store_factory: Callable[[Path], Awaitable[Any]] = store_factory or Store.open
+        #: The broker's event log: None for the in-memory ring, or a cluster's Redis stream.
+        self.event_log = event_log
+        #: Set when a cluster lease was lost: the workspace stops without writing anything more.
+        self.fenced = False
         self.path = path
         self.config = config
         self.trusted = trusted
@@ -151,12 +175,16 @@ class Workspace:
         self._sandbox_status: SandboxStatus | None = None
         self.state = WorkspaceState.STARTING
         self.holds = Holds(create_grace=server.create_grace, detach_grace=server.detach_grace)
+        broker_options: dict[str, Any] = {}
+        if event_log is not None:  # cluster mode: events reach clients through the log
+            broker_options = {"log": event_log, "on_log_lost": self._log_lost}
         self.broker = Broker(
             replay_size=server.replay_buffer,
             replay_bytes=server.replay_bytes,
             client_queue_size=server.client_queue_size,
             client_queue_bytes=server.client_queue_bytes,
             must_deliver_timeout=server.must_deliver_timeout,
+            **broker_options,
         )
         self._changed = trio.Event()
         self._stop = trio.Event()
@@ -239,6 +267,19 @@ class Workspace:
         self._stop.set()
         self.poke()
 
+    def _log_lost(self, exc: Exception) -> None:
+        """The broker lost the event log (a newer owner fenced it, or Redis stayed unreachable):
+        its clients are closed already; stop the workspace without writing."""
+        self.lose_lease(f"event log lost: {exc}")
+
+    def lose_lease(self, reason: str) -> None:
+        """Another node owns the workspace now: close the event streams (1012: reconnect, the
+        new owner resumes them) and stop at once, without writing (the writes would be fenced
+        anyway)."""
+        self.fenced = True
+        self.broker.drop_all(f"workspace moved to another node: {reason}", WS_CLOSE_SERVICE_RESTART)
+        self.request_shutdown()
+
     # -- lifetime -------------------------------------------------------------------------------
 
     async def serve(
@@ -247,7 +288,7 @@ class Workspace:
         """Open the store and serve until nothing holds the workspace or shutdown is requested."""
         set_log_context(workspace_id=self.id)  # this task's records and its children's
         await self._set_up_sandbox()
-        self.store = await Store.open(self.data_dir)
+        self.store = await self.store_factory(self.data_dir)
         save_timeout = self.server.shutdown_save_timeout
         self.messages = MessageService(
             self.store,
@@ -260,6 +301,8 @@ class Workspace:
         agent: Agent | None = None
         try:
             async with trio.open_nursery() as background:
+                if self.event_log is not None:
+                    await background.start(self.broker.write_log)  # before anything publishes
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
@@ -280,6 +323,11 @@ class Workspace:
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
                         on_complete=self._run_completed,
+                        terminals=(
+                            None
+                            if self.event_log is None
+                            else LoggedTerminals(self.store, self.broker)
+                        ),
                     )
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
@@ -290,7 +338,8 @@ class Workspace:
                     self.agent.begin_shutdown()
                     # Deadline first, then cancel: drivers finish their cancelled turns and
                     # publish terminals; anything still running after the grace is cancelled.
-                    runs.cancel_scope.deadline = trio.current_time() + self.server.shutdown_grace
+                    grace = 0.0 if self.fenced else self.server.shutdown_grace
+                    runs.cancel_scope.deadline = trio.current_time() + grace
                 background.cancel_scope.cancel()
         finally:
             if self.state is not WorkspaceState.CLOSING:
@@ -298,11 +347,16 @@ class Workspace:
             # Each step is shielded and bounded, and a failing store cannot stop the close: the
             # records and messages it could not save are ended by the next start's recovery, as
             # after a kill.
-            await self._close_step("writing messages", self.messages.flush_all, save_timeout)
-            await self._close_step("saving run records", self.runs.save_now, save_timeout)
+            if not self.fenced:  # a fenced workspace's writes belong to the new owner
+                await self._close_step("writing messages", self.messages.flush_all, save_timeout)
+                await self._close_step("saving run records", self.runs.save_now, save_timeout)
             self.runs.fail_pending_inserts("the workspace closed before the run record was saved")
             if agent is not None:
                 await self._close_step("closing providers", agent.aclose, save_timeout)
+            if self.event_log is not None and not self.fenced:
+                await self._close_step(
+                    "appending the last events", self.broker.aclose, save_timeout
+                )
             self.broker.close()
             await self._close_step("closing the store", self.store.aclose, save_timeout)
             self.state = WorkspaceState.CLOSED
@@ -407,7 +461,9 @@ class Workspace:
             run.status = RunStatus.FAILED
             run.error = STOPPED_RUN_ERROR
             run.finished_at = finished
-        if stale:
+        if self.event_log is not None:
+            await self._complete_recovered(stale)
+        elif stale:
             await self.store.save_runs(stale)
         unfinished = await self.store.unfinished_assistant_messages()
         for msg in unfinished:
@@ -432,6 +488,80 @@ class Workspace:
                 len(unfinished),
                 sum(len(m.parts) for m in results),
             )
+
+    async def _complete_recovered(self, stale: list[Run]) -> None:
+        """In a cluster, clients of a node that stopped resume their streams from the log, so
+        every run it left must end there with exactly one ``run_complete``:
+
+        1. terminal events recorded but not known to be in the log (the node stopped between
+           the record and the append): appended unless the log's tail already holds them;
+        2. runs that ended without a record (the node stopped between saving the status and
+           recording the event): recorded from the run's record, appended;
+        3. runs it left ``queued`` or ``running``: failed, each with its terminal record and
+           status in one transaction (False: another node did it first), then appended.
+        """
+        store: Any = self.store  # the cluster's store
+        unlogged = await store.unlogged_terminals()
+        if unlogged:
+            present = await self._completes_in_log({run_id for run_id, _ in unlogged})
+            for run_id, data in unlogged:
+                if run_id not in present:
+                    complete = wire.converter.structure(orjson.loads(data), RunComplete)
+                    await self._append_terminal(complete)
+            await store.mark_logged([run_id for run_id, _ in unlogged])
+        ended = []
+        for run_id in await ended_without_record(store):
+            run = await store.get_run(run_id)
+            if run is None:
+                continue
+            complete = RunComplete(
+                run.session_id,
+                run.run_id,
+                run.message_id,
+                run.text,
+                run.error,
+                cancelled=run.status is RunStatus.CANCELLED,
+            )
+            if await store.record_terminal(run, wire.dumps(complete)):
+                await self._append_terminal(complete)
+                ended.append(run.run_id)
+        for run in stale:
+            complete = RunComplete(run.session_id, run.run_id, None, "", STOPPED_RUN_ERROR)
+            if await store.record_terminal(run, wire.dumps(complete)):
+                await self._append_terminal(complete)
+                ended.append(run.run_id)
+        await store.mark_logged(ended)
+
+    async def _append_terminal(self, complete: RunComplete) -> None:
+        """Publish a recovered ``run_complete``; raises when the log did not take it (this node
+        lost the workspace meanwhile: the terminal stays unlogged for the next owner)."""
+        event = await self.broker.publish_must_deliver(complete, EventKind.CREATED)
+        lost = self.broker.log_lost
+        if lost is not None or event.seq > self.broker.durable_seq:
+            raise lost or Conflict(f"the event log did not take the end of run {complete.run_id}")
+
+    async def _completes_in_log(self, run_ids: set[str]) -> set[str]:
+        """Which of ``run_ids`` have a ``run_complete`` among the log's last
+        :data:`RECOVERY_SCAN_EVENTS` events."""
+        log_ = self.event_log
+        last = await log_.last_seq()
+        found: set[str] = set()
+        after = max(0, last - RECOVERY_SCAN_EVENTS)
+        while after < last:
+            batch = await log_.read(after, 1000)
+            if not batch:
+                break
+            for seq, data in batch:
+                after = seq
+                if b'"run_complete"' not in data:
+                    continue
+                envelope = orjson.loads(data)
+                if envelope.get("type") != "run_complete":
+                    continue
+                run_id = ((envelope.get("payload") or {}).get("payload") or {}).get("run_id")
+                if run_id in run_ids:
+                    found.add(run_id)
+        return found
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -466,3 +596,27 @@ class Workspace:
         await self.store.delete_session(session_id)
         self.broker.publish(session, EventKind.DELETED)
         return True
+
+
+class LoggedTerminals:
+    """A cluster's once-only terminal records for the agent (``agent.runner.Terminals``): a
+    run's ``run_complete`` is recorded with its final status before it is published, and marked
+    logged once the event log holds it, so a node that takes the workspace over publishes
+    exactly the ones that never reached the log."""
+
+    def __init__(self, store: Any, broker: Broker) -> None:
+        self.store = store
+        self.broker = broker
+
+    async def record(self, run: Run, complete: RunComplete) -> bool:
+        if not run.status.terminal:
+            return True
+        recorded: bool = await self.store.record_terminal(run, wire.dumps(complete))
+        if recorded and os.environ.get(FAULT_ENV) == FAULT_AFTER_TERMINAL_RECORD:
+            # Test hook: die between the terminal commit and the log append.
+            os.kill(os.getpid(), signal.SIGKILL)
+        return recorded
+
+    async def logged(self, run_id: str, event: Any) -> None:
+        if self.broker.log_lost is None and event.seq <= self.broker.durable_seq:
+            await self.store.mark_logged([run_id])

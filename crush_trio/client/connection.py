@@ -28,7 +28,7 @@ from ..wire import Workspace
 from .errors import AuthError, Timeout, Unreachable, error_for_status, single_errors
 from .events import DEFAULT_MAILBOX_SIZE
 from .stream import DEFAULT_RECONNECT_TIMEOUT
-from .transport import bearer_headers, websocket_base
+from .transport import MAX_REDIRECTS, bearer_headers, websocket_base
 from .workspace import WorkspaceClient, open_workspace
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 DEFAULT_REQUEST_TIMEOUT: Final = 30.0
 #: Default bound on opening a TCP connection to the server (seconds).
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+#: Longest pause honoured from one ``Retry-After`` (a cluster node whose owner is unreachable);
+#: the request's own timeout bounds the sum (seconds).
+MAX_RETRY_AFTER: Final = 5.0
 
 
 def parse_server_url(url: str, token: str | None = None) -> tuple[str, str | None, str | None]:
@@ -106,6 +109,32 @@ class Client:
         self.mailbox_size = mailbox_size
         self.deltas = deltas
         self.server: ServerHandle | None = None
+        #: Workspace id → the base URL of the cluster node that owns it (learnt from 307s).
+        self.owners: dict[str, str] = {}
+
+    def base_for(self, workspace_id: str) -> str:
+        """The base URL that serves ``workspace_id``: its owner in a cluster, else the server."""
+        return self.owners.get(workspace_id, self.base_url)
+
+    def ws_base_for(self, workspace_id: str) -> str:
+        return (
+            websocket_base(self.base_for(workspace_id)) if self.unix_path is None else self.ws_base
+        )
+
+    def moved(self, workspace_id: str | None, location: str) -> None:
+        """Remember that ``workspace_id`` is served at the origin of ``location``."""
+        parts = urlsplit(location)
+        if workspace_id and parts.scheme and parts.netloc:
+            base = f"{parts.scheme}://{parts.netloc}"
+            if base == self.base_url:
+                self.owners.pop(workspace_id, None)
+            else:
+                self.owners[workspace_id] = base
+
+    def forget_owner(self, workspace_id: str) -> bool:
+        """Send ``workspace_id``'s requests to the server again (its owner did not answer);
+        True when an owner was known."""
+        return self.owners.pop(workspace_id, None) is not None
 
     def auth_headers(self) -> list[tuple[bytes, bytes]]:
         """The websocket handshake's ``Authorization`` header (none without a token)."""
@@ -129,25 +158,64 @@ class Client:
                 :class:`NotFound`, :class:`Conflict`, :class:`AuthError`).
         """
         limit = self.request_timeout if timeout is None else timeout
-        try:
-            response = await self.http.request(
-                method,
-                path,
-                content=orjson.dumps(json) if json is not None else None,
-                headers={"Content-Type": "application/json"} if json is not None else None,
-                params=params,
-                timeout=limit,
-            )
-        except httpx.TimeoutException as exc:
-            raise Timeout(
-                f"{method} {path} got no answer from the server at {self.url} within "
-                f"{limit:g} s; the server may be overloaded"
-            ) from exc
-        except httpx.TransportError as exc:
-            raise Unreachable(
-                f"cannot reach the server at {self.url} ({exc.__class__.__name__}: {exc}); "
-                "check the address and that the server is running"
-            ) from exc
+        wid = workspace_id_of(path)
+        give_up = trio.current_time() + limit
+        location: str | None = None
+        for hops in range(MAX_REDIRECTS + 1):
+            owner = self.owners.get(wid) if wid is not None else None
+            url = location or (owner + path if owner is not None else path)
+            location = None
+            try:
+                response = await self.http.request(
+                    method,
+                    url,
+                    content=orjson.dumps(json) if json is not None else None,
+                    headers={"Content-Type": "application/json"} if json is not None else None,
+                    params=params,
+                    timeout=limit,
+                )
+            except httpx.TimeoutException as exc:
+                raise Timeout(
+                    f"{method} {path} got no answer from the server at {self.url} within "
+                    f"{limit:g} s; the server may be overloaded"
+                ) from exc
+            except httpx.TransportError as exc:
+                if wid is not None and self.forget_owner(wid) and hops < MAX_REDIRECTS:
+                    continue  # the owner is gone: ask the server we know where it is now
+                raise Unreachable(
+                    f"cannot reach the server at {owner or self.url} ({exc.__class__.__name__}: "
+                    f"{exc}); check the address and that the server is running"
+                ) from exc
+            if hops == MAX_REDIRECTS:
+                break
+            status = response.status_code
+            if status == 307 and "location" in response.headers:
+                location = response.headers["location"]
+                self.moved(wid, location)
+                if wid is not None:
+                    location = None  # the owner's base is remembered: the path is rebuilt
+                elif not location.startswith(("http://", "https://")):
+                    break  # nothing this client can follow
+                continue
+            if status == 503 and owner is not None:
+                self.forget_owner(wid or "")  # a node that stops: ask the server again
+                continue
+            if status == 503 and "retry-after" in response.headers:
+                pause = _retry_after(response.headers["retry-after"])
+                if trio.current_time() + pause >= give_up:
+                    break
+                await trio.sleep(pause)
+                continue
+            break
+        if (
+            method == "POST"
+            and path == "/v1/workspaces"
+            and response.status_code < 300
+            and str(response.url).split("/v1/")[0] != self.base_url
+        ):
+            found = orjson.loads(response.content).get("id")
+            if isinstance(found, str):
+                self.moved(found, str(response.url))
         body = response.content
         data: Any = None
         if body:
@@ -201,6 +269,23 @@ class Client:
         """
         async with open_workspace(self, path, events=events) as ws:
             yield ws
+
+
+def _retry_after(value: str) -> float:
+    """The pause a ``Retry-After`` header asks for (seconds), bounded by
+    :data:`MAX_RETRY_AFTER`; an HTTP date or junk counts as one second."""
+    try:
+        return min(max(float(value), 0.0), MAX_RETRY_AFTER)
+    except ValueError:
+        return 1.0
+
+
+def workspace_id_of(path: str) -> str | None:
+    """The workspace id in a ``/v1/workspaces/{wid}...`` path, else None."""
+    prefix = "/v1/workspaces/"
+    if not path.startswith(prefix):
+        return None
+    return path[len(prefix) :].split("/", 1)[0] or None
 
 
 @asynccontextmanager

@@ -30,6 +30,9 @@ CLOSE_TIMEOUT: Final = 5.0
 MAX_EVENT_BYTES: Final = 64 * 1024 * 1024
 #: Frames buffered inside the websocket library between the socket and the reader task.
 WS_QUEUE_SIZE: Final = 64
+#: Most redirects (307 to the cluster node that owns a workspace) followed for one request or
+#: one stream connection.
+MAX_REDIRECTS: Final = 5
 
 
 def websocket_base(base_url: str) -> str:

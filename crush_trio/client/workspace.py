@@ -21,11 +21,11 @@ import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import trio
-from trio_websocket import WebSocketConnection
+from trio_websocket import ConnectionRejected, HandshakeError, WebSocketConnection
 
 from .. import wire
 from ..wire import (
@@ -37,12 +37,18 @@ from ..wire import (
     Session,
     Workspace,
 )
-from .errors import BadRequest, CrushError, NotFound, single_errors
+from .errors import BadRequest, CrushError, NotFound, Unreachable, single_errors
 from .events import DEFAULT_MAILBOX_SIZE, Mailbox
 from .runs import DEFAULT_RUN_TIMEOUT, GrantAction, RunHandle
 from .stream import DEFAULT_RECONNECT_TIMEOUT, NOT_SENT, CommandLost, EventStream, StreamStats
 from .subscription import Subscription
-from .transport import CLOSE_TIMEOUT, HELLO_TIMEOUT, open_stream_socket, stream_resource
+from .transport import (
+    CLOSE_TIMEOUT,
+    HELLO_TIMEOUT,
+    MAX_REDIRECTS,
+    open_stream_socket,
+    stream_resource,
+)
 
 if TYPE_CHECKING:
     from .connection import Client
@@ -423,15 +429,39 @@ class WorkspaceClient:
 
     @asynccontextmanager
     async def _open_socket(self, since: int | None) -> AsyncIterator[WebSocketConnection]:
-        """One websocket connection to the workspace's stream (TCP or a Unix socket)."""
-        async with open_stream_socket(
-            self.client.ws_base,
-            self.client.unix_path,
-            stream_resource(self.id, self.client.client_id, since, deltas=self.client.deltas),
-            self.client.auth_headers(),
-            timeout=HELLO_TIMEOUT,
-        ) as conn:
-            yield conn
+        """One websocket connection to the workspace's stream (TCP or a Unix socket), at the
+        node that owns the workspace in a cluster (following 307 answers to it)."""
+        client = self.client
+        resource = stream_resource(self.id, client.client_id, since, deltas=client.deltas)
+        for hops in range(MAX_REDIRECTS + 1):
+            stack = AsyncExitStack()
+            try:
+                conn = await stack.enter_async_context(
+                    open_stream_socket(
+                        client.ws_base_for(self.id),
+                        client.unix_path,
+                        resource,
+                        client.auth_headers(),
+                        timeout=HELLO_TIMEOUT,
+                    )
+                )
+            except ConnectionRejected as exc:
+                headers = {k.decode().lower(): v.decode() for k, v in exc.headers or ()}
+                if hops < MAX_REDIRECTS and exc.status_code == 307 and "location" in headers:
+                    client.moved(self.id, headers["location"])
+                    continue
+                if exc.status_code == 503 and (
+                    client.forget_owner(self.id) or "retry-after" in headers
+                ):
+                    # The owner stops, or is gone and its lease not expired yet: retry later.
+                    raise Unreachable(f"workspace {self.id}: {exc.body!r}") from exc
+                raise
+            except (OSError, HandshakeError, trio.TooSlowError):
+                client.forget_owner(self.id)  # the owner is gone: ask the server next time
+                raise
+            async with stack:
+                yield conn
+            return
 
     async def wait_reconnected(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 from ..attachments import check_attachments
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
+from ..cluster.placement import OwnerUnavailable, workspace_id_of
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -47,6 +48,30 @@ class Api:
 
     def workspace(self, workspace_id: str) -> Workspace:
         return self.backend.get(workspace_id)
+
+    async def place(self, path: str, query: bytes, args: Any, method: str = "GET") -> None:
+        """In a cluster, a request for a workspace this node has not open: open it here when no
+        live node owns it, else raise ``Moved`` (307 to the owner, same path and query) or
+        ``OwnerUnavailable`` (503); nothing on a single server."""
+        backend = self.backend
+        wid = workspace_id_of(path)
+        if backend.placement is None or wid is None:
+            return
+        ws = backend.workspaces.get(wid)
+        if ws is not None:
+            if ws.closing:  # it moves to another node once closed: ask again then
+                raise OwnerUnavailable(
+                    f"workspace {wid} is closing on this node; retry, another node takes it",
+                    retry_after=backend.placement.options.retry_after,
+                )
+            return
+        target = path + ("?" + query.decode("latin-1") if query else "")
+        client_id = args.get("client_id")
+        # Releasing a hold on a workspace no node serves opens nothing (404 follows).
+        releasing = method == "DELETE" and path.rstrip("/") == f"/v1/workspaces/{wid}"
+        await backend.locate(
+            wid, target, client_id if isinstance(client_id, str) else None, adopt=not releasing
+        )
 
     async def open_workspace(self, raw_path: str, client_id: str) -> Workspace:
         """``POST /v1/workspaces``: the path is checked here, then the backend opens it."""

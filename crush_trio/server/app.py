@@ -24,6 +24,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
+from ..cluster.placement import response_headers
 from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
 from ..logs import set_log_context
 from ..metrics import CONTENT_TYPE, render
@@ -68,6 +69,7 @@ def error_response(exc: CrushError) -> Response:
     response = json_response({"message": exc.message}, exc.status)
     if exc.status == 413:
         response.headers["Connection"] = "close"
+    response.headers.update(response_headers(exc))
     return response
 
 
@@ -100,6 +102,7 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
             if request.path.endswith("/events"):
                 check_request_origin(settings, request.headers, request.scheme)
             check_state_change(settings, request.method, request.headers, request.scheme)
+            await api.place(request.path, request.query_string, request.args, request.method)
         except CrushError as exc:
             response = error_response(exc)
             if request.method in ("POST", "PUT", "PATCH", "DELETE"):
@@ -351,6 +354,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
+            if backend.placement is not None:
+                check_request_host(settings, websocket.headers)
+                check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
+                await api.place(websocket.path, websocket.query_string, websocket.args)
             ws, sub = check_upgrade(
                 settings,
                 api,

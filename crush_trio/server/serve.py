@@ -17,9 +17,11 @@ import os
 import secrets
 import socket
 import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -40,6 +42,9 @@ from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
+
+if TYPE_CHECKING:
+    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ class ServeOptions:
     metrics_port: int | None = None
     #: Builds a provider from (name, ProviderConfig); tests and embedders plug scripted models in.
     provider_factory: Any = None
+    #: ``--cluster-*`` flags: fields of the config's ``cluster`` section they replace.
+    cluster: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -168,6 +175,22 @@ async def serve(
     except BaseException:
         sock.close()
         raise
+    cluster_opts = config.cluster
+    if options.cluster:
+        try:
+            cluster_opts = attrs.evolve(cluster_opts, **options.cluster)
+        except TypeError as exc:
+            _close_sockets(sock, msock)
+            raise ConfigError(f"bad --cluster flag: {exc}") from None
+    placement: Placement | None = None
+    if cluster_opts.enabled:
+        from ..cluster.placement import Placement
+
+        try:
+            placement = Placement(cluster_opts, url)
+        except ConfigError:
+            _close_sockets(sock, msock)
+            raise
     backend = Backend(
         server=server_opts,
         config_file=options.config_file,
@@ -176,6 +199,7 @@ async def serve(
         user_config_dir=options.user_config_dir,
         provider_factory=options.provider_factory,
         webhooks=config.webhooks,
+        placement=placement,
     )
     settings = Settings(
         token=token,
@@ -200,7 +224,7 @@ async def serve(
     hconfig.include_server_header = False
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
-        async with backend.running(), trio.open_nursery() as nursery:
+        async with _placed(placement, backend), backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
@@ -244,3 +268,19 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
+
+
+@asynccontextmanager
+async def _placed(placement: Placement | None, backend: Backend) -> AsyncIterator[None]:
+    """Run the node's placement (cluster mode) for the block; nothing on a single server."""
+    if placement is None:
+        yield
+        return
+    async with placement.running(backend):
+        yield
+
+
+def _close_sockets(*socks: socket.socket | None) -> None:
+    for s in socks:
+        if s is not None:
+            s.close()
