@@ -42,6 +42,7 @@ from ..errors import (
     bug_message,
     unwrap_group,
 )
+from ..eventlog import Fenced
 from ..logs import current_context, log_context
 from ..metrics import METRICS, run_reason
 from ..providers import base as pb
@@ -546,6 +547,8 @@ class Agent:
             with trio.move_on_after(self.save_timeout, shield=True):
                 try:
                     await self._save_final(progress, error=error, cancelled=cancelled)
+                except Fenced as exc:  # another node owns the workspace: expected, one line
+                    log.warning("the end of run %s was not saved: %s", turn.primary.run_id, exc)
                 except Exception:
                     log.exception("saving the end of run %s failed", turn.primary.run_id)
         return completes

@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from ..errors import StoreError
+from ..eventlog import Fenced
 from ..wire import Run, RunStatus, check_run_transition, now
 
 if TYPE_CHECKING:
@@ -197,5 +198,7 @@ class RunBook:
                 await self.save_now()
             except trio.Cancelled:
                 raise
+            except Fenced as exc:  # another node owns the workspace, which is stopping
+                log.warning("run records not saved: %s", exc)
             except Exception:
                 log.exception("saving run records failed; will retry on the next change")

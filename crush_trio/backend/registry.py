@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -37,6 +37,7 @@ from ..errors import (
     ShuttingDown,
     TooManyRequests,
 )
+from ..eventlog import Fenced
 from ..metrics import METRICS
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import RunComplete, validate_client_id
@@ -232,6 +233,7 @@ class Backend:
                 ws.open_hold(client_id)  # before it serves, so the hold watcher sees it
             if lease is not None and self.placement is not None:
                 self.placement.hold(ws.id, lease, ws.lose_lease)
+                ws.lease_lost_hook = partial(self.placement.lose, ws.id)
             try:
                 await self._nursery.start(self._serve_workspace, ws)
             except CrushError:
@@ -377,7 +379,12 @@ class Backend:
         METRICS.workspaces_open.inc()
         try:
             await ws.serve(task_status=task_status)
-        except Exception:
+        except Exception as exc:
+            fenced = _only_fenced(exc)
+            if fenced is not None and ws.state.value != "starting":
+                # Another node took the workspace over; its writes here were refused.
+                log.warning("workspace %s (%s) stopped: %s", ws.id, ws.path, fenced)
+                return
             log.exception("workspace %s (%s) crashed", ws.id, ws.path)
             if ws.state.value == "starting":
                 raise
@@ -465,6 +472,24 @@ class Backend:
             ws.request_shutdown()
         for ws in workspaces:
             await ws.closed.wait()
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _only_fenced(exc: BaseException) -> Fenced | None:
+    """The first ``Fenced`` when ``exc`` is one, or a group of nothing but ``Fenced`` (and the
+    cancellations it caused); None otherwise."""
+    leaves = list(_leaves(exc))
+    fenced = [e for e in leaves if isinstance(e, Fenced)]
+    if fenced and all(isinstance(e, (Fenced, trio.Cancelled)) for e in leaves):
+        return fenced[0]
+    return None
 
 
 def _check_data_dir_inside(path: Path, data_dir: Path, configured: str) -> None:

@@ -157,6 +157,9 @@ class Workspace:
         self.event_log = event_log
         #: Set when a cluster lease was lost: the workspace stops without writing anything more.
         self.fenced = False
+        #: Told when the event log finds the lease gone (a cluster's placement, which marks the
+        #: lease lost, logs it and stops the workspace); None: stop the workspace directly.
+        self.lease_lost_hook: Callable[[str], None] | None = None
         self.path = path
         self.config = config
         self.trusted = trusted
@@ -270,7 +273,11 @@ class Workspace:
     def _log_lost(self, exc: Exception) -> None:
         """The broker lost the event log (a newer owner fenced it, or Redis stayed unreachable):
         its clients are closed already; stop the workspace without writing."""
-        self.lose_lease(f"event log lost: {exc}")
+        reason = f"event log lost: {exc}"
+        if self.lease_lost_hook is not None:
+            self.lease_lost_hook(reason)
+        else:
+            self.lose_lease(reason)
 
     def lose_lease(self, reason: str) -> None:
         """Another node owns the workspace now: close the event streams (1012: reconnect, the
