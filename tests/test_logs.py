@@ -16,9 +16,10 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.client import RunFailed, WorkspaceClient
+from crush_trio.client import RunFailed, WorkspaceClient, open_event_socket
 from crush_trio.logs import ContextFilter, JsonFormatter, configure_logging, log_context
 from crush_trio.providers.scripted import ScriptedModel, Step
+from crush_trio.testing import CrushServer
 
 from .conftest import WAIT
 
@@ -153,3 +154,36 @@ async def test_a_turn_logs_with_its_workspace_session_and_run(
     assert data["run_id"] == "bug-run" and data["session_id"] == sid
     assert data["workspace_id"] == ws.id
     assert "a bug in the model" in data["exception"]
+
+
+async def test_an_event_websocket_logs_with_its_workspace(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    """The records of an event stream's connection, to its last line (the socket closed), carry
+    the workspace's id."""
+    closed = trio.Event()
+    records: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("event websocket from") and message.endswith("closed"):
+                records.append(record)
+                closed.set()
+
+    handler = Catch(logging.DEBUG)
+    handler.addFilter(ContextFilter())
+    logger = logging.getLogger("crush_trio.server.listener")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        async with open_event_socket(crush_server.url, crush_workspace.id, crush_server.token):
+            pass
+        with trio.fail_after(WAIT):
+            await closed.wait()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    data = orjson.loads(JsonFormatter().format(records[0]))
+    assert data["workspace_id"] == crush_workspace.id

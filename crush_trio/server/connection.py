@@ -31,6 +31,7 @@ import trio
 from .. import __version__, wire
 from ..broker import ClientStream, Event
 from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL, BadRequest
+from ..logs import set_log_context
 from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
@@ -170,6 +171,7 @@ def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
 async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, api: Api) -> None:
     """Serve one accepted websocket until the client leaves, is killed or the workspace closes;
     then close it (see the module's docstring)."""
+    set_log_context(workspace_id=ws.id)  # this connection's records, to its close line
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
