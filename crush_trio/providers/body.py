@@ -31,6 +31,7 @@ when the shape differs, and a test asserts that the fast path is taken with the 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
@@ -397,13 +398,21 @@ def _reader(network: httpcore.AsyncNetworkStream) -> Callable[[], Awaitable[byte
     """One read of the connection: its Trio socket for plain TCP, else the stream's ``read``."""
     sock = network.get_extra_info("socket")
     if network.get_extra_info("ssl_object") is None and isinstance(sock, trio.socket.SocketType):
-        recv = sock.recv
+        # Wait, then read: a paced token is never there yet when the reader comes back, so
+        # reading first (as Trio's socket does) costs a failed recv and its exception per chunk.
+        fd = sock.fileno()
+        wait_readable = trio.lowlevel.wait_readable
+        read = os.read
 
         async def read_socket() -> bytes:
-            try:
-                return await recv(READ_SIZE)
-            except OSError as exc:
-                raise IncompleteBody(f"the connection broke: {exc}") from exc
+            while True:
+                try:
+                    await wait_readable(fd)
+                    return read(fd, READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except (OSError, trio.ClosedResourceError) as exc:
+                    raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
 
         return read_socket
 
@@ -411,6 +420,11 @@ def _reader(network: httpcore.AsyncNetworkStream) -> Callable[[], Awaitable[byte
         try:
             return await network.read(READ_SIZE)
         except httpcore.NetworkError as exc:
-            raise IncompleteBody(f"the connection broke: {exc}") from exc
+            raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
 
     return read_stream
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
