@@ -19,12 +19,14 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 import trio
+import trio.testing
 
 from crush_trio.errors import ProviderError
 from crush_trio.providers.body import (
     MAX_CHUNK_BYTES,
     MAX_CHUNK_LINE_BYTES,
     MAX_TRAILER_BYTES,
+    READ_WATCH_INTERVAL,
     BodyError,
     ChunkedDecoder,
     IncompleteBody,
@@ -435,3 +437,57 @@ async def test_a_response_from_another_transport_is_read_through_httpx() -> None
         response = await client.send(client.build_request("GET", "http://x/"), stream=True)
         assert take_over(response, timeout=None) is None
         await response.aclose()
+
+
+class HangingServer(RawServer):
+    """Sends its first response's pieces, then keeps the connection open without a word."""
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        if self.requests:
+            await super()._connection(stream)
+            return
+        self.connections += 1
+        async with stream:
+            await stream.receive_some(65536)
+            self.requests += 1
+            pieces, _ = self.responses.pop(0)
+            for piece in pieces:
+                await stream.send_all(piece)
+            while await stream.receive_some(65536):
+                pass
+            self.closed_by_client += 1
+            self.client_gone.set()
+
+
+@pytest.mark.parametrize("first_byte_timeout", [60.0, 20.0], ids=["own-scope", "read-watch"])
+async def test_a_stalled_body_times_out_closes_the_connection_and_the_next_request_works(
+    first_byte_timeout: float, autojump_clock: trio.testing.MockClock
+) -> None:
+    """chunk_timeout >= first_byte_timeout: the run's read watch times the reads (no cancel
+    scope per read); otherwise a scope per chunk does. Same error, bounded by the watch's
+    interval, and the stalled connection is closed, not handed back."""
+    server = HangingServer(
+        ([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False),
+        ([head(CHUNKED), chunked([EVENTS])], False),
+    )
+    with trio.fail_after(1000):
+        async with streamer(server, chunk_timeout=20, first_byte_timeout=first_byte_timeout) as (
+            http,
+            url,
+        ):
+            seen: list[str] = []
+            with pytest.raises(ProviderError) as info:
+                async with contextlib.aclosing(http.stream_sse(url, {})) as events:
+                    async for event in events:
+                        assert isinstance(event, SSEEvent)
+                        seen.append(event.data)
+                        started = trio.current_time()
+            waited = trio.current_time() - started
+            await server.client_gone.wait()
+            assert await datas(http, url) == WANT
+    assert seen == ['{"n": 1}']
+    assert str(info.value).startswith(
+        "provider 'raw' stalled mid-stream: nothing for chunk_timeout=20s"
+    )
+    assert 20 <= waited <= 20 + READ_WATCH_INTERVAL + 0.01
+    assert server.connections == 2

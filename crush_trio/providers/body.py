@@ -31,6 +31,8 @@ when the shape differs, and a test asserts that the fast path is taken with the 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 from collections.abc import Awaitable, Callable
@@ -51,6 +53,9 @@ MAX_CHUNK_LINE_BYTES: Final = 4 * 1024
 #: Most bytes of trailer fields after the last chunk.
 MAX_TRAILER_BYTES: Final = 64 * 1024
 
+#: How often the read watch looks for provider reads past their timeout (seconds): a stalled
+#: read is reported between ``chunk_timeout`` and ``chunk_timeout`` plus this after it began.
+READ_WATCH_INTERVAL: Final = 0.25
 #: Most stream wrappers looked through to find ``httpcore``'s connection.
 _MAX_WRAPPERS: Final = 8
 
@@ -232,6 +237,8 @@ class SocketBody:
         decoder: the body's framing.
         first: bytes of the body that arrived with the headers.
         timeout: longest wait for one read (seconds); ``None``: the caller times the reads.
+            With ``fd`` (the connection's socket) the reads are timed by the run's read watch
+            (:class:`_ReadWatch`), else by a cancel scope per read.
         connection: ``httpcore``'s connection, handed back at :meth:`aclose` when reusable.
         reusable: whether the connection may carry another request after this body.
 
@@ -250,8 +257,12 @@ class SocketBody:
         timeout: float | None,
         connection: Any = None,
         reusable: bool = False,
+        fd: int | None = None,
     ) -> None:
         self._read = read
+        self._fd = fd
+        self._deadline = math.inf
+        self._timed_out = False
         self._decoder = decoder
         self._pending = first
         self._timeout = timeout
@@ -282,9 +293,32 @@ class SocketBody:
     async def _receive(self) -> bytes:
         if self._timeout is None:
             return await self._read()
-        with trio.move_on_after(self._timeout):
+        if self._fd is None:
+            with trio.move_on_after(self._timeout):
+                return await self._read()
+            raise self._timeout_error()
+        watch = _read_watch()
+        self._deadline = trio.current_time() + self._timeout
+        self._timed_out = False
+        watch.add(self)
+        try:
             return await self._read()
-        raise BodyTimeout(f"nothing arrived for {self._timeout:g}s")
+        except IncompleteBody:
+            if self._timed_out:
+                raise self._timeout_error() from None
+            raise
+        finally:
+            watch.reads.discard(self)
+
+    def _timeout_error(self) -> BodyTimeout:
+        return BodyTimeout(f"nothing arrived for {self._timeout:g}s")
+
+    def _expire(self) -> None:
+        """Called by the read watch: end the pending read (it raises :class:`BodyTimeout`)."""
+        self._timed_out = True
+        if self._fd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                trio.lowlevel.notify_closing(self._fd)
 
     @property
     def complete(self) -> bool:
@@ -297,6 +331,51 @@ class SocketBody:
         connection, self._connection = self._connection, None
         if connection is not None and self._reusable and self.complete and not self._ended:
             connection._h11_state = _finished_exchange()
+
+
+class _ReadWatch:
+    """Times out the stalled reads of every :class:`SocketBody` of one Trio run, with one task.
+
+    A cancel scope per read cost about as much as the rest of reading a paced chunk. Instead,
+    a read records its deadline and joins :attr:`reads` while it waits; the watch looks every
+    :data:`READ_WATCH_INTERVAL` seconds (only while some read waits) and ends a read past its
+    deadline with ``trio.lowlevel.notify_closing`` on its socket, so the read raises and reports
+    :class:`BodyTimeout`. The connection is then closed with the response, as after any error.
+    """
+
+    def __init__(self) -> None:
+        self.reads: set[SocketBody] = set()
+        self._wake = trio.Event()
+
+    def add(self, body: SocketBody) -> None:
+        if not self.reads:
+            self._wake.set()
+        self.reads.add(body)
+
+    async def run(self) -> None:
+        while True:
+            if not self.reads:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await trio.sleep(READ_WATCH_INTERVAL)
+            now = trio.current_time()
+            for body in [body for body in self.reads if body._deadline <= now]:
+                body._expire()
+
+
+_READ_WATCH: Final = trio.lowlevel.RunVar[_ReadWatch]("crush_trio_read_watch")
+
+
+def _read_watch() -> _ReadWatch:
+    """The current run's read watch, started on first use (a system task of the run)."""
+    try:
+        return _READ_WATCH.get()
+    except LookupError:
+        watch = _ReadWatch()
+        _READ_WATCH.set(watch)
+        trio.lowlevel.spawn_system_task(watch.run, name="crush_trio provider read watch")
+        return watch
 
 
 def _finished_exchange() -> h11.Connection:
@@ -384,10 +463,12 @@ def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody 
     reusable = (
         not closed and not until_close and "close" not in headers.get("connection", "").lower()
     )
+    sock = network.get_extra_info("socket")
     return SocketBody(
         _reader(network),
         decoder,
         first,
+        fd=sock.fileno() if isinstance(sock, trio.socket.SocketType) else None,
         timeout=timeout,
         connection=connection,
         reusable=reusable,
