@@ -6,7 +6,9 @@ Layers, from the wire up:
   sockets or clocks, so it is tested by feeding it bytes split at every possible point.
 * :class:`HttpStreamer` is the thin Trio shell. It owns one ``httpx.AsyncClient`` per provider,
   posts a JSON body, retries transient failures, enforces the named timeouts on Trio's clock, and
-  yields decoded events. Every ``httpx`` exception becomes a
+  yields decoded events. The body of an HTTP/1.1 stream is read below ``httpx`` by
+  :mod:`crush_trio.providers.body` where that applies (``httpx``'s reader elsewhere). Every
+  ``httpx`` exception, and every error of that reader, becomes a
   :class:`~crush_trio.errors.ProviderError` here, so the provider modules above it never see HTTP
   errors.
 
