@@ -6,7 +6,9 @@ Layers, from the wire up:
   sockets or clocks, so it is tested by feeding it bytes split at every possible point.
 * :class:`HttpStreamer` is the thin Trio shell. It owns one ``httpx.AsyncClient`` per provider,
   posts a JSON body, retries transient failures, enforces the named timeouts on Trio's clock, and
-  yields decoded events. Every ``httpx`` exception becomes a
+  yields decoded events. The body of an HTTP/1.1 stream is read below ``httpx`` by
+  :mod:`crush_trio.providers.body` where that applies (``httpx``'s reader elsewhere). Every
+  ``httpx`` exception, and every error of that reader, becomes a
   :class:`~crush_trio.errors.ProviderError` here, so the provider modules above it never see HTTP
   errors.
 
@@ -46,6 +48,7 @@ import trio
 from ..errors import ProviderError
 from ..metrics import METRICS, status_kind
 from .base import Retrying
+from .body import BodyError, BodyTimeout, IncompleteBody, take_over
 from .pool import ShardedTransport, shared_ssl_context
 
 #: Defaults of the provider config keys (the config module uses the same values).
@@ -478,18 +481,40 @@ class HttpStreamer:
                     )
                 encoded = response.headers.get("content-encoding", "identity").lower()
                 stream = response.stream
-                if encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
+                body = take_over(
+                    response,
+                    timeout=self.settings.chunk_timeout if self._read_timeout else None,
+                )
+                chunks: AsyncIterator[bytes]
+                if body is not None:
+                    # HTTP/1.1, uncompressed: the body is read from the connection itself
+                    # (providers/body.py), one socket read per payload.
+                    chunks = body
+                elif encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
                     # The transport's byte stream itself: ``aiter_raw`` would add a generator
                     # and a re-chunker per chunk and changes nothing without a chunk size.
                     chunks = aiter(stream)
-                else:  # the server compressed it anyway
+                else:  # the server compressed it anyway, or HTTP/2
                     chunks = response.aiter_bytes()
+                timed_out = False
                 try:
                     first: bytes | None = await anext(chunks)
                 except StopAsyncIteration:
                     first = None
-                ok = True
-                return _Opened(response, chunks, first)
+                except BodyError as exc:
+                    raise self._malformed_body(exc) from exc
+                except IncompleteBody as exc:
+                    self._metrics.error("broken")
+                    raise ProviderError(
+                        f"provider {name!r} broke the connection before the reply started: "
+                        f"{_describe(exc)}",
+                        retryable=True,
+                    ) from exc
+                except BodyTimeout:  # reported as the first-byte timeout, below
+                    timed_out = True
+                if not timed_out:
+                    ok = True
+                    return _Opened(response, chunks, first)
             self._metrics.error("timeout")
             raise ProviderError(
                 f"provider {name!r} sent no response within first_byte_timeout="
@@ -572,31 +597,43 @@ class HttpStreamer:
 
     async def _next_chunk(self, chunks: AsyncIterator[bytes]) -> bytes | None:
         """The next body chunk, or None at the end (chunk timeout, errors translated)."""
-        if self._read_timeout:  # httpcore times each read: no scope of our own per chunk
+        if self._read_timeout:  # the reader times each read: no scope of our own per chunk
             try:
                 return await anext(chunks)
             except StopAsyncIteration:
                 return None
-            except httpx.ReadTimeout:
+            except (httpx.ReadTimeout, BodyTimeout):
                 raise self._stalled() from None
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, IncompleteBody) as exc:
                 raise self._broken(exc) from exc
+            except BodyError as exc:
+                raise self._malformed_body(exc) from exc
         chunk: bytes | None = None
         with trio.move_on_after(self.settings.chunk_timeout) as scope:
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 return None
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, IncompleteBody) as exc:
                 raise self._broken(exc) from exc
+            except BodyError as exc:
+                raise self._malformed_body(exc) from exc
         if scope.cancelled_caught:
             raise self._stalled()
         return chunk
 
-    def _broken(self, exc: httpx.HTTPError) -> ProviderError:
+    def _broken(self, exc: Exception) -> ProviderError:
         self._metrics.error("broken")
         return ProviderError(
             f"provider {self.provider!r} closed the connection mid-stream: {_describe(exc)}",
+            retryable=True,
+        )
+
+    def _malformed_body(self, exc: BodyError) -> ProviderError:
+        self._metrics.error("protocol")
+        return ProviderError(
+            f"provider {self.provider!r} sent a malformed HTTP body: {exc}; "
+            "the connection was closed",
             retryable=True,
         )
 
@@ -619,7 +656,7 @@ class HttpStreamer:
 
     async def _drain(self, chunks: AsyncIterator[bytes]) -> None:
         with trio.move_on_after(DRAIN_TIMEOUT):
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx.HTTPError, BodyError, BodyTimeout, IncompleteBody):
                 async for _ in chunks:
                     pass
 

@@ -142,6 +142,11 @@ class _ReleasingStream(httpx.AsyncByteStream):
         self._stream = stream
         self._release = release
 
+    @property
+    def inner(self) -> httpx.AsyncByteStream:
+        """The shard's own response stream (the body reader below httpx looks through it)."""
+        return self._stream
+
     def __aiter__(self) -> AsyncIterator[bytes]:
         # The body's own iterator, not a generator around it: no extra layer per chunk.
         return self._stream.__aiter__()

@@ -1,0 +1,511 @@
+"""A streaming reader of HTTP/1.1 response bodies below ``httpx``, for provider event streams.
+
+``httpx`` reads a streamed body through five nested async generators per chunk (``httpx``'s
+response stream, ``httpcore``'s pool and connection streams, ``h11``'s event loop), with a
+context manager for error mapping and a cancel scope per socket read: about half of the
+client-side CPU of a paced token. This module keeps ``httpx`` for everything before the body
+(the request, the connection pool, TLS, proxies, headers and errors) and reads the body itself:
+
+* :class:`ChunkedDecoder` and :class:`LengthDecoder` are pure logic, bytes in and payload bytes
+  out, tested with every chunking.
+* :class:`SocketBody` is an async iterator of payload bytes that reads the connection's network
+  stream (``response.extensions["network_stream"]``; a plain TCP connection is read from its
+  Trio socket directly). One socket read gives at most one payload, however many chunks it held.
+* :func:`take_over` decides whether the fast path applies: HTTP/1.1 through ``httpcore``'s own
+  HTTP/1.1 connection, no ``content-encoding``, a body framed by ``transfer-encoding: chunked``,
+  ``content-length`` or the connection's end. Anything else (HTTP/2, a compressed body, another
+  transport) returns ``None`` and the caller reads through ``httpx``.
+
+Handing the connection back: ``httpcore`` returns a connection to its pool when its ``h11``
+state machine saw the whole response. When :class:`SocketBody` read the whole body itself, the
+connection is at a message boundary, so :meth:`SocketBody.aclose` gives it an ``h11`` state that
+has finished one exchange (the same state ``h11`` reaches after a complete response) and closing
+the response then returns the connection to the pool. When the body was not read to its end,
+the server asked to close, or it sent bytes past the end of the body, the state is left as it
+is and closing the response closes the connection, as ``httpx`` does.
+
+This reaches into ``httpcore``'s connection object (its ``_h11_state``, and the streams that
+lead to it); :func:`take_over` checks every step with ``isinstance`` and falls back to ``httpx``
+when the shape differs, and a test asserts that the fast path is taken with the pinned versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import h11
+import httpcore
+import httpx
+import trio
+
+#: Bytes asked of the socket per read.
+READ_SIZE: Final = 64 * 1024
+#: Largest chunk size accepted in a chunked body; a larger one is a protocol error (the data of
+#: a chunk is passed on as it arrives, so this bounds a server's claims, not memory).
+MAX_CHUNK_BYTES: Final = 16 * 1024 * 1024
+#: Longest chunk-size line (with its extensions) or trailer line, in bytes.
+MAX_CHUNK_LINE_BYTES: Final = 4 * 1024
+#: Most bytes of trailer fields after the last chunk.
+MAX_TRAILER_BYTES: Final = 64 * 1024
+
+#: How often the read watch looks for provider reads past their timeout (seconds): a stalled
+#: read is reported between ``chunk_timeout`` and ``chunk_timeout`` plus this after it began.
+READ_WATCH_INTERVAL: Final = 0.25
+#: Most stream wrappers looked through to find ``httpcore``'s connection.
+_MAX_WRAPPERS: Final = 8
+
+_HEX: Final = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+_SIZE, _DATA, _CRLF, _TRAILER, _DONE = range(5)
+
+
+class BodyError(Exception):
+    """The body is malformed (bad chunk framing, a bound exceeded)."""
+
+
+class IncompleteBody(Exception):
+    """The connection ended (or broke) before the body did."""
+
+
+class BodyTimeout(Exception):
+    """Nothing arrived for the read timeout."""
+
+
+class ChunkedDecoder:
+    """Decoder of a ``transfer-encoding: chunked`` body (RFC 9112 section 7.1).
+
+    :meth:`feed` returns the payload bytes its input completed or continued (the data of a chunk
+    is passed on as it arrives, never held back until the chunk is whole). Chunk extensions are
+    ignored, trailer fields are read and dropped. After the last chunk and the trailers
+    :attr:`done` is true and :attr:`extra` holds any bytes that followed.
+
+    Raises:
+        BodyError: a chunk size that is not hexadecimal or exceeds :data:`MAX_CHUNK_BYTES`, chunk
+            data not followed by CRLF, or a line or the trailers beyond their bounds.
+    """
+
+    def __init__(self) -> None:
+        self._state = _SIZE
+        self._remaining = 0
+        self._buffer = b""
+        self._trailer_bytes = 0
+        self.extra = b""
+
+    @property
+    def done(self) -> bool:
+        return self._state == _DONE
+
+    def feed(self, data: bytes) -> bytes:
+        if self._state == _DONE:
+            self.extra += data
+            return b""
+        buf = self._buffer + data if self._buffer else data
+        size = len(buf)
+        pos = 0
+        out: list[bytes] = []
+        state = self._state
+        while True:
+            if state == _DATA:
+                take = min(self._remaining, size - pos)
+                if take:
+                    out.append(buf[pos : pos + take])
+                    pos += take
+                    self._remaining -= take
+                if self._remaining:
+                    break
+                state = _CRLF
+            if state == _CRLF:
+                if size - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise BodyError(
+                        f"chunk data is not followed by CRLF (got {bytes(buf[pos : pos + 2])!r})"
+                    )
+                pos += 2
+                state = _SIZE
+            if state == _SIZE:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if size - pos > MAX_CHUNK_LINE_BYTES:
+                        raise BodyError(
+                            f"a chunk-size line is longer than MAX_CHUNK_LINE_BYTES="
+                            f"{MAX_CHUNK_LINE_BYTES}"
+                        )
+                    break
+                line = buf[pos:eol]
+                pos = eol + 2
+                chunk = _chunk_size(line)
+                if chunk:
+                    self._remaining = chunk
+                    state = _DATA
+                    continue
+                state = _TRAILER
+            if state == _TRAILER:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    if size - pos > MAX_CHUNK_LINE_BYTES:
+                        raise BodyError(
+                            f"a trailer line is longer than MAX_CHUNK_LINE_BYTES="
+                            f"{MAX_CHUNK_LINE_BYTES}"
+                        )
+                    break
+                if eol == pos:
+                    pos += 2
+                    state = _DONE
+                    self.extra = buf[pos:]
+                    pos = size
+                    break
+                self._trailer_bytes += eol - pos + 2
+                if self._trailer_bytes > MAX_TRAILER_BYTES:
+                    raise BodyError(
+                        f"the trailer fields exceed MAX_TRAILER_BYTES={MAX_TRAILER_BYTES}"
+                    )
+                pos = eol + 2
+                continue
+            break
+        self._state = state
+        self._buffer = buf[pos:] if pos < size else b""
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def eof(self) -> None:
+        """The connection ended: fine after the last chunk, else :class:`IncompleteBody`."""
+        if self._state == _DONE:
+            return
+        if self._state == _DATA:
+            raise IncompleteBody(
+                f"the connection closed with {self._remaining} bytes of a chunk unread"
+            )
+        raise IncompleteBody("the connection closed before the last chunk of the body")
+
+
+def _chunk_size(line: bytes) -> int:
+    digits = line.split(b";", 1)[0].strip(b" \t")
+    if _HEX.fullmatch(digits) is None:
+        raise BodyError(f"malformed chunk size line {bytes(line[:64])!r}")
+    size = int(digits, 16)
+    if size > MAX_CHUNK_BYTES:
+        raise BodyError(f"a chunk of {size} bytes exceeds MAX_CHUNK_BYTES={MAX_CHUNK_BYTES}")
+    return size
+
+
+class LengthDecoder:
+    """Decoder of an identity body: ``content-length`` bytes, or (``length=None``) every byte
+    until the connection ends. Bytes past the length are kept in :attr:`extra`."""
+
+    def __init__(self, length: int | None) -> None:
+        self._remaining = length
+        self.extra = b""
+
+    @property
+    def done(self) -> bool:
+        return self._remaining == 0
+
+    def feed(self, data: bytes) -> bytes:
+        remaining = self._remaining
+        if remaining is None:
+            return data
+        if len(data) <= remaining:
+            self._remaining = remaining - len(data)
+            return data
+        self._remaining = 0
+        self.extra += data[remaining:]
+        return data[:remaining]
+
+    def eof(self) -> None:
+        if self._remaining:
+            raise IncompleteBody(
+                f"the connection closed with {self._remaining} bytes of the body unread"
+            )
+        self._remaining = 0
+
+
+Decoder = ChunkedDecoder | LengthDecoder
+
+
+class SocketBody:
+    """The payload of one response body, read from its connection: ``async for data in body``.
+
+    Args:
+        read: reads up to :data:`READ_SIZE` bytes from the connection (``b""`` at its end).
+        decoder: the body's framing.
+        first: bytes of the body that arrived with the headers.
+        timeout: longest wait for one read (seconds); ``None``: the caller times the reads.
+            With ``fd`` (the connection's socket) the reads are timed by the run's read watch
+            (:class:`_ReadWatch`), else by a cancel scope per read.
+        connection: ``httpcore``'s connection, handed back at :meth:`aclose` when reusable.
+        reusable: whether the connection may carry another request after this body.
+
+    Raises (from iteration):
+        BodyError: the body is malformed.
+        IncompleteBody: the connection ended or broke before the body did.
+        BodyTimeout: nothing arrived for ``timeout``.
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], Awaitable[bytes]],
+        decoder: Decoder,
+        first: bytes,
+        *,
+        timeout: float | None,
+        connection: Any = None,
+        reusable: bool = False,
+        fd: int | None = None,
+    ) -> None:
+        self._read = read
+        self._fd = fd
+        self._deadline = math.inf
+        self._timed_out = False
+        self._decoder = decoder
+        self._pending = first
+        self._timeout = timeout
+        self._connection = connection
+        self._reusable = reusable
+        self._ended = False
+
+    def __aiter__(self) -> SocketBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        decoder = self._decoder
+        while True:
+            if self._pending:
+                data, self._pending = self._pending, b""
+            elif decoder.done or self._ended:
+                raise StopAsyncIteration
+            else:
+                data = await self._receive()
+                if not data:
+                    self._ended = True
+                    decoder.eof()
+                    raise StopAsyncIteration
+            payload = decoder.feed(data)
+            if payload:
+                return payload
+
+    async def _receive(self) -> bytes:
+        if self._timeout is None:
+            return await self._read()
+        if self._fd is None:
+            with trio.move_on_after(self._timeout):
+                return await self._read()
+            raise self._timeout_error()
+        watch = _read_watch()
+        self._deadline = trio.current_time() + self._timeout
+        self._timed_out = False
+        watch.add(self)
+        try:
+            return await self._read()
+        except IncompleteBody:
+            if self._timed_out:
+                raise self._timeout_error() from None
+            raise
+        finally:
+            watch.reads.discard(self)
+
+    def _timeout_error(self) -> BodyTimeout:
+        return BodyTimeout(f"nothing arrived for {self._timeout:g}s")
+
+    def _expire(self) -> None:
+        """Called by the read watch: end the pending read (it raises :class:`BodyTimeout`)."""
+        self._timed_out = True
+        if self._fd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                trio.lowlevel.notify_closing(self._fd)
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole body was read and nothing followed it."""
+        return self._decoder.done and not self._decoder.extra and not self._pending
+
+    async def aclose(self) -> None:
+        """Mark the connection reusable when the body was read whole (see the module doc); the
+        caller then closes the response, which hands the connection back or closes it."""
+        connection, self._connection = self._connection, None
+        if connection is not None and self._reusable and self.complete and not self._ended:
+            connection._h11_state = _finished_exchange()
+
+
+class _ReadWatch:
+    """Times out the stalled reads of every :class:`SocketBody` of one Trio run, with one task.
+
+    A cancel scope per read cost about as much as the rest of reading a paced chunk. Instead,
+    a read records its deadline and joins :attr:`reads` while it waits; the watch looks every
+    :data:`READ_WATCH_INTERVAL` seconds (only while some read waits) and ends a read past its
+    deadline with ``trio.lowlevel.notify_closing`` on its socket, so the read raises and reports
+    :class:`BodyTimeout`. The connection is then closed with the response, as after any error.
+    """
+
+    def __init__(self) -> None:
+        self.reads: set[SocketBody] = set()
+        self._wake = trio.Event()
+
+    def add(self, body: SocketBody) -> None:
+        if not self.reads:
+            self._wake.set()
+        self.reads.add(body)
+
+    async def run(self) -> None:
+        while True:
+            if not self.reads:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await trio.sleep(READ_WATCH_INTERVAL)
+            now = trio.current_time()
+            for body in [body for body in self.reads if body._deadline <= now]:
+                body._expire()
+
+
+_READ_WATCH: Final = trio.lowlevel.RunVar[_ReadWatch]("crush_trio_read_watch")
+
+
+def _read_watch() -> _ReadWatch:
+    """The current run's read watch, started on first use (a system task of the run)."""
+    try:
+        return _READ_WATCH.get()
+    except LookupError:
+        watch = _ReadWatch()
+        _READ_WATCH.set(watch)
+        trio.lowlevel.spawn_system_task(watch.run, name="crush_trio provider read watch")
+        return watch
+
+
+def _finished_exchange() -> h11.Connection:
+    """A client ``h11`` state that has sent one request and received one complete response."""
+    state = h11.Connection(
+        our_role=h11.CLIENT,
+        max_incomplete_event_size=httpcore.AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE,
+    )
+    state.send(h11.Request(method="GET", target="/", headers=[("host", "-")]))
+    state.send(h11.EndOfMessage())
+    state.receive_data(b"HTTP/1.1 204 No Content\r\n\r\n")
+    state.next_event()
+    state.next_event()
+    return state
+
+
+def _http11_connection(stream: object) -> httpcore.AsyncHTTP11Connection | None:
+    """``httpcore``'s HTTP/1.1 connection behind an ``httpx`` response stream, or None."""
+    from httpcore._async.connection_pool import PoolByteStream
+    from httpcore._async.http11 import HTTP11ConnectionByteStream
+
+    from .pool import _ReleasingStream
+
+    # httpx's BoundAsyncStream (``_stream``), the sharded transport's releasing stream
+    # (``inner``), httpx's AsyncResponseStream (``_httpcore_stream``), httpcore's PoolByteStream
+    # (``_stream``): a few wrappers, each looked through by name.
+    core: object = stream
+    for _ in range(_MAX_WRAPPERS):
+        if isinstance(core, HTTP11ConnectionByteStream):
+            break
+        if isinstance(core, _ReleasingStream):
+            core = core.inner
+        elif isinstance(core, PoolByteStream | httpx._client.BoundAsyncStream):
+            core = core._stream
+        elif isinstance(core, httpx._transports.default.AsyncResponseStream):
+            core = core._httpcore_stream
+        else:
+            return None
+    if not isinstance(core, HTTP11ConnectionByteStream):
+        return None
+    connection = core._connection
+    if not isinstance(connection, httpcore.AsyncHTTP11Connection):
+        return None
+    if not isinstance(getattr(connection, "_h11_state", None), h11.Connection):
+        return None
+    return connection
+
+
+def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody | None:
+    """Read ``response``'s body with :class:`SocketBody`, or None where the fast path does not
+    apply (then read it through ``httpx``). Call it right after the headers arrived, before
+    anything read the body."""
+    if response.extensions.get("http_version") != b"HTTP/1.1" or response.is_stream_consumed:
+        return None
+    headers = response.headers
+    if headers.get("content-encoding", "identity").lower() not in ("", "identity"):
+        return None
+    if response.status_code in (204, 304) or response.status_code < 200:
+        return None
+    connection = _http11_connection(response.stream)
+    network = response.extensions.get("network_stream")
+    if connection is None or not isinstance(network, httpcore.AsyncNetworkStream):
+        return None
+    state: h11.Connection = connection._h11_state
+    if state.our_state is not h11.DONE or state.their_state is not h11.SEND_BODY:
+        return None
+    first, closed = state.trailing_data
+    decoder: Decoder
+    until_close = False
+    coding = headers.get("transfer-encoding")
+    if coding is not None:
+        if coding.lower().replace(" ", "") != "chunked":
+            return None
+        decoder = ChunkedDecoder()
+    else:
+        length = headers.get("content-length")
+        if length is None:
+            decoder = LengthDecoder(None)
+            until_close = True
+        elif length.isdigit():
+            decoder = LengthDecoder(int(length))
+        else:
+            return None
+    # A close-delimited body ends the connection; a server that asked to close means it.
+    reusable = (
+        not closed and not until_close and "close" not in headers.get("connection", "").lower()
+    )
+    sock = network.get_extra_info("socket")
+    return SocketBody(
+        _reader(network),
+        decoder,
+        first,
+        fd=sock.fileno() if isinstance(sock, trio.socket.SocketType) else None,
+        timeout=timeout,
+        connection=connection,
+        reusable=reusable,
+    )
+
+
+def _reader(network: httpcore.AsyncNetworkStream) -> Callable[[], Awaitable[bytes]]:
+    """One read of the connection: its Trio socket for plain TCP, else the stream's ``read``."""
+    sock = network.get_extra_info("socket")
+    if network.get_extra_info("ssl_object") is None and isinstance(sock, trio.socket.SocketType):
+        # Wait, then read: a paced token is never there yet when the reader comes back, so
+        # reading first (as Trio's socket does) costs a failed recv and its exception per chunk.
+        fd = sock.fileno()
+        wait_readable = trio.lowlevel.wait_readable
+        read = os.read
+
+        async def read_socket() -> bytes:
+            while True:
+                try:
+                    await wait_readable(fd)
+                    return read(fd, READ_SIZE)
+                except BlockingIOError:
+                    continue
+                except (OSError, trio.ClosedResourceError) as exc:
+                    raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
+
+        return read_socket
+
+    async def read_stream() -> bytes:
+        try:
+            return await network.read(READ_SIZE)
+        except httpcore.NetworkError as exc:
+            raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
+
+    return read_stream
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
