@@ -653,12 +653,12 @@ MARKDOWN_CASES: list[tuple[str, str]] = [
     (
         "```py\nif a < b:\n```",
         '<div class="code-block"><span class="code-lang">py</span><pre tabindex="0">'
-        '<code class="language-py">if a &lt; b:</code></pre></div>',
+        '<code class="language-py"><span class="code-lines">if a &lt; b:</span></code></pre></div>',
     ),
     (
         "```\nstill streaming <b>",
-        '<div class="code-block"><pre tabindex="0"><code>still streaming &lt;b&gt;</code></pre>'
-        "</div>",
+        '<div class="code-block"><pre tabindex="0"><code><span class="code-lines">'
+        "still streaming &lt;b&gt;</span></code></pre></div>",
     ),
     (
         "- a\n  - nested\n- b\n\n3. three",
@@ -804,6 +804,11 @@ def test_incremental_markdown_equals_a_full_render(server: ThreadServer, pages: 
         cases.append(chunked(rng, text, rng.choice([1, 3, 12, 60])))
     for _ in range(4):  # across the boundaries of runs of blocks
         cases.append(chunked(rng, markdown_document(rng, 200), 40))
+    for _ in range(6):  # long code blocks, open and closed: across their spans of lines
+        lines = [f"    line {k}" + " x" * rng.randint(0, 3) for k in range(rng.randint(30, 100))]
+        fence = "```py\n" + rng.choice(["\n", "\r\n", "\n\n"]).join(lines)
+        fence += rng.choice(["", "\n", "\n```", "\n```\nafter"])
+        cases.append(chunked(rng, fence, rng.choice([1, 5, 40, 300])))
     mismatches = page.evaluate(
         """async (cases) => {
             const { MarkdownStream, renderMarkdown } = await import('/static/markdown.js');
