@@ -703,19 +703,26 @@ def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
     # A final block (the lines that decided its end are complete) goes into div.md-final's runs;
     # a code block's lines come in spans of 32, each but the last ending with its newline.
     code = [f"l{k}" for k in range(40)]
-    final, spans = page.evaluate(
-        """async ([source, code]) => {
+    # A run that holds RUN_BLOCKS (64) final blocks is marked full.
+    final, spans, runs = page.evaluate(
+        """async ([source, code, many]) => {
             const { renderMarkdown } = await import('/static/markdown.js');
-            const box = document.createElement('div');
-            box.append(renderMarkdown(source));
-            const block = document.createElement('div');
-            block.append(renderMarkdown(code));
-            return [box.innerHTML, [...block.querySelectorAll('code > span')].map((s) => s.textContent)];
+            const render = (text) => {
+                const box = document.createElement('div');
+                box.append(renderMarkdown(text));
+                return box;
+            };
+            return [
+                render(source).innerHTML,
+                [...render(code).querySelectorAll('code > span')].map((s) => s.textContent),
+                [...render(many).querySelectorAll('.md-run')].map((r) => [r.className, r.childElementCount]),
+            ];
         }""",
-        ["a\n\nb\nc", "```\n" + "\n".join(code)],
+        ["a\n\nb\nc", "```\n" + "\n".join(code), "\n\n".join(f"p{k}" for k in range(70))],
     )
     assert final == '<div class="md-final"><div class="md-run"><p>a</p></div></div><p>b<br>c</p>'
     assert spans == ["\n".join(code[:32]) + "\n", "\n".join(code[32:])]
+    assert runs == [["md-run md-full", 64], ["md-run", 5]]
 
 
 def test_trust_bar_lists_ignored_keys_and_its_button_trusts_the_workspace(
