@@ -1,4 +1,7 @@
-"""The embedded store: round trips, schema, triggers, errors and staying off the event loop."""
+"""The embedded store below its contract: schema, triggers, errors and staying off the event loop.
+
+The behaviour every store shares (sessions, messages, runs) is tested against both stores in
+tests/test_store_contract.py."""
 
 from __future__ import annotations
 
@@ -99,42 +102,6 @@ async def test_newer_schema_version_is_refused(tmp_path: Path) -> None:
         await Store.open(tmp_path / "data")
 
 
-async def test_session_round_trip_update_usage_and_list_order(store: Store) -> None:
-    a = Session(id="a", title="first", created_at=100, updated_at=100)
-    b = Session(id="b", title="second", parent_session_id="a", created_at=200, updated_at=200)
-    await store.create_session(a)
-    await store.create_session(b)
-
-    got = await store.get_session("b")
-    assert got == Session(
-        id="b", title="second", parent_session_id="a", created_at=200, updated_at=200
-    )
-    assert await store.get_session("missing") is None
-    assert [s.id for s in await store.list_sessions()] == ["b", "a"]
-
-    a.title = "renamed"
-    a.updated_at = 300
-    a.cost = 1.5
-    assert await store.update_session(a) is True
-    assert [s.id for s in await store.list_sessions()] == ["a", "b"]
-    assert await store.update_session(Session(id="missing")) is False
-
-    after = await store.record_step_usage("a", 10, 5, 0.25)
-    assert after is not None
-    assert (after.title, after.prompt_tokens, after.completion_tokens, after.cost) == (
-        "renamed",
-        10,
-        5,
-        1.75,
-    )
-    # A later step's counts replace the earlier ones (the context in use); cost adds up.
-    after = await store.record_step_usage("a", 1, 2, 0.25)
-    assert after is not None
-    assert (after.prompt_tokens, after.completion_tokens, after.cost) == (1, 2, 2.0)
-    assert await store.get_session("a") == after
-    assert await store.record_step_usage("missing", 1, 1, 1.0) is None
-
-
 async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: Path) -> None:
     await store.create_session(Session(id="s"))
     message = Message(
@@ -167,18 +134,6 @@ async def test_message_round_trip_with_every_part_type(store: Store, tmp_path: P
     assert (got.parts, got.updated_at, got.model) == ([TextPart("edited")], 7, "model-x")
 
 
-async def test_list_messages_orders_by_created_at_then_insertion(store: Store) -> None:
-    await store.create_session(Session(id="s"))
-    await store.create_session(Session(id="other"))
-    for mid, created in [("c", 50), ("a", 50), ("b", 50), ("early", 10)]:
-        await store.write_messages(
-            [Message(id=mid, session_id="s", role=Role.USER, created_at=created)]
-        )
-    await store.write_messages([Message(id="x", session_id="other", role=Role.USER)])
-    assert [m.id for m in await store.list_messages("s")] == ["early", "c", "a", "b"]
-    assert await store.list_messages("none") == []
-
-
 async def test_message_count_trigger_on_insert_upsert_and_delete(
     store: Store, tmp_path: Path
 ) -> None:
@@ -205,66 +160,6 @@ async def test_message_count_trigger_on_insert_upsert_and_delete(
     session = await store.get_session("s")
     assert session is not None
     assert session.message_count == 1
-
-
-async def test_delete_session_cascades_to_messages_but_not_runs(store: Store) -> None:
-    await store.create_session(Session(id="s"))
-    await store.create_session(Session(id="keep"))
-    await store.write_messages(
-        [
-            Message(id="m", session_id="s", role=Role.USER),
-            Message(id="k", session_id="keep", role=Role.USER),
-        ]
-    )
-    await store.save_runs([Run(run_id="r", session_id="s")])
-
-    assert await store.delete_session("s") is True
-    assert await store.delete_session("s") is False
-    assert await store.get_session("s") is None
-    assert await store.get_message("m") is None
-    assert await store.list_messages("s") == []
-    assert await store.get_message("k") is not None
-    assert await store.get_run("r") is not None
-
-
-async def test_write_messages_skips_rows_of_a_deleted_session(store: Store) -> None:
-    await store.create_session(Session(id="s"))
-    await store.create_session(Session(id="gone"))
-    await store.delete_session("gone")
-    written = await store.write_messages(
-        [
-            Message(id="late", session_id="gone", role=Role.ASSISTANT),
-            Message(id="ok", session_id="s", role=Role.ASSISTANT),
-        ]
-    )
-    assert written == {"ok"}
-    assert await store.get_message("late") is None
-    assert await store.get_message("ok") is not None
-
-
-async def test_run_round_trip_update_and_list_by_status(store: Store) -> None:
-    r1 = Run(run_id="r1", session_id="s", created_at=1)
-    r2 = Run(run_id="r2", session_id="s", status=RunStatus.RUNNING, created_at=2)
-    r3 = Run(run_id="r3", session_id="t", created_at=3)
-    for r in (r1, r2, r3):
-        await store.save_runs([r])
-    assert await store.get_run("r2") == r2
-    assert await store.get_run("nope") is None
-
-    r1.status = RunStatus.COMPLETED
-    r1.message_id = "m"
-    r1.text = "done"
-    r1.finished_at = 9
-    r3.status = RunStatus.FAILED
-    r3.error = "boom"
-    await store.save_runs([r1, r3])
-    assert await store.get_run("r1") == r1
-
-    active = await store.list_runs({RunStatus.QUEUED, RunStatus.RUNNING})
-    assert [r.run_id for r in active] == ["r2"]
-    ended = await store.list_runs({RunStatus.COMPLETED, RunStatus.FAILED})
-    assert ended == [r1, r3]
-    assert await store.list_runs(set()) == []
 
 
 async def test_sqlite_errors_become_store_errors(store: Store) -> None:
