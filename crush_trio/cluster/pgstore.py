@@ -348,8 +348,12 @@ class PgStore:
         """Upsert messages in one transaction, sent as one pipeline (see the module docstring).
 
         A message whose session no longer exists is skipped: the sessions of the batch are
-        locked (``FOR KEY SHARE``) first, so a concurrent delete either went first (the rows are
-        skipped) or waits for this commit (and then deletes them).
+        locked first (``FOR NO KEY UPDATE``, in id order), so a concurrent delete either went
+        first (the rows are skipped) or waits for this commit (and then deletes them). Not ``FOR
+        KEY SHARE``: the message-count trigger updates the session row, and a key-share lock
+        taken while another writer's update of that row is uncommitted did not keep a delete
+        from committing before this insert (a foreign-key error); the row lock the trigger
+        takes anyway now comes first, so writers of one session queue on it once.
         """
         workspace_id = self.workspace_id
         # The newest state of each id (a batch normally holds each once).
@@ -368,7 +372,7 @@ class PgStore:
                 r[0]
                 for r in conn.execute(
                     "SELECT id FROM sessions WHERE workspace_id = %s AND id = ANY(%s) "
-                    "FOR KEY SHARE",
+                    "ORDER BY id FOR NO KEY UPDATE",
                     (workspace_id, session_ids),
                 ).fetchall()
             }
