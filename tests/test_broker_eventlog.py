@@ -31,6 +31,15 @@ def lossy(n: int, tag: str = "") -> AgentEvent:
     return AgentEvent("info", message=f"{tag}event {n}")
 
 
+async def take(stream: ClientStream, count: int) -> list[Event]:
+    """The next ``count`` events of ``stream``, waiting for each."""
+    out = []
+    for _ in range(count):
+        out.append(await stream.receive.receive())
+        stream.after_receive()
+    return out
+
+
 def drain(stream: ClientStream) -> list[Event]:
     out = []
     while True:
@@ -280,10 +289,9 @@ async def test_an_append_whose_reply_was_lost_is_not_appended_twice(
     broker.publish(lossy(1))
     broker.publish(lossy(2))
     with trio.fail_after(WAIT):
-        while broker.durable_seq < 2:
-            await trio.sleep(0.05)
+        delivered = await take(client, 2)  # delivered once the log holds them
     assert log.batches == [2]
-    assert seqs(drain(client)) == [1, 2]
+    assert seqs(delivered) == [1, 2] and drain(client) == []
     assert broker.log_lost is None
 
 
@@ -397,9 +405,8 @@ async def test_a_resume_across_a_trimmed_log_skips_what_is_not_delivered_yet(
     assert first[0].type == "gap" and seqs(first) == [7, 8, 9, 10]  # the log keeps 7..12
     log.gate.set()  # the writer's append: already there, reconciled by last_seq()
     with trio.fail_after(WAIT):
-        while broker.durable_seq < 12:
-            await trio.sleep(0.01)
-    assert seqs(drain(client)) == [11, 12]
+        delivered = await take(client, 2)
+    assert seqs(delivered) == [11, 12] and drain(client) == []
 
 
 def events_of(broker: Broker, first: int, last: int) -> list[EventRecord]:
