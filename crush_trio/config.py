@@ -1279,17 +1279,22 @@ def _read_secret_file(raw: str) -> str:
     if not path.is_absolute():
         raise _Problem((), "must be an absolute path (~ expands); fix the value")
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise _Problem((), f"{path} is {_file_kind(st.st_mode)}; name a regular file")
-        if st.st_size > WEBHOOK_SECRET_FILE_MAX_BYTES:
+        # Opened without blocking and checked on the open file: a FIFO (or a file swapped for
+        # one after a check) can never hang the server's start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Problem((), f"{path} is {_file_kind(st.st_mode)}; name a regular file")
+            data = os.read(fd, WEBHOOK_SECRET_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > WEBHOOK_SECRET_FILE_MAX_BYTES:
             raise _Problem(
                 (),
                 f"{path} is larger than {WEBHOOK_SECRET_FILE_MAX_BYTES} bytes "
                 "(WEBHOOK_SECRET_FILE_MAX_BYTES); a secret file holds one secret",
             )
-        with open(path, "rb") as file:
-            data = file.read(WEBHOOK_SECRET_FILE_MAX_BYTES + 1)
     except OSError as exc:
         raise _Problem(
             (), f"cannot read {path} ({exc.strerror or exc}); make it a readable file"

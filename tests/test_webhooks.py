@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,7 +27,12 @@ import pytest
 import trio
 
 from crush_trio.client import Client
-from crush_trio.config import ServerOptions, load_config_report
+from crush_trio.config import (
+    WEBHOOK_SECRET_FILE_MAX_BYTES,
+    ServerOptions,
+    load_config_report,
+)
+from crush_trio.errors import ConfigError
 from crush_trio.metrics import METRICS
 from crush_trio.testing import CrushServer
 from crush_trio.webhooks import OUTBOX_FILENAME, Endpoint, OutboxFile, Webhooks, policy
@@ -609,6 +615,54 @@ def test_secret_file_is_read_and_never_shown(tmp_path: Path) -> None:
     config = load_config_report(config_file=file, workspace=None).config
     assert config.webhooks[0].secret == "from-a-file"
     assert config_to_json(config)["webhooks"][0]["secret"] == "***"
+
+
+def _hostile_secret(tmp_path: Path, kind: str) -> str:
+    target = tmp_path / "hook.secret"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "link to a fifo":
+        os.mkfifo(tmp_path / "pipe")
+        target.symlink_to(tmp_path / "pipe")
+    elif kind == "directory":
+        target.mkdir()
+    elif kind == "oversized":
+        target.write_text("x" * (WEBHOOK_SECRET_FILE_MAX_BYTES + 1))
+    elif kind == "not UTF-8":
+        target.write_bytes(b"\xff\xfe secret")
+    elif kind == "empty":
+        target.write_text(" \n")
+    elif kind == "relative":
+        return "hook.secret"
+    elif kind == "missing":
+        pass
+    return str(target)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("fifo", "name a regular file"),
+        ("link to a fifo", "name a regular file"),
+        ("directory", "name a regular file"),
+        ("oversized", "WEBHOOK_SECRET_FILE_MAX_BYTES"),
+        ("not UTF-8", "not UTF-8"),
+        ("empty", "is empty"),
+        ("relative", "absolute path"),
+        ("missing", "cannot read"),
+    ],
+)
+def test_a_secret_file_that_is_not_a_small_text_file_is_a_clear_error(
+    tmp_path: Path, kind: str, said: str
+) -> None:
+    """Never a hang (a FIFO is opened without blocking) and never a crash: an error naming the
+    key and what to do."""
+    file = tmp_path / "crush.json"
+    hook = {"url": "https://x.example/h", "secret_file": _hostile_secret(tmp_path, kind)}
+    file.write_bytes(orjson.dumps({"webhooks": [hook]}))
+    with pytest.raises(ConfigError) as caught:
+        load_config_report(config_file=file, workspace=None)
+    assert "secret_file" in str(caught.value) and said in str(caught.value)
 
 
 # -- through the server -----------------------------------------------------------------------
