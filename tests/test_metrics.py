@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import struct
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from crush_trio.client import RunFailed, RunStatus, WorkspaceClient
 from crush_trio.errors import ConfigError, ProviderError
 from crush_trio.metrics import METRICS, render, sample_names
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.server.metrics_http import metrics_socket
+from crush_trio.server.metrics_http import METRICS_MAX_HEAD_BYTES, metrics_socket
 from crush_trio.server.openapi import document
 from crush_trio.server.serve import serve
 from crush_trio.testing import CrushServer
@@ -341,6 +343,58 @@ async def test_metrics_need_the_token_and_the_loopback_port_serves_them_without(
         assert answer.startswith(b"HTTP/1.1 400")
         async with httpx.AsyncClient(timeout=WAIT) as scraper:
             assert (await scraper.get(url)).status_code == 200
+
+
+async def _exchange(host: str, port: int, data: bytes, *, reset: bool = False) -> bytes:
+    """Send ``data`` on a new connection, then half-close it (or reset it), and read the answer."""
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        await stream.send_all(data)
+        if reset:
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return b""
+        await stream.send_eof()
+        answer = b""
+        while chunk := await stream.receive_some(4096):
+            answer += chunk
+        return answer
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"GET /metrics HTTP/1.1\r\nX-Fill: " + b"a" * (METRICS_MAX_HEAD_BYTES + 1), b"431"),
+        (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\xff\xfe\r\n\r\n", b"4"),
+        (b"GET /metrics HTTP/1.1\r\nHost: \x00\r\n\r\n", b"4"),
+        (b"GET /metr", b""),  # truncated, then closed
+        (b"\xff" * 1000 + b"\r\n\r\n", b"400"),
+        (
+            b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99\r\n\r\nab",
+            b"200",
+        ),  # body unread
+    ],
+    ids=["oversized-head", "non-ascii-host", "nul-host", "truncated", "binary", "short-body"],
+)
+async def test_the_metrics_port_survives_hostile_bytes(
+    tmp_path: Path, data: bytes, status: bytes
+) -> None:
+    """Each hostile request gets a 4xx (or the connection just ends; a GET's body is never
+    read), a reset at any point ends
+    only its connection, and the port keeps serving scrapes."""
+    async with running_server(tmp_path, metrics_port=0) as server:
+        url = server.handle.metrics_url
+        assert url is not None
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        with trio.fail_after(WAIT):
+            answer = await _exchange(host, int(port), data)
+            if status:
+                assert answer.startswith(b"HTTP/1.1 " + status), answer[:80]
+            else:
+                assert not answer.startswith(b"HTTP/1.1 200"), answer[:80]
+            for cut in (1, len(data) // 2, len(data)):
+                await _exchange(host, int(port), data[:cut], reset=True)
+            async with httpx.AsyncClient(timeout=WAIT) as scraper:
+                assert (await scraper.get(url)).status_code == 200
 
 
 async def test_the_metrics_port_comes_from_the_config_key(tmp_path: Path) -> None:
