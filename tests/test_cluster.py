@@ -539,6 +539,19 @@ def test_a_stale_owner_is_answered_503_with_retry_after_a_live_one_307() -> None
     assert isinstance(node._elsewhere("b", None, 8.5, "/v1/workspaces"), OwnerUnavailable)
 
 
+def test_a_redirect_target_is_ascii_whatever_the_request_held() -> None:
+    """A decoded path with non-ASCII text or an escaped CR LF, and raw query bytes outside the URL
+    alphabet, are percent-encoded for ``Location``; escapes the query already had are kept."""
+    from crush_trio.cluster.placement import request_target
+
+    assert (
+        request_target("/v1/workspaces/w/agent", b"x=1&y=%20") == "/v1/workspaces/w/agent?x=1&y=%20"
+    )
+    target = request_target("/v1/workspaces/w/sessions/\u2713\r\nSet-Cookie: a", b"q=\xff\r\n")
+    assert target == "/v1/workspaces/w/sessions/%E2%9C%93%0D%0ASet-Cookie:%20a?q=%FF%0D%0A"
+    assert target.isascii()
+
+
 def test_a_node_whose_database_is_unreachable_exits_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

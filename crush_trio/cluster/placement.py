@@ -27,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar, Final
+from urllib.parse import quote
 
 import attrs
 import trio
@@ -74,6 +75,22 @@ def response_headers(exc: CrushError) -> dict[str, str]:
     if isinstance(exc, OwnerUnavailable):
         return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
     return {}
+
+
+#: What stays as it is in a redirect's path (RFC 3986 ``pchar`` and ``/``); the query also
+#: keeps ``?`` and existing ``%`` escapes.
+_PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
+_QUERY_SAFE: Final = _PATH_SAFE + "?%"
+
+
+def request_target(path: str, query: bytes) -> str:
+    """A request's target as ASCII for a ``Location`` header: the (decoded) path percent-encoded
+    again, and the raw query's bytes outside the URL alphabet percent-encoded, so neither a
+    non-ASCII character nor a CR or LF the client escaped can reach the header."""
+    target = quote(path, safe=_PATH_SAFE)
+    if query:
+        target += "?" + quote(query, safe=_QUERY_SAFE)
+    return target
 
 
 def workspace_id_of(path: str) -> str | None:

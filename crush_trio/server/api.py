@@ -11,7 +11,7 @@ from typing import Any
 from ..attachments import check_attachments
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
-from ..cluster.placement import OwnerUnavailable, workspace_id_of
+from ..cluster.placement import OwnerUnavailable, request_target, workspace_id_of
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -65,7 +65,7 @@ class Api:
                     retry_after=backend.placement.options.retry_after,
                 )
             return
-        target = path + ("?" + query.decode("latin-1") if query else "")
+        target = request_target(path, query)
         client_id = args.get("client_id")
         # Releasing a hold on a workspace no node serves opens nothing (404 follows).
         releasing = method == "DELETE" and path.rstrip("/") == f"/v1/workspaces/{wid}"
