@@ -36,6 +36,17 @@ def now() -> int:
     return int(time.time())
 
 
+#: The path prefix of every route of one workspace.
+WORKSPACE_ROUTES: Final = "/v1/workspaces/"
+
+
+def workspace_id_of(path: str) -> str | None:
+    """The workspace id in a ``/v1/workspaces/{wid}...`` request path, else None."""
+    if not path.startswith(WORKSPACE_ROUTES):
+        return None
+    return path[len(WORKSPACE_ROUTES) :].split("/", 1)[0] or None
+
+
 def new_id() -> str:
     """A new server-made id (a UUID string)."""
     return str(uuid.uuid4())

@@ -24,7 +24,7 @@ import orjson
 import trio
 
 from .. import wire
-from ..wire import Workspace
+from ..wire import Workspace, workspace_id_of
 from .errors import AuthError, Timeout, Unreachable, error_for_status, single_errors
 from .events import DEFAULT_MAILBOX_SIZE
 from .stream import DEFAULT_RECONNECT_TIMEOUT
@@ -278,14 +278,6 @@ def _retry_after(value: str) -> float:
         return min(max(float(value), 0.0), MAX_RETRY_AFTER)
     except ValueError:
         return 1.0
-
-
-def workspace_id_of(path: str) -> str | None:
-    """The workspace id in a ``/v1/workspaces/{wid}...`` path, else None."""
-    prefix = "/v1/workspaces/"
-    if not path.startswith(prefix):
-        return None
-    return path[len(prefix) :].split("/", 1)[0] or None
 
 
 @asynccontextmanager

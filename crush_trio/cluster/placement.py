@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The path prefix of every route of one workspace.
-WORKSPACE_ROUTES: Final = "/v1/workspaces/"
 #: Bound on the lease releases of a node that stops (seconds).
 RELEASE_TIMEOUT: Final = 5.0
 
@@ -91,14 +89,6 @@ def request_target(path: str, query: bytes) -> str:
     if query:
         target += "?" + quote(query, safe=_QUERY_SAFE)
     return target
-
-
-def workspace_id_of(path: str) -> str | None:
-    """The workspace id in a ``/v1/workspaces/{wid}...`` request path, else None."""
-    if not path.startswith(WORKSPACE_ROUTES):
-        return None
-    wid = path[len(WORKSPACE_ROUTES) :].split("/", 1)[0]
-    return wid or None
 
 
 def default_node_id(url: str) -> str:

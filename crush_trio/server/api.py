@@ -11,7 +11,7 @@ from typing import Any
 from ..attachments import check_attachments
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
-from ..cluster.placement import OwnerUnavailable, request_target, workspace_id_of
+from ..cluster.placement import OwnerUnavailable, request_target
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -26,6 +26,7 @@ from ..wire import (
     SkipRequest,
     TrustRequest,
     TrustResult,
+    workspace_id_of,
 )
 
 
