@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
@@ -36,14 +37,38 @@ TITLE_PROMPT: Final = (
 TITLE_MAX_TOKENS: Final = 64
 
 
+#: Markdown that a title shows as plain text: images and links keep their text, code fences and
+#: HTML tags go, and so do the markers of headings, quotes, list items and emphasis.
+_MD_LINK: Final = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+_MD_FENCE: Final = re.compile(r"^\s*(```|~~~).*$", re.MULTILINE)
+_MD_TAG: Final = re.compile(r"</?[A-Za-z][^>]*>")
+_MD_LINE_MARK: Final = re.compile(
+    r"^[ \t]*(?:#{1,6}(?:[ \t]+|$)|>[ \t]*|[-*+](?:[ \t]+|$)|\d+[.)][ \t]+)", re.MULTILINE
+)
+_MD_EMPHASIS: Final = re.compile(r"(\*{1,3}|~~|`+)(?=\S)(.+?)(?<=\S)\1")
+#: Underscores mark emphasis only outside a word (``snake_case`` stays as it is).
+_MD_UNDERSCORE: Final = re.compile(r"(?<!\w)(_{1,3})(?=\S)(.+?)(?<=\S)\1(?!\w)")
+
+
+def plain_text(markdown: str) -> str:
+    """``markdown`` as the plain words a reader sees, on one line (for a title)."""
+    text = _MD_FENCE.sub(" ", markdown)
+    text = _MD_LINK.sub(r"\1", text)
+    text = _MD_TAG.sub(" ", text)
+    text = _MD_LINE_MARK.sub(" ", text)
+    for _ in range(3):  # nested emphasis, e.g. ***a*** or **`code`**
+        text = _MD_UNDERSCORE.sub(r"\2", _MD_EMPHASIS.sub(r"\2", text))
+    return " ".join(text.split())
+
+
 def clean_title(text: str) -> str:
-    """A model's title without surrounding quotes, space and trailing punctuation."""
-    return text.strip().strip("\"'").strip().rstrip(".!?:;")
+    """A model's title as plain text, without surrounding quotes and trailing punctuation."""
+    return plain_text(text).strip("\"'").strip().rstrip(".!?:;")
 
 
 def fallback_title(prompt: str, max_words: int) -> str:
     """The title used when the model gives none: the prompt's first ``max_words`` words."""
-    return " ".join(prompt.split()[:max_words])
+    return " ".join(plain_text(prompt).split()[:max_words])
 
 
 def final_title(model_title: str, prompt: str, max_words: int) -> str:
