@@ -1,11 +1,15 @@
-"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1), ``run`` (PROTOCOL §8) and ``trust``.
+"""The ``crush-trio`` command line: ``serve``, ``run``, ``sessions`` and ``trust``.
 
-argparse (stdlib) is enough for these flat flag sets and keeps start-up fast for ``run``.
+The help texts are the user's manual (docs/cli.md says the same at length). argparse is kept over
+click or typer: the flag sets are flat, it costs nothing at start-up (``run`` is often called from
+scripts), and the two things it lacked, defaults in ``--help`` and a hint for a mistyped flag, are
+a formatter class and :func:`_unknown_flag_hint` here.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -26,18 +30,98 @@ DEFAULT_PORT = 7433
 
 EXIT_USAGE = 2
 
+#: What ``crush-trio --help`` says above the list of commands.
+OVERVIEW = """\
+A headless server for AI coding-agent sessions, and its command-line client.
+
+  crush-trio serve                     run the server (http://127.0.0.1:7433 by default);
+                                       open the URL it prints in a browser
+  crush-trio run "explain main.py"     send one prompt and print the reply (starts an
+                                       embedded server when --server is not given)
+  crush-trio sessions                  list this directory's sessions (to continue one: run -s ID)
+  crush-trio trust [DIR]               let DIR's own crush.json apply in full
+
+With no configuration the built-in offline `echo` model answers; configure a provider in
+~/.config/crush-trio/crush.json (docs/providers.md).
+"""
+
+#: What ``crush-trio --help`` says below the list of commands.
+EPILOG = """\
+environment:
+  CRUSH_TRIO_SERVER, CRUSH_TRIO_TOKEN   the server and token for run and sessions
+  XDG_CONFIG_HOME                       where the user's crush-trio/crush.json is looked up
+
+`crush-trio COMMAND --help` describes each command; docs/cli.md has the details.
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, line breaks kept (each flag's help names its default)."""
+
+
+def _unknown_flag_hint(parser: argparse.ArgumentParser, flag: str) -> str:
+    """A hint for an unknown ``flag`` of ``parser``: a known spelling, or the closest flag."""
+    import difflib
+
+    known = {
+        "--json": "--format json",
+        "--text": "--format text",
+        "--model": "-m PROVIDER/MODEL",
+        "--verbose": "--log-level DEBUG",
+        "--continue-last": "-C",
+    }
+    name = flag.split("=", 1)[0]
+    options = sorted(set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_help())))
+    if name in known and name not in options:
+        return f"did you mean {known[name]}?"
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else ""
+
+
+#: Each command's parser, by name (filled by :func:`build_parser`), to report a bad flag.
+_COMMANDS: dict[str, argparse.ArgumentParser] = {}
+
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the server", description="Run the crush_trio server.")
-    p.add_argument("--host", default=DEFAULT_HOST, help="address, or unix:/path/to.sock")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (0 picks a free one)")
-    p.add_argument("--data-dir", type=Path, default=None, help="where workspace databases live")
+    p = sub.add_parser(
+        "serve",
+        help="run the server",
+        formatter_class=HelpFormatter,
+        description=(
+            "Run the server. It prints `crush-trio listening on URL?token=TOKEN`: open that URL\n"
+            "in a browser (the token becomes a cookie), or send the token as\n"
+            "`Authorization: Bearer TOKEN` from scripts. Ctrl-C (or SIGTERM) stops it gracefully:\n"
+            "runs are cancelled and their outcome saved."
+        ),
+    )
     p.add_argument(
-        "--config", type=Path, default=None, help="crush.json to use for every workspace"
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address, or unix:/path/to.sock (default: {DEFAULT_HOST})",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"TCP port; 0 picks a free one (default: {DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where workspace databases live (default: each workspace's .crush/)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="crush.json to use for every workspace (default: the workspace's own over the user's)",
     )
     token = p.add_mutually_exclusive_group()
     token.add_argument(
-        "--token", default=None, help="auth token (default: a random one is printed)"
+        "--token",
+        default=None,
+        help="auth token (default: a random one, printed in the listening line)",
     )
     token.add_argument(
         "--token-file",
@@ -51,21 +135,25 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         action="append",
         default=[],
         metavar="ORIGIN",
-        help="another origin allowed to open event streams and send requests (repeatable)",
+        help="another origin allowed to open event streams and send requests (repeatable; "
+        "default: the server's own)",
     )
     p.add_argument(
         "--allow-host",
         action="append",
         default=[],
         metavar="NAME",
-        help="another host name the server answers to, besides loopback ones (repeatable)",
+        help="another host name the server answers to, besides loopback ones (repeatable; "
+        "default: none)",
     )
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
+    )
     p.add_argument(
         "--log-format",
         choices=["text", "json"],
         default="text",
-        help="text lines, or one JSON object per line (docs/operations.md)",
+        help="text lines, or one JSON object per line, docs/operations.md (default: text)",
     )
     p.add_argument("--no-access-log", action="store_true", help="do not log each request")
     p.add_argument(
@@ -112,6 +200,7 @@ def _trust_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "trust",
         help="trust a workspace's own crush.json",
+        formatter_class=HelpFormatter,
         description=(
             "Add a workspace directory to trusted_workspaces in the user's crush.json, so its "
             "own crush.json and .crush.json apply in full (providers, environment variables, "
@@ -151,18 +240,35 @@ def _trust_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="crush-trio", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="crush-trio",
+        description=OVERVIEW,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"crush-trio {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
+    from .run_cmd import add_run_parser, add_sessions_parser
+
+    add_run_parser(sub)
+    add_sessions_parser(sub)
     _trust_parser(sub)
-    try:
-        from .run_cmd import add_run_parser
-    except ImportError:  # pragma: no cover - the run command is optional during development
-        pass
-    else:
-        add_run_parser(sub)
+    _COMMANDS.update(sub.choices)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an unknown flag is reported by its command, with a hint when one fits."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = getattr(args, "command", None)
+        owner = _COMMANDS.get(command, parser) if command else parser
+        unknown = next((word for word in extra if word.startswith("-")), extra[0])
+        hint = _unknown_flag_hint(owner, unknown) if unknown.startswith("-") else ""
+        what = "unknown flag" if unknown.startswith("-") else "unexpected argument"
+        owner.error(f"{what} {unknown}" + (f"; {hint}" if hint else ""))
+    return args
 
 
 async def _serve_main(options: ServeOptions) -> None:
@@ -210,9 +316,31 @@ def read_token_file(path: Path) -> str:
     return token
 
 
+def _listen_error(host: str, port: int, exc: OSError) -> str:
+    """Why ``serve`` could not listen on ``host``:``port``, and what to do about it."""
+    import errno
+
+    where = host if host.startswith("unix:") else f"{host}:{port}"
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        if host.startswith("unix:"):
+            return (
+                f"cannot listen on {where}: {reason}; remove the socket file or pick another path"
+            )
+        return (
+            f"cannot listen on {where}: {reason} (another server is on port {port}?); "
+            "stop it, or choose another port with --port (0 picks a free one)"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"cannot listen on {where}: {reason}; use a port above 1023 with --port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: {reason}; --host must be an address of this machine"
+    return f"cannot listen on {where}: {reason}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if args.command == "trust":
         return _trust_main(args)
     if args.command == "serve":
@@ -257,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"crush-trio: {exc}", file=sys.stderr)
                 return EXIT_USAGE
             if isinstance(exc, OSError):
-                print(f"crush-trio: cannot listen on {args.host}: {exc}", file=sys.stderr)
+                print(f"crush-trio: {_listen_error(args.host, args.port, exc)}", file=sys.stderr)
                 return 1
             if isinstance(exc, CrushError):  # e.g. the cluster's database or Redis unreachable
                 print(f"crush-trio: {exc}", file=sys.stderr)

@@ -21,13 +21,15 @@ Interrupts (SIGINT) and ``--timeout`` cancel the run on the server and wait at m
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -97,33 +99,59 @@ class RunOptions:
     timeout: float | None = None
     #: Files sent with the prompt (``--attach``).
     attachments: list[Attachment] = attrs.field(factory=list)
+    #: Show the embedded server's log on stderr (``--verbose``).
+    verbose: bool = False
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``run`` command to the ``crush-trio`` argument parser."""
+    from .cli import HelpFormatter
+
     p = sub.add_parser(
         "run",
         help="send one prompt and print the reply",
+        formatter_class=HelpFormatter,
         description=(
-            "Send one prompt and print the reply. Without --server (or CRUSH_TRIO_SERVER) an "
-            "embedded server is started for the one run. Exit codes: 0 completed (or cancelled "
-            "by someone else), 1 the run failed, 2 usage error, 3 server unreachable or "
-            "authentication failed, 130 interrupted."
+            "Send one prompt and print the reply. Without --server (or CRUSH_TRIO_SERVER) an\n"
+            "embedded server is started for the one run.\n\n"
+            "examples:\n"
+            '  crush-trio run "explain main.py"\n'
+            '  git diff | crush-trio run "review this change"\n'
+            '  crush-trio run -C "now add a test"          continue the latest session\n'
+            '  crush-trio run --format json "list the files" | jq .\n\n'
+            "exit codes: 0 completed (or cancelled by someone else), 1 the run failed,\n"
+            "2 usage error, 3 server unreachable or authentication failed, 130 interrupted."
         ),
     )
     p.add_argument("prompt", nargs="*", help="the prompt (stdin, when piped, is put before it)")
-    p.add_argument("--server", default=None, help=f"server URL (default: ${ENV_SERVER})")
-    p.add_argument("--token", default=None, help=f"server token (default: ${ENV_TOKEN})")
-    p.add_argument("--workspace", type=Path, default=None, help="project directory (default: .)")
-    p.add_argument("-s", "--session", default=None, help="session id, or a unique prefix of one")
+    _add_server_flags(p)
+    p.add_argument(
+        "-s",
+        "--session",
+        default=None,
+        help="continue this session: its id, or a unique prefix (`crush-trio sessions` lists them)",
+    )
     p.add_argument(
         "-C", "--continue", dest="continue_last", action="store_true", help="most recent session"
     )
-    p.add_argument("-m", "--model", default=None, help="provider/model for this prompt")
+    p.add_argument(
+        "-m",
+        "--model",
+        default=None,
+        metavar="PROVIDER/MODEL",
+        help="the model for this prompt (default: the workspace's models.large)",
+    )
     p.add_argument("--yolo", action="store_true", help="approve this run's own permission requests")
     p.add_argument("-q", "--quiet", action="store_true", help="no spinner")
-    p.add_argument("--format", choices=("text", "json"), default="text", help="output format")
-    p.add_argument("--timeout", type=float, default=None, help="overall bound in seconds")
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="output format (default: text)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="overall bound in seconds (default: none)"
+    )
     p.add_argument(
         "--attach",
         action="append",
@@ -132,6 +160,49 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="send FILE with the prompt (an image or a text file; repeatable)",
     )
     p.set_defaults(run=run_command)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    """``--server``, ``--token``, ``--workspace`` and ``--verbose``: where the command runs."""
+    p.add_argument(
+        "--server",
+        default=None,
+        help=f"server URL (default: ${ENV_SERVER}, else an embedded server)",
+    )
+    p.add_argument("--token", default=None, help=f"server token (default: ${ENV_TOKEN})")
+    p.add_argument(
+        "--workspace", type=Path, default=None, help="project directory (default: the current one)"
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the embedded server's log on stderr (default: only errors of the command)",
+    )
+
+
+def add_sessions_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``sessions`` command to the ``crush-trio`` argument parser."""
+    from .cli import HelpFormatter
+
+    p = sub.add_parser(
+        "sessions",
+        help="list the workspace's sessions",
+        formatter_class=HelpFormatter,
+        description=(
+            "List the sessions of a workspace, most recently updated first: id, last update,\n"
+            "message count and title. Continue one with `crush-trio run -s ID` (a unique prefix\n"
+            "of the id is enough)."
+        ),
+    )
+    _add_server_flags(p)
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="output format (default: text)",
+    )
+    p.set_defaults(run=sessions_command)
 
 
 def build_options(
@@ -160,18 +231,7 @@ def build_options(
             raise UsageError(f"--model {args.model!r} must be provider/model, e.g. echo/echo")
     if args.timeout is not None and not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise UsageError("--timeout must be a positive number of seconds")
-    server = args.server or env.get(ENV_SERVER) or None
-    token = args.token if args.token is not None else env.get(ENV_TOKEN)
-    if args.token is not None and server is None:
-        raise UsageError(f"--token needs --server (or {ENV_SERVER})")
-    if server is not None:
-        try:
-            parse_server_url(server)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-    workspace = (args.workspace or Path.cwd()).absolute()
-    if not workspace.is_dir():
-        raise UsageError(f"--workspace {workspace} is not a directory")
+    server, token, workspace = _location(args, env)
     return RunOptions(
         prompt=prompt,
         server=server,
@@ -185,7 +245,100 @@ def build_options(
         format=args.format,
         timeout=args.timeout,
         attachments=attachments,
+        verbose=bool(getattr(args, "verbose", False)),
     )
+
+
+def _location(args: argparse.Namespace, env: dict[str, str]) -> tuple[str | None, str | None, Path]:
+    """The server (``None``: embedded), its token and the workspace that the flags name.
+
+    Raises:
+        UsageError: ``--token`` without a server, a bad server URL, or a workspace that is not a
+            directory.
+    """
+    server = args.server or env.get(ENV_SERVER) or None
+    token = args.token if args.token is not None else env.get(ENV_TOKEN)
+    if args.token is not None and server is None:
+        raise UsageError(f"--token needs --server (or {ENV_SERVER})")
+    if server is not None:
+        try:
+            parse_server_url(server)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    workspace = (args.workspace or Path.cwd()).absolute()
+    if not workspace.is_dir():
+        raise UsageError(f"--workspace {workspace} is not a directory")
+    return server, token if server is not None else None, workspace
+
+
+@asynccontextmanager
+async def open_client(
+    server: str | None, token: str | None, *, verbose: bool = False
+) -> AsyncIterator[Client]:
+    """A client of ``server``, or of an embedded server started for the block when ``None``.
+
+    The embedded server's log reaches stderr only when ``verbose``: the command's own messages
+    are what a user of ``run`` reads there.
+    """
+    if server is not None:
+        async with connect(server, token) as client:
+            yield client
+        return
+    from .logs import configure_logging
+    from .server.serve import ServeOptions
+
+    if verbose:
+        configure_logging("INFO", "text", sys.stderr)
+    else:
+        logging.getLogger().addHandler(logging.NullHandler())  # no last-resort log lines
+    async with embedded(ServeOptions(access_log=False)) as client:
+        yield client
+
+
+def sessions_command(args: argparse.Namespace) -> int:
+    """The ``sessions`` command (``args.run`` of the CLI); returns the exit code."""
+    try:
+        server, token, workspace = _location(args, dict(os.environ))
+    except UsageError as exc:
+        print(f"crush-trio sessions: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    async def main() -> int:
+        try:
+            async with (
+                open_client(server, token, verbose=args.verbose) as client,
+                client.workspace(workspace) as ws,
+            ):
+                sessions = await ws.sessions()
+        except (Unreachable, AuthError, ShuttingDown, Timeout) as exc:
+            print(f"crush-trio sessions: {exc}", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        except CrushError as exc:
+            print(f"crush-trio sessions: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        write_sessions(sessions, args.format, sys.stdout)
+        return EXIT_OK
+
+    try:
+        return trio.run(main)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def write_sessions(sessions: list[Session], fmt: str, out: TextIO) -> None:
+    """Print ``sessions``, most recently updated first: a table, or one JSON object a line."""
+    ordered = sorted(sessions, key=lambda s: (s.updated_at, s.created_at), reverse=True)
+    if fmt == "json":
+        for session in ordered:
+            out.write(orjson.dumps(wire.converter.unstructure(session)).decode() + "\n")
+        return
+    if not ordered:
+        out.write("no sessions in this workspace yet; `crush-trio run PROMPT` starts one\n")
+        return
+    for session in ordered:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(session.updated_at))
+        title = " ".join(session.title.split()) or "(untitled)"
+        out.write(f"{session.id}  {when}  {session.message_count:>4} msgs  {title}\n")
 
 
 def _read_attachment(path: str) -> Attachment:
@@ -223,6 +376,8 @@ class Runner:
         self.waiting: trio.CancelScope | None = None
         self.sending = False
         self.first_output = trio.Event()
+        #: Something was written to stdout (the reply's final newline is written only then).
+        self.first_output_written = False
         self.spinning = False
 
     # -- output ----------------------------------------------------------------------------------
@@ -230,6 +385,7 @@ class Runner:
     def out(self, text: str) -> None:
         if text:
             self._clear_spinner()
+            self.first_output_written = True
             self.stdout.write(text)
             self.stdout.flush()
             self.first_output.set()
@@ -313,34 +469,27 @@ class Runner:
         self.err(f"crush-trio run: no answer within --timeout {opts.timeout:g} s")
         return EXIT_FAILED
 
-    @asynccontextmanager
-    async def _client(self) -> AsyncIterator[Client]:
+    def _client(self) -> AbstractAsyncContextManager[Client]:
         opts = self.options
-        if opts.server is not None:
-            async with connect(opts.server, opts.token) as client:
-                yield client
-        else:
-            from .server.serve import ServeOptions
+        return open_client(opts.server, opts.token, verbose=opts.verbose)
 
-            async with embedded(ServeOptions(access_log=False)) as client:
-                yield client
-
-    async def _pick_session(self, ws: WorkspaceClient) -> Session:
+    async def _pick_session(self, ws: WorkspaceClient) -> tuple[Session, bool]:
+        """The session to send to, and whether this command created it."""
         opts = self.options
         if opts.session is not None:
             try:
-                return await ws.resolve_session(opts.session)
+                return await ws.resolve_session(opts.session), False
             except (NotFound, BadRequest) as exc:
                 raise UsageError(str(exc)) from None
         if opts.continue_last:
             latest = await ws.latest_session()
             if latest is not None:
-                return latest
-        return await ws.create_session()
+                return latest, False
+        return await ws.create_session(), True
 
     async def _in_workspace(self, ws: WorkspaceClient, deadline: float) -> int:
         opts = self.options
-        session = await self._pick_session(ws)
+        session, created = await self._pick_session(ws)
         self.err(f"session: {session.id}")
         self.sending = True
         try:
@@ -353,8 +502,13 @@ class Runner:
                 attachments=opts.attachments,
             )
         except BadRequest as exc:
+            if created:  # refused before any run: leave no empty session behind
+                with trio.move_on_after(RECORD_TIMEOUT):
+                    await ws.delete_session(session.id)
             if opts.model is not None and str(exc).startswith("model:"):
-                raise UsageError(f"--model {opts.model}: {exc}") from None
+                detail = str(exc).removeprefix("model:").strip()
+                detail = detail.removeprefix(f"model {opts.model!r} ")
+                raise UsageError(f"--model {opts.model} {detail}") from None
             raise
         finally:
             self.sending = False
@@ -436,8 +590,9 @@ class Runner:
         if complete is not None:
             self.out(self.transcript.finish(complete.message_id, complete.text))
         self._clear_spinner()
-        self.stdout.write("\n")
-        self.stdout.flush()
+        if self.first_output_written:  # a run that printed nothing (failed early) ends no line
+            self.stdout.write("\n")
+            self.stdout.flush()
 
 
 def _is_error(event: Event) -> bool:

@@ -24,7 +24,7 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.client import Client, RunStatus, WorkspaceClient
+from crush_trio.client import Client, RunStatus, WorkspaceClient, connect
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.run_cmd import UsageError, add_run_parser, build_options
@@ -254,10 +254,104 @@ async def test_usage_errors_exit_2(crush_server: CrushServer, tmp_path: Path) ->
         cwd=crush_server.project(),
     )
     assert done.code == 2 and "no session id starts with" in done.err
+    assert "crush-trio sessions" in done.err  # says how to list them
+    project = crush_server.project()
     done = await run_cli(
-        "-m", "nope/none", "hi", tmp_path=tmp_path, server=crush_server, cwd=crush_server.project()
+        "-m", "nope/none", "hi", tmp_path=tmp_path, server=crush_server, cwd=project
     )
     assert done.code == 2 and "names no configured model" in done.err
+    assert "model: model" not in done.err, done.err
+    async with connect(crush_server.url, crush_server.token) as client:
+        async with client.workspace(project) as ws:
+            assert await ws.sessions() == [], "a refused --model leaves no empty session behind"
+    done = await run_cli("--json", "hi", tmp_path=tmp_path, server=crush_server)
+    assert done.code == 2 and "unknown flag --json; did you mean --format json?" in done.err
+    assert done.err.startswith("usage: crush-trio run"), done.err
+
+
+async def test_failed_run_without_output_prints_nothing_to_stdout(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    scripted_model.add(Step(error=ProviderError("the provider is down")))
+    done = await run_cli("x", tmp_path=tmp_path, server=crush_server, cwd=crush_server.project())
+    assert done.code == 1 and "the provider is down" in done.err
+    assert done.out == ""
+
+
+async def test_sessions_lists_the_workspace_newest_first(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    scripted_model.add(Step("one"))
+    project = crush_server.project()
+    first = await run_cli("first", tmp_path=tmp_path, server=crush_server, cwd=project)
+    sid = session_line(first.err)
+    with trio.fail_after(CAP):
+        listed = await trio.run_process(
+            [
+                *(sys.executable, "-m", "crush_trio", "sessions", "--format", "json"),
+                *("--server", crush_server.url, "--token", crush_server.token),
+            ],
+            cwd=project,
+            env=cli_env(tmp_path),
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+    rows = [orjson.loads(line) for line in listed.stdout.decode().splitlines()]
+    assert [row["id"] for row in rows][:1] == [sid]
+    assert rows[0]["message_count"] == 2
+    with trio.fail_after(CAP):
+        text = await trio.run_process(
+            [
+                *(sys.executable, "-m", "crush_trio", "sessions"),
+                *("--server", crush_server.url, "--token", crush_server.token),
+            ],
+            cwd=project,
+            env=cli_env(tmp_path),
+            capture_stdout=True,
+        )
+    assert text.stdout.decode().splitlines()[0].startswith(f"{sid}  ")
+
+
+def test_help_reads_as_a_manual() -> None:
+    from crush_trio.cli import build_parser
+
+    parser = build_parser()
+    top = parser.format_help()
+    for developer_word in ("PROTOCOL", "argparse", "``", "positional arguments:\n  {"):
+        assert developer_word not in top, developer_word
+    for command in ("serve", "run", "sessions", "trust"):
+        assert f"crush-trio {command}" in top
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+
+
+def test_serve_help_names_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from crush_trio.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 127.0.0.1)" in text and "(default: 7433)" in text
+
+
+def test_busy_port_names_the_port_and_the_flag(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "crush_trio", "serve", "--port", str(port)],
+            env=cli_env(tmp_path),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=CAP,
+            check=False,
+        )
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
 
 
 def _parse(*argv: str) -> argparse.Namespace:

@@ -111,7 +111,7 @@ def resolve_session_prefix(sessions: list[Session], prefix: str) -> Session:
     if not matches:
         raise NotFound(
             f"no session id starts with {prefix!r}; list the sessions of this workspace "
-            "to find its id"
+            "(`crush-trio sessions`, or GET .../sessions) to find its id"
         )
     if len(matches) > 1:
         ids = ", ".join(s.id for s in matches[:5])
