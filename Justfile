@@ -8,9 +8,11 @@ py := ".venv/bin/python"
 serve *ARGS:
     {{py}} -m crush_trio serve {{ARGS}}
 
-# Run the whole test suite (CI runs exactly this). Installs Chromium for the browser tests, and
+# Run the whole test suite (CI runs exactly this). Installs ripgrep for the grep tool's tests,
+# Chromium for the browser tests, and
 # PostgreSQL and Redis for the cluster tests (which start their own throw-away instances), first.
 test *ARGS:
+    if [ -f scripts/ensure-tools.sh ]; then bash scripts/ensure-tools.sh; fi
     if [ -f scripts/ensure-browser.sh ]; then bash scripts/ensure-browser.sh; fi
     if [ -f scripts/ensure-services.sh ]; then bash scripts/ensure-services.sh; fi
     {{py}} -m pytest -q {{ARGS}}
