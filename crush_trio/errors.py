@@ -102,6 +102,13 @@ class ConfigError(CrushError):
     status = 500
 
 
+class PermissionTimeout(CrushError):
+    """A permission request went unanswered for ``options.permission_timeout``: the run that
+    asked ends failed with this message (its record says why)."""
+
+    status = 504
+
+
 class ProviderError(CrushError):
     """A model provider failed; the message says which provider and what to check."""
 

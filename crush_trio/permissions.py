@@ -105,6 +105,10 @@ class PermissionService:
     ) -> bool:
         """Ask whether the tool call may run. True: allowed.
 
+        Raises:
+            TimeoutError: ``options.permission_timeout`` passed with no answer (the request is
+                reported as denied to every client first).
+
         Cancellation: a cancelled run stops waiting; the request is withdrawn and reported as
         denied so every client can drop it.
         """
@@ -134,6 +138,10 @@ class PermissionService:
                 log.info("permission request %s timed out; denied", request.id)
                 pending.resolved, outcome = True, "timeout"
                 await self._notify(pending)
+                raise TimeoutError(
+                    f"nobody answered the request to {action} with {tool_name} within "
+                    f"{self.timeout:g} s (options.permission_timeout)"
+                )
             return pending.allowed
         finally:
             self._pending.pop(request.id, None)

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import orjson
+import pytest
 import trio
+import trio.testing
 
 from crush_trio.client import Event, RunStatus, WorkspaceClient, connect
 from crush_trio.providers.scripted import ScriptedModel, Step
@@ -96,6 +98,35 @@ async def test_deny_ends_the_turn_with_a_clear_result(
     result = (await ws.messages(sid))[-1].parts[0]
     assert isinstance(result, ToolResultPart) and result.is_error is True
     assert "denied" in result.content
+    assert not (Path(ws.path) / "made-by-bash").exists()
+
+
+@pytest.mark.parametrize("crush_config", [{"options": {"permission_timeout": 30}}])
+async def test_unanswered_request_times_out_and_the_record_says_why(
+    autojump_clock: trio.testing.MockClock,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+) -> None:
+    ws = crush_workspace
+    scripted_model.add(
+        Step(tool_calls=[("bash", {"command": "touch made-by-bash"})]), Step(text="never")
+    )
+    sid = (await ws.create_session()).id
+    async with ws.subscribe(timeout=WAIT) as feed:
+        handle = await ws.prompt(sid, "run it", run_id="t")
+        asked = await handle.next_permission_request(WAIT)
+        assert asked is not None and asked.tool_name == "bash"
+        started = trio.current_time()
+        notified = await feed.until(is_type("permission_notification"), WAIT * 10)
+        assert trio.current_time() - started >= 30  # not before options.permission_timeout
+        assert notified.payload.id == asked.id and notified.payload.denied is True
+        run = await handle.result(WAIT, check=False)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and "options.permission_timeout" in run.error, run.error
+    assert "30 s" in run.error and "bash" in run.error
+    assert len(scripted_model.requests) == 1  # the turn ended at the timeout
+    results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
+    assert len(results) == 1 and "timed out" in results[0].content
     assert not (Path(ws.path) / "made-by-bash").exists()
 
 

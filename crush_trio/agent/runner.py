@@ -36,6 +36,7 @@ from ..errors import (
     Conflict,
     CrushError,
     NotFound,
+    PermissionTimeout,
     ProviderError,
     StoreError,
     TooManyRequests,
@@ -721,11 +722,14 @@ class Agent:
                         history=progress.history,
                         save_timeout=self.save_timeout,
                     )
-                except StopTurn:
-                    # A denied permission ends the turn; the tool result says why.
+                except StopTurn as stop:
+                    # A denied permission ends the turn; the tool result says why. One nobody
+                    # answered in time also fails the run, so its record says why it ended.
                     msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
                     msg.parts.append(FinishPart(FinishReason.END_TURN))
                     await self.messages.update(msg)
+                    if stop.error is not None:
+                        raise PermissionTimeout(stop.error) from None
                     return
                 more = True
             else:

@@ -29,7 +29,15 @@ REPEATED_TOOL_CALL_LIMIT: Final = 5
 
 
 class StopTurn(Exception):
-    """A tool result asked to end the turn (a permission denial)."""
+    """A tool result asked to end the turn (a permission denial).
+
+    Attributes:
+        error: set when the run must end failed with it (a permission request nobody answered).
+    """
+
+    def __init__(self, error: str | None = None) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 @attrs.define
@@ -89,6 +97,7 @@ async def run_tools(
     results: list[Part] = []
     tool_msg = Message(new_id(), msg.session_id, Role.TOOL, results)
     stop = False
+    fail: str | None = None
     try:
         for call in calls:
             if stop or tools is None:
@@ -113,10 +122,12 @@ async def run_tools(
             )
             done.add(call.id)
             stop = stop or bool(getattr(result, "stop_turn", False))
+            if getattr(result, "fail_run", False) and fail is None:
+                fail = result.content
     finally:
         if results:
             with trio.move_on_after(save_timeout, shield=True):
                 await messages.create(tool_msg)
             history.append(tool_msg)
     if stop:
-        raise StopTurn()
+        raise StopTurn(fail)

@@ -78,11 +78,14 @@ class ToolResult:
         content: the text the model reads.
         is_error: the call failed; ``content`` says why and what to do instead.
         stop_turn: the user denied a permission; the agent loop ends the turn after this result.
+        fail_run: with ``stop_turn``: nobody answered the permission request in time; the run
+            ends failed, with ``content`` as its error.
     """
 
     content: str
     is_error: bool = False
     stop_turn: bool = False
+    fail_run: bool = False
 
 
 class PermissionAsker(Protocol):
@@ -117,6 +120,9 @@ class PermissionAsker(Protocol):
 
         Returns:
             True if the call is allowed, False if it was denied.
+
+        Raises:
+            TimeoutError: nobody answered within the configured time (the message says so).
 
         Cancellation:
             Raises ``trio.Cancelled`` if the run is cancelled while waiting; the request is then
@@ -180,16 +186,28 @@ class ToolError(CrushError):
 
     status = 400
     stop_turn: bool = False
+    fail_run: bool = False
 
     def result(self) -> ToolResult:
         """The error result the model reads."""
-        return ToolResult(content=self.message, is_error=True, stop_turn=self.stop_turn)
+        return ToolResult(
+            content=self.message,
+            is_error=True,
+            stop_turn=self.stop_turn,
+            fail_run=self.fail_run,
+        )
 
 
 class PermissionDenied(ToolError):
     """The user denied a permission: the call did nothing and the turn ends."""
 
     stop_turn = True
+
+
+class PermissionTimedOut(PermissionDenied):
+    """Nobody answered a permission request in time: the call did nothing and the run fails."""
+
+    fail_run = True
 
 
 class ToolBase:
@@ -225,15 +243,20 @@ async def ask_permission(
     Cancellation:
         ``trio.Cancelled`` from the asker propagates unchanged.
     """
-    allowed = await ctx.permissions.request(
-        session_id=ctx.session_id,
-        tool_call_id=ctx.tool_call_id,
-        tool_name=tool_name,
-        action=action,
-        description=description,
-        params=params,
-        path=str(path),
-    )
+    try:
+        allowed = await ctx.permissions.request(
+            session_id=ctx.session_id,
+            tool_call_id=ctx.tool_call_id,
+            tool_name=tool_name,
+            action=action,
+            description=description,
+            params=params,
+            path=str(path),
+        )
+    except TimeoutError as exc:
+        raise PermissionTimedOut(
+            f"permission request timed out: {exc}; {tool_name} was not run and the run was stopped"
+        ) from None
     if not allowed:
         raise PermissionDenied(
             f"permission denied: the user did not allow {tool_name} to {action} {path}; "
