@@ -236,9 +236,14 @@ DEFAULT_WEBHOOK_CONCURRENCY: Final = 4
 DEFAULT_WEBHOOK_MAX_BODY_BYTES: Final = 256 * 1024
 #: Largest ``secret_file`` of a webhook endpoint, in bytes.
 WEBHOOK_SECRET_FILE_MAX_BYTES: Final = 4096
-#: What ``webhooks[].events`` may list: every run's end, or the runs of one outcome.
+#: What ``webhooks[].events`` may list: every run's end, or the runs of one outcome; and each
+#: permission request that waits for an answer.
 WebhookEvent = Literal[
-    "run_complete", "run_complete.completed", "run_complete.failed", "run_complete.cancelled"
+    "run_complete",
+    "run_complete.completed",
+    "run_complete.failed",
+    "run_complete.cancelled",
+    "permission_request",
 ]
 
 # Bounds on queued prompts (per session).

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, Final
 
 import attrs
@@ -76,6 +77,9 @@ class PermissionService:
         #: ``allow_session`` answers: (session, tool, action, :func:`grant_scope`).
         self._grants: set[tuple[str, str, str, str]] = set()
         self._pending: dict[str, _Pending] = {}
+        #: Told of each request once it is published (the server's ``permission_request``
+        #: webhooks); synchronous, and an error in it is logged, never raised.
+        self.on_request: Callable[[PermissionRequest], None] | None = None
 
     def set_skip(self, skip: bool) -> None:
         self.skip = skip
@@ -130,6 +134,11 @@ class PermissionService:
         started, outcome = trio.current_time(), "cancelled"
         try:
             await self.broker.publish_must_deliver(request, EventKind.CREATED)
+            if self.on_request is not None:
+                try:
+                    self.on_request(request)
+                except Exception:
+                    log.exception("telling of permission request %s failed", request.id)
             limit = self.timeout if self.timeout is not None else math.inf
             with trio.move_on_after(limit):
                 await pending.done.wait()

@@ -676,9 +676,15 @@ async def receiver() -> AsyncIterator[Receiver]:
 
 
 @pytest.fixture
-def crush_config(receiver: Receiver) -> dict[str, Any]:
+def webhook_events() -> list[str]:
+    """The ``events`` of the receiver's endpoint (a test parametrizes it to change them)."""
+    return ["run_complete"]
+
+
+@pytest.fixture
+def crush_config(receiver: Receiver, webhook_events: list[str]) -> dict[str, Any]:
     return {
-        "webhooks": [{"url": receiver.url, "secret": SECRET.decode()}],
+        "webhooks": [{"url": receiver.url, "secret": SECRET.decode(), "events": webhook_events}],
         "server": {"webhook_timeout": 60.0, "webhook_concurrency": 1},
     }
 
@@ -774,3 +780,62 @@ async def test_a_trusted_workspace_adds_endpoints_found_again_after_a_restart(
     # Untrusted now: its file no longer names endpoints, so there is no secret to sign with.
     (user / "crush.json").write_bytes(orjson.dumps({}))
     assert await backend._webhook_secret(str(project), own["url"]) is None
+
+
+@pytest.mark.parametrize("webhook_events", [["permission_request"]])
+async def test_a_permission_request_is_posted_to_endpoints_that_list_it(
+    crush_server: CrushServer, crush_client: Client, receiver: Receiver, scripted_model: Any
+) -> None:
+    from crush_trio.providers.scripted import Step
+
+    scripted_model.add(Step(tool_calls=[("bash", {"command": "touch hooked"})]), Step("done"))
+    async with crush_client.workspace(crush_server.project()) as ws:
+        session = await ws.create_session()
+        handle = await ws.prompt(session.id, "run it", run_id="perm-1")
+        asked = await handle.next_permission_request(WAIT)
+        assert asked is not None
+        (request,) = await receiver.wait_for(1)
+        # Only the request was POSTed (the endpoint does not list run_complete): answer it and
+        # the run ends without a second POST.
+        assert await ws.grant(asked.id, "deny")
+        await handle.result(WAIT)
+        hooks: Webhooks = crush_server.handle.backend.webhooks
+        await settle(hooks, lambda: hooks.delivered >= 1 and not hooks.pending)
+    assert len(receiver.requests) == 1
+    assert verify_like_the_docs(SECRET, request.headers, request.body)
+    assert request.headers["x-crush-trio-event"] == "permission_request"
+    body = request.json()
+    assert body["event"] == "permission_request" and body["workspace_id"] == ws.id
+    assert body["delivery_id"] == request.headers["x-crush-trio-delivery"]
+    permission = body["permission"]
+    assert permission["id"] == asked.id and permission["session_id"] == session.id
+    assert permission["tool_name"] == "bash" and permission["params"]["command"] == "touch hooked"
+    assert body["params_truncated"] is False
+
+
+def test_a_large_permission_request_leaves_its_params_out() -> None:
+    from crush_trio.wire import PermissionRequest
+
+    request = PermissionRequest(
+        id="p",
+        session_id="s",
+        tool_call_id="c",
+        tool_name="write",
+        description="d" * 5000,
+        action="write",
+        params={"path": "big.txt", "content": "x" * 100_000},
+        path="/w/big.txt",
+    )
+    body = policy.build_permission_body(
+        request,
+        delivery_id="d",
+        workspace_id="w",
+        workspace_path="/w",
+        created_at=1,
+        max_bytes=4096,
+    )
+    assert len(body) <= 4096
+    data = orjson.loads(body)
+    assert data["params_truncated"] is True and data["permission"]["params"] == {}
+    assert data["permission"]["description"] == "d" * policy.PERMISSION_DESCRIPTION_CHARS
+    assert policy.event_of(body) == "permission_request"

@@ -40,7 +40,7 @@ from ..errors import (
 from ..eventlog import Fenced
 from ..metrics import METRICS
 from ..webhooks import Endpoint, Webhooks, outbox_path
-from ..wire import RunComplete, validate_client_id
+from ..wire import PermissionRequest, RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
 
 if TYPE_CHECKING:
@@ -225,6 +225,7 @@ class Backend:
                 sandbox_hidden=self._sandbox_hidden(),
                 sandbox_more_hidden=self._open_data_dirs,
                 on_run_complete=self._run_completed,
+                on_permission_request=self._permission_requested,
                 **cluster,
             )
             if self.shutting_down:
@@ -346,6 +347,16 @@ class Backend:
         if endpoints:
             self.webhooks.enqueue(
                 complete,
+                workspace_id=ws.id,
+                workspace_path=str(ws.path),
+                endpoints=endpoints,
+            )
+
+    def _permission_requested(self, ws: Workspace, request: PermissionRequest) -> None:
+        endpoints = self._endpoints(ws.config, ws.path)
+        if endpoints:
+            self.webhooks.enqueue_permission(
+                request,
                 workspace_id=ws.id,
                 workspace_path=str(ws.path),
                 endpoints=endpoints,

@@ -23,6 +23,7 @@ import math
 import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from ..wire import (
     McpState,
     Message,
     Part,
+    PermissionRequest,
     Role,
     Run,
     RunComplete,
@@ -143,6 +145,7 @@ class Workspace:
         sandbox_hidden: tuple[Path, ...] = (),
         sandbox_more_hidden: Callable[[], Iterable[Path]] | None = None,
         on_run_complete: Callable[[Workspace, RunComplete], None] | None = None,
+        on_permission_request: Callable[[Workspace, PermissionRequest], None] | None = None,
         workspace_id: str | None = None,
         store_factory: Callable[[Path], Awaitable[Any]] | None = None,
         event_log: Any = None,
@@ -203,6 +206,8 @@ class Workspace:
             allowed_tools=list(config.permissions.allowed_tools),
             timeout=config.options.permission_timeout,
         )
+        if on_permission_request is not None:
+            self.permissions.on_request = partial(on_permission_request, self)
 
     @property
     def info(self) -> WorkspaceInfo:

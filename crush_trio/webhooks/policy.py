@@ -17,17 +17,22 @@ from typing import Any, Final
 
 import orjson
 
-from ..wire import RunComplete, converter
+from ..wire import PermissionRequest, RunComplete, converter
 
 #: The event name, in the body's ``event`` and in :data:`EVENT_HEADER`.
 RUN_COMPLETE_EVENT: Final = "run_complete"
+#: The event of a permission request waiting for an answer (only to endpoints that list it).
+PERMISSION_REQUEST_EVENT: Final = "permission_request"
+#: Characters of a permission request's ``description`` kept in a webhook body.
+PERMISSION_DESCRIPTION_CHARS: Final = 1000
 #: ``sha256=<hex HMAC-SHA256 of "<timestamp>.<body>" keyed with the endpoint's secret>``.
 SIGNATURE_HEADER: Final = "X-Crush-Trio-Signature"
 #: Unix time (seconds) at which this attempt was signed; part of the signed text.
 TIMESTAMP_HEADER: Final = "X-Crush-Trio-Timestamp"
 #: The delivery id, the same on every attempt of one delivery (receivers dedupe by it).
 DELIVERY_HEADER: Final = "X-Crush-Trio-Delivery"
-#: The event name (:data:`RUN_COMPLETE_EVENT`).
+#: The event name (the body's ``event``: :data:`RUN_COMPLETE_EVENT` or
+#: :data:`PERMISSION_REQUEST_EVENT`).
 EVENT_HEADER: Final = "X-Crush-Trio-Event"
 #: Which attempt of the delivery this is, from 1.
 ATTEMPT_HEADER: Final = "X-Crush-Trio-Attempt"
@@ -80,6 +85,56 @@ def outcome_of(complete: RunComplete) -> str:
 def wanted(events: list[str], complete: RunComplete) -> bool:
     """Whether an endpoint whose ``events`` are these receives the end of this run."""
     return RUN_COMPLETE_EVENT in events or f"{RUN_COMPLETE_EVENT}.{outcome_of(complete)}" in events
+
+
+def wants_permission_requests(events: list[str]) -> bool:
+    """Whether an endpoint whose ``events`` are these receives permission requests."""
+    return PERMISSION_REQUEST_EVENT in events
+
+
+def build_permission_body(
+    request: PermissionRequest,
+    *,
+    delivery_id: str,
+    workspace_id: str,
+    workspace_path: str,
+    created_at: int,
+    max_bytes: int,
+) -> bytes:
+    """The JSON body of a permission request's delivery: ``event``, ``delivery_id``,
+    ``workspace_id``, ``workspace_path``, ``created_at``, the request under ``permission`` (as
+    the ``permission_request`` event carries it) and ``params_truncated``.
+
+    The description is cut to :data:`PERMISSION_DESCRIPTION_CHARS`; when the body is still over
+    ``max_bytes`` (a large ``write``), ``params`` is left out and ``params_truncated`` is true:
+    the receiver reads the whole request from ``GET .../permissions``.
+    """
+    permission: dict[str, Any] = converter.unstructure(request)
+    permission["description"] = permission["description"][:PERMISSION_DESCRIPTION_CHARS]
+    body: dict[str, Any] = {
+        "event": PERMISSION_REQUEST_EVENT,
+        "delivery_id": delivery_id,
+        "workspace_id": workspace_id,
+        "workspace_path": workspace_path,
+        "created_at": created_at,
+        "permission": permission,
+        "params_truncated": False,
+    }
+    data = orjson.dumps(body)
+    if len(data) > max_bytes:
+        permission["params"] = {}
+        body["params_truncated"] = True
+        data = orjson.dumps(body)
+    return data
+
+
+def event_of(body: bytes) -> str:
+    """The event a delivery's body is about (its ``event`` key)."""
+    try:
+        event = orjson.loads(body).get("event")
+    except (orjson.JSONDecodeError, AttributeError):
+        return RUN_COMPLETE_EVENT
+    return event if isinstance(event, str) else RUN_COMPLETE_EVENT
 
 
 def build_body(
@@ -148,13 +203,20 @@ def verify(secret: bytes, timestamp: str, body: bytes, signature: str) -> bool:
 
 
 def headers(
-    secret: bytes, *, body: bytes, delivery_id: str, attempt: int, timestamp: int, version: str
+    secret: bytes,
+    *,
+    body: bytes,
+    delivery_id: str,
+    attempt: int,
+    timestamp: int,
+    version: str,
+    event: str = RUN_COMPLETE_EVENT,
 ) -> dict[str, str]:
     """The headers of one attempt."""
     return {
         "Content-Type": "application/json",
         "User-Agent": f"crush-trio/{version}",
-        EVENT_HEADER: RUN_COMPLETE_EVENT,
+        EVENT_HEADER: event,
         DELIVERY_HEADER: delivery_id,
         ATTEMPT_HEADER: str(attempt),
         TIMESTAMP_HEADER: str(timestamp),

@@ -53,7 +53,7 @@ from ..config import ServerOptions
 from ..errors import StoreError
 from ..metrics import METRICS
 from ..providers.pool import shared_ssl_context
-from ..wire import RunComplete, new_id, now
+from ..wire import PermissionRequest, RunComplete, new_id, now
 from . import policy
 from .outbox import OUTBOX_FILENAME, Delivery, OutboxFile, Status
 from .policy import Verdict
@@ -197,25 +197,57 @@ class Webhooks:
                 created_at=now(),
                 max_bytes=self.options.webhook_max_body_bytes,
             )
-            created = self._wall()
-            delivery = Delivery(
-                id=delivery_id,
-                url=endpoint.url,
-                scope=endpoint.scope,
-                body=body,
-                created_at=created,
-                next_at=created,
-                secret=endpoint.secret,
-            )
-            if self._nursery is None:
-                self._count_dropped(delivery, "the server is shutting down")
-                continue
-            self._make_room(len(body))
-            self._saved[delivery.id] = trio.Event()
-            self._add(delivery)
-            self._mark(delivery)
-            made.append(delivery_id)
+            if self._enqueue_body(endpoint, delivery_id, body):
+                made.append(delivery_id)
         return made
+
+    def enqueue_permission(
+        self,
+        request: PermissionRequest,
+        *,
+        workspace_id: str,
+        workspace_path: str,
+        endpoints: Iterable[Endpoint],
+    ) -> list[str]:
+        """Queue a permission request for every endpoint that lists ``permission_request``;
+        returns the delivery ids. Synchronous and quick, like :meth:`enqueue`."""
+        made: list[str] = []
+        for endpoint in endpoints:
+            if not policy.wants_permission_requests(list(endpoint.events)):
+                continue
+            delivery_id = new_id()
+            body = policy.build_permission_body(
+                request,
+                delivery_id=delivery_id,
+                workspace_id=workspace_id,
+                workspace_path=workspace_path,
+                created_at=now(),
+                max_bytes=self.options.webhook_max_body_bytes,
+            )
+            if self._enqueue_body(endpoint, delivery_id, body):
+                made.append(delivery_id)
+        return made
+
+    def _enqueue_body(self, endpoint: Endpoint, delivery_id: str, body: bytes) -> bool:
+        """Add one delivery of ``body`` to ``endpoint``; False when it was dropped at once."""
+        created = self._wall()
+        delivery = Delivery(
+            id=delivery_id,
+            url=endpoint.url,
+            scope=endpoint.scope,
+            body=body,
+            created_at=created,
+            next_at=created,
+            secret=endpoint.secret,
+        )
+        if self._nursery is None:
+            self._count_dropped(delivery, "the server is shutting down")
+            return False
+        self._make_room(len(body))
+        self._saved[delivery.id] = trio.Event()
+        self._add(delivery)
+        self._mark(delivery)
+        return True
 
     def _make_room(self, size: int) -> None:
         """Drop the oldest pending deliveries until one more of ``size`` bytes fits."""
@@ -418,6 +450,7 @@ class Webhooks:
             attempt=attempt,
             timestamp=stamp,
             version=self._version,
+            event=policy.event_of(delivery.body),
         )
         timeout = self.options.webhook_timeout
         started = trio.current_time()
