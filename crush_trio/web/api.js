@@ -88,5 +88,8 @@ export const api = {
     request("GET", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/prompts/list`),
   agentInfo: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/agent`),
   pendingPermissions: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/permissions`),
+  providers: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/providers`),
+  summarize: (wid, sid) =>
+    request("POST", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/summarize`),
   setTrust: (wid, trusted) => request("POST", `/v1/workspaces/${enc(wid)}/trust`, { trusted }),
 };

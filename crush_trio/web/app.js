@@ -19,12 +19,17 @@
 import { api, ApiError, httpCommand } from "./api.js";
 import { EventStream } from "./connection.js";
 import { clear, h, uuid } from "./dom.js";
+import { Attention } from "./notify.js";
+import { modelChoices, renderAgent, renderModelPicker, renderSummarize, renderUsage, togglePanel } from "./panel.js";
+import { SHORTCUTS, answerForKey, isShortcutTarget, requestView, risksOf } from "./permcard.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
 /** How many recent workspaces are remembered. */
 const RECENT_MAX = 8;
+/** localStorage key prefix of the model last chosen for a session (`...<session id>`). */
+const MODEL_KEY = "crush_trio.model.";
 /** Finished runs kept in the prompt status list (older ones are dropped on the next send). */
 const FINISHED_RUNS_SHOWN = 5;
 /** How long a delete button waits for its confirming second press (milliseconds). */
@@ -95,6 +100,14 @@ class App {
     this.syncGen = 0;
     this.loadGen = 0;
     this.refreshing = { queue: null, runs: null };
+    /** Asks for attention while the tab is hidden (title badge, notifications). */
+    this.attention = new Attention();
+    /** The agent info of the open workspace (`GET .../agent`), and the model picker's choices. */
+    this.agent = null;
+    this.modelChoices = [];
+    /** The session being summarized, and the progress line of its summary. */
+    this.summarizing = null;
+    this.summaryProgress = "";
     // Counters shown nowhere; for debugging in the console and for the end-to-end tests.
     this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0, deltas: 0, rereads: 0 };
   }
@@ -133,10 +146,32 @@ class App {
     $("clear-queue").addEventListener("click", () => this.clearQueue());
     $("reconnect-now").addEventListener("click", () => this.stream?.reconnectNow());
     $("toggle-sidebar").addEventListener("click", () => this.toggleSidebar());
+    $("toggle-panel").addEventListener("click", () => togglePanel());
+    $("close-panel").addEventListener("click", () => {
+      togglePanel(false);
+      $("toggle-panel").focus();
+    });
+    $("summarize").addEventListener("click", () => this.summarize());
+    $("model-picker").addEventListener("change", (ev) => {
+      if (this.current) localStorage.setItem(MODEL_KEY + this.current, ev.target.value);
+    });
+    $("ask-notify").hidden = !this.attention.canAsk;
+    $("ask-notify").addEventListener("click", async () => {
+      const answer = await this.attention.ask();
+      $("ask-notify").hidden = true;
+      $("notify-text").textContent =
+        answer === "granted"
+          ? "While this tab is hidden you get a notification, and its title counts what waits for you."
+          : "Notifications are off; while this tab is hidden its title counts what waits for you.";
+    });
+    document.addEventListener("keydown", (ev) => this.onShortcut(ev));
     document.addEventListener("keydown", (ev) => {
       if (ev.key === "Escape" && document.body.classList.contains("sidebar-open")) {
         this.toggleSidebar(false);
         $("toggle-sidebar").focus();
+      } else if (ev.key === "Escape" && document.body.classList.contains("panel-open")) {
+        togglePanel(false);
+        $("toggle-panel").focus();
       }
     });
     window.addEventListener("online", () => this.stream?.reconnectNow());
@@ -296,10 +331,57 @@ class App {
       .agentInfo(wid)
       .then((agent) => {
         if (wid !== this.wid) return;
+        this.agent = agent;
         const m = agent.model || {};
         $("model-name").textContent = m.model ? `model: ${m.provider}/${m.model}` : "";
+        renderAgent(agent);
+        return api.providers(wid).then(
+          (providers) => providers,
+          () => [],
+        );
+      })
+      .then((providers) => {
+        if (wid !== this.wid || providers === undefined) return;
+        this.modelChoices = modelChoices(providers, this.agent?.model);
+        this.renderModelPicker();
       })
       .catch(() => {});
+  }
+
+  renderModelPicker() {
+    const saved = this.current ? localStorage.getItem(MODEL_KEY + this.current) || "" : "";
+    renderModelPicker(this.modelChoices.length ? this.modelChoices : modelChoices([], this.agent?.model), saved);
+  }
+
+  /** Summarize the current session (the button in the side panel). */
+  async summarize() {
+    const sid = this.current;
+    if (!sid || this.summarizing) return;
+    this.summarizing = sid;
+    this.summaryProgress = "Summarizing…";
+    this.updateControls();
+    try {
+      await api.summarize(this.wid, sid);
+      this.summaryProgress = "Summarized: the next prompt starts from the summary.";
+      this.announce("Session summarized.");
+    } catch (err) {
+      this.summaryProgress = "";
+      this.toast(`Cannot summarize: ${err.message}`, "error");
+    } finally {
+      this.summarizing = null;
+      this.updateControls();
+    }
+  }
+
+  /** A, S or D answers the oldest permission card (not while typing in a field). */
+  onShortcut(ev) {
+    if (!this.permissions.size || !isShortcutTarget(ev)) return;
+    const action = answerForKey(ev.key);
+    if (!action) return;
+    const card = $("permissions").querySelector(".permission");
+    if (!card) return;
+    ev.preventDefault();
+    this.grant(card.dataset.permissionId, action, card);
   }
 
   /**
@@ -514,15 +596,21 @@ class App {
         break;
       case "agent_event":
         if (obj.type === "error" && obj.session_id === this.current && !this.runs.has(obj.run_id)) {
-          this.toast(`A run failed: ${obj.message || obj.error}`, "error");
+          this.toast(`A run failed: ${agentText(obj)}`, "error");
         } else if (obj.type === "retry" && obj.session_id === this.current) {
-          this.announce(obj.message);
+          this.announce(agentText(obj));
+        } else if (obj.type === "summarize" && obj.session_id === this.current) {
+          this.summaryProgress = obj.progress || agentText(obj);
+          this.updateControls();
+        } else if (obj.type === "mcp") {
+          this.showModel();
         }
         break;
       case "permission_request":
         this.permissions.set(obj.id, obj);
         this.renderPermissions();
         this.announce(`Permission requested: ${obj.tool_name}`);
+        this.attention.need(`${obj.tool_name} asks to ${obj.action}: ${obj.description || obj.path}`, obj.id);
         break;
       case "permission_notification":
         for (const [id, req] of this.permissions) {
@@ -554,6 +642,7 @@ class App {
     this.renderSessions();
     if (session.id === this.current) {
       this.renderSessionHead();
+      renderUsage(merged);
       this.updateControls();
       if (old && old.is_busy !== merged.is_busy) {
         this.refreshQueue();
@@ -571,6 +660,7 @@ class App {
       if (run.status === "completed") this.announce("Reply finished.");
       if (run.status === "failed") this.announce(`Run failed: ${done.error}`);
     }
+    if (done.error && !done.cancelled) this.attention.need(`A run failed: ${done.error}`, done.run_id);
     if (done.session_id === this.current) this.refreshQueue();
   }
 
@@ -598,6 +688,9 @@ class App {
     this.renderQueue();
     this.renderSessions();
     this.renderSessionHead();
+    renderUsage(sid ? this.sessions.get(sid) : null);
+    this.summaryProgress = "";
+    this.renderModelPicker();
     this.renderRuns();
     this.updateControls();
     this.writeHash();
@@ -1001,11 +1094,14 @@ class App {
     const run = { run_id: uuid(), session_id: sid, prompt: text, status: "sending", error: "" };
     this.runs.set(run.run_id, run);
     this.renderRuns();
+    const model = $("model-picker").value;
+    if (model) localStorage.setItem(MODEL_KEY + sid, model);
     try {
       const accepted = await this.call("agent.prompt", {
         session_id: sid,
         prompt: text,
         run_id: run.run_id,
+        ...(model ? { model } : {}),
         ...(attachments.length ? { attachments } : {}),
       });
       if (!TERMINAL.has(run.status)) run.status = accepted.status;
@@ -1151,6 +1247,10 @@ class App {
       (r) => r.session_id === this.current && (r.status === "running" || r.status === "queued"),
     );
     $("cancel-run").disabled = !open || !(busy || mine);
+    renderSummarize({
+      enabled: open && !!s && !busy && !mine && !this.summarizing && (s.message_count || 0) > 0,
+      progress: this.summaryProgress,
+    });
   }
 
   setEnabled(on) {
@@ -1177,20 +1277,31 @@ class App {
       fact("Action", req.action);
       fact("Path", req.path);
       fact("Session", session ? sessionTitle(session) : req.session_id);
-      const params = req.params && Object.keys(req.params).length ? JSON.stringify(req.params, null, 2) : "";
+      const risks = risksOf(req, this.path);
       const answer = (action) => this.grant(req.id, action, card);
+      const first = box.children.length === 0;
+      const key = (action) => (first ? SHORTCUTS[action].toUpperCase() : null);
       card.append(
         h("h3", { id: titleId, text: `Allow ${req.tool_name}?` }),
+        risks.length ? h("p", { class: "permission-risks" }, h("strong", { text: "Risk: " }), risks.join(", ")) : null,
         req.description ? h("p", { class: "permission-description", text: req.description }) : null,
+        requestView(req),
         facts,
-        params ? h("pre", { class: "permission-params", tabindex: "0", text: params }) : null,
         h(
           "div",
           { class: "permission-actions" },
-          h("button", { type: "button", class: "primary", dataset: { action: "allow" }, text: "Allow", onclick: () => answer("allow") }),
+          h("button", {
+            type: "button",
+            class: "primary",
+            dataset: { action: "allow" },
+            "aria-keyshortcuts": key("allow"),
+            text: "Allow",
+            onclick: () => answer("allow"),
+          }),
           h("button", {
             type: "button",
             dataset: { action: "allow_session" },
+            "aria-keyshortcuts": key("allow_session"),
             text: "Allow for session",
             // What the server remembers (docs/tools.md, "Permission scope").
             title:
@@ -1199,7 +1310,15 @@ class App {
                 : "Allow this tool on this path again in this session without asking",
             onclick: () => answer("allow_session"),
           }),
-          h("button", { type: "button", class: "danger", dataset: { action: "deny" }, text: "Deny", onclick: () => answer("deny") }),
+          h("button", {
+            type: "button",
+            class: "danger",
+            dataset: { action: "deny" },
+            "aria-keyshortcuts": key("deny"),
+            text: "Deny",
+            onclick: () => answer("deny"),
+          }),
+          first ? h("span", { class: "muted shortcut-hint", text: "Keys: A allow, S for session, D deny" }) : null,
         ),
       );
       box.append(card);
@@ -1235,6 +1354,13 @@ class App {
     this.replaceMessages([]);
     $("empty-state").hidden = false;
     $("model-name").textContent = "";
+    this.agent = null;
+    this.modelChoices = [];
+    this.summarizing = null;
+    this.summaryProgress = "";
+    renderAgent(null);
+    renderUsage(null);
+    this.renderModelPicker();
     this.renderTrust(null);
     this.renderSessions();
     this.renderSessionHead();
@@ -1311,6 +1437,17 @@ function dropCodePoints(text, n) {
     i += c >= 0xd800 && c <= 0xdbff && next >= 0xdc00 && next <= 0xdfff ? 2 : 1;
   }
   return i ? text.slice(i) : text;
+}
+
+/** The text of an agent_event: its message (a message object, or text) or its error. */
+function agentText(ev) {
+  const m = ev.message;
+  if (typeof m === "string") return m || ev.error || "";
+  if (m && Array.isArray(m.parts)) {
+    const text = m.parts.filter((p) => p.type === "text").map((p) => p.data?.text || "").join("");
+    if (text) return text;
+  }
+  return ev.error || "";
 }
 
 function sessionTitle(session) {
