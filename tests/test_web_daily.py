@@ -16,7 +16,7 @@ from playwright.sync_api import Page, expect
 
 from crush_trio.providers.scripted import ScriptedModel, Step
 
-from .test_web_e2e import (  # noqa: F401 (fixtures)
+from .test_web_e2e import (  # noqa: F401 (browser, pages, project and server are fixtures)
     ECHO_CONFIG,
     ROOT,
     Pages,
@@ -55,9 +55,9 @@ def test_permission_cards_read_as_what_they_do_and_answer_by_key(
             Step(text="edited"),
         ]
     )
-    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    srv = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
     try:
-        page = pages.open(server)
+        page = pages.open(srv)
         open_workspace(page, project)
         send(page, "make a file")
         card = page.locator(".permission")
@@ -88,7 +88,7 @@ def test_permission_cards_read_as_what_they_do_and_answer_by_key(
         wait_for_run(page, "completed", count=2)
         assert (project / "notes.txt").read_text() == "first line\nnew words\nlast line\n"
     finally:
-        server.stop()
+        srv.stop()
 
 
 HIDDEN_TAB = """
@@ -115,12 +115,12 @@ def test_a_hidden_tab_counts_what_needs_you_and_notifies_once_allowed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pages: Pages, project: Path
 ) -> None:
     model = ScriptedModel([Step(tool_calls=[("bash", {"command": "touch a"})])])
-    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    srv = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
     try:
         context = pages.browser.new_context(viewport={"width": 1280, "height": 800})
         pages.contexts.append(context)
         context.add_init_script(HIDDEN_TAB)
-        page = pages.open(server, context=context)
+        page = pages.open(srv, context=context)
         open_workspace(page, project)
         ask = page.locator("#ask-notify")
         expect(ask).to_be_visible()  # offered, never asked on its own
@@ -139,7 +139,7 @@ def test_a_hidden_tab_counts_what_needs_you_and_notifies_once_allowed(
         page.locator('.permission button[data-action="deny"]').click()
         wait_for_run(page, "completed")
     finally:
-        server.stop()
+        srv.stop()
 
 
 def test_side_panel_shows_usage_agent_and_summarizes(
@@ -188,9 +188,9 @@ def test_screenshots_and_accessibility(
             Step(tool_calls=[("bash", {"command": "pytest -q tests/"})]),  # denied: ends
         ]
     )
-    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    srv = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
     try:
-        page = pages.open(server, viewport={"width": width, "height": height})
+        page = pages.open(srv, viewport={"width": width, "height": height})
         open_workspace(page, project)
         send(page, "Plan the work on main.py")
         wait_for_run(page, "completed")
@@ -210,4 +210,4 @@ def test_screenshots_and_accessibility(
         page.locator('.permission button[data-action="deny"]').click()
         wait_for_run(page, "completed", count=2)
     finally:
-        server.stop()
+        srv.stop()
