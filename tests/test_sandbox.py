@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -89,6 +90,11 @@ def ws(tmp_path: Path, home: Path) -> Path:
     (workspace / "link").symlink_to(home / ".ssh" / "id_ed25519")
     (workspace / "sshdir").symlink_to(home / ".ssh")
     return workspace
+
+
+def git_init(path: Path) -> None:
+    """A real repository in ``path`` (git reads its own config for the read-only check)."""
+    subprocess.run(["git", "init", "-q", str(path)], env=shell_env(), check=True)
 
 
 def plant_hard_link(ws: Path, home: Path) -> None:
@@ -294,7 +300,9 @@ async def test_read_only_command_runs_without_asking_with_the_workspace_read_onl
     assert asker.requests == []
     # Were the read-only check ever wrong, the command that ran without asking still could not
     # write: the workspace is mounted read-only for it.
-    monkeypatch.setattr(bash_module, "is_read_only", lambda command, workspace: True)
+    monkeypatch.setattr(
+        bash_module, "read_only_argv", lambda command, workspace: ["bash", "-c", command]
+    )
     result = await bash(ctx, "touch planted")
     assert asker.requests == []
     assert "Read-only file system" in result.content
@@ -602,14 +610,14 @@ async def test_words_are_split_as_bash_splits_them(command: str) -> None:
 def test_git_with_a_repository_config_that_runs_programs_is_not_read_only(
     config: str, tmp_path: Path
 ) -> None:
-    (tmp_path / ".git").mkdir()
+    git_init(tmp_path)
     (tmp_path / ".git" / "config").write_text("[core]\n\tbare = false\n" + config)
     for command in ("git status", "git log", "git diff"):
         assert not is_read_only(command, tmp_path), (command, config)
 
 
 def test_git_with_a_plain_repository_config_is_read_only(tmp_path: Path) -> None:
-    (tmp_path / ".git").mkdir()
+    git_init(tmp_path)
     (tmp_path / ".git" / "config").write_text(
         "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
         '[remote "origin"]\n\turl = https://example.com/filter-repo.git\n'
