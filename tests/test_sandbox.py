@@ -7,6 +7,12 @@ and to reach the network. With the sandbox, each attempt fails with a clear tool
 read-only shortcut refuses it, or the command fails inside the sandbox); the network works again
 when the user grants it. With the sandbox turned off, every ``bash`` call asks.
 
+What runs without a prompt must be harmless because of where it runs: every command shape the
+read-only check approves runs with the network granted by the config and still reaches no
+network and cannot write the workspace, and the hostile layouts the check once misread (globs
+bash expands differently, git configs git reads differently, submodules, signature checks, the
+server's own files and Unix socket) either ask or run no program.
+
 The sandboxed tests are skipped only when ``bwrap`` cannot run here at all.
 """
 
@@ -851,7 +857,7 @@ async def test_git_config_that_git_reads_differently_runs_no_program(
     make the command ask; allowed, git still runs no textconv program."""
     ws = tmp_path / "ws"
     ws.mkdir()
-    _hostile_repository(ws, layout)
+    await trio.to_thread.run_sync(_hostile_repository, ws, layout)
     # git itself runs the program here (the layout is real):
     plain = await trio.run_process(
         command.split(), cwd=ws, env=shell_env(), capture_stdout=True, check=False
@@ -863,13 +869,9 @@ async def test_git_config_that_git_reads_differently_runs_no_program(
     assert GIT_RAN not in result.content
 
 
-@needs_sandbox
-@pytest.mark.slow
-async def test_git_does_not_look_into_an_embedded_repository(tmp_path: Path) -> None:
-    """An embedded repository (a submodule) has its own config, which the check does not read:
-    approved ``git diff`` and ``git status`` never look into it (``diff.submodule=diff`` in the
-    outer config would run the inner one's textconv)."""
-    ws = tmp_path / "ws"
+def _repository_with_a_submodule(ws: Path) -> None:
+    """``ws`` holds a repository whose submodule ``sub`` runs ``./conv.sh`` as a textconv
+    driver, and whose own config shows submodule diffs."""
     sub = ws / "sub"
     sub.mkdir(parents=True)
     git_init(sub)
@@ -888,6 +890,16 @@ async def test_git_does_not_look_into_an_embedded_repository(tmp_path: Path) -> 
         f.write("[diff]\n\tsubmodule = diff\n")
     (sub / "conv.sh").write_text(f'#!/bin/sh\necho {GIT_RAN}\ncat "$1"\n')
     (sub / "conv.sh").chmod(0o755)
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_git_does_not_look_into_an_embedded_repository(tmp_path: Path) -> None:
+    """An embedded repository (a submodule) has its own config, which the check does not read:
+    approved ``git diff`` and ``git status`` never look into it (``diff.submodule=diff`` in the
+    outer config would run the inner one's textconv)."""
+    ws = tmp_path / "ws"
+    await trio.to_thread.run_sync(_repository_with_a_submodule, ws)
     plain = await trio.run_process(
         ["git", "diff"], cwd=ws, env=shell_env(), capture_stdout=True, check=False
     )
