@@ -76,7 +76,7 @@ class Backend:
         paths += self.secret_paths
         return tuple(paths)
 
-    def _open_data_dirs(self) -> list[Path]:
+    def _more_hidden(self) -> list[Path]:
         """The data directories of the open workspaces (each hides the others' from bash), and
         the webhook secret files their configurations name."""
         paths = [ws.data_dir for ws in self.workspaces.values()]
@@ -237,7 +237,7 @@ class Backend:
                 trusted=loaded.trusted,
                 warnings=loaded.warnings,
                 sandbox_hidden=self._sandbox_hidden(),
-                sandbox_more_hidden=self._open_data_dirs,
+                sandbox_more_hidden=self._more_hidden,
                 on_run_complete=self._run_completed,
                 **cluster,
             )
