@@ -635,8 +635,33 @@ def test_git_with_a_plain_repository_config_is_read_only(tmp_path: Path) -> None
     # A .git file points to a repository elsewhere: not read-only.
     other = tmp_path / "linked"
     other.mkdir()
-    (other / ".git").write_text("gitdir: /elsewhere\n")
+    (other / ".git").write_text(f"gitdir: {tmp_path / '.git'}\n")
     assert not is_read_only("git status", other)
+
+
+@pytest.mark.parametrize("layout", ["gitdir-file", "commondir", "alternates"])
+def test_git_with_a_repository_outside_the_workspace_is_not_read_only(
+    layout: str, tmp_path: Path
+) -> None:
+    """A ``.git`` file, ``commondir`` or ``objects/info/alternates`` pointing to a repository
+    elsewhere would make an approved ``git log -p`` read outside the workspace."""
+    elsewhere = tmp_path / "elsewhere"
+    git_init(elsewhere)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    if layout == "gitdir-file":
+        (ws / ".git").write_text(f"gitdir: {elsewhere / '.git'}\n")
+    else:
+        git_init(ws)
+        if layout == "commondir":
+            (ws / ".git" / "commondir").write_text(f"{elsewhere / '.git'}\n")
+        else:
+            (ws / ".git" / "objects" / "info" / "alternates").write_text(
+                f"{elsewhere / '.git' / 'objects'}\n"
+            )
+    assert not is_read_only("git log -p", ws)
+    # The same repository inside the workspace is fine.
+    assert is_read_only("git log -p", elsewhere)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,7 +961,8 @@ async def test_git_signature_checks_and_submodules_ask(command: str, ws: Path) -
 #: nothing`: each reports whether the network and a write into the workspace work, as a
 #: program the classifier was wrong about would try.
 _FAKE_PROGRAM = """#!/bin/bash
-if [ "$1" = config ] && [ "$(basename "$0")" = git ]; then exec {git} "$@"; fi
+# (the read-only check runs git config and git rev-parse outside the sandbox: the real git)
+case "$(basename "$0") $1" in "git config"|"git rev-parse") exec {git} "$@";; esac
 if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo NET-OPEN; else echo NET-CLOSED; fi
 if touch planted-by-$(basename "$0") 2>/dev/null; then echo WS-WRITABLE; else echo WS-READONLY; fi
 """

@@ -96,10 +96,10 @@ UNSAFE_SHORT_LETTERS: Final = {"grep": "R", "rg": "Lz", "date": "sfr", "git": "O
 #: Read-only commands whose arguments are never paths, so they are not checked for paths outside
 #: the workspace.
 NON_PATH_COMMANDS: Final = frozenset({"echo", "which", "date", "pwd"})
-#: Bytes of ``git config --list`` output read to tell whether ``git`` would run programs the
-#: repository names; a repository whose config is longer is not read-only.
+#: Bytes of output of each ``git`` the check runs (``rev-parse``, ``config --list``) to find
+#: the repository and the programs its config names; beyond it the command is not read-only.
 GIT_CONFIG_MAX_BYTES: Final = 256 * 1024
-#: Seconds ``git config --list`` may take before the repository counts as not read-only.
+#: Seconds each ``git`` the check runs may take before the command counts as not read-only.
 GIT_CONFIG_TIMEOUT: Final = 5.0
 #: Repository config sections that make ``git status``/``log``/``diff`` run programs or read
 #: other files.
@@ -248,9 +248,11 @@ def _has_unsafe_option(name: str, args: list[str]) -> bool:
     return False
 
 
-def _read_bounded(argv: list[str], cwd: Path, limit: int, timeout: float) -> bytes | None:
-    """The stdout of ``argv`` when it exits 0 within ``timeout`` seconds having written at most
-    ``limit`` bytes; None otherwise (the process is killed)."""
+def _read_bounded(
+    argv: list[str], cwd: Path, limit: int, timeout: float
+) -> tuple[int, bytes] | None:
+    """The exit status and stdout of ``argv`` when it exits within ``timeout`` seconds having
+    written at most ``limit`` bytes; None otherwise (the process is killed)."""
     # The environment of a sandboxed command without its GIT_CONFIG_* settings (git would list
     # them); no user config either, as in the sandbox.
     env = {k: v for k, v in shell_env(home="/nonexistent").items() if not k.startswith("GIT_")}
@@ -290,28 +292,48 @@ def _read_bounded(argv: list[str], cwd: Path, limit: int, timeout: float) -> byt
             process.kill()
             process.wait()
         process.stdout.close()
-    return bytes(out) if code == 0 else None
+    return code, bytes(out)
 
 
-def _git_config_is_safe(workspace: Path) -> bool:
-    """Whether the config of the repository ``git`` would use in ``workspace`` names no program
-    git could run and includes nothing.
+def _git_repository_is_safe(workspace: Path) -> bool:
+    """Whether the repository ``git`` would use in ``workspace`` lies inside it and has a config
+    that names no program git could run and includes nothing.
 
-    Git parses its own config (``git config --list``), so the repository it finds (a bare one, a
-    ``.git`` file, ``commondir``, ``config.worktree``) and the way it reads each line (a byte-order
-    mark, ``]`` inside a quoted subsection) are git's, not a second parser's. The system and
-    user configs are left out, as in the sandbox. No repository at all is safe (git then only
-    reports the error).
+    Git finds the repository and parses its config itself (``git rev-parse``, ``git config
+    --list``), so the repository found (a bare one, a ``.git`` file, ``commondir``,
+    ``config.worktree``) and the way each line reads (a byte-order mark, ``]`` inside a quoted
+    subsection) are git's, not a second parser's. The system and user configs are left out, as
+    in the sandbox. Its git directory, common directory and object store must be inside the
+    workspace: a ``.git`` file, ``commondir`` or ``objects/info/alternates`` pointing elsewhere
+    would make an approved command read a repository outside it. No repository at all is safe
+    (git then only reports the error).
     """
+    found = _read_bounded(
+        ["git", "rev-parse", "--path-format=absolute", "--git-dir", "--git-common-dir"],
+        workspace,
+        GIT_CONFIG_MAX_BYTES,
+        GIT_CONFIG_TIMEOUT,
+    )
+    if found is None:
+        return False
+    code, out = found
+    if code != 0:
+        return True  # no repository here: git in the sandbox finds none either
+    dirs = [Path(os.path.realpath(os.fsdecode(line))) for line in out.splitlines() if line]
+    if len(dirs) != 2 or not all(is_within(d, workspace) for d in dirs):
+        return False
+    info = dirs[1] / "objects" / "info"
+    if os.path.lexists(info / "alternates") or os.path.lexists(info / "http-alternates"):
+        return False
     listing = _read_bounded(
         ["git", "config", "--list", "--no-includes", "-z"],
         workspace,
         GIT_CONFIG_MAX_BYTES,
         GIT_CONFIG_TIMEOUT,
     )
-    if listing is None:
+    if listing is None or listing[0] != 0:
         return False
-    for entry in listing.split(b"\0"):
+    for entry in listing[1].split(b"\0"):
         name = entry.partition(b"\n")[0].decode("utf-8", "replace").lower()
         if not name:
             continue
@@ -362,9 +384,9 @@ def read_only_argv(command: str, workspace: Path) -> list[str] | None:
       or newline anywhere, not even quoted; no unquoted brace, bracket, tilde, parenthesis or
       ``!``, and no comment (brace expansion such as ``cat {/etc/passwd,x}`` reads any file);
     * its program is in :data:`READ_ONLY_COMMANDS` (``git`` only with a subcommand in
-      :data:`GIT_READ_ONLY_SUBCOMMANDS`, and only when git's own reading of the repository's
-      config finds no program and no include: ``core.fsmonitor``, ``diff.external``, textconv,
-      filters...);
+      :data:`GIT_READ_ONLY_SUBCOMMANDS`, and only when the repository git finds lies inside the
+      workspace and git's own reading of its config finds no program and no include:
+      ``core.fsmonitor``, ``diff.external``, textconv, filters...);
     * it has none of the :data:`UNSAFE_OPTIONS` (``date -f``, ``grep -R``, ``rg --pre``,
       ``find -L``, ``git log --show-signature``...), no ``git`` format asks for a signature
       (``%G``), and no value glued to a short option holds a path;
@@ -420,7 +442,7 @@ def read_only_argv(command: str, workspace: Path) -> list[str] | None:
         return None
     if name == "git" and any("%G" in arg for arg in args):
         return None  # a format placeholder that verifies a signature (runs gpg)
-    if name == "git" and not _git_config_is_safe(workspace):
+    if name == "git" and not _git_repository_is_safe(workspace):
         return None
     if name not in NON_PATH_COMMANDS:
         operands = False
