@@ -361,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_dir=args.data_dir,
             config_file=args.config,
             token=token,
+            token_file=args.token_file,
             allow_origins=args.allow_origin,
             allow_hosts=args.allow_host,
             access_log=not args.no_access_log,

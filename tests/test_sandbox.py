@@ -7,6 +7,12 @@ and to reach the network. With the sandbox, each attempt fails with a clear tool
 read-only shortcut refuses it, or the command fails inside the sandbox); the network works again
 when the user grants it. With the sandbox turned off, every ``bash`` call asks.
 
+What runs without a prompt must be harmless because of where it runs: every command shape the
+read-only check approves runs with the network granted by the config and still reaches no
+network and cannot write the workspace, and the hostile layouts the check once misread (globs
+bash expands differently, git configs git reads differently, submodules, signature checks, the
+server's own files and Unix socket) either ask or run no program.
+
 The sandboxed tests are skipped only when ``bwrap`` cannot run here at all.
 """
 
@@ -14,8 +20,11 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
+import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +98,11 @@ def ws(tmp_path: Path, home: Path) -> Path:
     (workspace / "link").symlink_to(home / ".ssh" / "id_ed25519")
     (workspace / "sshdir").symlink_to(home / ".ssh")
     return workspace
+
+
+def git_init(path: Path) -> None:
+    """A real repository in ``path`` (git reads its own config for the read-only check)."""
+    subprocess.run(["git", "init", "-q", str(path)], env=shell_env(), check=True)
 
 
 def plant_hard_link(ws: Path, home: Path) -> None:
@@ -294,7 +308,9 @@ async def test_read_only_command_runs_without_asking_with_the_workspace_read_onl
     assert asker.requests == []
     # Were the read-only check ever wrong, the command that ran without asking still could not
     # write: the workspace is mounted read-only for it.
-    monkeypatch.setattr(bash_module, "is_read_only", lambda command, workspace: True)
+    monkeypatch.setattr(
+        bash_module, "read_only_argv", lambda command, workspace: ["bash", "-c", command]
+    )
     result = await bash(ctx, "touch planted")
     assert asker.requests == []
     assert "Read-only file system" in result.content
@@ -602,14 +618,14 @@ async def test_words_are_split_as_bash_splits_them(command: str) -> None:
 def test_git_with_a_repository_config_that_runs_programs_is_not_read_only(
     config: str, tmp_path: Path
 ) -> None:
-    (tmp_path / ".git").mkdir()
+    git_init(tmp_path)
     (tmp_path / ".git" / "config").write_text("[core]\n\tbare = false\n" + config)
     for command in ("git status", "git log", "git diff"):
         assert not is_read_only(command, tmp_path), (command, config)
 
 
 def test_git_with_a_plain_repository_config_is_read_only(tmp_path: Path) -> None:
-    (tmp_path / ".git").mkdir()
+    git_init(tmp_path)
     (tmp_path / ".git" / "config").write_text(
         "[core]\n\trepositoryformatversion = 0\n\tfilemode = true\n\tbare = false\n"
         '[remote "origin"]\n\turl = https://example.com/filter-repo.git\n'
@@ -619,8 +635,33 @@ def test_git_with_a_plain_repository_config_is_read_only(tmp_path: Path) -> None
     # A .git file points to a repository elsewhere: not read-only.
     other = tmp_path / "linked"
     other.mkdir()
-    (other / ".git").write_text("gitdir: /elsewhere\n")
+    (other / ".git").write_text(f"gitdir: {tmp_path / '.git'}\n")
     assert not is_read_only("git status", other)
+
+
+@pytest.mark.parametrize("layout", ["gitdir-file", "commondir", "alternates"])
+def test_git_with_a_repository_outside_the_workspace_is_not_read_only(
+    layout: str, tmp_path: Path
+) -> None:
+    """A ``.git`` file, ``commondir`` or ``objects/info/alternates`` pointing to a repository
+    elsewhere would make an approved ``git log -p`` read outside the workspace."""
+    elsewhere = tmp_path / "elsewhere"
+    git_init(elsewhere)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    if layout == "gitdir-file":
+        (ws / ".git").write_text(f"gitdir: {elsewhere / '.git'}\n")
+    else:
+        git_init(ws)
+        if layout == "commondir":
+            (ws / ".git" / "commondir").write_text(f"{elsewhere / '.git'}\n")
+        else:
+            (ws / ".git" / "objects" / "info" / "alternates").write_text(
+                f"{elsewhere / '.git' / 'objects'}\n"
+            )
+    assert not is_read_only("git log -p", ws)
+    # The same repository inside the workspace is fine.
+    assert is_read_only("git log -p", elsewhere)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,3 +779,340 @@ async def test_python_grep_with_a_catastrophic_regex_is_stopped(tmp_path: Path) 
     assert result.is_error and "grep timed out after 1 s and was stopped" in result.content
     assert time.monotonic() - started < 8
     assert _host_processes_with("grep_worker.py") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# what runs without a prompt is harmless because of where it runs
+
+
+def test_glob_names_that_bash_would_read_as_options_are_not_read_only(tmp_path: Path) -> None:
+    """A file named ``--pre=sh``: bash expands ``[[:punct:]]*`` and ``[^a]*`` to it (Python's
+    glob does not understand either), and rg would run sh on every file."""
+    (tmp_path / "--pre=sh").write_text("")
+    (tmp_path / "a.txt").write_text("echo hi\n")
+    for command in ("rg . [[:punct:]]*", "rg . [^a]*", "rg . *", "grep -r x ?-pre=sh", "cat *"):
+        assert not is_read_only(command, tmp_path), command
+    # The words approved are the words run: the glob is expanded by the check, not by bash.
+    assert readonly_module.read_only_argv("cat *.txt", tmp_path) == ["cat", "a.txt"]
+    assert readonly_module.read_only_argv("cat '[x]'", tmp_path) == ["cat", "[x]"]
+
+
+@needs_sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["rg . [[:punct:]]*", "rg . [^a]*", "ls [[:punct:]]*"])
+async def test_bracket_globs_ask(command: str, ws: Path) -> None:
+    (ws / "--pre=sh").write_text("")
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, sandbox()), command)
+    assert len(asker.requests) == 1 and result.stop_turn
+
+
+#: What a program the repository names prints when git runs it.
+GIT_RAN = "GIT-RAN-A-PROGRAM-5d2e"
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd,
+        env=shell_env(),
+        check=True,
+        capture_output=True,
+    )
+
+
+def _hostile_repository(ws: Path, layout: str) -> None:
+    """A repository in ``ws`` whose config, as git reads it, makes ``git log -p`` and
+    ``git diff`` run ``./conv.sh`` (a textconv driver), hidden from a line-by-line reading."""
+    conv = ws / "conv.sh"
+    # git reads the subsection "x]y" and then the variable on the same line.
+    textconv = '[diff "x]y"] textconv = ./conv.sh\n' if layout == "bracket" else ""
+    driver = "x]y" if layout == "bracket" else "x"
+    hostile = f'[diff "{driver}"]\n\ttextconv = ./conv.sh\n'
+    if layout == "bare":
+        _git(ws.parent, "init", "-q", "--bare", str(ws))
+        work = ws.parent / "work"
+        _git(ws.parent, "clone", "-q", str(ws), str(work))
+        (work / "a.txt").write_text("one\n")
+        (work / ".gitattributes").write_text("*.txt diff=x\n")
+        _git(work, "add", ".")
+        _git(work, "commit", "-qm", "one")
+        (work / "a.txt").write_text("two\n")
+        _git(work, "commit", "-qam", "two")
+        _git(work, "push", "-q", "origin", "HEAD")
+        (ws / "info").mkdir(exist_ok=True)
+        (ws / "info" / "attributes").write_text("*.txt diff=x\n")
+        with (ws / "config").open("a") as f:
+            f.write(hostile)
+    else:
+        git_init(ws)
+        (ws / "a.txt").write_text("one\n")
+        (ws / ".gitattributes").write_text(f"*.txt diff={driver}\n")
+        _git(ws, "add", "a.txt", ".gitattributes")
+        _git(ws, "commit", "-qm", "one")
+        (ws / "a.txt").write_text("two\n")
+        _git(ws, "commit", "-qam", "two")
+        (ws / "a.txt").write_text("three\n")
+        config = ws / ".git" / "config"
+        if layout == "bom-include":
+            (ws / ".git" / "extra").write_text(hostile)
+            config.write_bytes(b"\xef\xbb\xbf[include]\n\tpath = extra\n" + config.read_bytes())
+        elif layout == "bracket":
+            with config.open("a") as f:
+                f.write(textconv)
+        elif layout == "commondir":
+            common = ws / "common"
+            shutil.copytree(ws / ".git", common, symlinks=True)
+            with (common / "config").open("a") as f:
+                f.write(hostile)
+            (ws / ".git" / "commondir").write_text("../common\n")
+    conv.write_text(f'#!/bin/sh\necho {GIT_RAN}\ncat "$1"\n')
+    conv.chmod(0o755)
+
+
+@needs_sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["bom-include", "bracket", "commondir", "bare"])
+@pytest.mark.parametrize("command", ["git log -p", "git diff HEAD~1 HEAD"])
+async def test_git_config_that_git_reads_differently_runs_no_program(
+    layout: str, command: str, tmp_path: Path
+) -> None:
+    """Git parses the config for the check: a byte-order mark before ``[include]``, ``]``
+    inside a quoted subsection, ``.git/commondir`` and a bare repository as the workspace each
+    make the command ask; allowed, git still runs no textconv program."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    await trio.to_thread.run_sync(_hostile_repository, ws, layout)
+    # git itself runs the program here (the layout is real):
+    plain = await trio.run_process(
+        command.split(), cwd=ws, env=shell_env(), capture_stdout=True, check=False
+    )
+    assert GIT_RAN in plain.stdout.decode(), plain
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, sandbox()), command)
+    assert len(asker.requests) == 1 and result.stop_turn, result.content
+    assert GIT_RAN not in result.content
+
+
+def _repository_with_a_submodule(ws: Path) -> None:
+    """``ws`` holds a repository whose submodule ``sub`` runs ``./conv.sh`` as a textconv
+    driver, and whose own config shows submodule diffs."""
+    sub = ws / "sub"
+    sub.mkdir(parents=True)
+    git_init(sub)
+    (sub / "a.txt").write_text("one\n")
+    (sub / ".gitattributes").write_text("*.txt diff=x\n")
+    _git(sub, "add", ".")
+    _git(sub, "commit", "-qm", "one")
+    git_init(ws)
+    _git(ws, "add", "sub")
+    _git(ws, "commit", "-qm", "sub")
+    (sub / "a.txt").write_text("two\n")
+    _git(sub, "commit", "-qam", "two")
+    with (sub / ".git" / "config").open("a") as f:
+        f.write('[diff "x"]\n\ttextconv = ./conv.sh\n')
+    with (ws / ".git" / "config").open("a") as f:
+        f.write("[diff]\n\tsubmodule = diff\n")
+    (sub / "conv.sh").write_text(f'#!/bin/sh\necho {GIT_RAN}\ncat "$1"\n')
+    (sub / "conv.sh").chmod(0o755)
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_git_does_not_look_into_an_embedded_repository(tmp_path: Path) -> None:
+    """An embedded repository (a submodule) has its own config, which the check does not read:
+    approved ``git diff`` and ``git status`` never look into it (``diff.submodule=diff`` in the
+    outer config would run the inner one's textconv)."""
+    ws = tmp_path / "ws"
+    await trio.to_thread.run_sync(_repository_with_a_submodule, ws)
+    plain = await trio.run_process(
+        ["git", "diff"], cwd=ws, env=shell_env(), capture_stdout=True, check=False
+    )
+    assert GIT_RAN in plain.stdout.decode(), plain
+    asker = Asker(allow=False)
+    for command in ("git diff", "git status", "git log -p"):
+        result = await bash(make_ctx(ws, asker, sandbox()), command)
+        assert asker.requests == [], command
+        assert GIT_RAN not in result.content, (command, result.content)
+
+
+@needs_sandbox
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        "git log --show-signature",
+        "git log --show-sig",
+        "git log --format=%G?",
+        "git log --pretty=tformat:%GS",
+        "git diff --ignore-submodules=none",
+        "git diff --submodule=diff",
+    ],
+)
+async def test_git_signature_checks_and_submodules_ask(command: str, ws: Path) -> None:
+    """Checking a signature runs gpg; looking into a submodule reads a config not checked."""
+    git_init(ws)
+    asker = Asker(allow=False)
+    result = await bash(make_ctx(ws, asker, sandbox()), command)
+    assert len(asker.requests) == 1 and result.stop_turn
+
+
+#: Programs that stand in for the read-only ones in :func:`test_prompt_free_commands_reach_
+#: nothing`: each reports whether the network and a write into the workspace work, as a
+#: program the classifier was wrong about would try.
+_FAKE_PROGRAM = """#!/bin/bash
+# (the read-only check runs git config and git rev-parse outside the sandbox: the real git)
+case "$(basename "$0") $1" in "git config"|"git rev-parse") exec {git} "$@";; esac
+if (exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null; then echo NET-OPEN; else echo NET-CLOSED; fi
+if touch planted-by-$(basename "$0") 2>/dev/null; then echo WS-WRITABLE; else echo WS-READONLY; fi
+"""
+
+#: Every shape of command the read-only classifier approves (``echo`` and ``pwd`` are bash
+#: builtins, so no program of the workspace's choosing runs for them).
+PROMPT_FREE_SHAPES = (
+    "ls",
+    "ls -la .",
+    "cat hello.txt",
+    "cat *.txt",
+    "head -n 1 hello.txt",
+    "tail -n 1 hello.txt",
+    "wc -l hello.txt",
+    "grep -rn hi .",
+    "rg hi",
+    "find . -name '*.txt'",
+    "which git",
+    "date +%s",
+    "git status",
+    "git log -p",
+    "git diff HEAD",
+)
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_prompt_free_commands_reach_nothing(
+    ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every command shape that runs without a prompt, with ``options.sandbox.network: true``:
+    whatever the program does, it reaches no network and cannot write the workspace."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    accepted = 0
+
+    async def accept() -> None:
+        nonlocal accepted
+        while True:
+            stream = await listeners[0].accept()
+            accepted += 1
+            await stream.aclose()
+
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir()
+    git = shutil.which("git")
+    assert git is not None
+    for name in sorted(readonly_module.READ_ONLY_COMMANDS):
+        program = fake_bin / name
+        program.write_text(_FAKE_PROGRAM.format(git=git, port=port))
+        program.chmod(0o755)
+    git_init(ws)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    box = sandbox(network=True, read_only_paths=(str(fake_bin),))
+    asker = Asker(allow=False)
+    # The same program reaches the network when the user allowed the command:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        allowed = await bash(make_ctx(ws, Asker(allow=True), box), f"{fake_bin}/cat x")
+        assert allowed.content.startswith("NET-OPEN\nWS-WRITABLE\n"), allowed.content
+        (ws / "planted-by-cat").unlink()
+        for command in PROMPT_FREE_SHAPES:
+            result = await bash(make_ctx(ws, asker, box), command)
+            assert asker.requests == [], command
+            assert result.content.startswith("NET-CLOSED\nWS-READONLY\n"), (command, result)
+        nursery.cancel_scope.cancel()
+    await listeners[0].aclose()
+    assert accepted == 1
+    assert not [name for name in os.listdir(ws) if name.startswith("planted-by-")]
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_proc_1_cmdline_shows_no_hidden_path(ws: Path, home: Path) -> None:
+    """The sandbox's first process is a fork of bwrap: its command line must not list what is
+    hidden."""
+    hidden = ws / "hidden-dir-3b9f"
+    hidden.mkdir()
+    box = sandbox(hidden=(hidden,), deny_read=("~/private-4c1a",))
+    (home / "private-4c1a").write_text("x\n")
+    result = await bash(make_ctx(ws, Asker(allow=True), box), "cat /proc/1/cmdline; echo")
+    assert "bwrap" in result.content and "bash" in result.content, result.content
+    assert "hidden-dir-3b9f" not in result.content and "private-4c1a" not in result.content
+    assert ".ssh" not in result.content
+
+
+_SKIP_SCRIPT = """import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+body = b'{{"skip": true}}'
+s.sendall(
+    b"POST /v1/workspaces/{wid}/permissions/skip HTTP/1.1\\r\\nHost: localhost\\r\\n"
+    b"Content-Type: application/json\\r\\nContent-Length: %d\\r\\n\\r\\n%s" % (len(body), body)
+)
+print(s.recv(4096).decode(errors="replace"))
+"""
+
+
+@needs_sandbox
+@pytest.mark.slow
+async def test_server_secrets_and_socket_are_out_of_reach(tmp_path: Path, home: Path) -> None:
+    """A server on a Unix socket in the workspace (the home directory), with its --config file,
+    --token-file and a webhook secret file there too: a command the user allowed reads none of
+    them, and cannot turn on skip mode through the socket."""
+    from .conftest import running_server
+
+    (home / "hook-secret").write_text(f"{SECRET}\n")
+    config = home / "server.json"
+    config.write_bytes(
+        orjson.dumps(
+            {
+                "webhooks": [
+                    {
+                        "url": "http://127.0.0.1:9/hook-e8a1",
+                        "secret_file": str(home / "hook-secret"),
+                    }
+                ]
+            }
+        )
+    )
+    (home / "token").write_text(f"{SERVER_TOKEN}\n")
+    sock = home / "crush.sock"
+    async with running_server(
+        tmp_path,
+        host=f"unix:{sock}",
+        config_file=config,
+        token=SERVER_TOKEN,
+        token_file=home / "token",
+    ) as server:
+        backend = server.backend
+        with trio.fail_after(10):
+            ws = await backend.open(str(home), str(uuid.uuid4()))
+        assert ws.sandbox is not None
+        (home / "skip.py").write_text(_SKIP_SCRIPT.format(wid=ws.id))
+        ctx = make_ctx(home, Asker(allow=True), ws.sandbox)
+        ctx.data_dir = ws.data_dir
+        result = await bash(
+            ctx,
+            f"cat server.json token hook-secret; ls -la crush.sock; python3 skip.py {sock}",
+        )
+        assert "hook-e8a1" not in result.content
+        assert_no_leak(result)
+        assert "HTTP/1.1 200" not in result.content
+        assert ws.permissions.skip is False
+        # Were the socket's path visible (a hidden list that missed it), a peer inside the
+        # sandbox is refused all the same.
+        bare = sandbox()
+        ctx = make_ctx(home, Asker(allow=True), bare)
+        ctx.data_dir = ws.data_dir
+        result = await bash(ctx, f"python3 skip.py {sock}")
+        assert "HTTP/1.1 403 Forbidden" in result.content, result.content
+        assert "another PID or user namespace" in result.content
+        assert ws.permissions.skip is False

@@ -61,16 +61,28 @@ class Backend:
             end of every workspace's runs (docs/webhooks.md).
         outbox: the webhook outbox to use (default: one in ``data_dir``, else in
             :func:`~crush_trio.webhooks.default_outbox_dir`).
+        secret_paths: more paths the server was started with that no sandboxed command may
+            see: the ``--token-file`` and the Unix socket it listens on.
     """
 
     def _sandbox_hidden(self) -> tuple[Path, ...]:
-        """The server's own directories, hidden from sandboxed bash commands."""
+        """Every path the server was started with, hidden from sandboxed bash commands: its
+        data and user config directories, ``--config`` file, webhook outbox (its directory, with
+        the database's side files) and secret files, ``--token-file`` and Unix socket."""
         config_dir = user_config_file(user_config_dir=self.user_config_dir).parent
-        return tuple(p for p in (self.data_dir, config_dir) if p is not None)
+        paths = [p for p in (self.data_dir, config_dir, self.config_file) if p is not None]
+        paths.append(self.webhooks.path.parent)
+        paths += _secret_files(self.webhook_endpoints)
+        paths += self.secret_paths
+        return tuple(paths)
 
-    def _open_data_dirs(self) -> list[Path]:
-        """The data directories of the open workspaces (each hides the others' from bash)."""
-        return [ws.data_dir for ws in self.workspaces.values()]
+    def _more_hidden(self) -> list[Path]:
+        """The data directories of the open workspaces (each hides the others' from bash), and
+        the webhook secret files their configurations name."""
+        paths = [ws.data_dir for ws in self.workspaces.values()]
+        for ws in self.workspaces.values():
+            paths += _secret_files(ws.config.webhooks)
+        return paths
 
     def __init__(
         self,
@@ -84,8 +96,10 @@ class Backend:
         webhooks: Sequence[WebhookConfig] = (),
         outbox: Webhooks | None = None,
         placement: Placement | None = None,
+        secret_paths: Sequence[Path] = (),
     ) -> None:
         self.server = server
+        self.secret_paths = tuple(secret_paths)
         #: The node's placement in a cluster (docs/cluster.md); None for a single server.
         self.placement = placement
         self.config_file = config_file
@@ -223,7 +237,7 @@ class Backend:
                 trusted=loaded.trusted,
                 warnings=loaded.warnings,
                 sandbox_hidden=self._sandbox_hidden(),
-                sandbox_more_hidden=self._open_data_dirs,
+                sandbox_more_hidden=self._more_hidden,
                 on_run_complete=self._run_completed,
                 on_permission_request=self._permission_requested,
                 **cluster,
@@ -483,6 +497,12 @@ class Backend:
             ws.request_shutdown()
         for ws in workspaces:
             await ws.closed.wait()
+
+
+def _secret_files(hooks: Sequence[WebhookConfig]) -> list[Path]:
+    """The ``secret_file`` of each webhook endpoint that has one (absolute, ``~`` expanded)."""
+    paths = [Path(hook.secret_file).expanduser() for hook in hooks if hook.secret_file]
+    return [p for p in paths if p.is_absolute()]
 
 
 def _leaves(exc: BaseException) -> Iterator[BaseException]:

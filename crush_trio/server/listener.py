@@ -39,6 +39,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from trio_websocket import ConnectionClosed
 
+from .peers import sandboxed_peer
+
 log = logging.getLogger(__name__)
 
 #: Longest request head read before dispatching (bytes); a longer head is answered 431.
@@ -239,7 +241,12 @@ def check_headers(headers: Iterable[tuple[bytes, bytes]]) -> None:
 async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -> None:
     """Write the dispatcher's own error answer (the connection is closed afterwards)."""
     body = orjson.dumps({"message": error.message})
-    reason = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
+    reason = {
+        400: "Bad Request",
+        403: "Forbidden",
+        408: "Request Timeout",
+        431: "Request Header Fields Too Large",
+    }
     head = (
         f"HTTP/1.1 {error.status} {reason.get(error.status, '')}\r\n"
         "content-type: application/json\r\n"
@@ -541,6 +548,8 @@ async def serve_dispatching(
     lifespan = Lifespan(app, config, lifespan_state)
     context = WorkerContext(None)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+    # A Unix socket needs no token, so no sandboxed command may connect to it (peers.py).
+    unix = sock.family == socket.AF_UNIX
 
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
@@ -549,6 +558,11 @@ async def serve_dispatching(
 
             async def handle(stream: trio.SocketStream) -> None:
                 async with contained(stream):
+                    refused = sandboxed_peer(stream.socket) if unix else None
+                    if refused is not None:
+                        log.warning("refused a Unix-socket connection: %s", refused)
+                        await answer_error(stream, HeadError(403, refused))
+                        return
                     try:
                         head = await read_head(stream)
                         if not head:

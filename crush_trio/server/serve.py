@@ -65,6 +65,8 @@ class ServeOptions:
     data_dir: Path | None = None
     config_file: Path | None = None
     token: str | None = None
+    #: ``--token-file``: where ``token`` was read from (hidden from sandboxed commands).
+    token_file: Path | None = None
     allow_origins: list[str] = attrs.field(factory=list)
     #: ``--allow-host``: host names served besides loopback and ``server.allowed_hosts``.
     allow_hosts: list[str] = attrs.field(factory=list)
@@ -200,6 +202,11 @@ async def serve(
         provider_factory=options.provider_factory,
         webhooks=config.webhooks,
         placement=placement,
+        secret_paths=[
+            p
+            for p in (options.token_file, Path(url[len("unix:") :]) if unix else None)
+            if p is not None
+        ],
     )
     settings = Settings(
         token=token,

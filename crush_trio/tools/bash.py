@@ -10,11 +10,14 @@ writes only inside the workspace and a private ``/tmp``, the user's secrets abse
 unless granted, a scrubbed environment. Every process dies with the call.
 
 Permission (action ``"execute"``): in the sandbox, every command asks except one simple read-only
-command (:func:`~crush_trio.tools.readonly.is_read_only`), which then runs with the workspace
-read-only too; a call that asks for the network (``network: true``) asks unless
-``options.sandbox.network`` grants it. Without a sandbox (not Linux, no user namespaces,
-``options.sandbox.enabled: false``) every command asks, read-only or not, and runs with the server
-user's rights (but the same scrubbed environment).
+command (:func:`~crush_trio.tools.readonly.read_only_argv`) that does not ask for the network.
+Such a command runs without a prompt, so it runs ``prompt_free``: the words the classifier
+checked (quoted again, globs already expanded), in the sandbox with the workspace read-only and
+no network whatever ``options.sandbox.network`` says. It is harmless because of where it runs,
+even when the classifier is wrong about it. A call that asks for the network (``network: true``)
+asks unless ``options.sandbox.network`` grants it. Without a sandbox (not Linux, no user
+namespaces, ``options.sandbox.enabled: false``) every command asks, read-only or not, and runs
+with the server user's rights (but the same scrubbed environment).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from .base import (
     ask_permission,
     run_blocking,
 )
-from .readonly import is_read_only
+from .readonly import read_only_argv, read_only_command
 from .shell import ShellOutcome, run_shell
 
 __all__ = ["BashTool"]
@@ -125,12 +128,14 @@ class BashTool(ToolBase):
         sandbox = ctx.sandbox
         wants_network = bool(params.get("network") or False)
         asks_network = sandbox is not None and wants_network and not sandbox.network
-        read_only = (
-            sandbox is not None
-            and not asks_network
-            and await run_blocking(ctx, "bash", is_read_only, command, workdir)
-        )
-        if not read_only:
+        # A call that wants the network is never prompt-free: it runs as the user allows it.
+        approved: list[str] | None = None
+        if sandbox is not None and not wants_network:
+            approved = await run_blocking(ctx, "bash", read_only_argv, command, workdir)
+        read_only = approved is not None
+        if approved is not None:
+            command = read_only_command(approved)  # the words checked, and nothing else
+        else:
             if sandbox is None:
                 where = (
                     "with no sandbox: it can read, change and send anything your user account can"
@@ -161,11 +166,12 @@ class BashTool(ToolBase):
             data_dir=ctx.data_dir,
             writable=not read_only,
             network=True if asks_network else None,
+            prompt_free=read_only,
         )
         body = outcome.output.rstrip("\n") or "(no output)"
         status = _status_line(outcome, timeout, ctx.timeout)
         if sandbox is not None and outcome.exit_code != 0:
             status += "\n" + _sandbox_note(
-                writable=not read_only, network=sandbox.network or asks_network
+                writable=not read_only, network=not read_only and (sandbox.network or asks_network)
             )
         return ToolResult(content=f"{body}\n{status}", is_error=outcome.timed_out)

