@@ -79,9 +79,11 @@ async def run_tools(
     done: set[str],
     history: list[Message],
     save_timeout: float,
+    run_id: str | None = None,
 ) -> None:
     """Run ``calls`` of ``msg`` with ``tools`` (None: none available) and save their results;
-    each call's id is added to ``done`` and the tool message to ``history``.
+    each call's id is added to ``done`` and the tool message to ``history``. ``run_id`` is the
+    run the calls belong to (streamed output and background jobs name it).
 
     Raises:
         StopTurn: a result asked to end the turn (the calls after it are skipped).
@@ -103,7 +105,11 @@ async def run_tools(
             outcome = "cancelled"
             try:
                 result = await tools.call(
-                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
+                    call.name,
+                    call.input,
+                    session_id=msg.session_id,
+                    tool_call_id=call.id,
+                    run_id=run_id,
                 )
                 outcome = _outcome(result)
             finally:

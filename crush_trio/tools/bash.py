@@ -35,6 +35,7 @@ from .base import (
 )
 from .readonly import is_read_only
 from .shell import ShellOutcome, run_shell
+from .stream import OutputStreamer
 
 __all__ = ["BashTool"]
 
@@ -73,6 +74,34 @@ def _sandbox_note(*, writable: bool, network: bool) -> str:
     return "; ".join(parts)
 
 
+async def _start_job(
+    ctx: ToolContext, command: str, *, read_only: bool, network: bool | None
+) -> ToolResult:
+    """Start ``command`` (already allowed) as a background job of ``ctx.jobs``."""
+    if ctx.jobs is None:
+        raise ToolError(
+            "background jobs are not available here; run the command without background=true"
+        )
+    job = await ctx.jobs.start(
+        command,
+        cwd=ctx.workspace,
+        session_id=ctx.session_id,
+        run_id=ctx.run_id,
+        tool_call_id=ctx.tool_call_id,
+        sandbox=ctx.sandbox,
+        data_dir=ctx.data_dir,
+        writable=not read_only,
+        network=network,
+    )
+    return ToolResult(
+        content=(
+            f"started background job {job.id}: {command}\n"
+            f"Read its output with job_output (job_id {job.id!r}, wait up to N seconds for it "
+            "to end) and stop it with job_kill. It is stopped when the workspace closes."
+        )
+    )
+
+
 @attrs.define
 class BashTool(ToolBase):
     """``bash``: run a shell command in the workspace."""
@@ -108,6 +137,13 @@ class BashTool(ToolBase):
                     "description": "The command needs the network (downloads, package installs); "
                     "asks the user unless the workspace allows network access.",
                 },
+                "background": {
+                    "type": "boolean",
+                    "description": "Start the command as a background job and return its id at "
+                    "once (for servers, watchers, long builds); read its output with job_output "
+                    "and stop it with job_kill. It runs until it ends, is killed or the "
+                    "workspace closes; the timeout does not apply.",
+                },
             },
             "required": ["command"],
         },
@@ -124,6 +160,7 @@ class BashTool(ToolBase):
         workdir = ctx.workspace
         sandbox = ctx.sandbox
         wants_network = bool(params.get("network") or False)
+        background = bool(params.get("background") or False)
         asks_network = sandbox is not None and wants_network and not sandbox.network
         read_only = (
             sandbox is not None
@@ -142,16 +179,34 @@ class BashTool(ToolBase):
                 ctx,
                 tool_name="bash",
                 action="execute",
-                description=f"Run a shell command in {workdir} {where}: {command}",
+                description=(
+                    f"{'Start a background job' if background else 'Run a shell command'} in "
+                    f"{workdir} {where}: {command}"
+                ),
                 params={
                     "command": command,
                     "workdir": str(workdir),
                     "timeout": timeout,
                     "sandboxed": sandbox is not None,
                     "network": sandbox is None or sandbox.network or asks_network,
+                    "background": background,
                 },
                 path=workdir,
             )
+        if background:
+            return await _start_job(
+                ctx, command, read_only=read_only, network=True if asks_network else None
+            )
+        streamer = (
+            OutputStreamer(
+                ctx.publish,
+                session_id=ctx.session_id,
+                tool_call_id=ctx.tool_call_id,
+                run_id=ctx.run_id,
+            )
+            if ctx.publish is not None
+            else None
+        )
         outcome = await run_shell(
             command,
             cwd=workdir,
@@ -161,6 +216,7 @@ class BashTool(ToolBase):
             data_dir=ctx.data_dir,
             writable=not read_only,
             network=True if asks_network else None,
+            streamer=streamer,
         )
         body = outcome.output.rstrip("\n") or "(no output)"
         status = _status_line(outcome, timeout, ctx.timeout)
