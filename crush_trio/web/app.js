@@ -20,6 +20,7 @@ import { api, ApiError, httpCommand } from "./api.js";
 import { EventStream } from "./connection.js";
 import { clear, h, uuid } from "./dom.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
+import { JobsPanel } from "./jobs.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -97,6 +98,8 @@ class App {
     this.refreshing = { queue: null, runs: null };
     // Counters shown nowhere; for debugging in the console and for the end-to-end tests.
     this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0, deltas: 0, rereads: 0 };
+    /** Streaming command output and background jobs (jobs.js); created once the page exists. */
+    this.jobs = null;
   }
 
   // -- start-up ---------------------------------------------------------------------------------
@@ -266,6 +269,7 @@ class App {
     this.wantedSession = wantedSession;
     this.wid = info.id;
     this.path = info.path;
+    this.jobsPanel().setWorkspace(info.id);
     $("workspace-path").value = info.path;
     this.renderTrust(info);
     document.title = `${baseName(info.path)} · crush_trio`;
@@ -481,6 +485,7 @@ class App {
       this.updateControls();
       this.refreshQueue();
       this.refreshRuns();
+      this.jobsPanel().refresh();
     } catch (err) {
       if (gen === this.syncGen) this.toast(`Cannot load the workspace: ${err.message}`, "error");
     }
@@ -494,6 +499,7 @@ class App {
         this.onSession(kind, obj);
         break;
       case "message":
+        this.jobsPanel().onMessage(obj);
         if (obj.session_id !== this.current) return;
         if (kind === "deleted") this.removeMessage(obj.id);
         else {
@@ -518,6 +524,9 @@ class App {
         } else if (obj.type === "retry" && obj.session_id === this.current) {
           this.announce(obj.message);
         }
+        break;
+      case "tool_output":
+        this.jobsPanel().onOutput(obj);
         break;
       case "permission_request":
         this.permissions.set(obj.id, obj);
@@ -590,9 +599,16 @@ class App {
     }
   }
 
+  /** The running-commands and jobs panel, above the prompt area. */
+  jobsPanel() {
+    if (!this.jobs) this.jobs = new JobsPanel(document.querySelector(".prompt-area"));
+    return this.jobs;
+  }
+
   async selectSession(sid) {
     const gen = ++this.loadGen;
     this.current = sid;
+    this.jobsPanel().setSession(sid);
     this.replaceMessages([]);
     this.queued = [];
     this.renderQueue();
