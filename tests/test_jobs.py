@@ -428,3 +428,18 @@ async def test_cancel_of_the_run_kills_its_jobs_only_when_configured(
             assert stopped == []
             assert process_alive(shell_pid) and process_alive(child_pid)
     assert not process_alive(shell_pid) and not process_alive(child_pid)
+
+
+def test_polling_a_job_is_not_a_repeated_call_loop() -> None:
+    from crush_trio.agent.tool_step import REPEATED_TOOL_CALL_LIMIT, RepeatedCalls
+    from crush_trio.errors import ProviderError
+    from crush_trio.wire import ToolCallPart
+
+    poll = [ToolCallPart("c", "job_output", '{"job_id": "job-1", "wait": 30}')]
+    repeated = RepeatedCalls()
+    for _ in range(REPEATED_TOOL_CALL_LIMIT * 2):
+        repeated.check(poll)
+    same = [ToolCallPart("c", "bash", '{"command": "ls"}')]
+    with pytest.raises(ProviderError, match="repeated the same tool call"):
+        for _ in range(REPEATED_TOOL_CALL_LIMIT):
+            repeated.check(same)

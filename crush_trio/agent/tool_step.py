@@ -26,6 +26,10 @@ CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
 FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
 #: The same tool call (name and input) this many times in a row ends the turn.
 REPEATED_TOOL_CALL_LIMIT: Final = 5
+#: Tools whose same call repeated is progress, not a loop: reading a background job's new output
+#: (each call returns what came since the last one, and waits at most ``JOB_OUTPUT_MAX_WAIT``).
+#: A step that calls only these is not counted; ``options.max_steps`` still bounds the turn.
+POLLING_TOOLS: Final = frozenset({"job_output"})
 
 
 class StopTurn(Exception):
@@ -45,6 +49,8 @@ class RepeatedCalls:
         Raises:
             ProviderError: the last ``limit`` steps asked for the same calls.
         """
+        if calls and all(c.name in POLLING_TOOLS for c in calls):
+            return
         self._seen.append(orjson.dumps([[c.name, c.input] for c in calls]).decode())
         if len(self._seen) >= self.limit and len(set(self._seen[-self.limit :])) == 1:
             raise ProviderError(
