@@ -77,9 +77,11 @@ async def call(ctx: ToolContext, name: str, **params: Any) -> ToolResult:
         return await call_tool(default_tools(), name, orjson.dumps(params).decode(), ctx)
 
 
-async def wait_output(manager: JobManager, job_id: str, needle: bytes) -> None:
+async def wait_output(
+    manager: JobManager, job_id: str, needle: bytes, session_id: str = "s1"
+) -> None:
     """Wait (event-driven, bounded) until the job's unread output holds ``needle``."""
-    job = manager.get(job_id, "s1")
+    job = manager.get(job_id, session_id)
     with trio.fail_after(WAIT):
         while needle not in job.unread:
             if job.state is not JobState.RUNNING:

@@ -25,6 +25,7 @@ from crush_trio.tools.stream import TOOL_OUTPUT_INTERVAL, TOOL_OUTPUT_MAX_BYTES
 from crush_trio.wire import JobState, ToolOutput, ToolResultPart
 
 from .conftest import WAIT
+from .test_jobs import wait_output
 from .test_tools import process_alive, wait_process_gone
 
 pytestmark = pytest.mark.slow
@@ -220,3 +221,38 @@ async def test_cancelling_the_run_ends_its_jobs_when_configured(
     else:
         assert process_alive(shell_pid) and process_alive(child_pid)
         assert (await ws.agent_info()).jobs[0].state is JobState.RUNNING
+
+
+async def test_server_shutdown_ends_every_job_tree(tmp_path: Path) -> None:
+    import orjson
+
+    from .conftest import running_server
+
+    model = ScriptedModel(
+        [Step(tool_calls=[("bash", {"command": JOB, "background": True})]), Step("started")]
+    )
+    config = tmp_path / "crush.json"
+    config.write_bytes(
+        orjson.dumps({"permissions": {"allowed_tools": ["bash"]}, "options": NO_SANDBOX})
+    )
+    project = tmp_path / "project"
+    project.mkdir()
+    with trio.fail_after(3 * WAIT):
+        async with running_server(tmp_path, config_file=config, provider_factory=model) as srv:
+            wid = (await srv.open_workspace(project))["id"]
+            sid = (await srv.create_session(wid))["id"]
+            async with srv.websocket(wid) as socket:
+                await srv.prompt(wid, sid, "start it", run_id="x1")
+                await socket.run_complete("x1")
+            (job,) = (await srv.http.get(f"/v1/workspaces/{wid}/agent")).json()["jobs"]
+            assert job["state"] == "running"
+            # The job writes its pids before its first output.
+            workspace = srv.backend.get(wid)
+            await wait_output(workspace.jobs, "job-1", b"started", sid)
+            shell_pid, child_pid = (
+                int((project / name).read_text()) for name in ("shell.pid", "child.pid")
+            )
+            assert process_alive(shell_pid) and process_alive(child_pid)
+        # running_server stopped the server: every workspace closed, every job tree ended.
+        assert workspace.closed.is_set()
+    assert not process_alive(shell_pid) and not process_alive(child_pid)
