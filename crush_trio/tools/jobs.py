@@ -32,7 +32,7 @@ from typing import Final
 import attrs
 import trio
 
-from ..config import DEFAULT_JOB_BUFFER_BYTES, DEFAULT_MAX_JOBS, JobsOptions
+from ..config import DEFAULT_JOB_BUFFER_BYTES, JobsOptions
 from ..wire import JobInfo, JobState, ToolOutput, now
 from .base import ToolError
 from .sandbox import Sandbox, shell_env
@@ -341,7 +341,3 @@ class JobManager:
         for job in stopped:
             job.scope.cancel()
         return stopped
-
-    @property
-    def limit(self) -> int:
-        return self.options.max_jobs or DEFAULT_MAX_JOBS
