@@ -96,6 +96,7 @@ UNTRUSTED_OPTION_KEYS: Final = frozenset(
         "compact_ratio",
         "default_context_window",
         "summary_max_tokens",
+        "agent_max_steps",
     }
 )
 #: Keys of a provider entry an untrusted workspace may set: the model list and the bounds, never
@@ -157,6 +158,16 @@ DEFAULT_TOOL_TIMEOUT: Final = 120.0
 #: Bytes of ``bash`` output kept in a tool result (``ToolContext.bash_output_limit``); the head
 #: and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
+
+#: Most model calls of one ``agent`` tool call (a sub-agent's run in its child session).
+DEFAULT_AGENT_MAX_STEPS: Final = 25
+# Background jobs (``bash`` with ``background: true``; docs/tools.md).
+#: Jobs a workspace keeps at once (running, plus ended ones not yet evicted); a new job beyond
+#: the bound evicts the oldest ended job, and is refused when all of them still run.
+DEFAULT_MAX_JOBS: Final = 8
+#: Bytes of a job's output not yet read by ``job_output`` that are kept (the oldest are dropped,
+#: and counted, beyond it).
+DEFAULT_JOB_BUFFER_BYTES: Final = 256 * 1024
 
 # Summaries and auto-compaction (Crush's thresholds).
 #: Context window assumed for a model whose entry gives none (``context_window`` 0), in tokens.
@@ -366,6 +377,19 @@ class SandboxOptions:
 
 
 @attrs.frozen
+class JobsOptions:
+    """``options.jobs``: background jobs of ``bash`` (docs/tools.md)."""
+
+    #: See :data:`DEFAULT_MAX_JOBS`.
+    max_jobs: int = _positive(DEFAULT_MAX_JOBS)
+    #: See :data:`DEFAULT_JOB_BUFFER_BYTES`.
+    buffer_bytes: int = _positive(DEFAULT_JOB_BUFFER_BYTES)
+    #: Cancelling a run also kills the background jobs it started (otherwise they go on until
+    #: they end, ``job_kill`` or the workspace closes).
+    kill_on_cancel: bool = False
+
+
+@attrs.frozen
 class Options:
     """Workspace and agent options."""
 
@@ -393,6 +417,9 @@ class Options:
     #: Context window of a model whose entry does not give one.
     default_context_window: int = _positive(DEFAULT_CONTEXT_WINDOW)
     summary_max_tokens: int = _positive(DEFAULT_SUMMARY_MAX_TOKENS)
+    #: See :data:`DEFAULT_AGENT_MAX_STEPS`.
+    agent_max_steps: int = _positive(DEFAULT_AGENT_MAX_STEPS)
+    jobs: JobsOptions = attrs.field(factory=JobsOptions)
 
 
 @attrs.frozen

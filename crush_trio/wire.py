@@ -315,6 +315,35 @@ class SandboxInfo:
     reason: str = ""
 
 
+class JobState(enum.StrEnum):
+    """Where a background job is (docs/tools.md, ``bash`` with ``background``)."""
+
+    RUNNING = "running"
+    EXITED = "exited"
+    KILLED = "killed"
+
+
+@attrs.define
+class JobInfo:
+    """One background job in the agent info (``GET .../agent``, field ``jobs``).
+
+    ``exit_code`` is the shell's status once the job exited (negative: a signal); ``output_bytes``
+    counts every byte it wrote, ``unread_bytes`` those ``job_output`` has not returned yet (the
+    buffer keeps at most ``options.jobs.buffer_bytes`` of them).
+    """
+
+    id: str
+    command: str
+    session_id: str
+    run_id: str | None = None
+    tool_call_id: str = ""
+    state: JobState = JobState.RUNNING
+    exit_code: int | None = None
+    started_at: int = attrs.field(factory=now)
+    output_bytes: int = 0
+    unread_bytes: int = 0
+
+
 @attrs.define
 class AgentInfo:
     is_busy: bool
@@ -323,6 +352,8 @@ class AgentInfo:
     sandbox: SandboxInfo = attrs.field(factory=SandboxInfo)
     #: The workspace's MCP servers, by name order (docs/mcp.md).
     mcp: list[McpServerInfo] = attrs.field(factory=list)
+    #: The workspace's background jobs, oldest first (running ones and the last ended ones).
+    jobs: list[JobInfo] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -505,6 +536,31 @@ def apply_delta(message: Message, delta: MessageDelta) -> bool:
     return True
 
 
+@attrs.define
+class ToolOutput:
+    """A piece of the output of a running ``bash`` command or background job (the lossy
+    ``tool_output`` event, docs/protocol.md §6.2).
+
+    ``offset`` is the number of output bytes before ``text`` (the stream position, counted in
+    bytes of the command's output); ``dropped`` is how many bytes right after ``text`` were not
+    published because the stream's rate bound was reached (the next piece's ``offset`` is past
+    them). A client that missed pieces (a ``gap``, a
+    ``dropped`` count, an ``offset`` past what it has) reads the tool result once it is final,
+    or the job's output with ``job_output``. ``done`` marks the last piece of a background job
+    (with its ``exit_code``); a foreground command's end is its tool result message.
+    """
+
+    session_id: str
+    tool_call_id: str
+    offset: int
+    text: str
+    run_id: str | None = None
+    job_id: str | None = None
+    dropped: int = 0
+    done: bool = False
+    exit_code: int | None = None
+
+
 class EventKind(enum.StrEnum):
     """The inner ``payload.type`` of an envelope."""
 
@@ -521,6 +577,7 @@ class PayloadType(enum.StrEnum):
     RUN_COMPLETE = "run_complete"
     PERMISSION_REQUEST = "permission_request"
     PERMISSION_NOTIFICATION = "permission_notification"
+    TOOL_OUTPUT = "tool_output"
 
     @property
     def must_deliver(self) -> bool:
@@ -543,6 +600,7 @@ PAYLOAD_TYPES: Final[dict[type[Any], PayloadType]] = {
     RunComplete: PayloadType.RUN_COMPLETE,
     PermissionRequest: PayloadType.PERMISSION_REQUEST,
     PermissionNotification: PayloadType.PERMISSION_NOTIFICATION,
+    ToolOutput: PayloadType.TOOL_OUTPUT,
 }
 
 
@@ -588,6 +646,7 @@ def _make_converter() -> cattrs.Converter:
         EventKind,
         PayloadType,
         McpState,
+        JobState,
     ):
         conv.register_structure_hook(enum_cls, _structure_enum)
 
@@ -628,6 +687,18 @@ def _make_converter() -> cattrs.Converter:
             conv,
             tool_call_id=override(omit_if_default=True),
             tool_name=override(omit_if_default=True),
+        ),
+    )
+    # A job's last piece says so with its exit code; other pieces leave both out.
+    conv.register_unstructure_hook(
+        ToolOutput,
+        make_dict_unstructure_fn(
+            ToolOutput,
+            conv,
+            job_id=override(omit_if_default=True),
+            dropped=override(omit_if_default=True),
+            done=override(omit_if_default=True),
+            exit_code=override(omit_if_default=True),
         ),
     )
     conv.register_unstructure_hook_func(

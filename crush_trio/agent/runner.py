@@ -194,6 +194,7 @@ class Agent:
         self._providers: dict[str, pb.Provider] = {}
         self._replaced_providers: list[pb.Provider] = []
         self.tools = tools
+        self._bind_tools(tools)
         self._scopes: dict[int, trio.CancelScope] = {}
         #: Runs accepted and not yet ended: a run_complete is published only for a run still in
         #: here, and the run leaves it then (exactly once; memory bounded by the live runs).
@@ -224,9 +225,30 @@ class Agent:
         again from the new configuration)."""
         self.config = config
         self.tools = tools
+        self._bind_tools(tools)
         # A running turn may still use them: they are closed with the others at shutdown.
         self._replaced_providers += self._providers.values()
         self._providers = {}
+
+    def _bind_tools(self, tools: Any) -> None:
+        """Let ``tools`` run ``agent`` calls through this agent (a toolbox with a ``subagent``
+        slot; other tool objects are left as they are)."""
+        if tools is not None and hasattr(tools, "subagent"):
+            tools.subagent = self
+
+    async def run_subagent(
+        self, *, parent_session_id: str, run_id: str | None, tool_call_id: str, prompt: str
+    ) -> str:
+        """Run an ``agent`` tool call (see :func:`crush_trio.agent.subagent.run_subagent`)."""
+        from .subagent import run_subagent
+
+        return await run_subagent(
+            self,
+            parent_session_id=parent_session_id,
+            run_id=run_id,
+            tool_call_id=tool_call_id,
+            prompt=prompt,
+        )
 
     def model_info(self) -> dict[str, Any]:
         name, provider, model = self.config.resolve_model("large")
@@ -542,6 +564,8 @@ class Agent:
                 log.exception("turn of run %s failed with a bug", turn.primary.run_id)
         finally:
             self._scopes.pop(id(turn), None)
+            if cancelled:
+                self._cancel_jobs(turn)
             # The terminals are decided in memory first, so that a slow or failing store can
             # delay or lose a save but never a run's run_complete.
             completes = self._decide(progress, error=error, cancelled=cancelled)
@@ -553,6 +577,13 @@ class Agent:
                 except Exception:
                     log.exception("saving the end of run %s failed", turn.primary.run_id)
         return completes
+
+    def _cancel_jobs(self, turn: Turn) -> None:
+        """A cancelled turn: its runs' background jobs end too when ``options.jobs
+        .kill_on_cancel`` says so (see :meth:`JobManager.cancel_runs`)."""
+        jobs = getattr(self.tools, "jobs", None)
+        if jobs is not None:
+            jobs.cancel_runs(p.run_id for p in turn.prompts)
 
     def _decide(
         self, progress: _TurnProgress, *, error: BaseException | None, cancelled: bool
@@ -721,6 +752,7 @@ class Agent:
                         done=progress.results,
                         history=progress.history,
                         save_timeout=self.save_timeout,
+                        run_id=turn.primary.run_id,
                     )
                 except StopTurn as stop:
                     # A denied permission ends the turn; the tool result says why. One nobody

@@ -26,6 +26,10 @@ CANCELED_TOOL_RESULT: Final = "Error: user cancelled assistant tool calling"
 FAILED_TOOL_RESULT: Final = "There was an error while executing the tool"
 #: The same tool call (name and input) this many times in a row ends the turn.
 REPEATED_TOOL_CALL_LIMIT: Final = 5
+#: Tools whose same call repeated is progress, not a loop: reading a background job's new output
+#: (each call returns what came since the last one, and waits at most ``JOB_OUTPUT_MAX_WAIT``).
+#: A step that calls only these is not counted; ``options.max_steps`` still bounds the turn.
+POLLING_TOOLS: Final = frozenset({"job_output"})
 
 
 class StopTurn(Exception):
@@ -53,6 +57,8 @@ class RepeatedCalls:
         Raises:
             ProviderError: the last ``limit`` steps asked for the same calls.
         """
+        if calls and all(c.name in POLLING_TOOLS for c in calls):
+            return
         self._seen.append(orjson.dumps([[c.name, c.input] for c in calls]).decode())
         if len(self._seen) >= self.limit and len(set(self._seen[-self.limit :])) == 1:
             raise ProviderError(
@@ -87,9 +93,11 @@ async def run_tools(
     done: set[str],
     history: list[Message],
     save_timeout: float,
+    run_id: str | None = None,
 ) -> None:
     """Run ``calls`` of ``msg`` with ``tools`` (None: none available) and save their results;
-    each call's id is added to ``done`` and the tool message to ``history``.
+    each call's id is added to ``done`` and the tool message to ``history``. ``run_id`` is the
+    run the calls belong to (streamed output and background jobs name it).
 
     Raises:
         StopTurn: a result asked to end the turn (the calls after it are skipped).
@@ -112,7 +120,11 @@ async def run_tools(
             outcome = "cancelled"
             try:
                 result = await tools.call(
-                    call.name, call.input, session_id=msg.session_id, tool_call_id=call.id
+                    call.name,
+                    call.input,
+                    session_id=msg.session_id,
+                    tool_call_id=call.id,
+                    run_id=run_id,
                 )
                 outcome = _outcome(result)
             finally:

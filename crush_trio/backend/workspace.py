@@ -5,7 +5,8 @@ Task ownership (see docs/architecture.md)::
     Backend nursery
       └─ Workspace.serve                      one per open workspace
            ├─ background nursery              message flusher, run-record writer, titles,
-           │                                  MCP servers (tools/mcp.py, one task each)
+           │                                  MCP servers (tools/mcp.py, one task each),
+           │                                  background jobs (tools/jobs.py, one task each)
            │    └─ runs nursery               session drivers (one per busy session)
            └─ hold watcher (inline)           ends serve when nothing holds the workspace
 
@@ -44,7 +45,7 @@ from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
-from ..tools import Toolbox
+from ..tools import JobManager, Toolbox
 from ..tools.mcp import McpManager
 from ..tools.sandbox import Sandbox, SandboxStatus
 from ..tools.sandbox import probe as sandbox_probe
@@ -201,6 +202,8 @@ class Workspace:
         self.agent: Agent
         #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
+        #: Background jobs of ``bash`` (docs/tools.md); ended when the workspace closes.
+        self.jobs = JobManager(publish=self.broker.publish, options=config.options.jobs)
         self.permissions = PermissionService(
             self.broker,
             allowed_tools=list(config.permissions.allowed_tools),
@@ -319,6 +322,8 @@ class Workspace:
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
                 await background.start(self.mcp.run)
+                # Cancelled with the background nursery below: every job's process group ends.
+                await background.start(self.jobs.run)
                 async with trio.open_nursery() as runs:
                     self.agent = agent = Agent(
                         store=self.store,
@@ -427,6 +432,7 @@ class Workspace:
     def _make_tools(self) -> Toolbox:
         options = self.config.options
         self._configure_sandbox()
+        self.jobs.configure(options.jobs)
         return Toolbox(
             workspace=self.path,
             data_dir=self.data_dir,
@@ -435,6 +441,8 @@ class Workspace:
             bash_output_limit=options.bash_output_limit,
             sandbox=self.sandbox,
             mcp=self.mcp,
+            publish=self.broker.publish,
+            jobs=self.jobs,
         )
 
     async def _watch_holds(self) -> None:

@@ -11,6 +11,9 @@ Layers, from the bottom:
   :mod:`.edit` — ``edit``.
 * :mod:`.bash` — ``bash``, built on :mod:`.readonly` (which commands may run without asking),
   :mod:`.shell` (running a command in its own process group) and :mod:`.sandbox`.
+* :mod:`.stream` — ``tool_output`` events of a running command; :mod:`.jobs` — background
+  jobs (``bash`` with ``background``), read and ended by :mod:`.job_tools` (``job_output``,
+  ``job_kill``); :mod:`.agent_tool` — ``agent``, a sub-agent with the read-only tools.
 * this module — :func:`default_tools` and :func:`call_tool`, which parses the model's JSON input,
   checks it against the tool's parameter schema, runs the tool and turns every failure into an
   error result the model can read. See ``docs/tools.md``.
@@ -19,7 +22,7 @@ Layers, from the bottom:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
@@ -27,11 +30,14 @@ from typing import Any, Final
 import attrs
 import orjson
 
+from ..wire import ToolOutput
+from .agent_tool import AgentTool
 from .base import (
     DEFAULT_BASH_OUTPUT_LIMIT,
     DEFAULT_TOOL_TIMEOUT,
     PermissionAsker,
     PermissionDenied,
+    SubAgentRunner,
     Tool,
     ToolContext,
     ToolError,
@@ -41,22 +47,30 @@ from .base import (
 from .bash import BashTool
 from .edit import EditTool
 from .grep import GrepTool
+from .job_tools import JobKillTool, JobOutputTool
+from .jobs import JobManager
 from .mcp import McpManager
 from .paths import ResolvedPath, resolve_path
 from .read import GlobTool, LsTool, ViewTool
 from .readonly import is_read_only
 from .sandbox import Sandbox
+from .stream import OutputStreamer
 from .write import WriteTool
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
     "DEFAULT_TOOL_TIMEOUT",
     "TOOLS_BY_NAME",
+    "AgentTool",
     "BashTool",
     "EditTool",
     "GlobTool",
     "GrepTool",
+    "JobKillTool",
+    "JobManager",
+    "JobOutputTool",
     "LsTool",
+    "OutputStreamer",
     "PermissionAsker",
     "PermissionDenied",
     "ResolvedPath",
@@ -72,6 +86,7 @@ __all__ = [
     "check_params",
     "default_tools",
     "is_read_only",
+    "read_only_tools",
     "resolve_path",
     "tool_specs",
 ]
@@ -81,7 +96,25 @@ logger = logging.getLogger(__name__)
 
 def default_tools() -> list[Tool]:
     """A fresh list of the built-in tools, in the order they are offered to the model."""
-    return [LsTool(), ViewTool(), GlobTool(), GrepTool(), WriteTool(), EditTool(), BashTool()]
+    return [
+        LsTool(),
+        ViewTool(),
+        GlobTool(),
+        GrepTool(),
+        WriteTool(),
+        EditTool(),
+        BashTool(),
+        # Streamed output, background jobs and sub-agents (docs/tools.md).
+        JobOutputTool(),
+        JobKillTool(),
+        AgentTool(),
+    ]
+
+
+def read_only_tools(tools: Iterable[Tool]) -> list[Tool]:
+    """The tools of ``tools`` whose ``read_only`` attribute is true (what a sub-agent gets);
+    a tool without the attribute is not read-only."""
+    return [tool for tool in tools if getattr(tool, "read_only", False) is True]
 
 
 #: The built-in tools by name (read-only mapping).
@@ -267,6 +300,19 @@ class Toolbox:
     #: The workspace's MCP servers; the tools of those connected join :attr:`tools` at each
     #: model step (docs/mcp.md).
     mcp: McpManager | None = None
+    #: Publishes lossy events (``tool_output``) to the workspace's clients; None: not streamed.
+    publish: Callable[[ToolOutput], object] | None = None
+    #: The workspace's background jobs; None: ``bash`` cannot start any.
+    jobs: JobManager | None = None
+    #: Runs ``agent`` calls (the agent loop sets it); None: no sub-agents.
+    subagent: SubAgentRunner | None = None
+
+    def read_only(self) -> Toolbox:
+        """This toolbox with only the read-only tools (no MCP tools, jobs or sub-agents): a
+        sub-agent's."""
+        return attrs.evolve(
+            self, tools=read_only_tools(self.tools), mcp=None, jobs=None, subagent=None
+        )
 
     def offered(self) -> list[Tool]:
         """The tools on offer now: the built-in ones, then those of connected MCP servers."""
@@ -279,7 +325,13 @@ class Toolbox:
         return tool_specs(self.offered())
 
     async def call(
-        self, name: str, input_json: str, *, session_id: str, tool_call_id: str
+        self,
+        name: str,
+        input_json: str,
+        *,
+        session_id: str,
+        tool_call_id: str,
+        run_id: str | None = None,
     ) -> ToolResult:
         """Run one tool call (see :func:`call_tool`).
 
@@ -295,5 +347,9 @@ class Toolbox:
             timeout=self.timeout,
             bash_output_limit=self.bash_output_limit,
             sandbox=self.sandbox,
+            run_id=run_id,
+            publish=self.publish,
+            jobs=self.jobs,
+            subagent=self.subagent,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

@@ -25,8 +25,9 @@ Every ask happens before the tool has any side effect.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 import attrs
 import trio
@@ -36,11 +37,16 @@ from ..errors import CrushError
 from ..providers.base import ToolSpec
 from .sandbox import Sandbox
 
+if TYPE_CHECKING:
+    from ..wire import ToolOutput
+    from .jobs import JobManager
+
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
     "DEFAULT_TOOL_TIMEOUT",
     "PermissionAsker",
     "PermissionDenied",
+    "SubAgentRunner",
     "Tool",
     "ToolBase",
     "ToolContext",
@@ -131,6 +137,24 @@ class PermissionAsker(Protocol):
         ...
 
 
+class SubAgentRunner(Protocol):
+    """Runs a task in a child session with the read-only tools (the ``agent`` tool); the agent
+    loop implements it."""
+
+    async def run_subagent(
+        self, *, parent_session_id: str, run_id: str | None, tool_call_id: str, prompt: str
+    ) -> str:
+        """Run ``prompt`` in a new child session of ``parent_session_id``; return its final text.
+
+        Raises:
+            ToolError: the sub-agent could not run or failed; the message says why.
+
+        Cancellation:
+            Cancelling stops the child's run; its messages are saved as cancelled first.
+        """
+        ...
+
+
 def _real_path(value: str | os.PathLike[str]) -> Path:
     return Path(os.path.realpath(value))
 
@@ -151,6 +175,12 @@ class ToolContext:
         bash_output_limit: bytes of ``bash`` output kept (:data:`DEFAULT_BASH_OUTPUT_LIMIT`).
         sandbox: how ``bash`` commands are confined; None when no OS sandbox is available (or
             it is turned off), and then every ``bash`` command asks for permission.
+        run_id: the run whose turn makes the call (None outside a run).
+        publish: publishes a lossy event to the workspace's clients (``tool_output`` pieces of
+            a running command); None: nothing is streamed.
+        jobs: the workspace's background jobs (``bash`` with ``background``, ``job_output``,
+            ``job_kill``); None: no background jobs here.
+        subagent: runs the ``agent`` tool's child session; None: no sub-agents here.
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -161,6 +191,10 @@ class ToolContext:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    run_id: str | None = None
+    publish: Callable[[ToolOutput], object] | None = None
+    jobs: JobManager | None = None
+    subagent: SubAgentRunner | None = None
 
 
 class Tool(Protocol):
@@ -216,6 +250,10 @@ class ToolBase:
     model as a result."""
 
     __slots__ = ()
+
+    #: Whether the tool only reads (under the usual permission rule): the read-only tools are
+    #: those a sub-agent (``agent``) gets. A tool without this attribute counts as not read-only.
+    read_only: ClassVar[bool] = False
 
     async def run(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
         """Run one call (see :meth:`Tool.run`)."""

@@ -38,6 +38,7 @@ from .base import (
 )
 from .readonly import read_only_argv, read_only_command
 from .shell import ShellOutcome, run_shell
+from .stream import OutputStreamer
 
 __all__ = ["BashTool"]
 
@@ -76,6 +77,35 @@ def _sandbox_note(*, writable: bool, network: bool) -> str:
     return "; ".join(parts)
 
 
+async def _start_job(
+    ctx: ToolContext, command: str, *, read_only: bool, network: bool | None
+) -> ToolResult:
+    """Start ``command`` (already allowed) as a background job of ``ctx.jobs``."""
+    if ctx.jobs is None:
+        raise ToolError(
+            "background jobs are not available here; run the command without background=true"
+        )
+    job = await ctx.jobs.start(
+        command,
+        cwd=ctx.workspace,
+        session_id=ctx.session_id,
+        run_id=ctx.run_id,
+        tool_call_id=ctx.tool_call_id,
+        sandbox=ctx.sandbox,
+        data_dir=ctx.data_dir,
+        writable=not read_only,
+        network=network,
+        prompt_free=read_only,
+    )
+    return ToolResult(
+        content=(
+            f"started background job {job.id}: {command}\n"
+            f"Read its output with job_output (job_id {job.id!r}, wait up to N seconds for it "
+            "to end) and stop it with job_kill. It is stopped when the workspace closes."
+        )
+    )
+
+
 @attrs.define
 class BashTool(ToolBase):
     """``bash``: run a shell command in the workspace."""
@@ -111,6 +141,13 @@ class BashTool(ToolBase):
                     "description": "The command needs the network (downloads, package installs); "
                     "asks the user unless the workspace allows network access.",
                 },
+                "background": {
+                    "type": "boolean",
+                    "description": "Start the command as a background job and return its id at "
+                    "once (for servers, watchers, long builds); read its output with job_output "
+                    "and stop it with job_kill. It runs until it ends, is killed or the "
+                    "workspace closes; the timeout does not apply.",
+                },
             },
             "required": ["command"],
         },
@@ -127,6 +164,7 @@ class BashTool(ToolBase):
         workdir = ctx.workspace
         sandbox = ctx.sandbox
         wants_network = bool(params.get("network") or False)
+        background = bool(params.get("background") or False)
         asks_network = sandbox is not None and wants_network and not sandbox.network
         # A call that wants the network is never prompt-free: it runs as the user allows it.
         approved: list[str] | None = None
@@ -147,16 +185,34 @@ class BashTool(ToolBase):
                 ctx,
                 tool_name="bash",
                 action="execute",
-                description=f"Run a shell command in {workdir} {where}: {command}",
+                description=(
+                    f"{'Start a background job' if background else 'Run a shell command'} in "
+                    f"{workdir} {where}: {command}"
+                ),
                 params={
                     "command": command,
                     "workdir": str(workdir),
                     "timeout": timeout,
                     "sandboxed": sandbox is not None,
                     "network": sandbox is None or sandbox.network or asks_network,
+                    "background": background,
                 },
                 path=workdir,
             )
+        if background:
+            return await _start_job(
+                ctx, command, read_only=read_only, network=True if asks_network else None
+            )
+        streamer = (
+            OutputStreamer(
+                ctx.publish,
+                session_id=ctx.session_id,
+                tool_call_id=ctx.tool_call_id,
+                run_id=ctx.run_id,
+            )
+            if ctx.publish is not None
+            else None
+        )
         outcome = await run_shell(
             command,
             cwd=workdir,
@@ -167,6 +223,7 @@ class BashTool(ToolBase):
             writable=not read_only,
             network=True if asks_network else None,
             prompt_free=read_only,
+            streamer=streamer,
         )
         body = outcome.output.rstrip("\n") or "(no output)"
         status = _status_line(outcome, timeout, ctx.timeout)

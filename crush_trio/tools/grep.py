@@ -211,6 +211,8 @@ class GrepTool(ToolBase):
 
     use_rg: bool = True
 
+    #: Offered to sub-agents (``agent``): it only reads, under the usual permission rule.
+    read_only = True
     spec = ToolSpec(
         name="grep",
         description=(

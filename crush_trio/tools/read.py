@@ -165,6 +165,8 @@ def _list_tree(
 class LsTool(ToolBase):
     """``ls``: a tree listing of a directory."""
 
+    #: Offered to sub-agents (``agent``): it only reads, under the usual permission rule.
+    read_only = True
     spec = ToolSpec(
         name="ls",
         description=(
@@ -233,6 +235,8 @@ def _other_names(path: Path) -> int:
 class ViewTool(ToolBase):
     """``view``: a text file's lines, numbered."""
 
+    #: Offered to sub-agents (``agent``): it only reads, under the usual permission rule.
+    read_only = True
     spec = ToolSpec(
         name="view",
         description=(
@@ -331,6 +335,8 @@ def _glob(
 class GlobTool(ToolBase):
     """``glob``: files whose path matches a pattern, newest first."""
 
+    #: Offered to sub-agents (``agent``): it only reads, under the usual permission rule.
+    read_only = True
     spec = ToolSpec(
         name="glob",
         description=(

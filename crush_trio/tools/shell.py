@@ -21,8 +21,18 @@ import trio
 
 from .base import tool_thread_limiter
 from .sandbox import Sandbox, shell_env, spawn_args
+from .stream import OutputStreamer
 
-__all__ = ["CLEANUP_MARGIN", "KILL_GRACE", "ShellOutcome", "run_shell"]
+__all__ = [
+    "CLEANUP_MARGIN",
+    "KILL_GRACE",
+    "ShellOutcome",
+    "deliver_cancel",
+    "end_group",
+    "render_output",
+    "run_shell",
+    "shell_argv",
+]
 
 #: Seconds a process group gets between SIGTERM and SIGKILL.
 KILL_GRACE: Final = 2.0
@@ -83,6 +93,14 @@ class _OutputBuffer:
         return head + tail, 0
 
 
+def render_output(data: bytes, limit: int) -> tuple[str, int]:
+    """``data`` as text within ``limit`` bytes (head and tail kept, the middle cut), and how
+    many bytes were cut."""
+    buffer = _OutputBuffer(max(limit, 2))
+    buffer.add(data)
+    return buffer.render()
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
@@ -119,7 +137,7 @@ def _group_has_live_members(pgid: int) -> bool:
     return False
 
 
-async def _end_group(pgid: int) -> None:
+async def end_group(pgid: int) -> None:
     """End every process of group ``pgid``: SIGTERM, then SIGKILL after :data:`KILL_GRACE`.
 
     Cancellation:
@@ -140,18 +158,66 @@ async def _end_group(pgid: int) -> None:
     _signal_group(pgid, signal.SIGKILL)
 
 
-async def _deliver_cancel(process: trio.Process) -> None:
+async def deliver_cancel(process: trio.Process) -> None:
     """``trio.run_process``'s cancel hook: end the shell's whole group, not just the shell."""
     _signal_group(process.pid, signal.SIGTERM)
     await trio.sleep(KILL_GRACE)
     _signal_group(process.pid, signal.SIGKILL)
 
 
-async def _collect(stream: trio.abc.ReceiveStream, into: _OutputBuffer, done: trio.Event) -> None:
+async def _collect(
+    stream: trio.abc.ReceiveStream,
+    into: _OutputBuffer,
+    done: trio.Event,
+    streamer: OutputStreamer | None = None,
+) -> None:
     async with stream:
         async for chunk in stream:
             into.add(chunk)
+            if streamer is not None:
+                streamer.feed(chunk)
     done.set()
+
+
+async def shell_argv(
+    command: str,
+    *,
+    cwd: Path,
+    sandbox: Sandbox | None,
+    data_dir: Path | None,
+    writable: bool,
+    network: bool | None,
+    prompt_free: bool = False,
+) -> tuple[list[str], int | None]:
+    """The command line of ``bash -c command``: inside ``sandbox``'s ``bwrap`` when given.
+
+    Returns the argv and, in the sandbox, the descriptor that holds ``bwrap``'s layout
+    (:func:`~crush_trio.tools.sandbox.spawn_args`): pass it to the child (``pass_fds``) and
+    close it once the child has started (or if it never starts).
+
+    Cancellation:
+        Abandons the worker thread that checks the sandbox's paths.
+    """
+    argv = ["bash", "-c", command]
+    if sandbox is None:
+        return argv, None
+    extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden else ()
+    layout: list[str] = await trio.to_thread.run_sync(
+        partial(
+            sandbox.command,
+            argv,
+            workspace=cwd,
+            data_dir=data_dir,
+            writable=writable,
+            network=network,
+            extra_hidden=extra_hidden,
+            prompt_free=prompt_free,
+        ),
+        abandon_on_cancel=True,
+        limiter=tool_thread_limiter(),
+    )
+    spawned, fd = spawn_args(layout)
+    return spawned, fd
 
 
 async def run_shell(
@@ -165,6 +231,7 @@ async def run_shell(
     writable: bool = True,
     network: bool | None = None,
     prompt_free: bool = False,
+    streamer: OutputStreamer | None = None,
 ) -> ShellOutcome:
     """Run ``bash -c command`` in ``cwd`` in its own process group, in ``sandbox`` if given.
 
@@ -183,6 +250,7 @@ async def run_shell(
         prompt_free: the command runs without a prompt: in the sandbox, the workspace is
             read-only and there is no network whatever ``writable`` and ``network`` say
             (:meth:`~crush_trio.tools.sandbox.Sandbox.command`).
+        streamer: gets every output chunk as it is read, to publish it while the command runs.
 
     Returns:
         The output and how the command ended. When the command returns, its process group is
@@ -194,29 +262,20 @@ async def run_shell(
         propagates.
     """
     output = _OutputBuffer(max(output_limit, 2))
-    argv = ["bash", "-c", command]
     pgid: int | None = None
     exit_code: int | None = None
     args_fd: int | None = None
     try:
         with trio.move_on_after(time_limit):
-            if sandbox is not None:
-                extra_hidden = tuple(sandbox.more_hidden()) if sandbox.more_hidden else ()
-                layout = await trio.to_thread.run_sync(
-                    partial(
-                        sandbox.command,
-                        argv,
-                        workspace=cwd,
-                        data_dir=data_dir,
-                        writable=writable,
-                        network=network,
-                        extra_hidden=extra_hidden,
-                        prompt_free=prompt_free,
-                    ),
-                    abandon_on_cancel=True,
-                    limiter=tool_thread_limiter(),
-                )
-                argv, args_fd = spawn_args(layout)
+            argv, args_fd = await shell_argv(
+                command,
+                cwd=cwd,
+                sandbox=sandbox,
+                data_dir=data_dir,
+                writable=writable,
+                network=network,
+                prompt_free=prompt_free,
+            )
             async with trio.open_nursery() as nursery:
                 process: trio.Process = await nursery.start(
                     partial(
@@ -229,7 +288,7 @@ async def run_shell(
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                         check=False,
-                        deliver_cancel=_deliver_cancel,
+                        deliver_cancel=deliver_cancel,
                         pass_fds=() if args_fd is None else (args_fd,),
                     )
                 )
@@ -239,19 +298,23 @@ async def run_shell(
                     args_fd = None
                 assert process.stdout is not None
                 drained = trio.Event()
-                nursery.start_soon(_collect, process.stdout, output, drained)
+                nursery.start_soon(_collect, process.stdout, output, drained, streamer)
+                if streamer is not None:
+                    nursery.start_soon(streamer.run)
                 exit_code = await process.wait()
                 # A background process still holds the output pipe; end it so the pipe closes.
-                await _end_group(pgid)
+                await end_group(pgid)
                 with trio.move_on_after(OUTPUT_DRAIN_TIMEOUT):
                     await drained.wait()
                 nursery.cancel_scope.cancel()
     finally:
         if args_fd is not None:
             os.close(args_fd)
+        if streamer is not None:
+            streamer.close()
         if pgid is not None:
             with trio.move_on_after(KILL_GRACE + CLEANUP_MARGIN, shield=True):
-                await _end_group(pgid)
+                await end_group(pgid)
     text, cut = output.render()
     return ShellOutcome(
         output=text, cut_bytes=cut, exit_code=exit_code, timed_out=exit_code is None

@@ -23,6 +23,7 @@ import { Attention } from "./notify.js";
 import { modelChoices, renderAgent, renderModelPicker, renderSummarize, renderUsage, togglePanel } from "./panel.js";
 import { SHORTCUTS, answerForKey, isShortcutTarget, requestView, risksOf } from "./permcard.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
+import { JobsPanel } from "./jobs.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -110,6 +111,8 @@ class App {
     this.summaryProgress = "";
     // Counters shown nowhere; for debugging in the console and for the end-to-end tests.
     this.stats = { connects: 0, resumes: 0, gaps: 0, resyncs: 0, deltas: 0, rereads: 0 };
+    /** Streaming command output and background jobs (jobs.js); created once the page exists. */
+    this.jobs = null;
   }
 
   // -- start-up ---------------------------------------------------------------------------------
@@ -301,6 +304,7 @@ class App {
     this.wantedSession = wantedSession;
     this.wid = info.id;
     this.path = info.path;
+    this.jobsPanel().setWorkspace(info.id);
     $("workspace-path").value = info.path;
     this.renderTrust(info);
     document.title = `${baseName(info.path)} · crush_trio`;
@@ -563,6 +567,7 @@ class App {
       this.updateControls();
       this.refreshQueue();
       this.refreshRuns();
+      this.jobsPanel().refresh();
     } catch (err) {
       if (gen === this.syncGen) this.toast(`Cannot load the workspace: ${err.message}`, "error");
     }
@@ -576,6 +581,7 @@ class App {
         this.onSession(kind, obj);
         break;
       case "message":
+        this.jobsPanel().onMessage(obj);
         if (obj.session_id !== this.current) return;
         if (kind === "deleted") this.removeMessage(obj.id);
         else {
@@ -605,6 +611,9 @@ class App {
         } else if (obj.type === "mcp") {
           this.showModel();
         }
+        break;
+      case "tool_output":
+        this.jobsPanel().onOutput(obj);
         break;
       case "permission_request":
         this.permissions.set(obj.id, obj);
@@ -680,9 +689,16 @@ class App {
     }
   }
 
+  /** The running-commands and jobs panel, above the prompt area. */
+  jobsPanel() {
+    if (!this.jobs) this.jobs = new JobsPanel(document.querySelector(".prompt-area"));
+    return this.jobs;
+  }
+
   async selectSession(sid) {
     const gen = ++this.loadGen;
     this.current = sid;
+    this.jobsPanel().setSession(sid);
     this.replaceMessages([]);
     this.queued = [];
     this.renderQueue();
