@@ -70,7 +70,7 @@ async def test_provider_error_carries_run_and_session(
             "type": "error",
             "session_id": sid,
             "run_id": "bad",
-            "message": "upstream exploded",
+            "text": "upstream exploded",
             "error": "upstream exploded",
         }
     ]

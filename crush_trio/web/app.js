@@ -514,9 +514,9 @@ class App {
         break;
       case "agent_event":
         if (obj.type === "error" && obj.session_id === this.current && !this.runs.has(obj.run_id)) {
-          this.toast(`A run failed: ${obj.message || obj.error}`, "error");
+          this.toast(`A run failed: ${obj.text || obj.error}`, "error");
         } else if (obj.type === "retry" && obj.session_id === this.current) {
-          this.announce(obj.message);
+          this.announce(obj.text);
         }
         break;
       case "permission_request":
