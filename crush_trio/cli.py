@@ -1,4 +1,5 @@
-"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1), ``run`` (PROTOCOL §8) and ``trust``.
+"""The ``crush-trio`` command: ``serve`` (PROTOCOL §1), ``run`` (PROTOCOL §8), ``models`` and
+``trust``.
 
 argparse (stdlib) is enough for these flat flag sets and keeps start-up fast for ``run``.
 """
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_run_parser(sub)
+        from .models_cmd import add_models_parser
+
+        add_models_parser(sub)
     return parser
 
 
