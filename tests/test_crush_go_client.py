@@ -537,6 +537,11 @@ async def test_crush_tui_start_session_busy_and_cancel(tmp_path: Path) -> None:
             session = await c.ok("POST", w + "/sessions", SESSION, body={"title": "tui"})
             sid = session["id"]
             await c.ok("GET", f"{w}/sessions/{sid}", SESSION)
+            # Renaming in the sessions dialog: SaveSession PUTs the whole proto.Session.
+            renamed = await c.ok(
+                "PUT", f"{w}/sessions/{sid}", SESSION, body={**session, "title": "renamed"}
+            )
+            assert renamed["title"] == "renamed" and renamed["id"] == sid
             assert await c.ok("GET", f"{w}/sessions/{sid}/history", LIST(FILE)) == []
             assert await c.ok("GET", f"{w}/sessions/{sid}/filetracker/files", LIST(STR)) == []
             await c.ok(

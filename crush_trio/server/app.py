@@ -285,6 +285,12 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         req = await body(UpdateSessionRequest)
         return json_response(await api.rename_session(api.workspace(wid), sid, req.title))
 
+    @app.put("/v1/workspaces/<wid>/sessions/<sid>")
+    async def save_session(wid: str, sid: str) -> Response:
+        # Crush's SaveSession sends the whole session; only its title can change here.
+        req = await body(UpdateSessionRequest)
+        return json_response(await api.rename_session(api.workspace(wid), sid, req.title))
+
     @app.delete("/v1/workspaces/<wid>/sessions/<sid>")
     async def delete_session(wid: str, sid: str) -> Response:
         return json_response(await api.delete_session(api.workspace(wid), sid))

@@ -200,6 +200,9 @@ def routes() -> list[Route]:
         Route("GET", s, "One session", wire.Session, tag="sessions"),
         Route("PATCH", s, "Rename a session", wire.Session, body=wire.UpdateSessionRequest,
               tag="sessions"),
+        Route("PUT", s, "Rename a session (Crush's SaveSession: the whole session is sent, "
+              "only its title is used)", wire.Session, body=wire.UpdateSessionRequest,
+              tag="sessions"),
         Route("DELETE", s, "Delete a session (its runs are cancelled first)", _EMPTY,
               tag="sessions"),
         Route("GET", s + "/messages", "A session's messages, oldest first",
