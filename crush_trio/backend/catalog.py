@@ -14,7 +14,7 @@ environment values are never part of any of it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import attrs
 
@@ -39,6 +39,7 @@ from ..wire import (
 )
 
 Role = Literal["large", "small"]
+ROLES: Final[tuple[Role, ...]] = ("large", "small")
 
 
 def providers_of(config: Config) -> dict[str, ProviderConfig]:
@@ -61,8 +62,8 @@ def _entries(config: Config, name: str, provider: ProviderConfig) -> list[ModelE
     ids: list[str] = []
     if provider.type == "echo":
         ids.append(ECHO_MODEL)
-    for role in ("large", "small"):
-        selected = _selected(config, role)  # type: ignore[arg-type]
+    for role in ROLES:
+        selected = _selected(config, role)
         if selected is not None and selected.provider == name and selected.model not in ids:
             ids.append(selected.model)
     return [ModelEntry(id=i) for i in ids]
@@ -121,9 +122,9 @@ def selection(config: Config, role: Role) -> ModelChoice | None:
 
 def workspace_config(config: Config, data_dir: Path) -> WorkspaceConfig:
     """The workspace object's ``config``: Crush's ``config.Config`` shape, without secrets."""
-    models = {}
-    for role in ("large", "small"):
-        choice = selection(config, role)  # type: ignore[arg-type]
+    models: dict[str, ModelChoice] = {}
+    for role in ROLES:
+        choice = selection(config, role)
         if choice is not None:
             models[role] = choice
     providers = {
