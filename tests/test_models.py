@@ -19,7 +19,7 @@ from crush_trio.models_cmd import list_models
 from crush_trio.providers.scripted import ScriptedModel
 from crush_trio.testing import CrushServer
 from crush_trio.wire import CatalogModel, ModelChoice
-from tests.conftest import WAIT
+from tests.conftest import WAIT, running_server
 
 SECRET: Final = "sk-models-secret"
 CONFIG: Final = {
@@ -226,3 +226,43 @@ async def test_models_command_embedded(tmp_path: Path) -> None:
             stdin=subprocess.DEVNULL,
         )
     assert done.returncode == 2 and b"--token needs --server" in done.stderr
+
+
+async def test_a_chosen_model_outlives_a_reload_while_it_is_still_configured(
+    tmp_path: Path,
+) -> None:
+    """``config/model`` choices are kept over a trust reload, and dropped (back to the
+    configuration's own models) when the reload takes their provider away."""
+    user = tmp_path / "user-config"
+    user.mkdir()
+    (user / "crush.json").write_bytes(orjson.dumps({**CONFIG, "models": {}}))
+    project = tmp_path / "project"
+    project.mkdir()
+    own = {"type": "openai", "base_url": "http://127.0.0.1:9/v1", "models": [{"id": "m-1"}]}
+    (project / "crush.json").write_bytes(orjson.dumps({"providers": {"mine": own}}))
+
+    async def model_cfg() -> Any:
+        r = await srv.http.get(f"/v1/workspaces/{wid}/agent")
+        return r.json()["model_cfg"]
+
+    async def choose(provider: str, model: str) -> int:
+        body = {"model_type": "large", "model": {"provider": provider, "model": model}}
+        r = await srv.http.post(f"/v1/workspaces/{wid}/config/model", json=body)
+        return r.status_code
+
+    with trio.fail_after(WAIT * 2):
+        async with running_server(tmp_path, provider_factory=ScriptedModel()) as srv:
+            wid = (await srv.open_workspace(project))["id"]
+            assert await model_cfg() == {"provider": "local", "model": "small-1"}
+            assert await choose("mine", "m-1") == 400  # untrusted: its own provider is ignored
+            assert await choose("local", "big-1") == 200
+            r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": True})
+            assert r.status_code == 200, r.text
+            assert await model_cfg() == {"provider": "local", "model": "big-1"}  # kept
+            assert await choose("mine", "m-1") == 200
+            r = await srv.http.post(f"/v1/workspaces/{wid}/trust", json={"trusted": False})
+            assert r.status_code == 200, r.text
+            # "mine" is gone: the choice goes with it instead of breaking the next turn.
+            assert await model_cfg() == {"provider": "local", "model": "small-1"}
+            r = await srv.http.get(f"/v1/workspaces/{wid}/providers")
+            assert [p["id"] for p in r.json()] == ["local", "anything", "echo"]
