@@ -1,4 +1,4 @@
-"""The ``crush-trio`` command line: ``serve``, ``run``, ``sessions`` and ``trust``.
+"""The ``crush-trio`` command line: ``serve``, ``run``, ``sessions``, ``models`` and ``trust``.
 
 The help texts are the user's manual (docs/cli.md says the same at length). argparse is kept over
 click or typer: the flag sets are flat, it costs nothing at start-up (``run`` is often called from
@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_sessions_parser(sub)
     _trust_parser(sub)
+    from .models_cmd import add_models_parser
+
+    add_models_parser(sub)
     _COMMANDS.update(sub.choices)
     return parser
 

@@ -542,7 +542,7 @@ class Runner:
             self.err(f"agent run failed: {complete.error}")
             return EXIT_FAILED
         if own_error is not None:
-            self.err(f"agent run failed: {own_error.message or own_error.error}")
+            self.err(f"agent run failed: {own_error.text or own_error.error}")
             return EXIT_FAILED
         return EXIT_OK
 

@@ -138,6 +138,92 @@ class Role(enum.StrEnum):
 
 
 @attrs.define
+class CatalogModel:
+    """One model a provider offers, in the shape of Crush's model catalog (``catwalk.Model``).
+
+    Prices are dollars per million tokens; ``0`` means unknown (or free). ``context_window`` and
+    ``default_max_tokens`` of ``0`` mean the server's defaults apply.
+    """
+
+    id: str
+    name: str = ""
+    cost_per_1m_in: float = 0.0
+    cost_per_1m_out: float = 0.0
+    cost_per_1m_in_cached: float = 0.0
+    cost_per_1m_out_cached: float = 0.0
+    context_window: int = 0
+    default_max_tokens: int = 0
+
+
+@attrs.define
+class CatalogProvider:
+    """A provider and its models, as ``GET .../providers`` lists them (Crush's
+    ``catwalk.Provider``). No key or header is ever part of it."""
+
+    id: str
+    name: str
+    type: str
+    api_endpoint: str = ""
+    default_large_model_id: str = ""
+    default_small_model_id: str = ""
+    models: list[CatalogModel] = attrs.field(factory=list)
+
+
+@attrs.define
+class ModelChoice:
+    """A provider and one of its models (Crush's ``config.SelectedModel``)."""
+
+    provider: str
+    model: str
+
+
+@attrs.define
+class ConfigProvider:
+    """A provider in a workspace's ``config`` (Crush's ``config.ProviderConfig``), never with
+    its key or headers."""
+
+    id: str
+    name: str
+    type: str
+    base_url: str = ""
+    models: list[CatalogModel] = attrs.field(factory=list)
+
+
+@attrs.define
+class TuiOptions:
+    """``options.tui``: present (and empty) because Crush's terminal client reads it."""
+
+
+@attrs.define
+class ConfigOptions:
+    """``options`` of a workspace's ``config``: the settings a client may show."""
+
+    data_directory: str = ""
+    context_paths: list[str] = attrs.field(factory=list)
+    disable_auto_summarize: bool = False
+    tui: TuiOptions = attrs.field(factory=TuiOptions)
+
+
+@attrs.define
+class ConfigPermissions:
+    """``permissions`` of a workspace's ``config``: the tools that never ask."""
+
+    allowed_tools: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class WorkspaceConfig:
+    """The configuration a workspace uses, in Crush's ``config.Config`` shape (the parts a
+    client reads): the usable providers with their models, the models chosen for the ``large``
+    and ``small`` roles, options and permissions. No key, header or environment value."""
+
+    models: dict[str, ModelChoice] = attrs.field(factory=dict)
+    providers: dict[str, ConfigProvider] = attrs.field(factory=dict)
+    options: ConfigOptions = attrs.field(factory=ConfigOptions)
+    permissions: ConfigPermissions = attrs.field(factory=ConfigPermissions)
+
+
+@attrs.define
 class Workspace:
     id: str
     path: str
@@ -146,6 +232,8 @@ class Workspace:
     trusted: bool = False
     #: Config keys ignored (untrusted workspace, unknown key) and other config warnings.
     warnings: list[str] = attrs.field(factory=list)
+    #: The configuration in use, in Crush's shape (``None`` only while it cannot be told).
+    config: WorkspaceConfig | None = None
 
 
 @attrs.define
@@ -269,11 +357,19 @@ class McpServerInfo:
 
 @attrs.define
 class AgentEvent:
+    """A notice of the agent: ``error``, ``retry``, ``summarize`` or ``mcp`` (``type``).
+
+    ``text`` says what happened for a person to read. ``message`` is a message object or ``null``
+    (PROTOCOL §5 names the key; Crush's clients decode it as a message, and a string there made
+    them drop the whole event): this server sends ``null``, and its text is in ``text``.
+    """
+
     type: str
     session_id: str | None = None
     run_id: str | None = None
-    message: str = ""
+    text: str = ""
     error: str = ""
+    message: Message | None = None
     #: ``summarize`` events: what the summary is doing now (``starting``, ``generating``, ...).
     progress: str | None = None
     #: ``summarize`` events: the summary ended (stored, failed or cancelled).
@@ -348,7 +444,11 @@ class JobInfo:
 class AgentInfo:
     is_busy: bool
     is_ready: bool
+    #: The ``large`` model: ``provider``, ``type`` and ``model`` (its id), plus Crush's catalog
+    #: fields (``id``, ``name``, ``context_window``, ``default_max_tokens``, prices).
     model: dict[str, Any]
+    #: The ``large`` model as Crush's ``model_cfg`` names it.
+    model_cfg: ModelChoice | None = None
     sandbox: SandboxInfo = attrs.field(factory=SandboxInfo)
     #: The workspace's MCP servers, by name order (docs/mcp.md).
     mcp: list[McpServerInfo] = attrs.field(factory=list)
@@ -449,6 +549,60 @@ class TrustResult:
     changed: bool
     #: Entries that still trust the workspace (its parents) after ``"trusted": false``.
     still_trusted_by: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class HistoryFile:
+    """One version of a file a session changed (Crush's ``proto.File``)."""
+
+    id: str
+    session_id: str
+    path: str
+    content: str = ""
+    version: int = 0
+    created_at: int = 0
+    updated_at: int = 0
+
+
+@attrs.define
+class AgentInitRequest:
+    """``POST .../agent/init``: Crush's client says whether a person is at the terminal."""
+
+    interactive: bool = False
+
+
+@attrs.define
+class CurrentSessionRequest:
+    """``POST .../current-session``: the session a client shows (``""``: none)."""
+
+    session_id: str = ""
+
+
+@attrs.define
+class SelectModelRequest:
+    """``POST .../config/model``: use ``model`` for the ``large`` or ``small`` role.
+
+    ``scope`` is Crush's ``config.Scope`` (a number: 0 global, 1 workspace); both apply to this
+    workspace until it closes, and nothing is written to a file.
+    """
+
+    model_type: Literal["large", "small"]
+    model: ModelChoice
+    scope: int = 1
+
+
+@attrs.define
+class SkipState:
+    """``GET .../permissions/skip``: whether every permission request is approved."""
+
+    skip: bool
+
+
+@attrs.define
+class NeedsInit:
+    """``GET .../project/needs-init``."""
+
+    needs_init: bool = False
 
 
 @attrs.define

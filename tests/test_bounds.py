@@ -34,7 +34,7 @@ from .conftest import WAIT, running_server
 
 
 def big(n: int, size: int) -> AgentEvent:
-    return AgentEvent("info", message=f"{n} " + "x" * size)
+    return AgentEvent("info", text=f"{n} " + "x" * size)
 
 
 def drain(stream: ClientStream) -> list[Event]:
@@ -157,7 +157,7 @@ async def test_a_must_deliver_event_after_the_bytes_bound_waits_then_kills(
 async def test_replay_bytes_count_utf8_bytes_not_characters() -> None:
     broker = Broker(replay_bytes=4000)
     for n in range(50):
-        broker.publish(AgentEvent("info", message="\U0001f600" * 100 + str(n)))  # 4 bytes each
+        broker.publish(AgentEvent("info", text="\U0001f600" * 100 + str(n)))  # 4 bytes each
     assert sum(len(e.text.encode()) for e in broker.replay) <= 4000
     assert all(e.size == len(e.text.encode()) for e in broker.replay)
     assert broker.stats()["replay_bytes"] == sum(e.size for e in broker.replay)

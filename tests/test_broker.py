@@ -13,7 +13,7 @@ from crush_trio.wire import AgentEvent, EventKind, RunComplete
 
 
 def lossy(n: int) -> AgentEvent:
-    return AgentEvent("info", message=f"event {n}")
+    return AgentEvent("info", text=f"event {n}")
 
 
 def drain(stream: ClientStream) -> list[Event]:
@@ -43,8 +43,9 @@ async def test_events_are_sequenced_and_encoded_once_for_every_client() -> None:
                 "type": "info",
                 "session_id": None,
                 "run_id": None,
-                "message": "event 1",
+                "text": "event 1",
                 "error": "",
+                "message": None,
             },
         },
     }
@@ -114,7 +115,7 @@ async def test_replay_is_bounded_by_count_and_by_bytes() -> None:
     assert [e.seq for e in by_count.replay] == [8, 9, 10]
     by_bytes = Broker(replay_bytes=500)
     for n in range(50):
-        by_bytes.publish(AgentEvent("info", message="x" * 100 + str(n)))
+        by_bytes.publish(AgentEvent("info", text="x" * 100 + str(n)))
     assert sum(len(e.text) for e in by_bytes.replay) <= 500
     assert by_bytes.replay[-1].seq == 50 and len(by_bytes.replay) < 50
 

@@ -28,7 +28,7 @@ WAIT: Final = 10.0
 
 
 def lossy(n: int, tag: str = "") -> AgentEvent:
-    return AgentEvent("info", message=f"{tag}event {n}")
+    return AgentEvent("info", text=f"{tag}event {n}")
 
 
 async def take(stream: ClientStream, count: int) -> list[Event]:
@@ -55,7 +55,7 @@ def seqs(frames: Sequence[Event]) -> list[int]:
 
 
 def messages(frames: Sequence[Event]) -> list[str]:
-    return [orjson.loads(f.text)["payload"]["payload"]["message"] for f in frames]
+    return [orjson.loads(f.text)["payload"]["payload"]["text"] for f in frames]
 
 
 class GatedLog:

@@ -525,7 +525,7 @@ async def test_failed_run_raises_run_failed(
         record = await handle.result(CAP, check=False)
     assert caught.value.run.status is RunStatus.FAILED
     assert record.status is RunStatus.FAILED and record.error == "the model fell over"
-    assert [e.message for e in handle.errors] == ["the model fell over"]
+    assert [e.text for e in handle.errors] == ["the model fell over"]
 
 
 async def test_waits_raise_our_timeout(

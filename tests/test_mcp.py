@@ -206,7 +206,7 @@ async def test_a_server_that_dies_is_reported_and_the_workspace_goes_on(
         )
     event = failed.payload
     assert event.error == "the server closed the connection while connected"
-    assert event.message.startswith("MCP server 'test' failed")
+    assert event.text.startswith("MCP server 'test' failed")
     assert failed.raw is not None
     assert failed.raw["payload"]["payload"]["mcp"]["state"] == "failed"
     info = {s.name: s for s in (await ws.agent_info()).mcp}

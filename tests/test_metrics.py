@@ -215,7 +215,7 @@ async def test_drops_gaps_must_deliver_waits_and_kills_count_by_transport(
     slow, _ = broker.subscribe(transport="sse")
     assert snap.delta("crush_trio_client_streams", **labels) == 1
     for n in range(3):
-        broker.publish(AgentEvent("info", message=f"event {n}"), EventKind.CREATED)
+        broker.publish(AgentEvent("info", text=f"event {n}"), EventKind.CREATED)
     assert snap.delta("crush_trio_events_dropped_total", **labels) == 2
     slow.receive.receive_nowait()
     slow.after_receive()  # room: the gap goes out

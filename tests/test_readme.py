@@ -5,7 +5,9 @@ Every block fenced as ``sh`` is run by bash (``-euo pipefail``) in a fresh direc
 are pasted in the way the README tells a user to paste them: the token of the server's listening
 line (``CRUSH_TRIO_TOKEN=...``) and its address (``127.0.0.1:7433``: the test's server listens on
 a free port instead). Blocks fenced ``sh setup`` create the environment these tests run in; they
-are checked for syntax, and ``.ci/run`` must run the test command among them.
+are checked for syntax, and ``.ci/run`` must run the test command among them. Blocks fenced
+``sh crush`` need Crush's own Go client, which is not installed here; tests/test_crush_go_client.py
+replays what it sends.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 #: Bound on the server's start and on each block (seconds).
 CAP = 60
-FENCE = re.compile(r"^```(sh(?: setup)?)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^```(sh(?: setup| crush)?)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
 def blocks(kind: str) -> list[str]:
@@ -42,6 +44,8 @@ def user_env(home: Path) -> dict[str, str]:
 def test_setup_blocks_are_the_ci_commands() -> None:
     setup = blocks("sh setup")
     assert len(setup) == 2, "the README gives two set-up commands: serve, and the test suite"
+    for block in blocks("sh crush"):
+        assert "crush-trio serve" in block
     serve, test = (" ".join(b.split()) for b in setup)
     assert "crush-trio serve" in serve
     ci = " ".join((ROOT / ".ci" / "run").read_text().split())

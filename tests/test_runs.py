@@ -70,8 +70,9 @@ async def test_provider_error_carries_run_and_session(
             "type": "error",
             "session_id": sid,
             "run_id": "bad",
-            "message": "upstream exploded",
+            "text": "upstream exploded",
             "error": "upstream exploded",
+            "message": None,  # PROTOCOL's key; a message object or null, never text
         }
     ]
     assert handle.errors == errors_of(seen)

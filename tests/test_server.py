@@ -21,6 +21,7 @@ import trio
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 import crush_trio
+from crush_trio import wire
 from crush_trio.client import (
     BadRequest,
     Client,
@@ -192,7 +193,12 @@ async def test_workspace_dedup_by_path_and_symlink(
             "data_dir": a.info.data_dir,
             "trusted": False,
             "warnings": [],
+            "config": wire.unstructure(a.info.config),
         }
+        # Crush's config shape: the built-in echo model, the data directory, no secrets.
+        assert one["config"]["models"]["large"] == {"provider": "echo", "model": "echo"}
+        assert one["config"]["options"]["data_directory"] == a.info.data_dir
+        assert list(one["config"]["providers"]) == ["echo"]
 
 
 async def test_workspace_bad_paths(server: Server, tmp_path: Path) -> None:

@@ -622,7 +622,11 @@ async def test_write_creates_with_parents_after_asking(
     assert target.read_bytes() == b"hello\r\nworld"
     [request] = asker.requests
     assert request["action"] == "write" and request["tool_name"] == "write"
-    assert request["params"] == {"path": str(target), "content": "hello\r\nworld"}
+    assert request["params"] == {
+        "path": str(target),
+        "file_path": str(target),  # the key Crush's permission dialog reads
+        "content": "hello\r\nworld",
+    }
     assert "Create new/dir/f.txt" in request["description"]
     assert asker.existed_at_ask == [False]
     again = await run(ctx, "write", path="new/dir/f.txt", content="bye")

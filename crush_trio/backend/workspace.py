@@ -40,7 +40,7 @@ from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
-from ..errors import WS_CLOSE_SERVICE_RESTART, Conflict
+from ..errors import WS_CLOSE_SERVICE_RESTART, BadRequest, Conflict
 from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -57,6 +57,7 @@ from ..wire import (
     McpServerInfo,
     McpState,
     Message,
+    ModelChoice,
     Part,
     PermissionRequest,
     Role,
@@ -70,6 +71,7 @@ from ..wire import (
     now,
 )
 from ..wire import Workspace as WorkspaceInfo
+from . import catalog
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +168,8 @@ class Workspace:
         self.lease_lost_hook: Callable[[str], None] | None = None
         self.path = path
         self.config = config
+        #: Models chosen with ``POST .../config/model``, kept over a reloaded configuration.
+        self.model_choices: dict[catalog.Role, ModelChoice] = {}
         self.trusted = trusted
         self.warnings = list(warnings)
         self.server = server
@@ -215,8 +219,42 @@ class Workspace:
     @property
     def info(self) -> WorkspaceInfo:
         return WorkspaceInfo(
-            self.id, str(self.path), str(self.data_dir), self.trusted, list(self.warnings)
+            self.id,
+            str(self.path),
+            str(self.data_dir),
+            self.trusted,
+            list(self.warnings),
+            catalog.workspace_config(self.config, self.data_dir),
         )
+
+    def select_model(self, role: catalog.Role, choice: ModelChoice) -> None:
+        """Use ``choice`` for ``role`` from the next turn on, until the workspace closes (and
+        across a reload of its configuration while the model is still there).
+
+        Raises:
+            BadRequest: the provider or model is not one of the configuration's.
+        """
+        self._use_config(catalog.with_model(self.config, role, choice))
+        self.model_choices[role] = choice
+
+    def _use_config(self, config: Config) -> None:
+        self.config = config
+        if hasattr(self, "agent"):
+            self.agent.replace_config(config, self.agent.tools)
+
+    def set_current_session(self, client_id: str, session_id: str) -> None:
+        """Record the session a client shows (``""``: none).
+
+        Raises:
+            Conflict: the client has no event stream open on this workspace.
+        """
+        hold = self.holds.clients.get(client_id)
+        if hold is None or hold.streams == 0:
+            raise Conflict(
+                f"client not attached: client {client_id} has no event stream open on workspace "
+                f"{self.id}; open GET /v1/workspaces/{self.id}/events?client_id=... first"
+            )
+        hold.current_session = session_id
 
     def apply_config(
         self, config: Config, *, data_dir: Path, trusted: bool, warnings: tuple[str, ...]
@@ -230,6 +268,11 @@ class Workspace:
             self.warnings.append(
                 "options.data_directory changed: it applies when the workspace is next opened"
             )
+        for role, choice in list(self.model_choices.items()):
+            try:
+                config = catalog.with_model(config, role, choice)
+            except BadRequest:
+                del self.model_choices[role]  # the reloaded configuration no longer has it
         self.config = config
         self.permissions.allowed_tools = frozenset(config.permissions.allowed_tools)
         self.permissions.timeout = config.options.permission_timeout
@@ -391,7 +434,7 @@ class Workspace:
         if info.state is McpState.CONNECTED:
             message += f" ({len(info.tools)} tools)"
         self.broker.publish(
-            AgentEvent("mcp", message=message, error=info.error, mcp=info), EventKind.CREATED
+            AgentEvent("mcp", text=message, error=info.error, mcp=info), EventKind.CREATED
         )
 
     def _publish_message(self, message: Message, kind: EventKind) -> None:

@@ -31,6 +31,7 @@ from .. import wire
 from ..wire import (
     AcceptedPrompt,
     AgentInfo,
+    CatalogProvider,
     Message,
     Run,
     RunStatus,
@@ -236,6 +237,12 @@ class WorkspaceClient:
         return wire.converter.structure(data, list[Message])
 
     # -- agent -----------------------------------------------------------------------------------
+
+    async def providers(self) -> list[CatalogProvider]:
+        """The providers of the workspace's configuration and the models each offers
+        (``GET .../providers``): what a prompt's ``model`` may name, as ``provider/model``."""
+        data = await self.client.request("GET", self._url("/providers"))
+        return wire.converter.structure(data, list[CatalogProvider])
 
     async def agent_info(self) -> AgentInfo:
         data = await self.client.request("GET", self._url("/agent"))

@@ -44,6 +44,8 @@ HOLD_TRANSITIONS: dict[HoldState, frozenset[HoldState]] = {
 class ClientHold:
     client_id: str
     streams: int = 0
+    #: The session the client shows (``POST .../current-session``); ``""``: none.
+    current_session: str = ""
     deadline: float | None = None
     released: bool = False
     phase: HoldState = HoldState.PENDING

@@ -6,9 +6,10 @@ are :class:`~crush_trio.errors.CrushError` subclasses that both transports map t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from ..attachments import check_attachments
+from ..backend import catalog
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
 from ..cluster.placement import OwnerUnavailable, request_target
@@ -16,18 +17,31 @@ from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
     AgentInfo,
+    AgentInitRequest,
     AgentMessage,
     BinaryPart,
+    CatalogProvider,
     CreateSessionRequest,
+    CurrentSessionRequest,
     GrantRequest,
+    HistoryFile,
     Message,
+    ModelChoice,
+    Role,
     Run,
+    SelectModelRequest,
     Session,
     SkipRequest,
+    SkipState,
     TrustRequest,
     TrustResult,
+    WorkspaceConfig,
     workspace_id_of,
 )
+
+#: Crush's ``config.Scope`` numbers that ``POST .../config/model`` accepts (0 global,
+#: 1 workspace); both apply to the workspace in memory.
+SCOPES: Final = frozenset({0, 1})
 
 
 def validate_workspace_path(raw_path: str) -> None:
@@ -137,11 +151,79 @@ class Api:
         return AgentInfo(
             is_busy=ws.agent.is_busy(),
             is_ready=not ws.closing,
-            model=ws.agent.model_info(),
+            model=catalog.model_info(ws.config),
+            model_cfg=catalog.selection(ws.config, "large"),
             sandbox=ws.sandbox_info,
             mcp=ws.mcp.info(),
             jobs=ws.jobs.info(),
         )
+
+    def agent_init(self, ws: Workspace, body: AgentInitRequest) -> dict[str, Any]:
+        """``POST .../agent/init`` (Crush's client calls it before anything else): the agent
+        is ready once the workspace is open, so this only checks that it is."""
+        ws.check_open()
+        return {}
+
+    def agent_update(self, ws: Workspace) -> dict[str, Any]:
+        """``POST .../agent/update``: a model chosen with ``config/model`` already applies
+        from the next turn on, so this only checks that the workspace is open."""
+        ws.check_open()
+        return {}
+
+    # -- configuration and models ---------------------------------------------------------------
+
+    def config(self, ws: Workspace) -> WorkspaceConfig:
+        return catalog.workspace_config(ws.config, ws.data_dir)
+
+    def providers(self, ws: Workspace) -> list[CatalogProvider]:
+        return catalog.catalog(ws.config)
+
+    def select_model(self, ws: Workspace, body: SelectModelRequest) -> dict[str, Any]:
+        if body.scope not in SCOPES:
+            raise BadRequest(
+                f"scope {body.scope} is not one of Crush's scopes (0 global, 1 workspace); both "
+                "apply to this workspace until it closes"
+            )
+        ws.check_open()
+        ws.select_model(body.model_type, body.model)
+        return {}
+
+    def default_small_model(self, ws: Workspace, provider_id: str | None) -> ModelChoice:
+        return catalog.default_small_model(ws.config, provider_id or "")
+
+    async def set_current_session(
+        self, ws: Workspace, client_id: str, body: CurrentSessionRequest
+    ) -> dict[str, Any]:
+        if body.session_id:
+            await self.get_session(ws, body.session_id, in_body=True)
+        ws.set_current_session(client_id, body.session_id)
+        return {}
+
+    async def session_history(self, ws: Workspace, session_id: str) -> list[HistoryFile]:
+        """``GET .../sessions/{sid}/history``: the file versions the session wrote. No
+        version is kept yet, so the list is empty (the shape is Crush's ``proto.File``)."""
+        await self.get_session(ws, session_id)
+        return []
+
+    async def read_files(self, ws: Workspace, session_id: str) -> list[str]:
+        """``GET .../sessions/{sid}/filetracker/files``: the files the session read. Reads are
+        not tracked, so the list is empty."""
+        await self.get_session(ws, session_id)
+        return []
+
+    async def user_messages(self, ws: Workspace, session_id: str | None = None) -> list[Message]:
+        """The user messages of one session (or of every session, oldest session first)."""
+        if session_id is not None:
+            sessions = [session_id]
+        else:
+            sessions = [s.id for s in reversed(await ws.store.list_sessions())]
+        out: list[Message] = []
+        for sid in sessions:
+            out += [m for m in await self.list_messages(ws, sid) if m.role is Role.USER]
+        return out
+
+    def skip_state(self, ws: Workspace) -> SkipState:
+        return SkipState(skip=ws.permissions.skip)
 
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:
         """Accept a prompt and return once its run record is committed (the 202's promise)."""

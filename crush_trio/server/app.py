@@ -29,11 +29,15 @@ from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, b
 from ..logs import set_log_context
 from ..metrics import CONTENT_TYPE, render
 from ..wire import (
+    AgentInitRequest,
     AgentMessage,
     ControlRequest,
     CreateSessionRequest,
     CreateWorkspaceRequest,
+    CurrentSessionRequest,
     GrantRequest,
+    NeedsInit,
+    SelectModelRequest,
     SkipRequest,
     TrustRequest,
     UpdateSessionRequest,
@@ -236,6 +240,31 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         backend.release(wid, wire.validate_client_id(client_id))
         return json_response({})
 
+    @app.post("/v1/workspaces/<wid>/current-session")
+    async def current_session(wid: str) -> Response:
+        ws = api.workspace(wid)
+        client_id = wire.validate_client_id(request.args.get("client_id"))
+        req = await body(CurrentSessionRequest)
+        return json_response(await api.set_current_session(ws, client_id, req))
+
+    @app.get("/v1/workspaces/<wid>/config")
+    async def workspace_config(wid: str) -> Response:
+        return json_response(api.config(api.workspace(wid)))
+
+    @app.get("/v1/workspaces/<wid>/providers")
+    async def workspace_providers(wid: str) -> Response:
+        return json_response(api.providers(api.workspace(wid)))
+
+    @app.post("/v1/workspaces/<wid>/config/model")
+    async def select_model(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(api.select_model(ws, await body(SelectModelRequest)))
+
+    @app.get("/v1/workspaces/<wid>/project/needs-init")
+    async def needs_init(wid: str) -> Response:
+        api.workspace(wid)
+        return json_response(NeedsInit(needs_init=False))
+
     # -- sessions -------------------------------------------------------------------------------
 
     @app.post("/v1/workspaces/<wid>/sessions")
@@ -256,6 +285,12 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         req = await body(UpdateSessionRequest)
         return json_response(await api.rename_session(api.workspace(wid), sid, req.title))
 
+    @app.put("/v1/workspaces/<wid>/sessions/<sid>")
+    async def save_session(wid: str, sid: str) -> Response:
+        # Crush's SaveSession sends the whole session; only its title can change here.
+        req = await body(UpdateSessionRequest)
+        return json_response(await api.rename_session(api.workspace(wid), sid, req.title))
+
     @app.delete("/v1/workspaces/<wid>/sessions/<sid>")
     async def delete_session(wid: str, sid: str) -> Response:
         return json_response(await api.delete_session(api.workspace(wid), sid))
@@ -263,6 +298,24 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.get("/v1/workspaces/<wid>/sessions/<sid>/messages")
     async def list_messages(wid: str, sid: str) -> Response:
         return json_response(await api.list_messages(api.workspace(wid), sid))
+
+    @app.get("/v1/workspaces/<wid>/sessions/<sid>/messages/user")
+    async def session_user_messages(wid: str, sid: str) -> Response:
+        ws = api.workspace(wid)
+        await api.get_session(ws, sid)
+        return json_response(await api.user_messages(ws, sid))
+
+    @app.get("/v1/workspaces/<wid>/messages/user")
+    async def user_messages(wid: str) -> Response:
+        return json_response(await api.user_messages(api.workspace(wid)))
+
+    @app.get("/v1/workspaces/<wid>/sessions/<sid>/history")
+    async def session_history(wid: str, sid: str) -> Response:
+        return json_response(await api.session_history(api.workspace(wid), sid))
+
+    @app.get("/v1/workspaces/<wid>/sessions/<sid>/filetracker/files")
+    async def read_files(wid: str, sid: str) -> Response:
+        return json_response(await api.read_files(api.workspace(wid), sid))
 
     # -- agent ----------------------------------------------------------------------------------
 
@@ -275,6 +328,24 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         ws = api.workspace(wid)
         accepted = await api.prompt(ws, await body(AgentMessage))
         return json_response(accepted, 202)
+
+    @app.post("/v1/workspaces/<wid>/agent/init")
+    async def agent_init(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(api.agent_init(ws, await body(AgentInitRequest)))
+
+    @app.post("/v1/workspaces/<wid>/agent/update")
+    async def agent_update(wid: str) -> Response:
+        return json_response(api.agent_update(api.workspace(wid)))
+
+    @app.get("/v1/workspaces/<wid>/agent/default-small-model")
+    async def default_small_model(wid: str) -> Response:
+        ws = api.workspace(wid)
+        return json_response(api.default_small_model(ws, request.args.get("provider_id")))
+
+    @app.get("/v1/workspaces/<wid>/agent/sessions/<sid>")
+    async def agent_session(wid: str, sid: str) -> Response:
+        return json_response(await api.get_session(api.workspace(wid), sid))
 
     async def _session(wid: str, sid: str) -> Any:
         ws = api.workspace(wid)
@@ -320,6 +391,10 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.get("/v1/workspaces/<wid>/permissions")
     async def pending_permissions(wid: str) -> Response:
         return json_response(api.pending_permissions(api.workspace(wid)))
+
+    @app.get("/v1/workspaces/<wid>/permissions/skip")
+    async def skip_state(wid: str) -> Response:
+        return json_response(api.skip_state(api.workspace(wid)))
 
     @app.post("/v1/workspaces/<wid>/permissions/skip")
     async def skip(wid: str) -> Response:

@@ -192,6 +192,7 @@ class BashTool(ToolBase):
                 params={
                     "command": command,
                     "workdir": str(workdir),
+                    "working_dir": str(workdir),  # the key Crush's permission dialog reads
                     "timeout": timeout,
                     "sandboxed": sandbox is not None,
                     "network": sandbox is None or sandbox.network or asks_network,

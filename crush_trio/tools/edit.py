@@ -186,8 +186,10 @@ class EditTool(ToolBase):
             tool_name="edit",
             action="write",
             description=description + outside_note(ctx, resolved),
+            # ``file_path`` too: Crush's permission dialog reads that key.
             params={
                 "path": str(resolved.path),
+                "file_path": str(resolved.path),
                 "old_string": old,
                 "new_string": new,
                 "replace_all": replace_all,

@@ -233,7 +233,12 @@ class WriteTool(ToolBase):
             tool_name="write",
             action="write",
             description=f"{verb} {shown} ({size} bytes){outside_note(ctx, resolved)}",
-            params={"path": str(resolved.path), "content": content},
+            # ``file_path`` too: Crush's permission dialog reads that key.
+            params={
+                "path": str(resolved.path),
+                "file_path": str(resolved.path),
+                "content": content,
+            },
             path=resolved.path,
         )
         try:

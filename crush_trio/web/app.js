@@ -1457,6 +1457,7 @@ function dropCodePoints(text, n) {
 
 /** The text of an agent_event: its message (a message object, or text) or its error. */
 function agentText(ev) {
+  if (typeof ev.text === "string" && ev.text) return ev.text;
   const m = ev.message;
   if (typeof m === "string") return m || ev.error || "";
   if (m && Array.isArray(m.parts)) {
