@@ -41,6 +41,7 @@ from .base import (
 from .bash import BashTool
 from .edit import EditTool
 from .grep import GrepTool
+from .hidden import HiddenPaths
 from .mcp import McpManager
 from .paths import ResolvedPath, resolve_path
 from .read import GlobTool, LsTool, ViewTool
@@ -264,6 +265,8 @@ class Toolbox:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    #: The paths the sandbox hides, which the file tools refuse and skip too (:mod:`.hidden`).
+    hidden: HiddenPaths = attrs.field(factory=HiddenPaths)
     #: The workspace's MCP servers; the tools of those connected join :attr:`tools` at each
     #: model step (docs/mcp.md).
     mcp: McpManager | None = None
@@ -295,5 +298,6 @@ class Toolbox:
             timeout=self.timeout,
             bash_output_limit=self.bash_output_limit,
             sandbox=self.sandbox,
+            hidden=self.hidden,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

@@ -34,6 +34,7 @@ import trio
 from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
 from ..errors import CrushError
 from ..providers.base import ToolSpec
+from .hidden import HiddenPaths
 from .sandbox import Sandbox
 
 __all__ = [
@@ -145,6 +146,8 @@ class ToolContext:
         bash_output_limit: bytes of ``bash`` output kept (:data:`DEFAULT_BASH_OUTPUT_LIMIT`).
         sandbox: how ``bash`` commands are confined; None when no OS sandbox is available (or
             it is turned off), and then every ``bash`` command asks for permission.
+        hidden: the paths the sandbox hides, which the file tools refuse and skip too (with or
+            without a sandbox; :mod:`.hidden`).
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -155,6 +158,7 @@ class ToolContext:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    hidden: HiddenPaths = attrs.field(factory=HiddenPaths)
 
 
 class Tool(Protocol):
