@@ -468,6 +468,10 @@ class Permissions:
     allowed_tools: list[str] = attrs.field(factory=list)
 
 
+#: Characters of an MCP server's or tool's name that its tools' names (``mcp_<server>_<tool>``)
+#: replace by ``_`` (the model APIs accept only these others).
+MCP_NAME_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
+
 McpType = Literal["stdio", "http", "sse"]
 #: The allowed values of ``mcp.<name>.type``.
 MCP_TYPES: Final[tuple[str, ...]] = get_args(McpType)
@@ -1362,7 +1366,29 @@ def _expand_mcp(expander: _Expander, name: str, server: McpServerConfig) -> McpS
 
 
 def _check_mcp(config: Config, problems: list[_Problem]) -> None:
-    """Each MCP server has what its type needs."""
+    """Each MCP server has what its type needs, and no two servers' tools can have the same
+    name: ``mcp_<server>_<tool>`` of servers ``fs`` and ``fs_read`` are both
+    ``mcp_fs_read_file`` for ``fs``'s ``read_file`` and ``fs_read``'s ``file``, and one would
+    run under a grant given to the other."""
+    heads = sorted((MCP_NAME_UNSAFE.sub("_", name) + "_", name) for name in config.mcp)
+    for index, (head, name) in enumerate(heads):
+        for other_head, other in heads[index + 1 :]:
+            if not other_head.startswith(head):
+                continue
+            tail = other_head[len(head) :]
+            example = (
+                f"mcp_{head}{tail}tool is {name!r}'s {tail}tool and {other!r}'s tool"
+                if tail
+                else f"mcp_{head}tool is a tool of both"
+            )
+            problems.append(
+                _Problem(
+                    ("mcp", other),
+                    f"the tools of MCP servers {name!r} and {other!r} can have the same name "
+                    f"({example}); rename one so that neither name, with '_' for characters "
+                    "other than letters, digits and '-', followed by '_' starts the other",
+                )
+            )
     for name, server in config.mcp.items():
         if server.disabled:
             continue
