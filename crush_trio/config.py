@@ -117,7 +117,7 @@ UNTRUSTED_PROVIDER_KEYS: Final = frozenset(
 #: Provider types an untrusted workspace may define anew (they send nothing anywhere).
 UNTRUSTED_NEW_PROVIDER_TYPES: Final = frozenset({"echo"})
 #: Keys only the user's own file (or ``--config``) may set, trusted workspace or not.
-USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces", "cluster"})
+USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces", "cluster", "ceilings"})
 
 ProviderType = Literal["openai-compat", "openai", "anthropic", "echo"]
 #: The allowed values of ``providers.<name>.type``.
@@ -284,13 +284,58 @@ DEFAULT_RETRY_AFTER: Final = 1.0
 #: Connections one node keeps open to the database.
 DEFAULT_DATABASE_POOL: Final = 8
 
+# Hard ceilings of the bounds a workspace's file may set (top-level ``ceilings``, user's file or
+# ``--config`` only). No file may set a bound above its ceiling.
+#: ``options.max_steps``.
+CEILING_MAX_STEPS: Final = 1000
+#: ``options.title_max_words``.
+CEILING_TITLE_MAX_WORDS: Final = 64
+#: ``options.tool_timeout``, seconds (1 hour).
+CEILING_TOOL_TIMEOUT: Final = 3600.0
+#: ``options.bash_output_limit``, bytes (1 MiB): one tool result is held in memory, stored and
+#: sent to the model and every client.
+CEILING_BASH_OUTPUT_LIMIT: Final = 1024 * 1024
+#: ``options.summary_max_tokens``.
+CEILING_SUMMARY_MAX_TOKENS: Final = 128_000
+#: ``options.default_context_window``, ``options.compact_large_window`` and a model entry's
+#: ``context_window``, tokens.
+CEILING_CONTEXT_WINDOW: Final = 10_000_000
+#: A model entry's ``default_max_tokens`` and ``models.<role>.max_tokens``.
+CEILING_MAX_TOKENS: Final = 1_000_000
+#: ``options.debounce_ms`` and a provider's ``delay_ms``, milliseconds (1 minute).
+CEILING_DELAY_MS: Final = 60_000.0
+#: A provider's ``connect_timeout``, ``first_byte_timeout`` and ``chunk_timeout``, seconds
+#: (1 hour).
+CEILING_PROVIDER_TIMEOUT: Final = 3600.0
+#: A provider's ``max_retries``.
+CEILING_MAX_RETRIES: Final = 20
+#: A provider's ``retry_base_delay`` and ``retry_max_delay``, seconds (1 hour).
+CEILING_RETRY_DELAY: Final = 3600.0
+
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
+#: Metadata of a bound a workspace's file may set: the field of :class:`Ceilings` that caps it
+#: (None: no ceiling, as for ``permission_timeout``, whose ``null`` means "wait until answered").
+_CEILING: Final = "crush_trio.config.ceiling"
+#: Metadata of such a bound: which way it loosens. ``"up"`` (the default): a larger value allows
+#: more (more steps, more bytes, longer waits); ``"down"``: a smaller one does (a shorter publish
+#: window sends more events, a smaller compaction margin keeps more context). An untrusted
+#: workspace's file may only move a bound the other way (:func:`_loosens`).
+_LOOSENS: Final = "crush_trio.config.loosens"
 
 
 def _positive(default: _N) -> _N:
     """A number field whose value must be greater than zero (zero would break the server)."""
     return attrs.field(default=default, metadata={_POSITIVE: True})
+
+
+def _bound(default: _N, ceiling: str | None, *, positive: bool = True, loosens: str = "up") -> _N:
+    """A bound a workspace's file may set: capped by ``ceilings.<ceiling>``, and only tightened
+    by an untrusted workspace's file (see :data:`_LOOSENS`)."""
+    return attrs.field(
+        default=default,
+        metadata={_POSITIVE: positive, _CEILING: ceiling, _LOOSENS: loosens},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,8 +354,8 @@ class ModelEntry:
 
     id: str
     name: str = ""
-    context_window: int = 0
-    default_max_tokens: int = 0
+    context_window: int = _bound(0, "context_window", positive=False)
+    default_max_tokens: int = _bound(0, "max_tokens", positive=False)
     cost_per_1m_in: float = 0.0
     cost_per_1m_out: float = 0.0
     cost_per_1m_in_cached: float = 0.0
@@ -327,13 +372,14 @@ class ProviderConfig:
     models: list[ModelEntry] = attrs.field(factory=list)
     extra_headers: dict[str, str] = attrs.field(factory=dict)
     #: Echo only: delay per streamed word, in milliseconds.
-    delay_ms: float = DEFAULT_ECHO_DELAY_MS
-    connect_timeout: float = _positive(DEFAULT_CONNECT_TIMEOUT)
-    first_byte_timeout: float = _positive(DEFAULT_FIRST_BYTE_TIMEOUT)
-    chunk_timeout: float = _positive(DEFAULT_CHUNK_TIMEOUT)
-    max_retries: int = DEFAULT_MAX_RETRIES
-    retry_base_delay: float = DEFAULT_RETRY_BASE_DELAY
-    retry_max_delay: float = DEFAULT_RETRY_MAX_DELAY
+    #: A pause of the built-in fake model, not a bound on work: capped, never tightened.
+    delay_ms: float = attrs.field(default=DEFAULT_ECHO_DELAY_MS, metadata={_CEILING: "delay_ms"})
+    connect_timeout: float = _bound(DEFAULT_CONNECT_TIMEOUT, "provider_timeout")
+    first_byte_timeout: float = _bound(DEFAULT_FIRST_BYTE_TIMEOUT, "provider_timeout")
+    chunk_timeout: float = _bound(DEFAULT_CHUNK_TIMEOUT, "provider_timeout")
+    max_retries: int = _bound(DEFAULT_MAX_RETRIES, "max_retries", positive=False)
+    retry_base_delay: float = _bound(DEFAULT_RETRY_BASE_DELAY, "retry_delay", positive=False)
+    retry_max_delay: float = _bound(DEFAULT_RETRY_MAX_DELAY, "retry_delay", positive=False)
 
     def find_model(self, model_id: str) -> ModelEntry | None:
         """The entry of ``models`` with this id, or ``None``."""
@@ -350,7 +396,7 @@ class SelectedModel:
     provider: str
     model: str
     #: Overrides the model's ``default_max_tokens`` when non-zero.
-    max_tokens: int = 0
+    max_tokens: int = _bound(0, "max_tokens", positive=False)
 
 
 @attrs.frozen
@@ -394,14 +440,15 @@ class Options:
     """Workspace and agent options."""
 
     data_directory: str = DEFAULT_DATA_DIRECTORY
-    max_steps: int = _positive(DEFAULT_MAX_STEPS)
-    debounce_ms: float = DEFAULT_DEBOUNCE_MS
-    title_max_words: int = _positive(DEFAULT_TITLE_MAX_WORDS)
+    max_steps: int = _bound(DEFAULT_MAX_STEPS, "max_steps")
+    debounce_ms: float = _bound(DEFAULT_DEBOUNCE_MS, "delay_ms", positive=False, loosens="down")
+    title_max_words: int = _bound(DEFAULT_TITLE_MAX_WORDS, "title_max_words")
+    #: ``None`` (wait until answered) counts as the loosest value.
     permission_timeout: float | None = attrs.field(
-        default=DEFAULT_PERMISSION_TIMEOUT, metadata={_POSITIVE: True}
+        default=DEFAULT_PERMISSION_TIMEOUT, metadata={_POSITIVE: True, _LOOSENS: "up"}
     )
-    tool_timeout: float = _positive(DEFAULT_TOOL_TIMEOUT)
-    bash_output_limit: int = _positive(DEFAULT_BASH_OUTPUT_LIMIT)
+    tool_timeout: float = _bound(DEFAULT_TOOL_TIMEOUT, "tool_timeout")
+    bash_output_limit: int = _bound(DEFAULT_BASH_OUTPUT_LIMIT, "bash_output_limit")
     #: Accepted for compatibility; not used yet.
     context_paths: list[str] = attrs.field(factory=list)
     sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
@@ -411,15 +458,39 @@ class Options:
     disable_auto_summarize: bool = False
     #: See :data:`DEFAULT_COMPACT_LARGE_WINDOW`, :data:`DEFAULT_COMPACT_BUFFER` and
     #: :data:`DEFAULT_COMPACT_RATIO`.
-    compact_large_window: int = _positive(DEFAULT_COMPACT_LARGE_WINDOW)
-    compact_buffer_tokens: int = DEFAULT_COMPACT_BUFFER
-    compact_ratio: float = DEFAULT_COMPACT_RATIO
+    compact_large_window: int = _bound(
+        DEFAULT_COMPACT_LARGE_WINDOW, "context_window", loosens="down"
+    )
+    compact_buffer_tokens: int = _bound(
+        DEFAULT_COMPACT_BUFFER, "context_window", positive=False, loosens="down"
+    )
+    compact_ratio: float = _bound(DEFAULT_COMPACT_RATIO, None, positive=False, loosens="down")
     #: Context window of a model whose entry does not give one.
-    default_context_window: int = _positive(DEFAULT_CONTEXT_WINDOW)
-    summary_max_tokens: int = _positive(DEFAULT_SUMMARY_MAX_TOKENS)
+    default_context_window: int = _bound(DEFAULT_CONTEXT_WINDOW, "context_window")
+    summary_max_tokens: int = _bound(DEFAULT_SUMMARY_MAX_TOKENS, "summary_max_tokens")
     #: See :data:`DEFAULT_AGENT_MAX_STEPS`.
-    agent_max_steps: int = _positive(DEFAULT_AGENT_MAX_STEPS)
+    agent_max_steps: int = _bound(DEFAULT_AGENT_MAX_STEPS, "max_steps")
     jobs: JobsOptions = attrs.field(factory=JobsOptions)
+
+
+@attrs.frozen
+class Ceilings:
+    """Hard ceilings of the bounds a workspace's file may set (top-level ``ceilings``, an
+    addition; only the user's own file or ``--config`` may set it). A value above its ceiling,
+    from any file, is an error naming both keys; an untrusted workspace's file may besides only
+    tighten a bound, never loosen it."""
+
+    max_steps: int = _positive(CEILING_MAX_STEPS)
+    title_max_words: int = _positive(CEILING_TITLE_MAX_WORDS)
+    tool_timeout: float = _positive(CEILING_TOOL_TIMEOUT)
+    bash_output_limit: int = _positive(CEILING_BASH_OUTPUT_LIMIT)
+    summary_max_tokens: int = _positive(CEILING_SUMMARY_MAX_TOKENS)
+    context_window: int = _positive(CEILING_CONTEXT_WINDOW)
+    max_tokens: int = _positive(CEILING_MAX_TOKENS)
+    delay_ms: float = _positive(CEILING_DELAY_MS)
+    provider_timeout: float = _positive(CEILING_PROVIDER_TIMEOUT)
+    max_retries: int = _positive(CEILING_MAX_RETRIES)
+    retry_delay: float = _positive(CEILING_RETRY_DELAY)
 
 
 @attrs.frozen
@@ -428,6 +499,10 @@ class Permissions:
 
     allowed_tools: list[str] = attrs.field(factory=list)
 
+
+#: Characters of an MCP server's or tool's name that its tools' names (``mcp_<server>_<tool>``)
+#: replace by ``_`` (the model APIs accept only these others).
+MCP_NAME_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
 
 McpType = Literal["stdio", "http", "sse"]
 #: The allowed values of ``mcp.<name>.type``.
@@ -576,6 +651,8 @@ class Config:
     #: ``--config``) apply to every workspace; a trusted workspace's file replaces the list for
     #: that workspace, added to the server's.
     webhooks: list[WebhookConfig] = attrs.field(factory=list)
+    #: Hard ceilings of the bounds a workspace's file may set (user's file only).
+    ceilings: Ceilings = attrs.field(factory=Ceilings)
 
     def resolve_model(
         self, role: Literal["large", "small"]
@@ -937,13 +1014,17 @@ def _filter_project(
     trusted: bool,
     workspace: Path,
     known_providers: set[str],
+    base: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[PathParts, str]]]:
     """What a workspace's own config file may set: everything when trusted, else the allow-list
     (:data:`UNTRUSTED_TOP_LEVEL_KEYS`, :data:`UNTRUSTED_OPTION_KEYS`,
-    :data:`UNTRUSTED_PROVIDER_KEYS`, new providers of :data:`UNTRUSTED_NEW_PROVIDER_TYPES`).
+    :data:`UNTRUSTED_PROVIDER_KEYS`, new providers of :data:`UNTRUSTED_NEW_PROVIDER_TYPES`),
+    and of the bounds on it only values that tighten what ``base`` (the files merged before
+    this one) or the default sets (:func:`_loosens`).
 
     Returns the kept tree and each ignored path with the reason.
     """
+    base = base or {}
     dropped: list[tuple[PathParts, str]] = []
     kept: dict[str, Any] = {}
     for key, value in data.items():
@@ -955,9 +1036,9 @@ def _filter_project(
         elif trusted or key in UNTRUSTED_TOP_LEVEL_KEYS:
             kept[key] = value
         elif key == "options" and isinstance(value, dict):
-            kept[key] = _filter_options(value, workspace, dropped)
+            kept[key] = _filter_options(value, workspace, _mapping(base.get(key)), dropped)
         elif key == "providers" and isinstance(value, dict):
-            kept[key] = _filter_providers(value, known_providers, dropped)
+            kept[key] = _filter_providers(value, known_providers, _mapping(base.get(key)), dropped)
         else:
             dropped.append((path, _untrusted_reason(path)))
     if not trusted:
@@ -993,14 +1074,65 @@ def _drop_selections_of_ignored_providers(
             )
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a float (``null`` is infinity: no bound), or None for anything else."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _loosens(cls: type, key: str, value: Any, base: Mapping[str, Any]) -> str | None:
+    """Why an untrusted workspace's ``value`` for the bound ``cls.key`` is ignored, or None.
+
+    The value may only tighten the bound: be no larger (or, for a bound marked
+    ``loosens="down"``, no smaller) than the value the files merged before it set, or the
+    default. A key that is not a bound, or a value of the wrong type (reported by the shape
+    check), passes.
+    """
+    field = attrs.fields_dict(cls).get(key)
+    if field is None or _LOOSENS not in field.metadata:
+        return None
+    new = _number(value)
+    old = _number(base.get(key, field.default))
+    if old is None:
+        old = _number(field.default)
+    if new is None or old is None:
+        return None
+    if field.metadata[_LOOSENS] == "down":
+        if new >= old:
+            return None
+        direction = "lower"
+    elif new <= old:
+        return None
+    else:
+        direction = "higher"
+    shown = "null" if old == math.inf else base.get(key, field.default)
+    return (
+        f"ignored: {value!r} is {direction} than {shown!r}, the value the user's crush.json "
+        "(or the default) sets, and an untrusted workspace may only tighten a bound; mark the "
+        "workspace trusted, or set it in the user's crush.json"
+    )
+
+
 def _filter_options(
-    options: dict[str, Any], workspace: Path, dropped: list[tuple[PathParts, str]]
+    options: dict[str, Any],
+    workspace: Path,
+    base: Mapping[str, Any],
+    dropped: list[tuple[PathParts, str]],
 ) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     for key, value in options.items():
         path: PathParts = ("options", key)
         if key not in UNTRUSTED_OPTION_KEYS:
             dropped.append((path, _untrusted_reason(path)))
+        elif (why := _loosens(Options, key, value, base)) is not None:
+            dropped.append((path, why))
         elif key == "data_directory" and isinstance(value, str) and not _inside(workspace, value):
             dropped.append(
                 (
@@ -1025,7 +1157,10 @@ def _inside(workspace: Path, raw: str) -> bool:
 
 
 def _filter_providers(
-    providers: dict[str, Any], known: set[str], dropped: list[tuple[PathParts, str]]
+    providers: dict[str, Any],
+    known: set[str],
+    base: Mapping[str, Any],
+    dropped: list[tuple[PathParts, str]],
 ) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     for name, entry in providers.items():
@@ -1044,12 +1179,15 @@ def _filter_providers(
             )
             continue
         allowed = UNTRUSTED_PROVIDER_KEYS if name in known else UNTRUSTED_PROVIDER_KEYS | {"type"}
+        base_entry = _mapping(base.get(name)) if name in known else {}
         kept_entry: dict[str, Any] = {}
         for key, value in entry.items():
-            if key in allowed:
-                kept_entry[key] = value
-            else:
+            if key not in allowed:
                 dropped.append(((*path, key), _untrusted_reason((*path, key))))
+            elif (why := _loosens(ProviderConfig, key, value, base_entry)) is not None:
+                dropped.append(((*path, key), why))
+            else:
+                kept_entry[key] = value
         kept[name] = kept_entry
     return kept
 
@@ -1150,11 +1288,17 @@ def _structuring_problems(exc: BaseException, path: PathParts = ()) -> Iterator[
 # Checks after structuring
 
 
-def _check_bounds(obj: Any, path: PathParts, problems: list[_Problem]) -> None:
-    """Every number is finite and >= 0; fields marked positive must be > 0."""
+def _check_bounds(
+    obj: Any, path: PathParts, problems: list[_Problem], ceilings: Ceilings | None = None
+) -> None:
+    """Every number is finite and >= 0; fields marked positive must be > 0; a bound with a
+    ceiling is at most ``ceilings.<name>`` (``ceilings`` defaults to ``obj.ceilings``)."""
+    if ceilings is None:
+        ceilings = obj.ceilings if isinstance(obj, Config) else Ceilings()
     for field in attrs.fields(type(obj)):
         value = getattr(obj, field.name)
         here = (*path, field.name)
+        ceiling_name = field.metadata.get(_CEILING)
         if isinstance(value, bool):
             continue
         if isinstance(value, (int, float)):
@@ -1166,16 +1310,24 @@ def _check_bounds(obj: Any, path: PathParts, problems: list[_Problem]) -> None:
                 )
             elif value < 0:
                 problems.append(_Problem(here, f"must not be negative, got {value}; fix the value"))
+            elif ceiling_name is not None and value > (ceiling := getattr(ceilings, ceiling_name)):
+                problems.append(
+                    _Problem(
+                        here,
+                        f"{value} is above its ceiling {ceiling} (ceilings.{ceiling_name}); lower "
+                        "the value, or raise the ceiling in the user's crush.json",
+                    )
+                )
         elif attrs.has(type(value)):
-            _check_bounds(value, here, problems)
+            _check_bounds(value, here, problems, ceilings)
         elif isinstance(value, dict):
             for key, item in value.items():
                 if attrs.has(type(item)):
-                    _check_bounds(item, (*here, key), problems)
+                    _check_bounds(item, (*here, key), problems, ceilings)
         elif isinstance(value, list):
             for index, item in enumerate(value):
                 if attrs.has(type(item)):
-                    _check_bounds(item, (*here, index), problems)
+                    _check_bounds(item, (*here, index), problems, ceilings)
 
 
 _ENV_REF: Final = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
@@ -1246,7 +1398,29 @@ def _expand_mcp(expander: _Expander, name: str, server: McpServerConfig) -> McpS
 
 
 def _check_mcp(config: Config, problems: list[_Problem]) -> None:
-    """Each MCP server has what its type needs."""
+    """Each MCP server has what its type needs, and no two servers' tools can have the same
+    name: ``mcp_<server>_<tool>`` of servers ``fs`` and ``fs_read`` are both
+    ``mcp_fs_read_file`` for ``fs``'s ``read_file`` and ``fs_read``'s ``file``, and one would
+    run under a grant given to the other."""
+    heads = sorted((MCP_NAME_UNSAFE.sub("_", name) + "_", name) for name in config.mcp)
+    for index, (head, name) in enumerate(heads):
+        for other_head, other in heads[index + 1 :]:
+            if not other_head.startswith(head):
+                continue
+            tail = other_head[len(head) :]
+            example = (
+                f"mcp_{head}{tail}tool is {name!r}'s {tail}tool and {other!r}'s tool"
+                if tail
+                else f"mcp_{head}tool is a tool of both"
+            )
+            problems.append(
+                _Problem(
+                    ("mcp", other),
+                    f"the tools of MCP servers {name!r} and {other!r} can have the same name "
+                    f"({example}); rename one so that neither name, with '_' for characters "
+                    "other than letters, digits and '-', followed by '_' starts the other",
+                )
+            )
     for name, server in config.mcp.items():
         if server.disabled:
             continue
@@ -1473,7 +1647,7 @@ def load_config_report(
             providers = merged.get("providers")
             known = set(providers) if isinstance(providers, dict) else set()
             data, dropped = _filter_project(
-                data, trusted=trusted, workspace=workspace, known_providers=known
+                data, trusted=trusted, workspace=workspace, known_providers=known, base=merged
             )
             warnings += [f"{path}: {format_path(where)}: {why}" for where, why in dropped]
             if trusted:

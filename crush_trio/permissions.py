@@ -6,8 +6,10 @@ Order of checks for one request (docs/tools.md):
 2. ``permissions.allowed_tools`` contains the tool, or ``tool:action`` → allowed;
 3. an ``allow_session`` grant for the same session, tool, action and scope → allowed. The scope
    of a call that carries a ``command`` parameter (``bash``) is that exact command string, byte
-   for byte, so approving ``npm test`` for the session approves ``npm test`` again and nothing
-   else; the scope of every other call is its real path (:func:`grant_scope`);
+   for byte, together with whether it runs with the network, so approving ``npm test`` for the
+   session approves ``npm test`` again without the network and nothing else (the same command
+   with ``network: true`` asks again); the scope of every other call is its real path
+   (:func:`grant_scope`);
 4. otherwise a must-deliver ``permission_request`` goes to every client and the tool waits until
    one answers (``POST permissions/grant`` or the websocket ``permissions.grant``), the optional
    ``options.permission_timeout`` passes (denied), or the run is cancelled. The first answer wins;
@@ -47,13 +49,15 @@ class _Pending:
 def grant_scope(tool_name: str, params: dict[str, Any], path: str) -> str:
     """What an ``allow_session`` answer approves besides the session, tool and action.
 
-    A call with a ``command`` parameter (``bash``) is scoped to the exact command string: its
-    ``path`` is always the workspace, so a path scope would approve every later command. Every
-    other call is scoped to its real path.
+    A call with a ``command`` parameter (``bash``) is scoped to the exact command string and
+    to whether it runs with the network: its ``path`` is always the workspace, so a path scope
+    would approve every later command, and a grant given for a command without the network must
+    not approve the same command with it. Every other call is scoped to its real path.
     """
     command = params.get("command")
     if isinstance(command, str):
-        return f"command:{command}"
+        network = "network" if params.get("network") is True else "no-network"
+        return f"command:{network}:{command}"
     return f"path:{path}"
 
 

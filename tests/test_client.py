@@ -8,17 +8,22 @@ the server's side (``ClientStream.kill``, what a too-slow client gets) or the cl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import ssl
+import subprocess
 import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from trio.testing import MockClock
@@ -883,3 +888,147 @@ def test_timeout_is_a_timeout_error() -> None:
     assert issubclass(Timeout, TimeoutError)
     assert str(Timeout("what was awaited")) == "what was awaited"
     assert math.isfinite(CAP)
+
+
+# ---------------------------------------------------------------------------------------------
+# Redirects: the token follows a 307 only to a node it may go to, and TLS is always verified
+
+
+@attrs.define
+class StubNode:
+    """A plain HTTP/1.1 (or TLS) listener on 127.0.0.1 that records each request's head and
+    answers ``/v1/version`` (and, without ``redirect_to``, every path) with 200 and every other
+    path with a 307 to ``redirect_to`` + the path. One request per connection."""
+
+    redirect_to: str = ""
+    heads: list[str] = attrs.field(factory=list)
+    port: int = 0
+
+    async def handle(self, stream: trio.abc.Stream) -> None:
+        head = b""
+        try:
+            while b"\r\n\r\n" not in head and len(head) < 65536:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    return
+                head += chunk
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # a TLS handshake the client refused
+        text = head.decode("latin-1")
+        self.heads.append(text)
+        path = text.split(" ", 2)[1]
+        if path == "/v1/version" or not self.redirect_to:
+            body = b'{"version": "stub"}'
+            answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+        else:
+            body = b""
+            location = f"{self.redirect_to}{path}".encode()
+            answer = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: " + location + b"\r\n"
+        answer += b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(answer)
+            await stream.aclose()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+async def start_stub(nursery: trio.Nursery, node: StubNode, ssl_context: Any = None) -> StubNode:
+    if ssl_context is None:
+        listeners = await nursery.start(partial(trio.serve_tcp, node.handle, 0, host="127.0.0.1"))
+    else:
+        listeners = await nursery.start(
+            partial(trio.serve_ssl_over_tcp, node.handle, 0, ssl_context, host="127.0.0.1")
+        )
+    sock = listeners[0].socket if ssl_context is None else listeners[0].transport_listener.socket
+    node.port = sock.getsockname()[1]
+    return node
+
+
+def self_signed_context(tmp_path: Path) -> ssl.SSLContext:
+    """A server TLS context with a self-signed certificate for 127.0.0.1 (no CA trusts it)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
+
+
+async def test_a_redirect_to_another_host_with_the_same_scheme_carries_the_token() -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            owner = await start_stub(nursery, StubNode())
+            first = await start_stub(nursery, StubNode(redirect_to=owner.url))
+            async with connect(first.url, "tok") as client:
+                assert await client.request("GET", "/v1/workspaces/w1/sessions")
+                assert client.owners["w1"] == owner.url
+            nursery.cancel_scope.cancel()
+    assert any("authorization: bearer tok" in h.lower() for h in owner.heads)
+
+
+async def test_a_redirect_from_https_to_plain_http_is_refused() -> None:
+    # The rule itself (no TLS server needed): a downgrade is refused, configured or not.
+    from crush_trio.client.connection import redirect_refusal
+
+    assert "downgrade" in (redirect_refusal("https://a:1", "http://b:2", frozenset()) or "")
+    nodes = frozenset({"http://b:2"})
+    assert "downgrade" in (redirect_refusal("https://a:1", "http://b:2", nodes) or "")
+    assert redirect_refusal("https://a:1", "https://b:2", frozenset()) is None
+    assert redirect_refusal("http://a:1", "http://b:2", frozenset()) is None
+    assert redirect_refusal("http://a:1", "https://b:2", frozenset()) is not None
+    assert redirect_refusal("http://a:1", "https://b:2", frozenset({"https://b:2"})) is None
+
+
+async def test_a_redirect_to_another_scheme_is_not_followed_with_the_token() -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            elsewhere = await start_stub(nursery, StubNode())
+            target = f"https://127.0.0.1:{elsewhere.port}"
+            first = await start_stub(nursery, StubNode(redirect_to=target))
+            async with connect(first.url, "tok") as client:
+                # RedirectRefused, an Unreachable
+                with pytest.raises(Unreachable, match="does not follow with its token"):
+                    await client.request("GET", "/v1/workspaces/w1/sessions")
+                with pytest.raises(Unreachable, match="does not follow with its token"):
+                    await client.request("GET", "/v1/somewhere")  # no workspace in the path
+                assert client.owners == {}
+            nursery.cancel_scope.cancel()
+    assert elsewhere.heads == []  # nothing was sent there
+
+
+async def test_a_configured_https_node_is_verified_even_from_an_http_base(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            tls = await start_stub(nursery, StubNode(), self_signed_context(tmp_path))
+            target = f"https://127.0.0.1:{tls.port}"
+            first = await start_stub(nursery, StubNode(redirect_to=target))
+            async with connect(first.url, "tok", nodes=[target]) as client:
+                with pytest.raises(Unreachable, match="cannot reach"):
+                    await client.request("GET", "/v1/workspaces/w1/sessions")
+            nursery.cancel_scope.cancel()
+    assert tls.heads == []  # the handshake failed: the token never went out

@@ -399,3 +399,52 @@ def test_a_servers_stderr_file_stays_bounded() -> None:
         text = errlog.read()
     # The child's next write lands after the kept tail (the file offset is shared).
     assert text.endswith("xLASTNEXT") and len(text) == mcp.STDERR_TAIL_BYTES + 4
+
+
+def test_servers_whose_tool_names_could_meet_are_refused(tmp_path: Path) -> None:
+    """``fs``/``read_file`` and ``fs_read``/``file`` would both be ``mcp_fs_read_file``, and one
+    would run under a grant given for the other."""
+    from crush_trio.errors import ConfigError
+
+    file = tmp_path / "crush.json"
+    for pair in (("fs", "fs_read"), ("a.b", "a_b")):
+        servers = {name: {"command": "true"} for name in pair}
+        file.write_bytes(orjson.dumps({"mcp": servers}))
+        with pytest.raises(ConfigError) as err:
+            load_config_report(config_file=file, workspace=None, env={})
+        assert f"$.mcp.{pair[1]}: the tools of MCP servers" in err.value.message
+        assert repr(pair[0]) in err.value.message and repr(pair[1]) in err.value.message
+    file.write_bytes(orjson.dumps({"mcp": {"fs": {"command": "true"}, "fsx": {"command": "t"}}}))
+    assert set(load_config_report(config_file=file, workspace=None, env={}).config.mcp) == {
+        "fs",
+        "fsx",
+    }
+
+
+def test_tools_whose_names_meet_are_all_left_out() -> None:
+    from mcp.types import Tool
+
+    from crush_trio.config import McpServerConfig
+    from crush_trio.tools.mcp import McpManager, McpServer
+
+    def listed(*names: str) -> list[Tool]:
+        return [Tool(name=n, input_schema={"type": "object"}) for n in names]
+
+    manager = McpManager({}, cwd=Path("."))
+
+    def server(name: str, *tools: str) -> McpServer:
+        made = McpServer(name, McpServerConfig(command="x"), cwd=Path("."), on_change=print)
+        made.tools = made._make_tools(listed(*tools))
+        manager.servers[name] = made
+        return made
+
+    # Within one server: a.b and a_b get one name; neither is offered.
+    one = server("s", "a.b", "a_b", "c")
+    assert [t.spec.name for t in one.tools] == ["mcp_s_c"]
+    # Across servers (the issue's case, should a config reach the manager unchecked): the name
+    # is left out for both, so neither runs under a grant given for the other.
+    server("fs", "read_file", "list")
+    server("fs_read", "file")
+    names = [t.spec.name for t in manager.tools()]
+    assert "mcp_fs_read_file" not in names
+    assert names == ["mcp_fs_list", "mcp_s_c"]

@@ -28,7 +28,12 @@ from crush_trio.client import RunFailed, RunStatus, WorkspaceClient
 from crush_trio.errors import ConfigError, ProviderError
 from crush_trio.metrics import METRICS, render, sample_names
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.server.metrics_http import METRICS_MAX_HEAD_BYTES, metrics_socket
+from crush_trio.server.metrics_http import (
+    METRICS_MAX_CONNECTIONS,
+    METRICS_MAX_HEAD_BYTES,
+    METRICS_READ_TIMEOUT,
+    metrics_socket,
+)
 from crush_trio.server.openapi import document
 from crush_trio.server.serve import serve
 from crush_trio.testing import CrushServer
@@ -463,3 +468,29 @@ def test_every_metric_the_dashboard_queries_exists() -> None:
     for panel in dashboard["panels"]:
         if panel.get("type") != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+async def test_idle_connections_do_not_keep_scrapes_off_the_metrics_port(tmp_path: Path) -> None:
+    """Each connection's read is bounded (METRICS_READ_TIMEOUT), so METRICS_MAX_CONNECTIONS
+    silent ones used to hold every slot for that long; a new connection now closes the oldest
+    one that has not sent its request."""
+    async with running_server(tmp_path, metrics_port=0) as server:
+        url = server.handle.metrics_url
+        assert url is not None
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        idle = []
+        try:
+            with trio.fail_after(WAIT):
+                for _ in range(2 * METRICS_MAX_CONNECTIONS):
+                    idle.append(await trio.open_tcp_stream(host, int(port)))
+            # Well inside the read bound of the idle ones: the scrape is not kept waiting.
+            with trio.fail_after(METRICS_READ_TIMEOUT / 2):
+                async with httpx.AsyncClient(timeout=WAIT) as scraper:
+                    for _ in range(3):
+                        assert (await scraper.get(url)).status_code == 200
+            # The oldest idle connections were closed to make room.
+            with trio.fail_after(WAIT):
+                assert await idle[0].receive_some(1) == b""
+        finally:
+            for stream in idle:
+                await stream.aclose()

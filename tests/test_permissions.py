@@ -262,3 +262,47 @@ async def test_workspace_shutdown_with_a_pending_permission_request(
         assert result.content == "Error: user cancelled assistant tool calling"
     finally:
         await store.aclose()
+
+
+async def test_allow_session_for_a_command_without_network_does_not_approve_it_with_network() -> (
+    None
+):
+    from crush_trio.broker import Broker
+    from crush_trio.permissions import PermissionService
+
+    service = PermissionService(Broker(), allowed_tools=[])
+
+    async def ask(network: bool, answer: str | None) -> bool:
+        params = {"command": "make fetch", "network": network}
+        result: list[bool] = []
+        async with trio.open_nursery() as nursery:
+
+            async def call() -> None:
+                result.append(
+                    await service.request(
+                        session_id="s",
+                        tool_call_id="c",
+                        tool_name="bash",
+                        action="execute",
+                        description="run",
+                        params=params,
+                        path="/w",
+                    )
+                )
+
+            nursery.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            if answer is None:  # expected to be pre-approved: nothing waits
+                assert service.pending == []
+            else:
+                (pending,) = service.pending
+                assert pending.params == params
+                assert await service.grant(pending.id, answer)
+        return result[0]
+
+    with trio.fail_after(WAIT):
+        assert await ask(False, "allow_session")
+        assert await ask(False, None)  # the grant covers the same command without network
+        assert service.pending == []
+        # The same command with the network is a wider scope: it asks again.
+        assert not await ask(True, "deny")

@@ -384,3 +384,35 @@ async def test_used_run_ids_are_known_without_a_database_call_and_after_reopenin
         assert not reopened.may_have_run(str(uuid.uuid4()))
     finally:
         await reopened.aclose()
+
+
+async def test_database_files_are_created_private_whatever_the_umask(tmp_path: Path) -> None:
+    """A workspace's database holds every prompt, reply and tool output, the outbox the run
+    texts: they and their -wal/-shm files are 0600 even under a umask of 022."""
+    import os
+    import stat
+
+    from crush_trio.webhooks.outbox import OUTBOX_FILENAME, OutboxFile
+
+    old = os.umask(0o022)
+    try:
+        store = await Store.open(tmp_path / "data")
+        outbox = await OutboxFile.open(tmp_path / "server" / OUTBOX_FILENAME)
+        try:
+            await store.create_session(Session(id="private"))  # writes the -wal file
+            files = [
+                path
+                for folder in (tmp_path / "data", tmp_path / "server")
+                for path in folder.iterdir()
+                if path.name != ".gitignore"
+            ]
+            names = {p.name for p in files}
+            assert {DB_FILENAME, f"{DB_FILENAME}-wal", f"{DB_FILENAME}-shm"} <= names
+            assert {OUTBOX_FILENAME, f"{OUTBOX_FILENAME}-wal"} <= names
+            for path in files:
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+        finally:
+            await outbox.aclose()
+            await store.aclose()
+    finally:
+        os.umask(old)

@@ -953,3 +953,100 @@ async def test_bash_empty_command_is_an_error(ctx: ToolContext) -> None:
 
 def test_bash_tool_is_registered() -> None:
     assert isinstance(TOOLS_BY_NAME["bash"], BashTool)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sandbox's hidden list applies to the file tools
+
+
+@pytest.fixture
+def home_ws(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home directory holding secret stores, used as the workspace."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("PRIVATE-KEY-needle\n")
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text("aws-needle\n")
+    (home / ".config" / "crush-trio").mkdir(parents=True)
+    (home / ".config" / "crush-trio" / "crush.json").write_text('{"api_key": "cfg-needle"}\n')
+    (home / "vault").mkdir()
+    (home / "vault" / "token.txt").write_text("vault-needle\n")
+    (home / "server-files").mkdir()
+    (home / "server-files" / "token").write_text("server-needle\n")
+    (home / "notes.txt").write_text("plain-needle\n")
+    monkeypatch.setenv("HOME", str(home))
+    return home
+
+
+async def test_file_tools_apply_the_sandboxs_hidden_list(home_ws: Path, asker: FakeAsker) -> None:
+    from crush_trio.tools.hidden import HiddenPaths
+
+    ctx = ToolContext(
+        workspace=home_ws,
+        data_dir=home_ws / ".crush",
+        session_id="s1",
+        tool_call_id="c1",
+        permissions=asker,
+        timeout=10.0,
+        hidden=HiddenPaths(deny_read=("~/vault",), hidden=(home_ws / "server-files",)),
+    )
+    for path in (
+        ".ssh/id_ed25519",
+        "~/.aws/credentials",
+        str(home_ws / ".config/crush-trio/crush.json"),
+        "vault/token.txt",
+        "server-files/token",
+    ):
+        result = await run(ctx, "view", path=path)
+        assert result.is_error and "hidden from the agent's tools" in result.content, path
+        assert "needle" not in result.content
+    for name, params in [
+        ("grep", {"pattern": "needle", "path": ".ssh"}),
+        ("grep", {"pattern": "needle", "path": "vault"}),
+        ("ls", {"path": ".aws"}),
+        ("glob", {"pattern": "*", "path": "server-files"}),
+        ("write", {"path": ".ssh/authorized_keys", "content": "ssh-ed25519 AAAA attacker"}),
+        ("edit", {"path": "vault/token.txt", "old_string": "vault", "new_string": "x"}),
+    ]:
+        result = await run(ctx, name, **params)
+        assert result.is_error and "hidden from the agent's tools" in result.content, name
+    assert asker.requests == []  # refused before any prompt: no answer can open them
+    assert not (home_ws / ".ssh" / "authorized_keys").exists()
+    # Walks from the workspace skip them.
+    grep = await run(ctx, "grep", pattern="needle")
+    assert grep.content == "notes.txt:1:plain-needle"
+    found = await run(ctx, "glob", pattern="**/*")
+    assert found.content.splitlines() == ["notes.txt"]
+    listing = await run(ctx, "ls")
+    for name in (".ssh", ".aws", "vault", "server-files", "crush-trio"):
+        assert name not in listing.content
+    assert "notes.txt" in listing.content
+
+
+async def test_a_workspace_holding_the_servers_config_cannot_view_it(
+    crush_server: Any, scripted_model: Any
+) -> None:
+    from crush_trio.client import connect
+    from crush_trio.providers.scripted import Step
+    from crush_trio.wire import ToolResultPart
+
+    user_config = crush_server.root / "user-config" / "crush.json"
+    user_config.parent.mkdir(parents=True, exist_ok=True)
+    user_config.write_text(
+        '{"providers": {"p": {"type": "echo", "api_key": "user-config-needle"}}}'
+    )
+    scripted_model.add(
+        Step(tool_calls=[("view", {"path": "user-config/crush.json"})]), Step(text="done")
+    )
+    with trio.fail_after(20):
+        async with (
+            connect(crush_server.url, crush_server.token) as client,
+            client.workspace(crush_server.root) as ws,
+        ):
+            sid = (await ws.create_session()).id
+            await ws.set_skip(True)  # even with every prompt approved
+            assert (await ws.run(sid, "read the config", timeout=10)).text == "done"
+            result = (await ws.messages(sid))[-2].parts[0]
+    assert isinstance(result, ToolResultPart) and result.is_error
+    assert "hidden from the agent's tools" in result.content
+    assert "needle" not in result.content

@@ -793,3 +793,116 @@ def test_a_config_error_comes_with_what_was_ignored(dirs: tuple[Path, Path]) -> 
     message = caught.value.message
     assert "$.models.small.model" in message  # the error itself
     assert "$.providers.theirs: ignored" in message  # and what trust left out
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounds: an untrusted workspace's file may only tighten them; every one has a hard ceiling
+
+
+def test_untrusted_workspace_file_may_not_raise_a_bound(dirs: tuple[Path, Path]) -> None:
+    user, ws = dirs
+    write_json(
+        user / "crush.json",
+        {**USER_FILE, "options": {"max_steps": 9, "permission_timeout": 60}},
+    )
+    write_json(
+        ws / "crush.json",
+        {
+            "options": {
+                "bash_output_limit": 100 * 1024 * 1024,
+                "tool_timeout": 86_400,
+                "max_steps": 10,
+                "permission_timeout": None,  # wait for ever: looser than 60 s
+                "summary_max_tokens": 100_000,
+                "default_context_window": 5_000_000,
+                "debounce_ms": 0,  # a shorter window publishes more
+            },
+            "providers": {"main": {"chunk_timeout": 3000, "max_retries": 19}},
+        },
+    )
+    loaded = load(dirs)
+    options = loaded.config.options
+    assert options.bash_output_limit == 30_000
+    assert options.tool_timeout == 120
+    assert options.max_steps == 9
+    assert options.permission_timeout == 60
+    assert (options.summary_max_tokens, options.default_context_window) == (4096, 128_000)
+    assert options.debounce_ms == 33
+    assert loaded.config.providers["main"].chunk_timeout == 60
+    assert loaded.config.providers["main"].max_retries == 3
+    for where in (
+        "$.options.bash_output_limit",
+        "$.options.tool_timeout",
+        "$.options.max_steps",
+        "$.options.permission_timeout",
+        "$.options.summary_max_tokens",
+        "$.options.default_context_window",
+        "$.options.debounce_ms",
+        "$.providers.main.chunk_timeout",
+        "$.providers.main.max_retries",
+    ):
+        (line,) = [w for w in loaded.warnings if f"{where}:" in w]
+        assert "may only tighten a bound" in line
+
+
+def test_untrusted_hidden_file_may_not_raise_what_crush_json_lowered(
+    dirs: tuple[Path, Path],
+) -> None:
+    _, ws = dirs
+    write_json(ws / "crush.json", {"options": {"tool_timeout": 10, "bash_output_limit": 1000}})
+    write_json(ws / ".crush.json", {"options": {"tool_timeout": 100, "bash_output_limit": 500}})
+    options = load(dirs).config.options
+    assert (options.tool_timeout, options.bash_output_limit) == (10, 500)
+
+
+def test_every_bound_has_a_ceiling_only_the_user_file_raises(dirs: tuple[Path, Path]) -> None:
+    user, ws = dirs
+    big = {**USER_FILE, "options": {"bash_output_limit": 2 * 1024 * 1024}}
+    write_json(user / "crush.json", big)
+    with pytest.raises(ConfigError) as caught:
+        load(dirs)
+    assert "$.options.bash_output_limit" in caught.value.message
+    assert "ceilings.bash_output_limit" in caught.value.message
+    write_json(user / "crush.json", {**big, "ceilings": {"bash_output_limit": 4 * 1024 * 1024}})
+    assert load(dirs).config.options.bash_output_limit == 2 * 1024 * 1024
+    # A trusted workspace's file is held to the ceilings too, and may not move them.
+    write_json(user / "crush.json", {**USER_FILE, "trusted_workspaces": [str(ws)]})
+    write_json(
+        ws / "crush.json", {"ceilings": {"max_steps": 10**9}, "options": {"max_steps": 5000}}
+    )
+    with pytest.raises(ConfigError) as caught:
+        load(dirs)
+    assert "$.options.max_steps: 5000 is above its ceiling 1000" in caught.value.message
+    assert any(
+        "$.ceilings: ignored: only the user's own" in w for w in caught.value.message.split("\n")
+    )
+
+
+def test_every_number_an_untrusted_file_may_set_is_a_checked_bound() -> None:
+    from crush_trio import config as cfg
+
+    def numeric(field: attrs.Attribute[Any]) -> bool:
+        default = field.default
+        return field.name == "permission_timeout" or (
+            isinstance(default, (int, float)) and not isinstance(default, bool)
+        )
+
+    for key in cfg.UNTRUSTED_OPTION_KEYS:
+        field = attrs.fields_dict(cfg.Options)[key]
+        if numeric(field):
+            assert cfg._LOOSENS in field.metadata, f"options.{key} is not a checked bound"
+    for key in cfg.UNTRUSTED_PROVIDER_KEYS - {"models"}:
+        field = attrs.fields_dict(cfg.ProviderConfig)[key]
+        assert cfg._CEILING in field.metadata, f"providers.*.{key} has no ceiling"
+    for cls, keys in (
+        (cfg.ModelEntry, ("context_window", "default_max_tokens")),
+        (cfg.SelectedModel, ("max_tokens",)),
+    ):
+        for key in keys:
+            assert cfg._CEILING in attrs.fields_dict(cls)[key].metadata
+    # Every named ceiling exists.
+    names = {f.name for f in attrs.fields(cfg.Ceilings)}
+    for cls in (cfg.Options, cfg.ProviderConfig, cfg.ModelEntry, cfg.SelectedModel):
+        for field in attrs.fields(cls):
+            name = field.metadata.get(cfg._CEILING)
+            assert name is None or name in names, f"{cls.__name__}.{field.name}: {name}"

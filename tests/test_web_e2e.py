@@ -296,13 +296,20 @@ def test_login_through_the_printed_token_url(browser: Browser, tmp_path: Path) -
         assert denied is not None and denied.status == 401
 
         page.goto(f"{base}/?token={token}")
-        assert page.url == base + "/", "the token stays out of the address bar"
+        # The token stays out of the address bar; the page lives below this start's prefix.
+        assert re.fullmatch(re.escape(base) + r"/w-[0-9a-f]{32}/", page.url), page.url
         expect(page.locator("#connection")).to_be_visible()
         cookies = {c["name"]: c for c in context.cookies()}
         cookie = cookies["crush_trio_token_" + base.rsplit(":", 1)[1]]  # one cookie per port
         assert cookie["httpOnly"] is True
         assert cookie["sameSite"] == "Strict"
+        assert cookie["path"] + "/" == page.url.removeprefix(base)
         assert token not in page.evaluate("document.cookie")
+        # Cookies ignore ports: scoped to the prefix, the token is not sent to another server
+        # on this host (a dev server the agent started) nor to this one outside the page.
+        port = int(base.rsplit(":", 1)[1])
+        for url in (f"http://127.0.0.1:{port + 1}/", f"{base}/", f"{base}/v1/workspaces"):
+            assert context.cookies(url) == [], url
         # The cookie alone authenticates later requests, the websocket included.
         project = tmp_path / "project"
         project.mkdir()
@@ -689,7 +696,7 @@ def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
     page = pages.open(server)
     html = page.evaluate(
         """async (sources) => {
-            const { renderMarkdown } = await import('/static/markdown.js');
+            const { renderMarkdown } = await import('./static/markdown.js');
             return sources.map((source) => {
                 const box = document.createElement('div');
                 box.append(renderMarkdown(source));
@@ -706,7 +713,7 @@ def test_markdown_renderer(server: ThreadServer, pages: Pages) -> None:
     # A run that holds RUN_BLOCKS (64) final blocks is marked full.
     final, spans, runs = page.evaluate(
         """async ([source, code, many]) => {
-            const { renderMarkdown } = await import('/static/markdown.js');
+            const { renderMarkdown } = await import('./static/markdown.js');
             const render = (text) => {
                 const box = document.createElement('div');
                 box.append(renderMarkdown(text));
@@ -835,7 +842,7 @@ def test_incremental_markdown_equals_a_full_render(server: ThreadServer, pages: 
         cases.append(chunked(rng, fence, rng.choice([1, 5, 40, 300])))
     mismatches = page.evaluate(
         """async (cases) => {
-            const { MarkdownStream, renderMarkdown } = await import('/static/markdown.js');
+            const { MarkdownStream, renderMarkdown } = await import('./static/markdown.js');
             const full = (text) => {
                 const box = document.createElement('div');
                 box.append(renderMarkdown(text));
@@ -869,7 +876,7 @@ def test_message_view_updates_equal_a_full_render(server: ThreadServer, pages: P
     page = pages.open(server)
     mismatches = page.evaluate(
         """async () => {
-            const { MessageView, renderMessage } = await import('/static/render.js');
+            const { MessageView, renderMessage } = await import('./static/render.js');
             const msg = { id: 'm1', session_id: 's', role: 'assistant', model: 'x', created_at: 1, parts: [] };
             const results = new Map();
             const ctx = () => ({ results, calls: new Set(['c1']), toggles: new Map() });
@@ -1053,7 +1060,7 @@ def render_long_reply(
     figures: dict[str, Any] = page.evaluate(
         """async ([tokens, id, snapshots]) => {
             const app = window.crushTrio;
-            const { renderMarkdown } = await import('/static/markdown.js');
+            const { renderMarkdown } = await import('./static/markdown.js');
             app.replaceMessages([]);
             const longTasks = [];
             const observer = new PerformanceObserver((list) => {

@@ -56,17 +56,57 @@ async def test_token_cookie_is_named_after_the_port(server: Server) -> None:
     async with httpx.AsyncClient(base_url=server.url) as browser:
         r = await browser.get("/", params={"token": TOKEN})
         assert r.status_code == 303
+        prefix = r.headers["location"].removesuffix("/")
         cookie = r.headers["set-cookie"]
         assert cookie.startswith(f"crush_trio_token_{port}={TOKEN};")
-        for attribute in ("HttpOnly", "Path=/", "SameSite=Strict"):
+        for attribute in ("HttpOnly", f"Path={prefix}", "SameSite=Strict"):
             assert attribute in cookie
-        assert (await browser.get("/v1/workspaces")).status_code == 200
+        assert (await browser.get(f"{prefix}/v1/workspaces")).status_code == 200
     # Another port's cookie (what a server on another port set) does not authenticate here, and
     # neither does the old port-less name.
     for name in (f"crush_trio_token_{int(port) + 1}", "crush_trio_token"):
         async with httpx.AsyncClient(base_url=server.url, cookies={name: TOKEN}) as other:
             r = await other.get("/v1/workspaces")
             assert r.status_code == 401, name
+
+
+async def test_token_cookie_is_not_sent_to_other_ports_of_the_host(
+    server: Server, tmp_path: Path
+) -> None:
+    """Cookies ignore ports: a cookie for ``Path=/`` would reach a dev server the agent started
+    on another port of localhost. It is scoped to a path prefix that is new at every start and
+    under which the page, its files, the API and the websocket are served."""
+    port = int(port_of(server))
+    async with httpx.AsyncClient(base_url=server.url) as browser:
+        r = await browser.get("/", params={"token": TOKEN, "x": "1"})
+        assert r.status_code == 303
+        location = r.headers["location"]
+        prefix, _, query = location.partition("/?")
+        assert query == "x=1"
+        assert re.fullmatch(r"/w-[0-9a-f]{32}", prefix), location
+        # What the browser's cookie jar sends where: the token goes below the prefix of this
+        # server only, never to the root of this or another port.
+        for url, sent in [
+            (f"http://127.0.0.1:{port}{prefix}/v1/workspaces", True),
+            (f"http://127.0.0.1:{port}/v1/workspaces", False),
+            (f"http://127.0.0.1:{port + 1}/", False),
+            (f"http://127.0.0.1:{port + 1}/api/login", False),
+        ]:
+            request = browser.build_request("GET", url)
+            assert (TOKEN in request.headers.get("cookie", "")) is sent, url
+        # The page and its files are served below the prefix, with the cookie alone.
+        page = await browser.get(f"{prefix}/")
+        assert page.status_code == 200 and 'src="static/app.js"' in page.text
+        assert (await browser.get(f"{prefix}/static/app.js")).status_code == 200
+        assert (await browser.get("/v1/workspaces")).status_code == 401
+    # A new start has a new prefix.
+    (tmp_path / "again").mkdir()
+    async with (
+        running_server(tmp_path / "again") as again,
+        httpx.AsyncClient(base_url=again.url) as other,
+    ):
+        r = await other.get("/", params={"token": TOKEN})
+        assert not r.headers["location"].startswith(prefix)
 
 
 # -- 2. state-changing requests: Origin, Sec-Fetch-Site, Content-Type -------------------------

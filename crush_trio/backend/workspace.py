@@ -46,6 +46,7 @@ from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
 from ..tools import JobManager, Toolbox
+from ..tools.hidden import HiddenPaths
 from ..tools.mcp import McpManager
 from ..tools.sandbox import Sandbox, SandboxStatus
 from ..tools.sandbox import probe as sandbox_probe
@@ -483,6 +484,15 @@ class Workspace:
             timeout=options.tool_timeout,
             bash_output_limit=options.bash_output_limit,
             sandbox=self.sandbox,
+            hidden=(
+                HiddenPaths.of(self.sandbox)
+                if self.sandbox is not None
+                else HiddenPaths(
+                    tuple(options.sandbox.deny_read),
+                    self.sandbox_hidden,
+                    self.sandbox_more_hidden,
+                )
+            ),
             mcp=self.mcp,
             publish=self.broker.publish,
             jobs=self.jobs,

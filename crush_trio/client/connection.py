@@ -12,7 +12,7 @@ import logging
 import os
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
@@ -25,7 +25,14 @@ import trio
 
 from .. import wire
 from ..wire import Workspace, workspace_id_of
-from .errors import AuthError, Timeout, Unreachable, error_for_status, single_errors
+from .errors import (
+    AuthError,
+    RedirectRefused,
+    Timeout,
+    Unreachable,
+    error_for_status,
+    single_errors,
+)
 from .events import DEFAULT_MAILBOX_SIZE
 from .stream import DEFAULT_RECONNECT_TIMEOUT
 from .transport import MAX_REDIRECTS, bearer_headers, websocket_base
@@ -74,6 +81,33 @@ def parse_server_url(url: str, token: str | None = None) -> tuple[str, str | Non
     return f"{parts.scheme}://{parts.netloc}", token, None
 
 
+def _origin(url: str) -> str | None:
+    """``scheme://host[:port]`` of an absolute http(s) URL (lower case), else None."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
+        return None
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+
+
+def redirect_refusal(base_url: str, target: str, nodes: frozenset[str]) -> str | None:
+    """Why a redirect from the server at ``base_url`` to the origin ``target`` may not be
+    followed with the token, or None when it may.
+
+    The rule (docs/client.md): never from https to plain http; otherwise to a node of ``nodes``
+    (the cluster's base URLs the caller configured) or to one with the base URL's scheme.
+    """
+    base_scheme = urlsplit(base_url).scheme.lower()
+    scheme = urlsplit(target).scheme.lower()
+    if base_scheme == "https" and scheme != "https":
+        return "a downgrade from https to plain http, which would send the token in clear text"
+    if target in nodes or scheme == base_scheme:
+        return None
+    return (
+        f"a node with another scheme than {base_url} that is not one of the configured cluster "
+        "nodes; pass it in connect(..., nodes=[...]) to follow it"
+    )
+
+
 class Client:
     """A connection to one server. Get it from :func:`connect` or :func:`embedded`.
 
@@ -96,6 +130,7 @@ class Client:
         reconnect_timeout: float = DEFAULT_RECONNECT_TIMEOUT,
         mailbox_size: int = DEFAULT_MAILBOX_SIZE,
         deltas: bool = True,
+        nodes: frozenset[str] = frozenset(),
     ) -> None:
         self.http = http
         self.base_url = url
@@ -111,6 +146,9 @@ class Client:
         self.server: ServerHandle | None = None
         #: Workspace id → the base URL of the cluster node that owns it (learnt from 307s).
         self.owners: dict[str, str] = {}
+        #: Base URLs of the cluster's nodes a redirect may lead to besides those with the base
+        #: URL's scheme (:func:`redirect_refusal`).
+        self.nodes = nodes
 
     def base_for(self, workspace_id: str) -> str:
         """The base URL that serves ``workspace_id``: its owner in a cluster, else the server."""
@@ -121,8 +159,31 @@ class Client:
             websocket_base(self.base_for(workspace_id)) if self.unix_path is None else self.ws_base
         )
 
+    def check_redirect(self, location: str) -> None:
+        """Refuse a redirect the token may not follow (:func:`redirect_refusal`); a relative
+        ``location`` stays on the same server.
+
+        Raises:
+            RedirectRefused: the target is a downgrade to plain http, or of another scheme and
+                not a configured node.
+        """
+        target = _origin(location)
+        if target is None or self.unix_path is not None:
+            return
+        why = redirect_refusal(self.base_url, target, self.nodes)
+        if why is not None:
+            raise RedirectRefused(
+                f"the server at {self.url} redirected to {target}, which this client does not "
+                f"follow with its token: {why}"
+            )
+
     def moved(self, workspace_id: str | None, location: str) -> None:
-        """Remember that ``workspace_id`` is served at the origin of ``location``."""
+        """Remember that ``workspace_id`` is served at the origin of ``location``.
+
+        Raises:
+            RedirectRefused: the token may not follow the redirect (:meth:`check_redirect`).
+        """
+        self.check_redirect(location)
         parts = urlsplit(location)
         if workspace_id and parts.scheme and parts.netloc:
             base = f"{parts.scheme}://{parts.netloc}"
@@ -191,7 +252,7 @@ class Client:
             status = response.status_code
             if status == 307 and "location" in response.headers:
                 location = response.headers["location"]
-                self.moved(wid, location)
+                self.moved(wid, location)  # raises when the token may not follow it
                 if wid is not None:
                     location = None  # the owner's base is remembered: the path is rebuilt
                 elif not location.startswith(("http://", "https://")):
@@ -292,6 +353,7 @@ async def connect(
     client_id: str | None = None,
     max_connections: int | None = None,
     deltas: bool = True,
+    nodes: Iterable[str] = (),
 ) -> AsyncIterator[Client]:
     """Connect to a running server; checks the address and the token before it yields.
 
@@ -311,18 +373,24 @@ async def connect(
         deltas: open event streams with ``deltas=1``: a streaming message arrives as
             ``message_delta`` events, which the client assembles (``False``: whole ``message``
             snapshots only, as a Crush client gets them).
+        nodes: base URLs of a cluster's nodes a 307 may send this client (and its token) to
+            besides those with ``url``'s scheme, e.g. an ``https://`` node of a cluster reached
+            at an ``http://`` address. A redirect from https to plain http is never followed.
 
     Raises:
-        ValueError: ``url`` is not a server address.
+        ValueError: ``url`` or an entry of ``nodes`` is not a server address.
         Unreachable: nothing answers at ``url``.
         AuthError: the server refused the token.
     """
     base, token, unix_path = parse_server_url(url, token)
+    node_bases = frozenset(parse_server_url(node)[0].lower() for node in nodes)
     timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    # Certificates are only loaded for an https:// server: httpx's default TLS setup reads the
-    # CA bundle, which costs about a second at start-up for a client that never uses TLS.
-    verify = base.startswith("https://")
+    # Certificates are only loaded when an https:// server can be reached: httpx's default TLS
+    # setup reads the CA bundle, which costs about a second at start-up for a client that never
+    # uses TLS. A redirect from an http:// server to an https:// one is followed only to a
+    # configured node, so no https request goes out unverified.
+    verify = any(b.startswith("https://") for b in (base, *node_bases))
     limits = (
         httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         if max_connections is not None
@@ -350,6 +418,7 @@ async def connect(
                 reconnect_timeout=reconnect_timeout,
                 mailbox_size=mailbox_size,
                 deltas=deltas,
+                nodes=node_bases,
             )
             try:
                 await client.version()

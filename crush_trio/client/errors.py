@@ -34,6 +34,7 @@ __all__ = [
     "CrushError",
     "MisdirectedRequest",
     "NotFound",
+    "RedirectRefused",
     "RunFailed",
     "ShuttingDown",
     "Timeout",
@@ -55,6 +56,14 @@ class Unreachable(CrushError, ConnectionError):
     """The server could not be reached, or its event stream could not be re-established."""
 
     status = 503
+
+
+class RedirectRefused(Unreachable):
+    """The server redirected (307) to a node this client does not send its token to: a
+    downgrade from https to plain http, or another scheme than the base URL's to a node not
+    passed in ``connect(..., nodes=...)`` (docs/client.md, "A cluster of nodes")."""
+
+    status = 502
 
 
 class Timeout(CrushError, TimeoutError):

@@ -453,15 +453,18 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     async def index() -> Any:
         if "token" in request.args:
             # The token is valid (checked above): trade it for a cookie and drop it from the URL.
+            # The cookie is scoped to this start's unguessable path prefix, where the page then
+            # lives: cookies ignore ports, and with Path=/ the browser would send the token to
+            # every other server on this host (a dev server the agent started, say).
             rest = [(k, v) for k, v in parse_qsl(request.query_string.decode()) if k != "token"]
-            target = "/" + ("?" + urlencode(rest) if rest else "")
+            target = settings.web_prefix + "/" + ("?" + urlencode(rest) if rest else "")
             response: Any = redirect(target, 303)
             response.set_cookie(
                 token_cookie_name(request.headers),
                 settings.token,
                 httponly=True,
                 samesite="Strict",
-                path="/",
+                path=settings.web_prefix,
             )
             return response
         return _static("index.html")

@@ -40,6 +40,7 @@ from hypercorn.typing import ConnectionState
 from trio_websocket import ConnectionClosed
 
 from .peers import sandboxed_peer
+from .security import strip_web_prefix
 
 log = logging.getLogger(__name__)
 
@@ -457,11 +458,16 @@ class ConnectionRules:
       never sends its next request behind a body the server did not read.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, web_prefix: str = "") -> None:
         self.app = app
+        self.web_prefix = web_prefix
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
+            stripped = strip_web_prefix(scope["path"], self.web_prefix)
+            if stripped is not None:
+                # The web page's path prefix (the token cookie's Path): served as the path below.
+                scope = {**scope, "path": stripped, "raw_path": stripped.encode("latin-1")}
             try:
                 check_headers((name, value) for name, value in scope["headers"])
                 if scope["type"] == "websocket" and not _WS_PATH.match(scope["path"]):
@@ -521,6 +527,21 @@ def _has_body(headers: Any) -> bool:
     return False
 
 
+def strip_head_prefix(head: bytes, web_prefix: str) -> bytes:
+    """``head`` (a checked request head and what followed it) with the web page's path prefix
+    taken off the request target (see :func:`~.security.strip_web_prefix`)."""
+    if not web_prefix:
+        return head
+    line_end = head.find(b"\r\n")
+    method, target, version = head[:line_end].split(b" ", 2)
+    path, sep, query = target.partition(b"?")
+    stripped = strip_web_prefix(path.decode("ascii"), web_prefix)
+    if stripped is None:
+        return head
+    target = stripped.encode("ascii") + sep + query
+    return b" ".join((method, target, version)) + head[line_end:]
+
+
 def is_event_websocket(head: bytes) -> bool:
     end = head.find(b"\r\n\r\n")
     return end >= 0 and bool(_WS_REQUEST.match(head)) and bool(_UPGRADE.search(head[:end]))
@@ -536,10 +557,13 @@ async def serve_dispatching(
     ws_handler: WsHandler | None,
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]],
+    web_prefix: str = "",
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` with hypercorn and the event websocket with ``ws_handler`` on ``sock``
-    (``None``: every connection goes to hypercorn).
+    (``None``: every connection goes to hypercorn). A first request under ``web_prefix`` (the
+    web page's path prefix) is served as the path below it; :class:`ConnectionRules` does the
+    same for later requests on a kept-alive connection.
 
     Mirrors hypercorn's own trio worker (lifespan, then connections, then a graceful deadline
     after ``shutdown_trigger`` returns) with the dispatcher in front of each connection.
@@ -568,6 +592,7 @@ async def serve_dispatching(
                         if not head:
                             return
                         check_head(head)
+                        head = strip_head_prefix(head, web_prefix)
                     except HeadError as exc:
                         await answer_error(stream, exc)
                         return

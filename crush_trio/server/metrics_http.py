@@ -9,8 +9,12 @@ but the metrics, and only to a loopback ``Host`` header (a web page that re-bind
 A deliberately small HTTP/1.1 server on h11 (already a dependency of hypercorn): one request per
 connection, every phase bounded (:data:`METRICS_READ_TIMEOUT`, :data:`METRICS_WRITE_TIMEOUT`,
 :data:`METRICS_MAX_HEAD_BYTES`), at most :data:`METRICS_MAX_CONNECTIONS` connections served at
-once (more wait in the kernel's backlog). A failure while serving one connection is logged and
-never reaches the server.
+once. When they are all taken, a new connection closes the oldest one that has not sent its
+request yet, so idle connections cannot hold the port (each read bound is per connection: eight
+silent ones would otherwise keep every scrape out for :data:`METRICS_READ_TIMEOUT`); only when
+all of them are writing answers does it wait (in the kernel's backlog), at most
+:data:`METRICS_WRITE_TIMEOUT`. A failure while serving one connection is logged and never
+reaches the server.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+import attrs
 import h11
 import trio
 
@@ -69,6 +74,15 @@ def metrics_socket(port: int) -> socket.socket:
     return sock
 
 
+@attrs.define(eq=False)
+class _Scrape:
+    """One connection being served: its cancel scope, and whether it is still waiting for its
+    request (only those are closed to make room)."""
+
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    reading: bool = True
+
+
 def metrics_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{host}:{port}/metrics"
@@ -87,18 +101,29 @@ async def serve_metrics(
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     hosts = HostPolicy()
     limiter = trio.CapacityLimiter(METRICS_MAX_CONNECTIONS)
+    #: The connections being served, oldest first.
+    serving: dict[_Scrape, None] = {}
     async with trio.open_nursery() as nursery:
 
         async def accept_loop() -> None:
             while True:
-                slot = object()
-                await limiter.acquire_on_behalf_of(slot)
+                stream = await listener.accept()
+                scrape = _Scrape()
                 try:
-                    stream = await listener.accept()
+                    if limiter.available_tokens == 0:
+                        idle = next(
+                            (s for s in serving if s.reading and not s.scope.cancel_called),
+                            None,
+                        )
+                        if idle is not None:
+                            log.debug("metrics port full: closing its oldest idle connection")
+                            idle.scope.cancel()
+                    await limiter.acquire_on_behalf_of(scrape)
                 except BaseException:
-                    limiter.release_on_behalf_of(slot)
+                    await trio.aclose_forcefully(stream)
                     raise
-                nursery.start_soon(_serve_one, stream, hosts, limiter, slot)
+                serving[scrape] = None
+                nursery.start_soon(_serve_one, stream, hosts, limiter, scrape, serving)
 
         nursery.start_soon(accept_loop)
         task_status.started()
@@ -108,22 +133,29 @@ async def serve_metrics(
 
 
 async def _serve_one(
-    stream: trio.SocketStream, hosts: HostPolicy, limiter: trio.CapacityLimiter, slot: object
+    stream: trio.SocketStream,
+    hosts: HostPolicy,
+    limiter: trio.CapacityLimiter,
+    scrape: _Scrape,
+    serving: dict[_Scrape, None],
 ) -> None:
     try:
-        async with stream:
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=METRICS_MAX_HEAD_BYTES)
-            status, body = 408, b"request head not received in time\n"
-            with trio.move_on_after(METRICS_READ_TIMEOUT):
-                status, body = await _answer(stream, conn, hosts)
-            with trio.move_on_after(METRICS_WRITE_TIMEOUT):
-                await stream.send_all(_response(conn, status, body))
+        with scrape.scope:  # cancelled to make room while it still waits for its request
+            async with stream:
+                conn = h11.Connection(h11.SERVER, max_incomplete_event_size=METRICS_MAX_HEAD_BYTES)
+                status, body = 408, b"request head not received in time\n"
+                with trio.move_on_after(METRICS_READ_TIMEOUT):
+                    status, body = await _answer(stream, conn, hosts)
+                scrape.reading = False
+                with trio.move_on_after(METRICS_WRITE_TIMEOUT):
+                    await stream.send_all(_response(conn, status, body))
     except (trio.BrokenResourceError, trio.ClosedResourceError, h11.LocalProtocolError):
         pass  # the scraper left, or its request left nothing to answer
     except Exception:
         log.exception("serving a scrape of the metrics port failed")
     finally:
-        limiter.release_on_behalf_of(slot)
+        del serving[scrape]
+        limiter.release_on_behalf_of(scrape)
 
 
 async def _answer(

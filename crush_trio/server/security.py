@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl, quote, urlencode
@@ -29,6 +30,9 @@ STATE_CHANGING_METHODS: Final = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 FOREIGN_FETCH_SITES: Final = frozenset({"cross-site", "same-site"})
 #: Prefix of the token cookie; the port the browser used follows it (``crush_trio_token_7433``).
 TOKEN_COOKIE_PREFIX: Final = "crush_trio_token_"
+#: Random bytes (hex-encoded) of the web page's path prefix, new at every start
+#: (:func:`new_web_prefix`).
+WEB_PREFIX_BYTES: Final = 16
 #: Addresses that mean "every interface" when given to ``--host``.
 _WILDCARD_BINDS: Final = frozenset({"0.0.0.0", "::", ""})
 
@@ -221,6 +225,27 @@ def _has_body(headers: Any) -> bool:
         return True
     length = headers.get("Content-Length")
     return length is not None and length.strip() not in ("", "0")
+
+
+def new_web_prefix() -> str:
+    """A fresh, unguessable path prefix for the web page (``/w-<32 hex digits>``).
+
+    The token cookie is scoped to it (``Path=``): cookies ignore ports, so with ``Path=/`` every
+    server on the same host (a dev server the agent started, say) would receive the token with
+    each request the browser sends it. Under this prefix only this server's page asks for it.
+    """
+    return "/w-" + secrets.token_hex(WEB_PREFIX_BYTES)
+
+
+def strip_web_prefix(path: str, prefix: str) -> str | None:
+    """``path`` without the web page's ``prefix`` (``/`` for the prefix itself), or None when
+    it does not start with it."""
+    if not prefix or not path.startswith(prefix):
+        return None
+    rest = path[len(prefix) :]
+    if not rest:
+        return "/"
+    return rest if rest.startswith("/") else None
 
 
 def token_cookie_name(headers: Any) -> str:

@@ -236,7 +236,9 @@ async def serve(
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
             http_stop = trio.Event()
-            wrapped = wrap_app(ConnectionRules(app), hconfig.wsgi_max_body_size, "asgi")
+            wrapped = wrap_app(
+                ConnectionRules(app, settings.web_prefix), hconfig.wsgi_max_body_size, "asgi"
+            )
             ws_handler: WsHandler | None = None
             if server_opts.ws_transport == "trio-websocket" and not unix:
 
@@ -253,6 +255,7 @@ async def serve(
                     sock,
                     ws_handler,
                     shutdown_trigger=http_stop.wait,
+                    web_prefix=settings.web_prefix,
                 )
             )
             murl = None

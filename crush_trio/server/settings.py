@@ -9,7 +9,7 @@ from ..config import (
     DEFAULT_SSE_PING_INTERVAL,
     DEFAULT_WS_PING_INTERVAL,
 )
-from .security import HostPolicy
+from .security import HostPolicy, new_web_prefix
 
 
 @attrs.define
@@ -25,3 +25,6 @@ class Settings:
     ws_ping_interval: float = DEFAULT_WS_PING_INTERVAL
     #: Host names served (loopback, ``server.allowed_hosts``, ``--allow-host``, the bind address).
     hosts: HostPolicy = attrs.field(factory=HostPolicy)
+    #: The web page's path prefix (new at every start): the page, its files and its API calls
+    #: are served under it too, and the token cookie is scoped to it (:func:`new_web_prefix`).
+    web_prefix: str = attrs.field(factory=new_web_prefix)

@@ -34,7 +34,7 @@ import trio
 from ..errors import StoreError
 from ..metrics import METRICS
 from ..wire import Message, Role, Run, RunStatus, Session, now, parts_from_json, parts_to_json
-from .datadir import ensure_data_dir
+from .datadir import create_private_file, ensure_data_dir
 
 T = TypeVar("T")
 
@@ -293,6 +293,7 @@ def _migrate(conn: sqlite3.Connection, path: Path) -> None:
 
 def _connect(path: Path) -> sqlite3.Connection:
     ensure_data_dir(path.parent)  # 0700, with a .gitignore of "*"
+    create_private_file(path)  # 0600: it holds every prompt, reply and tool output
     conn = sqlite3.connect(
         path,
         timeout=BUSY_TIMEOUT_MS / 1000,

@@ -47,6 +47,7 @@ from .base import (
 from .bash import BashTool
 from .edit import EditTool
 from .grep import GrepTool
+from .hidden import HiddenPaths
 from .job_tools import JobKillTool, JobOutputTool
 from .jobs import JobManager
 from .mcp import McpManager
@@ -297,6 +298,8 @@ class Toolbox:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    #: The paths the sandbox hides, which the file tools refuse and skip too (:mod:`.hidden`).
+    hidden: HiddenPaths = attrs.field(factory=HiddenPaths)
     #: The workspace's MCP servers; the tools of those connected join :attr:`tools` at each
     #: model step (docs/mcp.md).
     mcp: McpManager | None = None
@@ -351,5 +354,6 @@ class Toolbox:
             publish=self.publish,
             jobs=self.jobs,
             subagent=self.subagent,
+            hidden=self.hidden,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

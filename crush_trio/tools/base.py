@@ -35,6 +35,7 @@ import trio
 from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
 from ..errors import CrushError
 from ..providers.base import ToolSpec
+from .hidden import HiddenPaths
 from .sandbox import Sandbox
 
 if TYPE_CHECKING:
@@ -181,6 +182,8 @@ class ToolContext:
         jobs: the workspace's background jobs (``bash`` with ``background``, ``job_output``,
             ``job_kill``); None: no background jobs here.
         subagent: runs the ``agent`` tool's child session; None: no sub-agents here.
+        hidden: the paths the sandbox hides, which the file tools refuse and skip too (with or
+            without a sandbox; :mod:`.hidden`).
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -195,6 +198,7 @@ class ToolContext:
     publish: Callable[[ToolOutput], object] | None = None
     jobs: JobManager | None = None
     subagent: SubAgentRunner | None = None
+    hidden: HiddenPaths = attrs.field(factory=HiddenPaths)
 
 
 class Tool(Protocol):

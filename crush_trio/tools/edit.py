@@ -23,7 +23,7 @@ from .base import (
     run_blocking,
 )
 from .files import decode_text, number_lines, read_text_file, split_lines
-from .paths import ResolvedPath, display_path, resolve_path
+from .paths import ResolvedPath, check_not_hidden, display_path, resolve_path
 from .write import check_write_target, open_for_write, outside_note, recheck_path, write_fd
 
 __all__ = ["EDIT_MAX_FILE_BYTES", "EDIT_SNIPPET_CONTEXT", "EDIT_SNIPPET_MAX_LINES", "EditTool"]
@@ -172,6 +172,7 @@ class EditTool(ToolBase):
             raise ToolError("old_string and new_string are identical; there is nothing to change")
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
+        await check_not_hidden(ctx, "edit", resolved.path)
         check_write_target(ctx, "edit", resolved)
         plan = await run_blocking(
             ctx, "edit", _plan_edit, resolved.path, shown, old, new, replace_all

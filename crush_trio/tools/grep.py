@@ -21,6 +21,7 @@ from . import grep_worker
 from .base import ToolBase, ToolContext, ToolError, ToolResult, ToolSpec
 from .files import BINARY_SNIFF_BYTES, IGNORED_DIR_NAMES
 from .globs import compile_glob, glob_regex
+from .hidden import is_hidden
 from .paths import display_path, in_data_dir, resolve_search_root
 
 __all__ = [
@@ -62,6 +63,7 @@ async def _grep_python(
     pattern: str,
     include: str | None,
     ctx: ToolContext,
+    hidden: tuple[Path, ...],
 ) -> tuple[list[_Match], bool]:
     """Search with Python's ``re`` in a child process (:mod:`.grep_worker`).
 
@@ -75,6 +77,7 @@ async def _grep_python(
         "include": include_regex.pattern if include_regex is not None else None,
         "include_by_name": by_name,
         "data_dir": str(ctx.data_dir),
+        "hidden": [str(p) for p in hidden],
         "ignored": sorted(IGNORED_DIR_NAMES),
         "sys_path": [PATHSPEC_SYS_PATH],
         "max_matches": GREP_MAX_MATCHES,
@@ -119,6 +122,7 @@ async def _grep_rg(
     pattern: str,
     include: str | None,
     ctx: ToolContext,
+    hidden: tuple[Path, ...],
 ) -> tuple[list[_Match], bool]:
     """Search with ripgrep, reading its output until enough matches have come.
 
@@ -181,7 +185,7 @@ async def _grep_rg(
                     name, _, rest = line.partition(b"\0")
                     number, _, text = rest.partition(b":")
                     path = base / os.fsdecode(name).removeprefix("./")
-                    if in_data_dir(ctx, path) or not number.isdigit():
+                    if in_data_dir(ctx, path) or is_hidden(path, hidden) or not number.isdigit():
                         continue
                     if len(matches) == GREP_MAX_MATCHES:
                         more = True
@@ -259,12 +263,14 @@ class GrepTool(ToolBase):
                 raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
         if include:
             compile_glob(include)  # a malformed include is an error before any search
-        root = await resolve_search_root(ctx, "grep", params.get("path") or "", want_dir=False)
+        root, hidden = await resolve_search_root(
+            ctx, "grep", params.get("path") or "", want_dir=False
+        )
         with trio.move_on_after(ctx.timeout):
             if rg is not None:
-                matches, more = await _grep_rg(rg, root.path, pattern, include, ctx)
+                matches, more = await _grep_rg(rg, root.path, pattern, include, ctx, hidden)
             else:
-                matches, more = await _grep_python(root.path, pattern, include, ctx)
+                matches, more = await _grep_python(root.path, pattern, include, ctx, hidden)
             return self._render(ctx, matches, more, pattern)
         raise ToolError(
             f"grep timed out after {ctx.timeout:g} s and was stopped; narrow the path, pattern "

@@ -131,13 +131,16 @@ def walk_files(
     ignored: Collection[str],
     check: Callable[[], None],
     gitignore: bool = True,
+    hidden: Collection[Path] = (),
 ) -> Iterator[Path]:
     """Yield the regular files below ``root`` in path order (symlinks are not followed).
 
     Directories named in ``ignored`` and ``data_dir`` are not entered, nor are files and
-    directories the ``.gitignore`` files exclude (unless ``gitignore`` is false); ``check`` runs
+    directories the ``.gitignore`` files exclude (unless ``gitignore`` is false); ``hidden``
+    paths (real paths: what the sandbox hides) are neither entered nor yielded; ``check`` runs
     before each entry (it raises to stop the walk at a deadline).
     """
+    hidden = frozenset(hidden)
     stack: list[tuple[Iterator[os.DirEntry[str]], Chain]] = []
     rules = GitIgnore(root) if gitignore else None
 
@@ -164,6 +167,8 @@ def walk_files(
             stack.pop()
             continue
         if skip_hidden and entry.name.startswith("."):
+            continue
+        if hidden and Path(entry.path) in hidden:
             continue
         try:
             if entry.is_dir(follow_symlinks=False):
@@ -224,6 +229,7 @@ def _search(job: dict[str, object]) -> None:
             skip_hidden=True,
             ignored=ignored,
             check=lambda: None,
+            hidden=[Path(str(p)) for p in job.get("hidden") or []],  # type: ignore[attr-defined]
         )
         base = root
     count = 0

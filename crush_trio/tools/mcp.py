@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,7 +40,7 @@ import attrs
 import orjson
 import trio
 
-from ..config import McpServerConfig
+from ..config import MCP_NAME_UNSAFE, McpServerConfig
 from ..errors import IllegalTransition, unwrap_group
 from ..providers.base import ToolSpec
 from ..wire import McpServerInfo, McpState
@@ -83,13 +82,16 @@ MCP_MOVES: Final[Mapping[McpState, frozenset[McpState]]] = {
     McpState.DISABLED: frozenset(),
 }
 
-_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_-]")
-
 
 def mcp_tool_name(server: str, tool: str) -> str:
     """``mcp_<server>_<tool>`` with characters the model APIs refuse replaced by ``_``, cut to
-    :data:`MAX_TOOL_NAME` characters (with a short hash so cut names stay distinct)."""
-    name = _UNSAFE.sub("_", f"{MCP_TOOL_PREFIX}{server}_{tool}")
+    :data:`MAX_TOOL_NAME` characters (with a short hash so cut names stay distinct).
+
+    The config refuses server names whose tools' names could meet (``fs`` and ``fs_read``);
+    two tools that still get one name (``a.b`` and ``a_b``, a cut name) are both left out
+    (:meth:`McpServer._make_tools`, :meth:`McpManager.tools`), never one run for the other.
+    """
+    name = MCP_NAME_UNSAFE.sub("_", f"{MCP_TOOL_PREFIX}{server}_{tool}")
     if len(name) > MAX_TOOL_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:8]
         name = f"{name[: MAX_TOOL_NAME - 9]}_{digest}"
@@ -383,21 +385,24 @@ class McpServer:
         return http()
 
     def _make_tools(self, listed: list[Any]) -> list[McpTool]:
+        """The tools to offer; tools whose names meet (``a.b`` and ``a_b``) are all left out,
+        with an error line, so that no call or grant for one reaches the other."""
         tools: list[McpTool] = []
-        seen: set[str] = set()
-        for tool in listed:
-            if tool.name in self.config.disabled_tools:
-                continue
+        offered = [t for t in listed if t.name not in self.config.disabled_tools]
+        owners: dict[str, list[str]] = {}
+        for tool in offered:
+            owners.setdefault(mcp_tool_name(self.name, tool.name), []).append(tool.name)
+        for tool in offered:
             name = mcp_tool_name(self.name, tool.name)
-            if name in seen:
-                log.warning(
-                    "MCP server %r: tool %r has the same name as another (%s); left out",
+            if len(owners[name]) > 1:
+                log.error(
+                    "MCP server %r: tools %s all have the name %s; all are left out (rename "
+                    "them in the server, or list all but one in disabled_tools)",
                     self.name,
-                    tool.name,
+                    ", ".join(map(repr, owners[name])),
                     name,
                 )
                 continue
-            seen.add(name)
             schema = dict(tool.input_schema or {})
             schema.setdefault("type", "object")
             spec = ToolSpec(
@@ -480,6 +485,8 @@ class McpManager:
         self.servers: dict[str, McpServer] = {}
         self._configs = dict(configs)
         self._nursery: trio.Nursery | None = None
+        #: Tool names offered by several servers, already logged.
+        self._reported: set[str] = set()
 
     def _changed(self, server: McpServer) -> None:
         if self.servers.get(server.name) is server:
@@ -490,8 +497,24 @@ class McpManager:
         return [self.servers[name].info for name in sorted(self.servers)]
 
     def tools(self) -> list[McpTool]:
-        """The tools of the connected servers, by server name."""
-        return [t for name in sorted(self.servers) for t in self.servers[name].tools]
+        """The tools of the connected servers, by server name. A name two servers offer (the
+        config refuses server names that allow it; a cut name could still meet) is left out for
+        both, with an error line: neither may run under a grant given for the other."""
+        tools = [t for name in sorted(self.servers) for t in self.servers[name].tools]
+        count: dict[str, int] = {}
+        for tool in tools:
+            count[tool.spec.name] = count.get(tool.spec.name, 0) + 1
+        clashes = {name for name, n in count.items() if n > 1}
+        if not clashes:
+            return tools
+        for name in sorted(clashes - self._reported):
+            log.error(
+                "MCP tool name %s is offered by several servers (%s); left out for all of them",
+                name,
+                ", ".join(repr(t.server.name) for t in tools if t.spec.name == name),
+            )
+        self._reported = clashes
+        return [t for t in tools if t.spec.name not in clashes]
 
     def _start(self, name: str, config: McpServerConfig) -> None:
         assert self._nursery is not None

@@ -8,6 +8,9 @@ Rules:
 * It is *inside* when the real path is the workspace or below it. ``..`` escapes, absolute paths
   elsewhere and symlinks that lead out are all outside, and using them needs permission.
 * The data directory is never written by a tool; the file tools refuse it before any prompt.
+* The paths the ``bash`` sandbox hides (secret stores, the server's own files, other workspaces'
+  data directories: :mod:`.hidden`) are refused by every file tool before any prompt, and the
+  walkers of ``ls``, ``glob`` and ``grep`` skip them.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ from pathlib import Path
 
 import attrs
 
-from .base import ToolContext, ToolError, ask_permission
+from .base import ToolContext, ToolError, ask_permission, run_blocking
 from .files import not_regular
+from .hidden import is_hidden, resolve_hidden
 
 __all__ = [
     "ResolvedPath",
+    "check_not_hidden",
     "check_read",
     "check_writable",
     "display_path",
+    "hidden_paths",
     "in_data_dir",
     "is_within",
     "resolve_path",
@@ -82,6 +88,35 @@ def display_path(ctx: ToolContext, path: Path) -> str:
     return str(path)
 
 
+async def hidden_paths(ctx: ToolContext, tool_name: str) -> tuple[Path, ...]:
+    """The real paths hidden from this call's tools (the sandbox's hidden list, expanded)."""
+    patterns = ctx.hidden.patterns()
+    found: tuple[Path, ...] = await run_blocking(
+        ctx, tool_name, resolve_hidden, patterns, ctx.workspace, ctx.data_dir
+    )
+    return found
+
+
+async def check_not_hidden(ctx: ToolContext, tool_name: str, path: Path) -> tuple[Path, ...]:
+    """Refuse a path the sandbox hides; no permission answer can override this.
+
+    Returns:
+        The hidden paths, for a walk below ``path`` to skip.
+
+    Raises:
+        ToolError: ``path`` (a real path) is hidden or below a hidden path.
+    """
+    hidden = await hidden_paths(ctx, tool_name)
+    if is_hidden(path, hidden):
+        raise ToolError(
+            f"{tool_name} refused: {path} is hidden from the agent's tools, as from its shell "
+            "commands (a secret store such as ~/.ssh or ~/.aws, options.sandbox.deny_read, or "
+            "the server's own files); no permission opens it. If the task needs something from "
+            "it, ask the user to provide it"
+        )
+    return hidden
+
+
 async def check_read(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> None:
     """Ask for permission to read ``resolved`` when it is outside the workspace.
 
@@ -121,14 +156,19 @@ def check_writable(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> 
 
 async def resolve_search_root(
     ctx: ToolContext, tool_name: str, raw: str, *, want_dir: bool
-) -> ResolvedPath:
-    """Resolve the root of ``ls``/``glob``/``grep``, asking when it is outside the workspace."""
+) -> tuple[ResolvedPath, tuple[Path, ...]]:
+    """Resolve the root of ``ls``/``glob``/``grep``, asking when it is outside the workspace.
+
+    Returns:
+        The root, and the hidden paths the walk below it skips.
+    """
     resolved = resolve_path(ctx, raw)
     if in_data_dir(ctx, resolved.path):
         raise ToolError(
             f"{tool_name} refused: {resolved.path} is inside the server's data directory "
             f"{ctx.data_dir}, which tools do not list or search"
         )
+    hidden = await check_not_hidden(ctx, tool_name, resolved.path)
     if not resolved.path.exists():
         raise ToolError(
             f"path not found: {display_path(ctx, resolved.path)}; use ls to see what exists"
@@ -141,4 +181,4 @@ async def resolve_search_root(
         mode = resolved.path.stat().st_mode
         raise not_regular(display_path(ctx, resolved.path), mode, tool_name)
     await check_read(ctx, tool_name, resolved)
-    return resolved
+    return resolved, hidden

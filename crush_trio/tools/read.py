@@ -32,7 +32,13 @@ from .base import (
 from .files import IGNORED_DIR_NAMES, VIEW_MAX_LINE_CHARS, number_lines, read_text_file, split_lines
 from .globs import compile_glob, split_absolute_glob
 from .grep_worker import Chain, GitIgnore, walk_files
-from .paths import check_read, display_path, resolve_path, resolve_search_root
+from .paths import (
+    check_not_hidden,
+    check_read,
+    display_path,
+    resolve_path,
+    resolve_search_root,
+)
 
 __all__ = [
     "GLOB_MAX_RESULTS",
@@ -90,14 +96,17 @@ def _walk_files(
     skip_hidden: bool,
     deadline: float,
     tool_name: str,
+    hidden: tuple[Path, ...] = (),
 ) -> Iterator[Path]:
-    """Yield the regular files below ``root`` in path order (symlinks are not followed)."""
+    """Yield the regular files below ``root`` in path order (symlinks are not followed), without
+    the ``hidden`` paths."""
     return walk_files(
         root,
         data_dir=data_dir,
         skip_hidden=skip_hidden,
         ignored=IGNORED_DIR_NAMES,
         check=partial(_check_deadline, deadline, tool_name),
+        hidden=hidden,
     )
 
 
@@ -106,7 +115,12 @@ def _walk_files(
 
 
 def _list_tree(
-    root: Path, data_dir: Path, depth: int, limit: int, deadline: float
+    root: Path,
+    data_dir: Path,
+    depth: int,
+    limit: int,
+    deadline: float,
+    hidden: tuple[Path, ...] = (),
 ) -> tuple[list[str], bool]:
     """Breadth-first listing (so a large first directory cannot hide the rest), shown as a tree."""
     children: dict[Path, list[tuple[str, Path | None]]] = {}
@@ -114,6 +128,7 @@ def _list_tree(
     queue: deque[tuple[Path, int, Chain]] = deque([(root, 1, rules.root_chain)])
     count = 0
     truncated = False
+    hidden_set = frozenset(hidden)
     while queue and not truncated:
         _check_deadline(deadline, "ls")
         directory, level, chain = queue.popleft()
@@ -131,6 +146,8 @@ def _list_tree(
                 break
             path = Path(entry.path)
             is_dir = entry.is_dir(follow_symlinks=False)
+            if path in hidden_set:
+                continue
             if chain and GitIgnore.ignored(chain, entry.path, is_dir):
                 continue
             if entry.is_symlink():
@@ -206,9 +223,9 @@ class LsTool(ToolBase):
     async def execute(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
         depth = _opt_int(params, "depth", LS_DEFAULT_DEPTH, LS_MAX_DEPTH)
         limit = _opt_int(params, "limit", LS_DEFAULT_LIMIT, LS_MAX_LIMIT)
-        root = await resolve_search_root(ctx, "ls", params.get("path") or "", want_dir=True)
+        root, hidden = await resolve_search_root(ctx, "ls", params.get("path") or "", want_dir=True)
         lines, truncated = await run_blocking(
-            ctx, "ls", _list_tree, root.path, ctx.data_dir, depth, limit, _deadline(ctx)
+            ctx, "ls", _list_tree, root.path, ctx.data_dir, depth, limit, _deadline(ctx), hidden
         )
         if truncated:
             lines.append(
@@ -275,6 +292,7 @@ class ViewTool(ToolBase):
         limit = _opt_int(params, "limit", VIEW_DEFAULT_LIMIT, VIEW_MAX_LIMIT)
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
+        await check_not_hidden(ctx, "view", resolved.path)
         await check_read(ctx, "view", resolved)
         if resolved.inside:
             links = await run_blocking(ctx, "view", _other_names, resolved.path)
@@ -316,11 +334,20 @@ class ViewTool(ToolBase):
 
 
 def _glob(
-    root: Path, match: Callable[[str], bool], data_dir: Path, deadline: float
+    root: Path,
+    match: Callable[[str], bool],
+    data_dir: Path,
+    deadline: float,
+    hidden: tuple[Path, ...] = (),
 ) -> list[tuple[float, Path]]:
     found: list[tuple[float, Path]] = []
     for path in _walk_files(
-        root, data_dir=data_dir, skip_hidden=False, deadline=deadline, tool_name="glob"
+        root,
+        data_dir=data_dir,
+        skip_hidden=False,
+        deadline=deadline,
+        tool_name="glob",
+        hidden=hidden,
     ):
         if match(path.relative_to(root).as_posix()):
             try:
@@ -369,9 +396,9 @@ class GlobTool(ToolBase):
         if not pattern:
             raise ToolError("parameter 'pattern' must not be empty; try '**/*'")
         match = compile_glob(pattern)
-        root = await resolve_search_root(ctx, "glob", raw_root, want_dir=True)
+        root, hidden = await resolve_search_root(ctx, "glob", raw_root, want_dir=True)
         found = await run_blocking(
-            ctx, "glob", _glob, root.path, match, ctx.data_dir, _deadline(ctx)
+            ctx, "glob", _glob, root.path, match, ctx.data_dir, _deadline(ctx), hidden
         )
         if not found:
             return ToolResult(content=f"No files found matching {pattern!r}")

@@ -26,7 +26,7 @@ from .base import (
     ask_permission,
     run_blocking,
 )
-from .paths import ResolvedPath, check_writable, display_path, resolve_path
+from .paths import ResolvedPath, check_not_hidden, check_writable, display_path, resolve_path
 
 __all__ = [
     "WriteTool",
@@ -225,6 +225,7 @@ class WriteTool(ToolBase):
         content: str = params["content"]
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
+        await check_not_hidden(ctx, "write", resolved.path)
         exists = check_write_target(ctx, "write", resolved)
         size = len(content.encode("utf-8", errors="surrogateescape"))
         verb = "Overwrite" if exists else "Create"

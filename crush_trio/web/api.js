@@ -1,5 +1,12 @@
 // HTTP calls to the /v1 API (PROTOCOL §3). The browser authenticates with the HttpOnly cookie it
-// got from opening /?token=..., so no token is handled here.
+// got from opening /?token=..., so no token is handled here. That cookie is scoped to the page's
+// path prefix (new at every server start), so every call goes below it too (BASE).
+
+/**
+ * The page's path prefix: "/w-<hex>" when the page is served at "/w-<hex>/", "" at "/". API
+ * paths and the websocket go below it, the only paths the token cookie is sent to.
+ */
+export const BASE = location.pathname.replace(/\/[^/]*$/, "");
 
 /** An error answer of the API: the HTTP status and the server's message. */
 export class ApiError extends Error {
@@ -28,7 +35,7 @@ export async function request(method, path, body) {
   }
   let response;
   try {
-    response = await fetch(path, init);
+    response = await fetch(BASE + path, init);
   } catch (err) {
     throw new ApiError(0, `cannot reach the server (${err.message || err})`);
   }

@@ -12,7 +12,7 @@
 // the same ordered stream as events, so a snapshot read by command is never older than an event
 // received before its reply. Commands pending when the socket closes are rejected with status 0.
 
-import { ApiError } from "./api.js";
+import { ApiError, BASE } from "./api.js";
 import { sleep } from "./dom.js";
 
 /** First reconnect delay (milliseconds). */
@@ -104,7 +104,7 @@ export class EventStream {
   connect(path) {
     return new Promise((resolve) => {
       const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-      const socket = new WebSocket(`${scheme}//${location.host}${path}`);
+      const socket = new WebSocket(`${scheme}//${location.host}${BASE}${path}`);
       this.socket = socket;
       let greeted = false;
       const helloTimer = setTimeout(() => {

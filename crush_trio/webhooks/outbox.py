@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from ..errors import StoreError
-from ..store.datadir import ensure_data_dir
+from ..store.datadir import create_private_file, ensure_data_dir
 
 T = TypeVar("T")
 
@@ -134,6 +134,7 @@ def _from_row(row: tuple[Any, ...]) -> Delivery:
 def _connect(path: Path) -> sqlite3.Connection:
     try:
         ensure_data_dir(path.parent)  # 0700, with a .gitignore of "*"
+        create_private_file(path)  # 0600: it holds run texts and endpoint URLs
         conn = sqlite3.connect(
             path,
             timeout=BUSY_TIMEOUT_MS / 1000,
