@@ -225,6 +225,7 @@ class Backend:
                 sandbox_hidden=self._sandbox_hidden(),
                 sandbox_more_hidden=self._open_data_dirs,
                 on_run_complete=self._run_completed,
+                user_context_dir=user_config_file(user_config_dir=self.user_config_dir).parent,
                 **cluster,
             )
             if self.shutting_down:

@@ -140,6 +140,7 @@ class Api:
             model=ws.agent.model_info(),
             sandbox=ws.sandbox_info,
             mcp=ws.mcp.info(),
+            context_files=ws.agent.context_info(),
         )
 
     async def prompt(self, ws: Workspace, body: AgentMessage) -> AcceptedPrompt:

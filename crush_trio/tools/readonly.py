@@ -12,7 +12,7 @@ import glob
 import os
 import stat
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 
@@ -230,25 +230,36 @@ def _git_config_is_safe(path: Path) -> bool:
     return True
 
 
-def _git_repository_is_safe(workspace: Path) -> bool:
-    """Whether the repository ``git`` would use in ``workspace`` has a config that runs nothing.
+def git_repository_state(workspace: Path) -> Literal["none", "safe", "unsafe"]:
+    """Whether ``git`` finds a repository from ``workspace``, and whether its config runs nothing.
 
-    A ``.git`` that is a file (a linked work tree or submodule) points elsewhere: not checked,
-    so not safe. No repository at all is safe (git then only reports the error).
+    ``"none"``: no ``.git`` in the workspace or above it. ``"unsafe"``: the config names a
+    program or includes a file, or ``.git`` is a file or a symlink (a linked work tree or
+    submodule points elsewhere: not checked, so not safe), or the search went too deep.
+
+    Blocking:
+        Reads the file system; call it in a thread.
     """
     directory = workspace
     for _ in range(GIT_SEARCH_DEPTH):
         dot_git = directory / ".git"
         if os.path.lexists(dot_git):
             if os.path.islink(dot_git) or not os.path.isdir(dot_git):
-                return False
-            return _git_config_is_safe(dot_git / "config") and _git_config_is_safe(
+                return "unsafe"
+            safe = _git_config_is_safe(dot_git / "config") and _git_config_is_safe(
                 dot_git / "config.worktree"
             )
+            return "safe" if safe else "unsafe"
         if directory.parent == directory:
-            return True
+            return "none"
         directory = directory.parent
-    return False
+    return "unsafe"
+
+
+def _git_repository_is_safe(workspace: Path) -> bool:
+    """Whether the repository ``git`` would use in ``workspace`` has a config that runs nothing
+    (no repository at all is safe: git then only reports the error)."""
+    return git_repository_state(workspace) != "unsafe"
 
 
 def _path_is_safe(workspace: Path, raw: str) -> bool:
