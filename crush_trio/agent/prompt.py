@@ -90,6 +90,8 @@ GIT_STATUS_COMMAND: Final = (
 )
 
 _TEMPLATES: Final = "templates"
+#: How ``git status --branch`` names the branch of a repository without commits.
+_NO_COMMITS: Final = "No commits yet on "
 
 
 @functools.cache
@@ -198,6 +200,8 @@ async def git_snapshot(path: Path, *, within: float = GIT_STATUS_TIMEOUT) -> Git
     branch = ""
     if lines and lines[0].startswith("## "):
         branch = lines.pop(0)[3:]
+        if branch.startswith(_NO_COMMITS):
+            branch = branch.removeprefix(_NO_COMMITS) + ", no commits yet"
     more = len(lines) > GIT_STATUS_MAX_LINES or cut
     status = tuple(lines[:GIT_STATUS_MAX_LINES])
     return GitSnapshot(True, branch, status, "more changes not shown" if more else "")
