@@ -84,7 +84,11 @@ async def test_agents_md_reaches_the_prompt_and_a_change_reaches_the_next_one(
     assert file_block("AGENTS.md", "Run the tests with `make check` before you report.") in second
     assert "just test" not in second
     [loaded] = info.context_files.loaded
-    assert (loaded.path, loaded.bytes, loaded.truncated) == ("AGENTS.md", agents.stat().st_size, False)
+    assert (loaded.path, loaded.bytes, loaded.truncated) == (
+        "AGENTS.md",
+        agents.stat().st_size,
+        False,
+    )
 
 
 async def test_crush_and_claude_files_and_the_users_own_are_read(
