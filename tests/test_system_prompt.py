@@ -21,7 +21,7 @@ from crush_trio.agent.context_files import (
     settings_for,
 )
 from crush_trio.agent.prompt import git_snapshot
-from crush_trio.client import Client, WorkspaceClient
+from crush_trio.client import Client, RunStatus, WorkspaceClient
 from crush_trio.providers.scripted import ScriptedModel
 from crush_trio.testing import CrushServer
 
@@ -294,3 +294,64 @@ async def test_a_git_repository_shows_in_the_env_block(
         system = await system_of(crush_workspace, scripted_model)
     assert "Git repository: yes (branch trunk, no commits yet)" in system
     assert "  ?? x.txt" in system
+
+
+def fake_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> Path:
+    """A repository directory, and a ``git`` first on PATH that runs ``script`` (sh)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    git_path = bin_dir / "git"
+    git_path.write_text(f"#!/bin/sh\n{script}\n")
+    git_path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    return repo
+
+
+async def test_a_git_status_that_hangs_is_stopped_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid_file = tmp_path / "pid"
+    repo = fake_git(tmp_path, monkeypatch, f"echo $$ > {pid_file}\nexec sleep 100")
+    with trio.fail_after(CAP):
+        snapshot = await git_snapshot(repo, within=2)
+    assert snapshot.repository and snapshot.note == "status not read: git status took over 2 s"
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # stopped and reaped
+
+
+async def test_a_git_status_that_never_ends_its_output_is_cut_at_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo = fake_git(tmp_path, monkeypatch, "echo '## main'\nexec yes ' M endless.txt'")
+    with trio.fail_after(CAP):
+        snapshot = await git_snapshot(repo)
+    assert snapshot.branch == "main"
+    assert snapshot.status == (" M endless.txt",) * 40
+    assert snapshot.note == "more changes not shown"
+
+
+async def test_cancelling_a_run_while_its_git_status_runs_stops_git(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+) -> None:
+    """The git status of a turn's first prompt runs before the model is called: a cancel then
+    ends the run cancelled, kills git, and the model is never called."""
+    started = tmp_path / "started"
+    os.mkfifo(started)
+    fake_git(tmp_path, monkeypatch, f"echo $$ > {started}\nexec sleep 100")
+    (Path(crush_workspace.path) / ".git").mkdir()
+    session = await crush_workspace.create_session()
+    with trio.fail_after(CAP):
+        handle = await crush_workspace.prompt(session.id, "hi")
+        # Blocks until git has started and written its pid (a FIFO: no polling).
+        pid = int(await trio.to_thread.run_sync(started.read_text))
+        await crush_workspace.cancel(session.id)
+        run = await handle.result(CAP, check=False)
+    assert run.status is RunStatus.CANCELLED
+    assert scripted_model.requests == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
