@@ -355,3 +355,15 @@ async def test_cancelling_a_run_while_its_git_status_runs_stops_git(
     assert scripted_model.requests == []
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_without_git_the_prompt_says_the_status_was_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with trio.fail_after(CAP):
+        snapshot = await git_snapshot(tmp_path / "repo")
+    assert snapshot.repository
+    assert snapshot.note == "status not read: git could not run (No such file or directory)"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
@@ -379,17 +380,20 @@ class ContextFileCache:
     """
 
     def __init__(self) -> None:
+        #: One load at a time (turns of several sessions may start together).
+        self._lock = threading.Lock()
         self._signature: Signature | None = None
         self.current = ContextFiles()
         self.reads = 0
 
     def _load_sync(self, settings: ContextSettings) -> ContextFiles:
-        sig = signature(settings)
-        if sig != self._signature:
-            self.current = read_context_files(settings)
-            self._signature = sig
-            self.reads += 1
-        return self.current
+        with self._lock:
+            sig = signature(settings)
+            if sig != self._signature:
+                self.current = read_context_files(settings)
+                self._signature = sig
+                self.reads += 1
+            return self.current
 
     async def load(self, settings: ContextSettings) -> ContextFiles:
         """The files as they are now (read again only after a change).

@@ -49,6 +49,8 @@ GIT_STATUS_TIMEOUT: Final = 5.0
 GIT_STATUS_MAX_BYTES: Final = 8 * 1024
 #: Lines of ``git status`` shown in the prompt.
 GIT_STATUS_MAX_LINES: Final = 40
+#: Longest wait for a killed git to exit (it cannot ignore SIGKILL; this bounds a shielded wait).
+GIT_KILL_WAIT: Final = 2.0
 #: Sessions whose git snapshot is remembered (the oldest is forgotten first).
 GIT_SNAPSHOTS_KEPT: Final = 256
 
@@ -159,37 +161,11 @@ async def git_snapshot(path: Path, *, within: float = GIT_STATUS_TIMEOUT) -> Git
             note="status not read: the repository's git config names programs or includes "
             "other files (or .git is a link or a file); run git status yourself if you need it",
         )
-    env = {**shell_env(), **GIT_SAFE_ENV}
-    output = b""
-    code: int | None = None
-    with trio.move_on_after(within) as scope:
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    GIT_STATUS_COMMAND,
-                    cwd=path,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    check=False,
-                )
-            )
-            assert process.stdout is not None
-            chunks: list[bytes] = []
-            size = 0
-            while size <= GIT_STATUS_MAX_BYTES:
-                chunk = await process.stdout.receive_some(GIT_STATUS_MAX_BYTES + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(bytes(chunk))
-                size += len(chunk)
-            if size > GIT_STATUS_MAX_BYTES:
-                process.kill()
-            output = b"".join(chunks)
-        code = process.returncode
-    if scope.cancelled_caught:
+    try:
+        output, code, stopped = await _run_git_status(path, within)
+    except OSError as exc:  # no git on PATH, or it cannot be started
+        return GitSnapshot(True, note=f"status not read: git could not run ({exc.strerror})")
+    if stopped:
         return GitSnapshot(True, note=f"status not read: git status took over {within:g} s")
     cut = len(output) > GIT_STATUS_MAX_BYTES
     lines = output[:GIT_STATUS_MAX_BYTES].decode("utf-8", "replace").splitlines()
@@ -205,6 +181,46 @@ async def git_snapshot(path: Path, *, within: float = GIT_STATUS_TIMEOUT) -> Git
     more = len(lines) > GIT_STATUS_MAX_LINES or cut
     status = tuple(lines[:GIT_STATUS_MAX_LINES])
     return GitSnapshot(True, branch, status, "more changes not shown" if more else "")
+
+
+async def _run_git_status(path: Path, within: float) -> tuple[bytes, int | None, bool]:
+    """Run :data:`GIT_STATUS_COMMAND`: its output (at most one byte over the bound), its exit
+    code, and whether it was stopped at ``within`` seconds.
+
+    Raises:
+        OSError: git could not be started.
+
+    Cancellation: git is killed and reaped before the cancellation propagates.
+    """
+    process = await trio.lowlevel.open_process(
+        GIT_STATUS_COMMAND,
+        cwd=path,
+        env={**shell_env(), **GIT_SAFE_ENV},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert process.stdout is not None
+    chunks: list[bytes] = []
+    code: int | None = None
+    try:
+        with trio.move_on_after(within) as scope:
+            size = 0
+            while size <= GIT_STATUS_MAX_BYTES:
+                chunk = await process.stdout.receive_some(GIT_STATUS_MAX_BYTES + 1 - size)
+                if not chunk:
+                    break
+                chunks.append(bytes(chunk))
+                size += len(chunk)
+            if size <= GIT_STATUS_MAX_BYTES:
+                code = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.move_on_after(GIT_KILL_WAIT, shield=True):
+            await process.wait()  # reaped, also when this is cancelled
+        await process.stdout.aclose()
+    return b"".join(chunks), code, scope.cancelled_caught
 
 
 def git_lines(git: GitSnapshot) -> list[str]:
