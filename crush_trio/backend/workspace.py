@@ -595,12 +595,10 @@ class Workspace:
         return session
 
     async def rename_session(self, session_id: str, title: str) -> Session | None:
-        session = await self.store.get_session(session_id)
+        # The title alone: a running turn's usage may be recorded at the same moment.
+        session = await self.store.set_title(session_id, title)
         if session is None:
             return None
-        session.title = title
-        session.updated_at = now()
-        await self.store.update_session(session)
         self.decorate(session)
         self.broker.publish(session, EventKind.UPDATED)
         return session
