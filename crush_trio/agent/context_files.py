@@ -398,9 +398,11 @@ class ContextFileCache:
     async def load(self, settings: ContextSettings) -> ContextFiles:
         """The files as they are now (read again only after a change).
 
-        Cancellation: the thread finishes its read; the result is then dropped.
+        Cancellation: returns at once (a file system that hangs cannot hold a cancelled turn
+        or a closing workspace); the thread finishes its read in the background, and the next
+        load waits for it.
         """
-        return await trio.to_thread.run_sync(self._load_sync, settings)
+        return await trio.to_thread.run_sync(self._load_sync, settings, abandon_on_cancel=True)
 
 
 def settings_for(
