@@ -120,6 +120,10 @@ UNTRUSTED_NEW_PROVIDER_TYPES: Final = frozenset({"echo"})
 USER_ONLY_KEYS: Final = frozenset({"trusted_workspaces", "cluster", "ceilings"})
 
 ProviderType = Literal["openai-compat", "openai", "anthropic", "echo"]
+#: The allowed values of a model's ``reasoning_effort`` (OpenAI's; empty: not sent).
+ReasoningEffort = Literal["", "none", "minimal", "low", "medium", "high", "xhigh"]
+#: The smallest Anthropic thinking budget the API accepts, in tokens.
+MIN_THINKING_BUDGET: Final = 1024
 #: The allowed values of ``providers.<name>.type``.
 PROVIDER_TYPES: Final[tuple[str, ...]] = get_args(ProviderType)
 
@@ -158,6 +162,11 @@ DEFAULT_TOOL_TIMEOUT: Final = 120.0
 #: Bytes of ``bash`` output kept in a tool result (``ToolContext.bash_output_limit``); the head
 #: and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
+#: Bytes of one project context file (``AGENTS.md``, ``CRUSH.md``, ``options.context_paths``...)
+#: put in the system prompt; a longer file is cut there, with a note.
+DEFAULT_CONTEXT_MAX_FILE_BYTES: Final = 32 * 1024
+#: Bytes of all context files together; past it files are cut or skipped, with a note.
+DEFAULT_CONTEXT_MAX_TOTAL_BYTES: Final = 128 * 1024
 
 #: Most model calls of one ``agent`` tool call (a sub-agent's run in its child session).
 DEFAULT_AGENT_MAX_STEPS: Final = 25
@@ -360,6 +369,11 @@ class ModelEntry:
     cost_per_1m_out: float = 0.0
     cost_per_1m_in_cached: float = 0.0
     cost_per_1m_out_cached: float = 0.0
+    #: OpenAI-compatible types: the request's ``reasoning_effort`` (empty: not sent).
+    reasoning_effort: ReasoningEffort = ""
+    #: Anthropic: ``thinking: {type: enabled, budget_tokens}`` with this budget (0: not sent;
+    #: at least :data:`MIN_THINKING_BUDGET` otherwise).
+    thinking_budget: int = 0
 
 
 @attrs.frozen
@@ -449,8 +463,12 @@ class Options:
     )
     tool_timeout: float = _bound(DEFAULT_TOOL_TIMEOUT, "tool_timeout")
     bash_output_limit: int = _bound(DEFAULT_BASH_OUTPUT_LIMIT, "bash_output_limit")
-    #: Accepted for compatibility; not used yet.
+    #: More context files and directories for the system prompt (docs/providers.md): relative
+    #: to the workspace, or absolute / ``~`` (not from an untrusted workspace's file).
     context_paths: list[str] = attrs.field(factory=list)
+    #: See :data:`DEFAULT_CONTEXT_MAX_FILE_BYTES` and :data:`DEFAULT_CONTEXT_MAX_TOTAL_BYTES`.
+    context_max_file_bytes: int = _positive(DEFAULT_CONTEXT_MAX_FILE_BYTES)
+    context_max_total_bytes: int = _positive(DEFAULT_CONTEXT_MAX_TOTAL_BYTES)
     sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
     #: Summarize the session before the next model step when the context is nearly full.
     auto_compact: bool = True
@@ -1131,6 +1149,8 @@ def _filter_options(
         path: PathParts = ("options", key)
         if key not in UNTRUSTED_OPTION_KEYS:
             dropped.append((path, _untrusted_reason(path)))
+        elif key == "context_paths" and isinstance(value, list):
+            kept[key] = _filter_context_paths(value, workspace, dropped)
         elif (why := _loosens(Options, key, value, base)) is not None:
             dropped.append((path, why))
         elif key == "data_directory" and isinstance(value, str) and not _inside(workspace, value):
@@ -1145,6 +1165,35 @@ def _filter_options(
         else:
             kept[key] = value
     return kept
+
+
+def _filter_context_paths(
+    paths: list[Any], workspace: Path, dropped: list[tuple[PathParts, str]]
+) -> list[Any]:
+    """An untrusted workspace's ``context_paths``: only entries inside the workspace (the rest
+    would put files from elsewhere, another project's or the user's secrets, in the prompt)."""
+    kept: list[Any] = []
+    for index, raw in enumerate(paths):
+        if isinstance(raw, str) and not _inside_or_is(workspace, raw):
+            dropped.append(
+                (
+                    ("options", "context_paths", index),
+                    f"ignored: {raw!r} is outside the workspace, and an untrusted workspace may "
+                    "name context files only inside itself; use a relative path, or mark the "
+                    "workspace trusted",
+                )
+            )
+        else:
+            kept.append(raw)
+    return kept
+
+
+def _inside_or_is(workspace: Path, raw: str) -> bool:
+    """Like :func:`_inside`, the workspace itself allowed too."""
+    if not raw or raw.startswith("~") or Path(raw).is_absolute():
+        return False
+    real = Path(os.path.realpath(workspace / raw))
+    return real == workspace or workspace in real.parents
 
 
 def _inside(workspace: Path, raw: str) -> bool:
@@ -1320,6 +1369,15 @@ def _check_bounds(
                 )
         elif attrs.has(type(value)):
             _check_bounds(value, here, problems, ceilings)
+        if isinstance(obj, ModelEntry) and field.name == "thinking_budget":
+            if 0 < value < MIN_THINKING_BUDGET:
+                problems.append(
+                    _Problem(
+                        here,
+                        f"must be 0 (no extended thinking) or at least {MIN_THINKING_BUDGET} "
+                        f"tokens (Anthropic's minimum), got {value}; fix the value",
+                    )
+                )
         elif isinstance(value, dict):
             for key, item in value.items():
                 if attrs.has(type(item)):

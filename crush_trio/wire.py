@@ -441,6 +441,32 @@ class JobInfo:
 
 
 @attrs.define
+class ContextFileInfo:
+    """A project context file in the system prompt: its path (relative to the workspace when
+    inside it), its size on disk in bytes, and whether it was cut at a bound."""
+
+    path: str
+    bytes: int
+    truncated: bool = False
+
+
+@attrs.define
+class SkippedContextFile:
+    """A context file left out of the system prompt, and why."""
+
+    path: str
+    reason: str
+
+
+@attrs.define
+class ContextFilesInfo:
+    """The project context files of the system prompt (docs/providers.md)."""
+
+    loaded: list[ContextFileInfo] = attrs.field(factory=list)
+    skipped: list[SkippedContextFile] = attrs.field(factory=list)
+
+
+@attrs.define
 class AgentInfo:
     is_busy: bool
     is_ready: bool
@@ -454,6 +480,8 @@ class AgentInfo:
     mcp: list[McpServerInfo] = attrs.field(factory=list)
     #: The workspace's background jobs, oldest first (running ones and the last ended ones).
     jobs: list[JobInfo] = attrs.field(factory=list)
+    #: The project context files in the system prompt, as the last turn read them.
+    context_files: ContextFilesInfo = attrs.field(factory=ContextFilesInfo)
 
 
 @attrs.define

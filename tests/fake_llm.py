@@ -97,6 +97,10 @@ class Reply:
         finish: ``end_turn``, ``max_tokens`` or ``tool_use`` (mapped to each API's names), or a
             raw API value; by default ``tool_use`` when there are tool calls, else ``end_turn``.
         usage: ``(prompt_tokens, completion_tokens)``; by default ``(body bytes // 4, frames)``.
+        cache: ``(read, written)`` prompt-cache tokens: Anthropic's ``cache_read_input_tokens``
+            and ``cache_creation_input_tokens`` (beside ``input_tokens``, which counts the
+            uncached ones), OpenAI's ``prompt_tokens_details.cached_tokens`` (the read ones,
+            counted in ``prompt_tokens``).
         token_delay: seconds (Trio's clock) slept before each write after the first.
         batch: stream frames per socket write (1: one write per frame, like a real model;
             more: less server CPU for throughput benchmarks).
@@ -115,6 +119,7 @@ class Reply:
     tool_calls: Sequence[ToolCall] = ()
     finish: str = ""
     usage: tuple[int, int] | None = None
+    cache: tuple[int, int] = (0, 0)
     token_delay: float = 0.0
     batch: int = 1
     stamp: bool = False
@@ -495,8 +500,10 @@ def _openai_frames(reply: Reply, request: RecordedRequest) -> list[bytes | Calla
             frames.append(chunk({"tool_calls": [{"index": n, "function": {"arguments": piece}}]}))
     frames.append(chunk({}, _finish(reply, _OPENAI_FINISH)))
     prompt, completion = _usage(reply, request, len(frames))
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion}
     usage["total_tokens"] = prompt + completion
+    if reply.cache[0]:
+        usage["prompt_tokens_details"] = {"cached_tokens": reply.cache[0]}
     last = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "choices": []}
     frames.append(_sse({**last, "usage": usage}))
     frames.append(_sse(b"[DONE]"))
@@ -556,6 +563,9 @@ def _anthropic_frames(reply: Reply, request: RecordedRequest) -> list[bytes | Ca
         "stop_reason": None,
         "usage": {"input_tokens": prompt, "output_tokens": 1},
     }
+    if reply.cache != (0, 0):
+        start["usage"]["cache_read_input_tokens"] = reply.cache[0]
+        start["usage"]["cache_creation_input_tokens"] = reply.cache[1]
     finish = _finish(reply, {})
     return [
         event("message_start", {"message": start}),

@@ -156,15 +156,14 @@ async def test_an_attached_image_reaches_the_model_in_its_api_shape(
                 ],
             }
         else:
+            # The prompt cache marker sits on the last block of the last two turns only.
+            image = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
+            image["source"]["data"] = png
+            if request is model_requests[0]:
+                image["cache_control"] = {"type": "ephemeral"}
             assert first == {
                 "role": "user",
-                "content": [
-                    {"type": "text", "text": "what is this?"},
-                    {
-                        "type": "image",
-                        "source": {"type": "base64", "media_type": "image/png", "data": png},
-                    },
-                ],
+                "content": [{"type": "text", "text": "what is this?"}, image],
             }
 
 
@@ -229,3 +228,116 @@ async def test_malformed_chunk_ends_the_run_with_a_clear_error(tmp_path: Path) -
         run = await ws.run(sid, "hi", timeout=WAIT, check=False)
         assert run.status is RunStatus.FAILED and run.error is not None
         assert "malformed" in run.error
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt caching, cached-token usage and reasoning options
+
+EPHEMERAL = {"type": "ephemeral"}
+#: Dollars per million tokens: uncached input, output, cache writes, cache reads.
+PRICED = {
+    "id": "m1",
+    "cost_per_1m_in": 3.0,
+    "cost_per_1m_out": 15.0,
+    "cost_per_1m_in_cached": 3.75,
+    "cost_per_1m_out_cached": 0.3,
+}
+
+
+def agent_requests(fake: FakeLLM) -> list[RecordedRequest]:
+    return [r for r in fake.requests if "short title" not in orjson.dumps(r.body).decode()]
+
+
+def cache_marks(body: dict[str, Any]) -> list[tuple[int, int]]:
+    """(turn, block) of every message block that carries cache_control."""
+    return [
+        (i, j)
+        for i, turn in enumerate(body["messages"])
+        for j, block in enumerate(turn["content"])
+        if "cache_control" in block
+    ]
+
+
+async def test_anthropic_requests_cache_the_prompt_and_cached_tokens_are_counted(
+    tmp_path: Path,
+) -> None:
+    router = Router(
+        Reply(text="I will look.", tool_calls=[ToolCall("ls", "{}")], usage=(100, 10)),
+        Reply(text="first done", usage=(40, 5), cache=(1000, 500)),
+        Reply(text="second done", usage=(20, 4), cache=(1500, 100)),
+    )
+    with trio.fail_after(WAIT * 3):
+        async with fake_provider_workspace(tmp_path, router, "anthropic", models=[PRICED]) as (
+            fake,
+            ws,
+        ):
+            sid = (await ws.create_session()).id
+            await ws.run(sid, "list the files", timeout=20)
+            await ws.run(sid, "thanks", timeout=20)
+            session = await ws.session(sid)
+    first, after_tool, second = agent_requests(fake)
+    for request in (first, after_tool, second):
+        [system] = request.body["system"]
+        assert system["cache_control"] == EPHEMERAL
+        assert system["text"].startswith("You are a coding agent")
+        assert "thinking" not in request.body  # no thinking_budget configured
+    # The last block of each of the last two turns: the tool call and its result, then the
+    # previous answer and the new prompt.
+    assert cache_marks(first.body) == [(0, 0)]
+    assert [t["role"] for t in after_tool.body["messages"]] == ["user", "assistant", "user"]
+    assert cache_marks(after_tool.body) == [(1, 1), (2, 0)]
+    assert after_tool.body["messages"][1]["content"][1]["type"] == "tool_use"
+    assert cache_marks(second.body) == [(3, 0), (4, 0)]
+    # The session's context is the last step's input, cached tokens included.
+    assert session.prompt_tokens == 20 + 1500 + 100 and session.completion_tokens == 4
+    # Uncached input at cost_per_1m_in, writes at cost_per_1m_in_cached, reads at
+    # cost_per_1m_out_cached, output at cost_per_1m_out.
+    steps = [
+        100 * 3.0 + 10 * 15.0,
+        40 * 3.0 + 500 * 3.75 + 1000 * 0.3 + 5 * 15.0,
+        20 * 3.0 + 100 * 3.75 + 1500 * 0.3 + 4 * 15.0,
+    ]
+    assert session.cost == pytest.approx(sum(steps) / 1_000_000)
+
+
+async def test_openai_cached_tokens_are_priced_as_cache_reads(tmp_path: Path) -> None:
+    router = Router(Reply(text="ok", usage=(1200, 10), cache=(1000, 0)))
+    with trio.fail_after(WAIT * 2):
+        async with fake_provider_workspace(tmp_path, router, "openai", models=[PRICED]) as (
+            fake,
+            ws,
+        ):
+            sid = (await ws.create_session()).id
+            await ws.run(sid, "hi", timeout=20)
+            session = await ws.session(sid)
+    assert session.prompt_tokens == 1200
+    assert session.cost == pytest.approx((200 * 3.0 + 1000 * 0.3 + 10 * 15.0) / 1_000_000)
+    [request] = agent_requests(fake)
+    assert "reasoning_effort" not in request.body
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+async def test_reasoning_options_are_sent_only_when_the_model_asks_for_them(
+    tmp_path: Path, api: str
+) -> None:
+    entry = {"id": "m1", "reasoning_effort": "high", "thinking_budget": 2048}
+    router = Router(Reply(reasoning=["hmm"], signature="sig", text="thought"))
+    with trio.fail_after(WAIT * 2):
+        async with fake_provider_workspace(
+            tmp_path, router, api, models=[entry, {"id": "plain"}]
+        ) as (fake, ws):
+            sid = (await ws.create_session()).id
+            await ws.run(sid, "think", timeout=20)
+            plain = (await ws.create_session()).id
+            await (await ws.prompt(plain, "quick", model="fake/plain")).result(20)
+    configured, unconfigured = agent_requests(fake)
+    assert unconfigured.body["model"] == "plain"
+    assert "reasoning_effort" not in unconfigured.body
+    assert "thinking" not in unconfigured.body
+    if api == "openai":
+        assert configured.body["reasoning_effort"] == "high"
+        assert "thinking" not in configured.body
+    else:
+        assert configured.body["thinking"] == {"type": "enabled", "budget_tokens": 2048}
+        assert configured.body["max_tokens"] > 2048
+        assert "reasoning_effort" not in configured.body

@@ -296,6 +296,33 @@ def test_negative_and_zero_bounds_are_errors(tmp_path: Path) -> None:
     assert "$.server.max_body_bytes: must be greater than 0" in message
 
 
+def test_reasoning_options_are_checked(tmp_path: Path) -> None:
+    def provider(*models: dict[str, Any]) -> dict[str, Any]:
+        return {"providers": {"p": {"type": "anthropic", "models": list(models)}}}
+
+    bad_effort = write(tmp_path / "a.json", provider({"id": "b", "reasoning_effort": "extreme"}))
+    with pytest.raises(ConfigError, match=r"\$\.providers\.p\.models\[0\]\.reasoning_effort"):
+        load_file(bad_effort)
+    small = write(tmp_path / "b.json", provider({"id": "a"}, {"id": "b", "thinking_budget": 500}))
+    with pytest.raises(ConfigError) as info:
+        load_file(small)
+    assert (
+        "$.providers.p.models[1].thinking_budget: must be 0 (no extended thinking) or at least 1024"
+        in str(info.value)
+    )
+    ok = [
+        {"id": "c", "thinking_budget": 0, "reasoning_effort": "low"},
+        {"id": "d", "thinking_budget": 1024},
+        {"id": "e"},
+    ]
+    entries = load_file(write(tmp_path / "c.json", provider(*ok))).providers["p"].models
+    assert [(m.reasoning_effort, m.thinking_budget) for m in entries] == [
+        ("low", 0),
+        ("", 1024),
+        ("", 0),
+    ]
+
+
 def test_zero_is_allowed_where_it_means_none(tmp_path: Path) -> None:
     path = write(tmp_path / "c.json", {"server": {"detach_grace": 0, "replay_buffer": 0}})
     config = load_file(path)

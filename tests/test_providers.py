@@ -318,8 +318,15 @@ async def test_anthropic_streams_text_and_usage_and_sends_the_documented_request
     assert sent.body == {
         "model": "test-model",
         "max_tokens": 99,
-        "system": "You are terse.",
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "system": [
+            {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+            }
+        ],
         "stream": True,
         "tools": [
             {"name": "view", "description": "Read a file", "input_schema": TOOLS[0].parameters}
@@ -513,7 +520,11 @@ async def test_anthropic_sends_an_image_as_an_image_block_and_a_text_file_as_tex
                     "type": "image",
                     "source": {"type": "base64", "media_type": "image/png", "data": PNG},
                 },
-                {"type": "text", "text": '<file path="notes.txt">\nhello\n</file>'},
+                {
+                    "type": "text",
+                    "text": '<file path="notes.txt">\nhello\n</file>',
+                    "cache_control": {"type": "ephemeral"},
+                },
             ],
         }
     ]
@@ -572,6 +583,8 @@ async def test_openai_history_with_tool_calls_and_results() -> None:
 
 
 async def test_anthropic_history_merges_turns_and_keeps_signed_thinking() -> None:
+    """Also: only the last block of each of the last two turns carries the cache marker (the
+    first turn's does not)."""
     fake = FakeLLM([Reply(text="done")])
     with trio.fail_after(TEST_TIMEOUT):
         async with serving(fake, "anthropic") as provider:
@@ -584,7 +597,13 @@ async def test_anthropic_history_merges_turns_and_keeps_signed_thinking() -> Non
                 {"type": "thinking", "thinking": "I should read both.", "signature": "sig-1"},
                 {"type": "text", "text": "Reading."},
                 {"type": "tool_use", "id": "call_1", "name": "view", "input": {"path": "a.txt"}},
-                {"type": "tool_use", "id": "call_2", "name": "view", "input": {}},
+                {
+                    "type": "tool_use",
+                    "id": "call_2",
+                    "name": "view",
+                    "input": {},
+                    "cache_control": {"type": "ephemeral"},
+                },
             ],
         },
         {
@@ -598,7 +617,7 @@ async def test_anthropic_history_merges_turns_and_keeps_signed_thinking() -> Non
                     "is_error": True,
                 },
                 {"type": "text", "text": "And now?"},
-                {"type": "text", "text": "Go on"},
+                {"type": "text", "text": "Go on", "cache_control": {"type": "ephemeral"}},
             ],
         },
     ]

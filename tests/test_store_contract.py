@@ -146,6 +146,27 @@ async def test_session_round_trip_update_usage_summary_and_list_order(backend: B
         assert await store.get_session("a") == after
         assert await store.record_step_usage("missing", 1, 1, 1.0) is None
 
+        # A title is set alone: the usage recorded before it stays (no lost update).
+        kept = await store.set_title("a", "model title", keep_existing=True)
+        assert kept is not None and await store.get_session("a") == kept
+        # The client's title and the usage stay.
+        assert attrs.evolve(kept, updated_at=after.updated_at) == after
+        untitled = Session(id="u", created_at=400, updated_at=400)
+        await store.create_session(untitled)
+        await store.record_step_usage("u", 3, 4, 0.5)
+        titled = await store.set_title("u", "model title", keep_existing=True)
+        assert titled is not None
+        assert (titled.title, titled.prompt_tokens, titled.completion_tokens, titled.cost) == (
+            "model title",
+            3,
+            4,
+            0.5,
+        )
+        renamed = await store.set_title("u", "the client's")
+        assert renamed is not None and renamed.title == "the client's" and renamed.cost == 0.5
+        assert await store.set_title("missing", "x") is None
+        await store.delete_session("u")
+
         summary = await store.set_summary("a", "sum-1", 7, 0.5)
         assert summary is not None
         assert (summary.summary_message_id, summary.prompt_tokens) == ("sum-1", 0)

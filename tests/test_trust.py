@@ -378,6 +378,26 @@ FORBIDDEN: list[tuple[dict[str, Any], str, Callable[[Config], bool]]] = [
         lambda c: c.options.data_directory == ".crush",
     ),
     (
+        {"options": {"context_paths": ["docs", "/home/me/.ssh/id_rsa"]}},
+        "$.options.context_paths[1]",
+        lambda c: c.options.context_paths == ["docs"],
+    ),
+    (
+        {"options": {"context_paths": ["~/.aws/credentials"]}},
+        "$.options.context_paths[0]",
+        lambda c: c.options.context_paths == [],
+    ),
+    (
+        {"options": {"context_paths": ["../another-project"]}},
+        "$.options.context_paths[0]",
+        lambda c: c.options.context_paths == [],
+    ),
+    (
+        {"options": {"context_max_file_bytes": 1 << 40}},
+        "$.options.context_max_file_bytes",
+        lambda c: c.options.context_max_file_bytes == 32 * 1024,
+    ),
+    (
         {"mcp": {"files": {"type": "stdio", "command": "./run-me"}}},
         "$.mcp",
         lambda c: c.mcp == {},

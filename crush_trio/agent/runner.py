@@ -62,6 +62,8 @@ from ..wire import (
     new_id,
     now,
 )
+from .context_files import ContextFiles
+from .prompt import SystemPrompts, render_system_prompt
 from .runs import RunBook
 from .summarize import (
     context_window,
@@ -82,11 +84,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CANCELED_MESSAGE: Final = "User canceled request"
-
-SYSTEM_PROMPT: Final = (
-    "You are a coding agent working in the user's project directory. Use the tools to inspect "
-    "and change files and to run commands. Be concise."
-)
 
 
 class SessionGone(CrushError):
@@ -172,8 +169,12 @@ class Agent:
         max_queued_prompt_bytes: int = DEFAULT_MAX_QUEUED_PROMPT_BYTES,
         on_complete: Callable[[RunComplete], None] = lambda _: None,
         terminals: Terminals | None = None,
+        prompts: SystemPrompts | None = None,
     ) -> None:
         self.store = store
+        #: Builds each turn's system prompt (None: the template without environment or context
+        #: files).
+        self.prompts = prompts
         #: Told each run's end, once, just before its run_complete is published (webhooks); it
         #: must return at once.
         self._on_complete = on_complete
@@ -716,6 +717,7 @@ class Agent:
 
         options = self.config.options
         max_tokens = model_entry.default_max_tokens
+        system = await self._system_prompt(sid, provider_name, model_entry)
         repeated = RepeatedCalls()
         for _step in range(options.max_steps):
             for prompt in self.state.take_foldable(sid):
@@ -727,8 +729,10 @@ class Agent:
                     model_entry.name,
                     model_entry.context_window,
                     model_entry.default_max_tokens,
+                    reasoning_effort=model_entry.reasoning_effort,
+                    thinking_budget=model_entry.thinking_budget,
                 ),
-                system=SYSTEM_PROMPT,
+                system=system,
                 messages=list(progress.history),
                 tools=self.tools.specs() if self.tools is not None else [],
                 max_tokens=max_tokens,
@@ -777,6 +781,25 @@ class Agent:
         )
 
     # -- models, usage and summaries ------------------------------------------------------------
+
+    async def _system_prompt(self, session_id: str, provider_name: str, entry: Any) -> str:
+        """The turn's system prompt (the same for each of its steps, so the provider's prompt
+        cache holds across them)."""
+        tools = self.tools.specs() if self.tools is not None else []
+        model = f"{provider_name}/{entry.id}" + (f" ({entry.name})" if entry.name else "")
+        if self.prompts is None:
+            return render_system_prompt(tools, None, ContextFiles())
+        return await self.prompts.build(session_id, tools, model)
+
+    def context_info(self) -> wire.ContextFilesInfo:
+        """The context files of the last turn (or of the workspace's opening)."""
+        current = self.prompts.context.current if self.prompts is not None else ContextFiles()
+        return wire.ContextFilesInfo(
+            loaded=[
+                wire.ContextFileInfo(f.path, f.size, truncated=f.truncated) for f in current.files
+            ],
+            skipped=[wire.SkippedContextFile(f.path, f.reason) for f in current.skipped],
+        )
 
     def _turn_model(self, turn: Turn) -> tuple[str, Any, Any]:
         """The provider name, provider config and model entry of a turn: the model its prompt

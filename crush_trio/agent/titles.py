@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final
 import trio
 
 from ..providers import base as pb
-from ..wire import EventKind, Message, Role, TextPart, new_id, now
+from ..wire import EventKind, Message, Role, TextPart, new_id
 
 if TYPE_CHECKING:
     from ..broker import Broker
@@ -138,11 +138,10 @@ class Titles:
                     title.append(event.text)
 
     async def _save(self, session_id: str, model_title: str, prompt: str) -> None:
-        session = await self.store.get_session(session_id)
-        if session is None or session.title:
-            return
-        session.title = final_title(model_title, prompt, self.config.options.title_max_words)
-        session.updated_at = now()
-        await self.store.update_session(session)
+        title = final_title(model_title, prompt, self.config.options.title_max_words)
+        # The title alone: a whole-session write would undo the usage a step recorded meanwhile.
+        session = await self.store.set_title(session_id, title, keep_existing=True)
+        if session is None or session.title != title:
+            return  # gone, or the client titled it meanwhile
         session.is_busy = self._is_busy(session_id)
         self.broker.publish(session, EventKind.UPDATED)

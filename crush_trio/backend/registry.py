@@ -240,6 +240,7 @@ class Backend:
                 sandbox_more_hidden=self._more_hidden,
                 on_run_complete=self._run_completed,
                 on_permission_request=self._permission_requested,
+                user_context_dir=user_config_file(user_config_dir=self.user_config_dir).parent,
                 **cluster,
             )
             if self.shutting_down:

@@ -32,6 +32,7 @@ import orjson
 import trio
 
 from .. import wire
+from ..agent.prompt import SystemPrompts
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
@@ -153,8 +154,11 @@ class Workspace:
         workspace_id: str | None = None,
         store_factory: Callable[[Path], Awaitable[Any]] | None = None,
         event_log: Any = None,
+        user_context_dir: Path | None = None,
     ) -> None:
         self.id = workspace_id or new_id()
+        #: The user config directory, home of the user's own context files (docs/providers.md).
+        self.user_context_dir = user_context_dir
         #: Told each run's end before its run_complete is published (the server's webhooks).
         self.on_run_complete = on_run_complete
         #: Opens the store from the data directory: SQLite (default), or a cluster's
@@ -357,6 +361,7 @@ class Workspace:
             publish_delta=self.broker.publish_delta,
         )
         self.runs = RunBook(self.store)
+        prompts = SystemPrompts(self, user_dir=self.user_context_dir)
         agent: Agent | None = None
         try:
             async with trio.open_nursery() as background:
@@ -389,7 +394,9 @@ class Workspace:
                             if self.event_log is None
                             else LoggedTerminals(self.store, self.broker)
                         ),
+                        prompts=prompts,
                     )
+                    await self._read_context_files(prompts)
                     await self._recover_stopped_runs()
                     self._move(WorkspaceState.OPEN)
                     task_status.started(self)
@@ -440,6 +447,14 @@ class Workspace:
 
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
+
+    async def _read_context_files(self, prompts: SystemPrompts) -> None:
+        """Read the context files once at opening, so ``GET .../agent`` lists them before the
+        first turn (a failure is logged; the turns read them again)."""
+        try:
+            await prompts.context_files()
+        except Exception:
+            log.exception("workspace %s: reading the context files failed", self.id)
 
     async def _set_up_sandbox(self) -> None:
         """Test (once per process) whether a sandbox can run; :meth:`_make_tools` then builds it
@@ -646,12 +661,10 @@ class Workspace:
         return session
 
     async def rename_session(self, session_id: str, title: str) -> Session | None:
-        session = await self.store.get_session(session_id)
+        # The title alone: a running turn's usage may be recorded at the same moment.
+        session = await self.store.set_title(session_id, title)
         if session is None:
             return None
-        session.title = title
-        session.updated_at = now()
-        await self.store.update_session(session)
         self.decorate(session)
         self.broker.publish(session, EventKind.UPDATED)
         return session

@@ -277,6 +277,18 @@ class PgStore:
             f"recording usage of session {session_id!r}",
         )
 
+    async def set_title(
+        self, session_id: str, title: str, *, keep_existing: bool = False
+    ) -> Session | None:
+        assignment = (
+            "title = CASE WHEN title = '' THEN %s ELSE title END"
+            if keep_existing
+            else ("title = %s")
+        )
+        return await self._update_session(
+            session_id, assignment, (title,), f"setting the title of session {session_id!r}"
+        )
+
     async def set_summary(
         self, session_id: str, message_id: str, completion_tokens: int, cost: float
     ) -> Session | None:

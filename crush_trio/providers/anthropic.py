@@ -53,6 +53,13 @@ ANTHROPIC_VERSION: Final = "2023-06-01"
 #: ``max_tokens`` is required by the Messages API; used when neither the request nor the model
 #: entry (``default_max_tokens``) sets it.
 DEFAULT_MAX_TOKENS: Final = 4096
+#: The prompt-cache marker put on the system prompt and the conversation's last blocks.
+CACHE_CONTROL: Final = {"type": "ephemeral"}
+#: Turns at the end of the conversation whose last block carries :data:`CACHE_CONTROL` (with
+#: the system prompt's, 3 of the 4 breakpoints the API allows per request).
+CACHED_TAIL_TURNS: Final = 2
+#: Blocks that may not carry ``cache_control``.
+_UNCACHEABLE_BLOCKS: Final = frozenset({"thinking", "redacted_thinking"})
 
 _STOP_REASONS: Final = {
     "end_turn": FinishReason.END_TURN,
@@ -148,20 +155,45 @@ def to_anthropic_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
 
 
 def build_messages_body(request: ModelRequest) -> dict[str, Any]:
-    """The JSON body of a streamed Messages API request."""
+    """The JSON body of a streamed Messages API request.
+
+    Prompt caching: the system prompt and the last cacheable block of each of the last
+    :data:`CACHED_TAIL_TURNS` turns carry ``cache_control`` (the cache covers the request up to
+    each marked block, tools included, so the next step of a session reads its whole prefix from
+    the cache). Extended thinking: ``thinking`` is sent only when the model's entry sets
+    ``thinking_budget``; ``max_tokens`` is then raised above the budget where needed, as the API
+    requires.
+    """
     extra_system, turns = to_anthropic_messages(request.messages)
     system = "\n\n".join(s for s in [request.system, *extra_system] if s)
+    max_tokens = request.max_tokens or request.model.default_max_tokens or DEFAULT_MAX_TOKENS
     body: dict[str, Any] = {
         "model": request.model.id,
-        "max_tokens": request.max_tokens or request.model.default_max_tokens or DEFAULT_MAX_TOKENS,
+        "max_tokens": max_tokens,
         "messages": turns,
         "stream": True,
     }
     if system:
-        body["system"] = system
+        body["system"] = [{"type": "text", "text": system, "cache_control": dict(CACHE_CONTROL)}]
+    _mark_cached_tail(turns)
     if request.tools:
         body["tools"] = to_anthropic_tools(request.tools)
+    budget = request.model.thinking_budget
+    if budget > 0:
+        body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        if max_tokens <= budget:
+            body["max_tokens"] = budget + max_tokens
     return body
+
+
+def _mark_cached_tail(turns: list[dict[str, Any]]) -> None:
+    """Put ``cache_control`` on the last block that may carry it in each of the last
+    :data:`CACHED_TAIL_TURNS` turns (the turns are built here, so nothing else is changed)."""
+    for turn in turns[-CACHED_TAIL_TURNS:]:
+        for block in reversed(turn["content"]):
+            if block.get("type") not in _UNCACHEABLE_BLOCKS:
+                block["cache_control"] = dict(CACHE_CONTROL)
+                break
 
 
 def _json_object(text: str) -> Any:

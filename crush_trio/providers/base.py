@@ -36,6 +36,10 @@ class ModelInfo:
     name: str = ""
     context_window: int = 0
     default_max_tokens: int = 0
+    #: Sent as ``reasoning_effort`` by the OpenAI-compatible types when set.
+    reasoning_effort: str = ""
+    #: Sent as Anthropic's ``thinking`` budget when non-zero.
+    thinking_budget: int = 0
 
 
 @attrs.define

@@ -125,7 +125,8 @@ def to_chat_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
 
 
 def build_chat_body(request: ModelRequest) -> dict[str, Any]:
-    """The JSON body of a streamed Chat Completions request."""
+    """The JSON body of a streamed Chat Completions request (``reasoning_effort`` only when the
+    model's entry sets it)."""
     body: dict[str, Any] = {
         "model": request.model.id,
         "messages": to_chat_messages(request.system, request.messages),
@@ -137,6 +138,8 @@ def build_chat_body(request: ModelRequest) -> dict[str, Any]:
         body["max_tokens"] = max_tokens
     if request.tools:
         body["tools"] = to_chat_tools(request.tools)
+    if request.model.reasoning_effort:
+        body["reasoning_effort"] = request.model.reasoning_effort
     return body
 
 

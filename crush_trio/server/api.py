@@ -156,6 +156,7 @@ class Api:
             sandbox=ws.sandbox_info,
             mcp=ws.mcp.info(),
             jobs=ws.jobs.info(),
+            context_files=ws.agent.context_info(),
         )
 
     def agent_init(self, ws: Workspace, body: AgentInitRequest) -> dict[str, Any]:

@@ -595,6 +595,23 @@ class Store:
             f"recording usage of session {session_id!r}",
         )
 
+    async def set_title(
+        self, session_id: str, title: str, *, keep_existing: bool = False
+    ) -> Session | None:
+        """Set the session's title and nothing else, atomically, so a step's usage recorded
+        meanwhile is not overwritten; ``keep_existing`` leaves a title already set (one the
+        client gave) in place.
+
+        Returns:
+            The updated session, or None if there is no such session.
+        """
+        assignment = (
+            "title = CASE WHEN title = '' THEN ? ELSE title END" if keep_existing else ("title = ?")
+        )
+        return await self._update_session(
+            session_id, assignment, (title,), f"setting the title of session {session_id!r}"
+        )
+
     async def set_summary(
         self, session_id: str, message_id: str, completion_tokens: int, cost: float
     ) -> Session | None:

@@ -77,6 +77,13 @@ class WorkspaceStore(Protocol):
         """Set the token counts, add ``cost``; the updated session, or None."""
         ...
 
+    async def set_title(
+        self, session_id: str, title: str, *, keep_existing: bool = False
+    ) -> Session | None:
+        """Set the title alone (``keep_existing``: only if it has none); the updated session,
+        or None."""
+        ...
+
     async def set_summary(
         self, session_id: str, message_id: str, completion_tokens: int, cost: float
     ) -> Session | None:

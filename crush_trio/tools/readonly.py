@@ -20,7 +20,7 @@ import stat
 import subprocess
 import time
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 
@@ -295,9 +295,10 @@ def _read_bounded(
     return code, bytes(out)
 
 
-def _git_repository_is_safe(workspace: Path) -> bool:
-    """Whether the repository ``git`` would use in ``workspace`` lies inside it and has a config
-    that names no program git could run and includes nothing.
+def git_repository_state(workspace: Path) -> Literal["none", "safe", "unsafe"]:
+    """Whether ``git`` finds a repository from ``workspace``, and whether it is safe to run git
+    there: the repository lies inside the workspace and its config names no program git could
+    run and includes nothing.
 
     Git finds the repository and parses its config itself (``git rev-parse``, ``git config
     --list``), so the repository found (a bare one, a ``.git`` file, ``commondir``,
@@ -305,8 +306,11 @@ def _git_repository_is_safe(workspace: Path) -> bool:
     subsection) are git's, not a second parser's. The system and user configs are left out, as
     in the sandbox. Its git directory, common directory and object store must be inside the
     workspace: a ``.git`` file, ``commondir`` or ``objects/info/alternates`` pointing elsewhere
-    would make an approved command read a repository outside it. No repository at all is safe
-    (git then only reports the error).
+    would make an approved command read a repository outside it. ``"none"``: git finds no
+    repository (git then only reports the error).
+
+    Blocking:
+        Runs git; call it in a thread.
     """
     found = _read_bounded(
         ["git", "rev-parse", "--path-format=absolute", "--git-dir", "--git-common-dir"],
@@ -315,16 +319,16 @@ def _git_repository_is_safe(workspace: Path) -> bool:
         GIT_CONFIG_TIMEOUT,
     )
     if found is None:
-        return False
+        return "unsafe"
     code, out = found
     if code != 0:
-        return True  # no repository here: git in the sandbox finds none either
+        return "none"  # no repository here: git in the sandbox finds none either
     dirs = [Path(os.path.realpath(os.fsdecode(line))) for line in out.splitlines() if line]
     if len(dirs) != 2 or not all(is_within(d, workspace) for d in dirs):
-        return False
+        return "unsafe"
     info = dirs[1] / "objects" / "info"
     if os.path.lexists(info / "alternates") or os.path.lexists(info / "http-alternates"):
-        return False
+        return "unsafe"
     listing = _read_bounded(
         ["git", "config", "--list", "--no-includes", "-z"],
         workspace,
@@ -332,7 +336,7 @@ def _git_repository_is_safe(workspace: Path) -> bool:
         GIT_CONFIG_TIMEOUT,
     )
     if listing is None or listing[0] != 0:
-        return False
+        return "unsafe"
     for entry in listing[1].split(b"\0"):
         name = entry.partition(b"\n")[0].decode("utf-8", "replace").lower()
         if not name:
@@ -340,10 +344,15 @@ def _git_repository_is_safe(workspace: Path) -> bool:
         section, _, rest = name.partition(".")
         variable = rest.rpartition(".")[2]
         if section in GIT_UNSAFE_SECTIONS:
-            return False
+            return "unsafe"
         if variable in GIT_UNSAFE_KEYS or variable.endswith(GIT_UNSAFE_KEY_SUFFIXES):
-            return False
-    return True
+            return "unsafe"
+    return "safe"
+
+
+def _git_repository_is_safe(workspace: Path) -> bool:
+    """Whether running git in ``workspace`` is safe (:func:`git_repository_state`)."""
+    return git_repository_state(workspace) != "unsafe"
 
 
 def _path_is_safe(workspace: Path, raw: str) -> bool:
