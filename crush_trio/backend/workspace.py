@@ -43,7 +43,7 @@ from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
-from ..tools import Toolbox
+from ..tools import FileTracker, Toolbox
 from ..tools.mcp import McpManager
 from ..tools.sandbox import Sandbox, SandboxStatus
 from ..tools.sandbox import probe as sandbox_probe
@@ -198,6 +198,8 @@ class Workspace:
         self.agent: Agent
         #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
+        #: The files each session viewed (read-before-edit); kept across config reloads.
+        self.files = FileTracker()
         self.permissions = PermissionService(
             self.broker,
             allowed_tools=list(config.permissions.allowed_tools),
@@ -430,6 +432,7 @@ class Workspace:
             bash_output_limit=options.bash_output_limit,
             sandbox=self.sandbox,
             mcp=self.mcp,
+            files=self.files,
         )
 
     async def _watch_holds(self) -> None:

@@ -39,13 +39,14 @@ from .base import (
     ToolSpec,
 )
 from .bash import BashTool
-from .edit import EditTool
+from .edit import EditTool, MultiEditTool
 from .grep import GrepTool
 from .mcp import McpManager
 from .paths import ResolvedPath, resolve_path
 from .read import GlobTool, LsTool, ViewTool
 from .readonly import is_read_only
 from .sandbox import Sandbox
+from .tracker import FileTracker
 from .write import WriteTool
 
 __all__ = [
@@ -54,9 +55,11 @@ __all__ = [
     "TOOLS_BY_NAME",
     "BashTool",
     "EditTool",
+    "FileTracker",
     "GlobTool",
     "GrepTool",
     "LsTool",
+    "MultiEditTool",
     "PermissionAsker",
     "PermissionDenied",
     "ResolvedPath",
@@ -81,7 +84,17 @@ logger = logging.getLogger(__name__)
 
 def default_tools() -> list[Tool]:
     """A fresh list of the built-in tools, in the order they are offered to the model."""
-    return [LsTool(), ViewTool(), GlobTool(), GrepTool(), WriteTool(), EditTool(), BashTool()]
+    return [
+        LsTool(),
+        ViewTool(),
+        GlobTool(),
+        GrepTool(),
+        WriteTool(),
+        EditTool(),
+        BashTool(),
+        # Added with fetch, todos and read-before-edit:
+        MultiEditTool(),
+    ]
 
 
 #: The built-in tools by name (read-only mapping).
@@ -267,6 +280,9 @@ class Toolbox:
     #: The workspace's MCP servers; the tools of those connected join :attr:`tools` at each
     #: model step (docs/mcp.md).
     mcp: McpManager | None = None
+    #: The files each session viewed (read-before-edit); the workspace passes its own so that
+    #: a toolbox rebuilt after a config change keeps it.
+    files: FileTracker = attrs.field(factory=FileTracker)
 
     def offered(self) -> list[Tool]:
         """The tools on offer now: the built-in ones, then those of connected MCP servers."""
@@ -295,5 +311,6 @@ class Toolbox:
             timeout=self.timeout,
             bash_output_limit=self.bash_output_limit,
             sandbox=self.sandbox,
+            files=self.files,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

@@ -35,6 +35,7 @@ from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
 from ..errors import CrushError
 from ..providers.base import ToolSpec
 from .sandbox import Sandbox
+from .tracker import FileTracker, Snapshot, refusal
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",
@@ -48,6 +49,7 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "ask_permission",
+    "check_viewed",
     "run_blocking",
     "tool_thread_limiter",
 ]
@@ -145,6 +147,8 @@ class ToolContext:
         bash_output_limit: bytes of ``bash`` output kept (:data:`DEFAULT_BASH_OUTPUT_LIMIT`).
         sandbox: how ``bash`` commands are confined; None when no OS sandbox is available (or
             it is turned off), and then every ``bash`` command asks for permission.
+        files: the files each session viewed (read-before-edit, :mod:`.tracker`); the
+            workspace's one tracker, shared by all its calls.
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -155,6 +159,19 @@ class ToolContext:
     timeout: float = DEFAULT_TOOL_TIMEOUT
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
+    files: FileTracker = attrs.field(factory=FileTracker)
+
+
+def check_viewed(seen: Snapshot | None, now: Snapshot | None, shown: str, tool_name: str) -> None:
+    """Read-before-edit: refuse to change an existing file unless this session viewed it
+    (``seen``, from ``ctx.files``) and it is unchanged since (``now``); see :mod:`.tracker`.
+
+    Raises:
+        ToolError: never viewed in this session, or changed since.
+    """
+    why = refusal(seen, now, shown, tool_name)
+    if why is not None:
+        raise ToolError(why)
 
 
 class Tool(Protocol):
