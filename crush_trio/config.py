@@ -30,6 +30,7 @@ and the fix.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -158,6 +159,18 @@ DEFAULT_TOOL_TIMEOUT: Final = 120.0
 #: and tail are kept, the middle is cut.
 DEFAULT_BASH_OUTPUT_LIMIT: Final = 30_000
 
+# The fetch tool (docs/tools.md, "fetch"). Each bound has a hard ceiling no config can raise,
+# and an untrusted workspace's file may only lower it (below the user's value).
+#: Largest body read, in bytes (after content decoding); the rest is not read.
+DEFAULT_FETCH_MAX_BYTES: Final = 5 * 1024 * 1024
+FETCH_MAX_BYTES_CEILING: Final = 50 * 1024 * 1024
+#: Longest whole fetch (every redirect hop, connect, headers and body), in seconds.
+DEFAULT_FETCH_TIMEOUT: Final = 30.0
+FETCH_TIMEOUT_CEILING: Final = 120.0
+#: Most redirects followed.
+DEFAULT_FETCH_MAX_REDIRECTS: Final = 5
+FETCH_MAX_REDIRECTS_CEILING: Final = 20
+
 # Summaries and auto-compaction (Crush's thresholds).
 #: Context window assumed for a model whose entry gives none (``context_window`` 0), in tokens.
 DEFAULT_CONTEXT_WINDOW: Final = 128_000
@@ -272,6 +285,10 @@ DEFAULT_DATABASE_POOL: Final = 8
 _POSITIVE: Final = "crush_trio.config.positive"
 
 
+# Metadata of a number field with a hard ceiling no config file can raise.
+_CEILING: Final = "crush_trio.config.ceiling"
+
+
 def _positive(default: _N) -> _N:
     """A number field whose value must be greater than zero (zero would break the server)."""
     return attrs.field(default=default, metadata={_POSITIVE: True})
@@ -361,6 +378,27 @@ class SandboxOptions:
 
 
 @attrs.frozen
+class FetchOptions:
+    """``options.fetch``: the bounds of the ``fetch`` tool and the private networks it may reach
+    (docs/tools.md). The numbers are capped by hard ceilings (``FETCH_*_CEILING``); an untrusted
+    workspace's file may only lower them and may not set ``allow_private``."""
+
+    max_bytes: int = attrs.field(
+        default=DEFAULT_FETCH_MAX_BYTES,
+        metadata={_POSITIVE: True, _CEILING: FETCH_MAX_BYTES_CEILING},
+    )
+    timeout: float = attrs.field(
+        default=DEFAULT_FETCH_TIMEOUT, metadata={_POSITIVE: True, _CEILING: FETCH_TIMEOUT_CEILING}
+    )
+    max_redirects: int = attrs.field(
+        default=DEFAULT_FETCH_MAX_REDIRECTS, metadata={_CEILING: FETCH_MAX_REDIRECTS_CEILING}
+    )
+    #: Networks (CIDR such as ``10.0.0.0/8``, or single addresses) fetch may reach although
+    #: they are loopback, private, link-local or this machine's own; default none.
+    allow_private: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class Options:
     """Workspace and agent options."""
 
@@ -376,6 +414,7 @@ class Options:
     #: Accepted for compatibility; not used yet.
     context_paths: list[str] = attrs.field(factory=list)
     sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
     #: Summarize the session before the next model step when the context is nearly full.
     auto_compact: bool = True
     #: Crush's spelling of ``auto_compact: false`` (either one turns it off).
@@ -905,6 +944,7 @@ def _filter_project(
     trusted: bool,
     workspace: Path,
     known_providers: set[str],
+    current_options: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[PathParts, str]]]:
     """What a workspace's own config file may set: everything when trusted, else the allow-list
     (:data:`UNTRUSTED_TOP_LEVEL_KEYS`, :data:`UNTRUSTED_OPTION_KEYS`,
@@ -923,7 +963,7 @@ def _filter_project(
         elif trusted or key in UNTRUSTED_TOP_LEVEL_KEYS:
             kept[key] = value
         elif key == "options" and isinstance(value, dict):
-            kept[key] = _filter_options(value, workspace, dropped)
+            kept[key] = _filter_options(value, workspace, dropped, current_options or {})
         elif key == "providers" and isinstance(value, dict):
             kept[key] = _filter_providers(value, known_providers, dropped)
         else:
@@ -962,12 +1002,18 @@ def _drop_selections_of_ignored_providers(
 
 
 def _filter_options(
-    options: dict[str, Any], workspace: Path, dropped: list[tuple[PathParts, str]]
+    options: dict[str, Any],
+    workspace: Path,
+    dropped: list[tuple[PathParts, str]],
+    current: Mapping[str, Any],
 ) -> dict[str, Any]:
     kept: dict[str, Any] = {}
     for key, value in options.items():
         path: PathParts = ("options", key)
-        if key not in UNTRUSTED_OPTION_KEYS:
+        if key == "fetch" and isinstance(value, dict):
+            fetch = current.get("fetch")
+            kept[key] = _filter_fetch(value, fetch if isinstance(fetch, dict) else {}, dropped)
+        elif key not in UNTRUSTED_OPTION_KEYS:
             dropped.append((path, _untrusted_reason(path)))
         elif key == "data_directory" and isinstance(value, str) and not _inside(workspace, value):
             dropped.append(
@@ -980,6 +1026,42 @@ def _filter_options(
             )
         else:
             kept[key] = value
+    return kept
+
+
+#: ``options.fetch`` keys an untrusted workspace may set, each only to a value no higher than
+#: the one in force (the user's, else the default).
+UNTRUSTED_FETCH_LOWER_ONLY: Final = {
+    "max_bytes": DEFAULT_FETCH_MAX_BYTES,
+    "timeout": DEFAULT_FETCH_TIMEOUT,
+    "max_redirects": DEFAULT_FETCH_MAX_REDIRECTS,
+}
+
+
+def _filter_fetch(
+    fetch: dict[str, Any], current: Mapping[str, Any], dropped: list[tuple[PathParts, str]]
+) -> dict[str, Any]:
+    """What an untrusted workspace may set of ``options.fetch``: lower bounds only."""
+    kept: dict[str, Any] = {}
+    for key, value in fetch.items():
+        path: PathParts = ("options", "fetch", key)
+        default = UNTRUSTED_FETCH_LOWER_ONLY.get(key)
+        if default is None:
+            dropped.append((path, _untrusted_reason(path)))
+            continue
+        limit = current.get(key, default)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and isinstance(limit, (int, float)) and value > limit:
+            dropped.append(
+                (
+                    path,
+                    f"ignored: an untrusted workspace may only lower {format_path(path)} "
+                    f"(now {limit}), not raise it to {value}; mark the workspace trusted to "
+                    "raise it",
+                )
+            )
+            continue
+        kept[key] = value  # a value of the wrong type is reported by the shape check
     return kept
 
 
@@ -1134,6 +1216,10 @@ def _check_bounds(obj: Any, path: PathParts, problems: list[_Problem]) -> None:
                 )
             elif value < 0:
                 problems.append(_Problem(here, f"must not be negative, got {value}; fix the value"))
+            elif (ceiling := field.metadata.get(_CEILING)) is not None and value > ceiling:
+                problems.append(
+                    _Problem(here, f"must be at most {ceiling} (a hard limit), got {value}")
+                )
         elif attrs.has(type(value)):
             _check_bounds(value, here, problems)
         elif isinstance(value, dict):
@@ -1440,8 +1526,13 @@ def load_config_report(
             assert workspace is not None
             providers = merged.get("providers")
             known = set(providers) if isinstance(providers, dict) else set()
+            options = merged.get("options")
             data, dropped = _filter_project(
-                data, trusted=trusted, workspace=workspace, known_providers=known
+                data,
+                trusted=trusted,
+                workspace=workspace,
+                known_providers=known,
+                current_options=options if isinstance(options, dict) else None,
             )
             warnings += [f"{path}: {format_path(where)}: {why}" for where, why in dropped]
             if trusted:
@@ -1495,6 +1586,7 @@ def _finish_loading(
         mcp={name: _expand_mcp(expander, name, server) for name, server in config.mcp.items()},
     )
     _check_mcp(config, problems)
+    _check_fetch(config, problems)
     config = _load_webhooks(expander, config, problems)
 
     roles: list[Literal["large", "small"]] = ["large"]
@@ -1509,6 +1601,21 @@ def _finish_loading(
     for line in warnings:
         logger.warning("%s", line)
     return LoadedConfig(config=config, trusted=trusted, warnings=tuple(warnings))
+
+
+def _check_fetch(config: Config, problems: list[_Problem]) -> None:
+    """Each ``options.fetch.allow_private`` entry is a network or an address."""
+    for index, entry in enumerate(config.options.fetch.allow_private):
+        try:
+            ipaddress.ip_network(entry.strip(), strict=False)
+        except ValueError:
+            problems.append(
+                _Problem(
+                    ("options", "fetch", "allow_private", index),
+                    f"{entry!r} is not a network or an address; write one such as "
+                    '"10.0.0.0/8" or "192.168.1.20"',
+                )
+            )
 
 
 @attrs.frozen

@@ -433,6 +433,7 @@ class Workspace:
             sandbox=self.sandbox,
             mcp=self.mcp,
             files=self.files,
+            fetch=options.fetch,
         )
 
     async def _watch_holds(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Final
 import attrs
 import orjson
 
+from ..config import FetchOptions
 from .base import (
     DEFAULT_BASH_OUTPUT_LIMIT,
     DEFAULT_TOOL_TIMEOUT,
@@ -40,6 +41,7 @@ from .base import (
 )
 from .bash import BashTool
 from .edit import EditTool, MultiEditTool
+from .fetch import FetchTool
 from .grep import GrepTool
 from .mcp import McpManager
 from .paths import ResolvedPath, resolve_path
@@ -55,6 +57,7 @@ __all__ = [
     "TOOLS_BY_NAME",
     "BashTool",
     "EditTool",
+    "FetchTool",
     "FileTracker",
     "GlobTool",
     "GrepTool",
@@ -92,7 +95,8 @@ def default_tools() -> list[Tool]:
         WriteTool(),
         EditTool(),
         BashTool(),
-        # Added with fetch, todos and read-before-edit:
+        # fetch, todos, multiedit
+        FetchTool(),
         MultiEditTool(),
     ]
 
@@ -283,6 +287,8 @@ class Toolbox:
     #: The files each session viewed (read-before-edit); the workspace passes its own so that
     #: a toolbox rebuilt after a config change keeps it.
     files: FileTracker = attrs.field(factory=FileTracker)
+    #: ``options.fetch``: the bounds of ``fetch`` and the private networks it may reach.
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
 
     def offered(self) -> list[Tool]:
         """The tools on offer now: the built-in ones, then those of connected MCP servers."""
@@ -312,5 +318,6 @@ class Toolbox:
             bash_output_limit=self.bash_output_limit,
             sandbox=self.sandbox,
             files=self.files,
+            fetch=self.fetch,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

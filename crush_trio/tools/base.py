@@ -31,7 +31,7 @@ from typing import Any, Final, Protocol
 import attrs
 import trio
 
-from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
+from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT, FetchOptions
 from ..errors import CrushError
 from ..providers.base import ToolSpec
 from .sandbox import Sandbox
@@ -149,6 +149,8 @@ class ToolContext:
             it is turned off), and then every ``bash`` command asks for permission.
         files: the files each session viewed (read-before-edit, :mod:`.tracker`); the
             workspace's one tracker, shared by all its calls.
+        fetch: the bounds of ``fetch`` and the private networks it may reach
+            (``options.fetch``).
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -160,6 +162,7 @@ class ToolContext:
     bash_output_limit: int = DEFAULT_BASH_OUTPUT_LIMIT
     sandbox: Sandbox | None = None
     files: FileTracker = attrs.field(factory=FileTracker)
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
 
 
 def check_viewed(seen: Snapshot | None, now: Snapshot | None, shown: str, tool_name: str) -> None:
@@ -235,9 +238,11 @@ async def ask_permission(
     action: str,
     description: str,
     params: dict[str, Any],
-    path: Path,
+    path: Path | str,
 ) -> None:
     """Ask ``ctx.permissions`` and raise :class:`PermissionDenied` on a denial.
+
+    ``path`` is what the call touches: a real path, or a URL (``fetch``).
 
     Cancellation:
         ``trio.Cancelled`` from the asker propagates unchanged.
