@@ -434,6 +434,7 @@ class Workspace:
             mcp=self.mcp,
             files=self.files,
             fetch=options.fetch,
+            todos=self,
         )
 
     async def _watch_holds(self) -> None:
@@ -590,6 +591,16 @@ class Workspace:
         session.title = title
         session.updated_at = now()
         await self.store.update_session(session)
+        self.decorate(session)
+        self.broker.publish(session, EventKind.UPDATED)
+        return session
+
+    async def set_todos(self, session_id: str, todos: list[wire.Todo]) -> Session | None:
+        """Save a session's todo list (the ``todos`` tool) and publish the session (lossy
+        ``session`` ``updated``); None when the session does not exist."""
+        session = await self.store.set_todos(session_id, todos)
+        if session is None:
+            return None
         self.decorate(session)
         self.broker.publish(session, EventKind.UPDATED)
         return session

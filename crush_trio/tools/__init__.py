@@ -33,6 +33,7 @@ from .base import (
     DEFAULT_TOOL_TIMEOUT,
     PermissionAsker,
     PermissionDenied,
+    TodoSink,
     Tool,
     ToolContext,
     ToolError,
@@ -48,6 +49,7 @@ from .paths import ResolvedPath, resolve_path
 from .read import GlobTool, LsTool, ViewTool
 from .readonly import is_read_only
 from .sandbox import Sandbox
+from .todos import TodosTool
 from .tracker import FileTracker
 from .write import WriteTool
 
@@ -66,6 +68,8 @@ __all__ = [
     "PermissionAsker",
     "PermissionDenied",
     "ResolvedPath",
+    "TodoSink",
+    "TodosTool",
     "Tool",
     "ToolContext",
     "ToolError",
@@ -97,6 +101,7 @@ def default_tools() -> list[Tool]:
         BashTool(),
         # fetch, todos, multiedit
         FetchTool(),
+        TodosTool(),
         MultiEditTool(),
     ]
 
@@ -289,6 +294,8 @@ class Toolbox:
     files: FileTracker = attrs.field(factory=FileTracker)
     #: ``options.fetch``: the bounds of ``fetch`` and the private networks it may reach.
     fetch: FetchOptions = attrs.field(factory=FetchOptions)
+    #: Where ``todos`` saves and publishes a session's list (the workspace).
+    todos: TodoSink | None = None
 
     def offered(self) -> list[Tool]:
         """The tools on offer now: the built-in ones, then those of connected MCP servers."""
@@ -319,5 +326,6 @@ class Toolbox:
             sandbox=self.sandbox,
             files=self.files,
             fetch=self.fetch,
+            todos=self.todos,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

@@ -34,6 +34,7 @@ import trio
 from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT, FetchOptions
 from ..errors import CrushError
 from ..providers.base import ToolSpec
+from ..wire import Session, Todo
 from .sandbox import Sandbox
 from .tracker import FileTracker, Snapshot, refusal
 
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULT_TOOL_TIMEOUT",
     "PermissionAsker",
     "PermissionDenied",
+    "TodoSink",
     "Tool",
     "ToolBase",
     "ToolContext",
@@ -151,6 +153,8 @@ class ToolContext:
             workspace's one tracker, shared by all its calls.
         fetch: the bounds of ``fetch`` and the private networks it may reach
             (``options.fetch``).
+        todos: where the ``todos`` tool saves the session's list (None: nowhere, the tool
+            says so).
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -163,6 +167,7 @@ class ToolContext:
     sandbox: Sandbox | None = None
     files: FileTracker = attrs.field(factory=FileTracker)
     fetch: FetchOptions = attrs.field(factory=FetchOptions)
+    todos: TodoSink | None = None
 
 
 def check_viewed(seen: Snapshot | None, now: Snapshot | None, shown: str, tool_name: str) -> None:
@@ -175,6 +180,19 @@ def check_viewed(seen: Snapshot | None, now: Snapshot | None, shown: str, tool_n
     why = refusal(seen, now, shown, tool_name)
     if why is not None:
         raise ToolError(why)
+
+
+class TodoSink(Protocol):
+    """Where a session's todo list is saved and published (the workspace implements it; the
+    ``todos`` tool calls it)."""
+
+    async def set_todos(self, session_id: str, todos: list[Todo]) -> Session | None:
+        """Save and publish the list; the updated session, or None when it does not exist.
+
+        Cancellation:
+            ``trio.Cancelled`` propagates; the list may or may not have been saved.
+        """
+        ...
 
 
 class Tool(Protocol):
