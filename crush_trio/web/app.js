@@ -20,6 +20,7 @@ import { api, ApiError, httpCommand } from "./api.js";
 import { EventStream } from "./connection.js";
 import { clear, h, uuid } from "./dom.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
+import { renderTodos } from "./todos.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -459,6 +460,7 @@ class App {
       this.permissions = new Map(pending.map((p) => [p.id, p]));
       this.renderPermissions();
       this.renderSessions();
+      this.renderSessionHead();
       let target = this.current;
       if (target && !this.sessions.has(target)) target = null;
       if (!target && this.wantedSession && this.sessions.has(this.wantedSession)) {
@@ -750,6 +752,7 @@ class App {
     const state = $("session-state");
     state.dataset.busy = s?.is_busy ? "true" : "false";
     state.textContent = s ? (s.is_busy ? "busy" : "idle") : "";
+    renderTodos(s);
   }
 
   // -- messages ---------------------------------------------------------------------------------
