@@ -210,6 +210,8 @@ def test_tracker_is_bounded_per_session_and_in_sessions() -> None:
     tracker.record("s3", Path("/a"), snap)
     assert tracker.seen("s1", Path("/f4")) is None  # least recently used session forgotten
     assert tracker.seen("s3", Path("/a")) == snap
+    tracker.forget_session("s3")  # a deleted session
+    assert tracker.seen("s3", Path("/a")) is None
 
 
 # ---------------------------------------------------------------------------------------------
