@@ -560,3 +560,30 @@ def test_fetch_bounds_have_hard_ceilings_and_networks_are_checked(tmp_path: Path
         load_fetch(tmp_path, {"options": {"fetch": {"allow_private": ["10.0.0.0/33"]}}}, {})
     assert "$.options.fetch.allow_private[0]" in bad.value.message
     assert "is not a network or an address" in bad.value.message
+
+
+@pytest.mark.parametrize(
+    "crush_config",
+    [
+        {
+            "permissions": {"allowed_tools": ["fetch"]},
+            "options": {"fetch": {"allow_private": [f"{TEST_HOST}/32"], "max_bytes": 4096}},
+        }
+    ],
+)
+async def test_allowed_tools_lets_fetch_run_without_asking_with_the_configured_bounds(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    ws = crush_workspace
+    async with serving(docs=page(DOCS_HTML + b"<p>" + b"y" * 10_000 + b"</p>")) as server:
+        scripted_model.add(
+            Step(tool_calls=[("fetch", {"url": f"{server.base}/docs"})]), Step(text="read it")
+        )
+        sid = (await ws.create_session()).id
+        run = await ws.prompt(sid, "read the docs", run_id="a")
+        assert (await run.result(WAIT)).text == "read it"
+        assert run.permission_requests == {}
+    [result] = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
+    assert not result.is_error, result.content
+    assert "# Tasks let you do multiple things at once" in result.content
+    assert "(the body was cut at 4096 bytes, options.fetch.max_bytes" in result.content
