@@ -587,3 +587,28 @@ async def test_allowed_tools_lets_fetch_run_without_asking_with_the_configured_b
     assert not result.is_error, result.content
     assert "# Tasks let you do multiple things at once" in result.content
     assert "(the body was cut at 4096 bytes, options.fetch.max_bytes" in result.content
+
+
+async def test_waiting_for_a_redirects_permission_does_not_count_against_the_timeout(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    @attrs.define
+    class SlowToAnswer(FakeAsker):
+        async def request(self, **kw: Any) -> bool:
+            if self.requests:
+                await trio.sleep(100)  # the user thinks for longer than options.fetch.timeout
+            return await super().request(**kw)
+
+    ctx = make_ctx(
+        tmp_path, SlowToAnswer(), FetchOptions(allow_private=[f"{TEST_HOST}/32"], timeout=5)
+    )
+    tool = FetchTool(resolver=mapped({"other.test": [TEST_HOST]}))
+    # Plain text: no conversion thread, whose wait the autojump clock would skip past.
+    async with serving(docs=page(b"the guide", "text/plain")) as server:
+        server.routes["/a"] = redirect(f"http://other.test:{server.port}/docs")
+        with trio.fail_after(300):
+            result = await call_tool(
+                [tool], "fetch", orjson.dumps({"url": f"{server.base}/a"}).decode(), ctx
+            )
+    assert not result.is_error, result.content
+    assert result.content.endswith("the guide")

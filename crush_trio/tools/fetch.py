@@ -415,17 +415,11 @@ class FetchTool(ToolBase):
                 f"parameter 'format' of tool fetch must be one of {', '.join(FETCH_FORMATS)}, "
                 f"got {fmt!r}"
             )
-        options = ctx.fetch
-        policy = AddressPolicy.from_options(options)
+        policy = AddressPolicy.from_options(ctx.fetch)
         url = _check_url(str(params["url"]).strip(), policy)
         await self._ask(ctx, url, fmt, None)
-        limit = min(options.timeout, ctx.timeout)
-        with trio.move_on_after(limit):
-            fetched = await self._fetch(ctx, url, fmt, policy)
-            return await self._result(ctx, fetched, fmt)
-        raise ToolError(
-            f"fetch of {url} timed out after {limit:g} s (options.fetch.timeout) and was stopped"
-        )
+        fetched = await self._fetch(ctx, url, fmt, policy)
+        return await self._result(ctx, fetched, fmt)
 
     async def _ask(self, ctx: ToolContext, url: httpx.URL, fmt: str, came_from: str | None) -> None:
         note = f" (redirected from {came_from})" if came_from else ""
@@ -441,12 +435,15 @@ class FetchTool(ToolBase):
     async def _fetch(
         self, ctx: ToolContext, url: httpx.URL, fmt: str, policy: AddressPolicy
     ) -> _Fetched:
+        """Follow the redirects of ``url`` and read the final body.
+
+        The time limit covers the network work of every hop together; waiting for the answer to
+        a redirect's permission request does not count (as for every tool).
+        """
         options = ctx.fetch
+        limit = min(options.timeout, ctx.timeout)
+        remaining = limit
         backend = GuardedBackend(policy, self.resolver)
-        timeout = min(options.timeout, ctx.timeout)
-        extensions = {
-            "timeout": {"connect": timeout, "read": timeout, "write": timeout, "pool": timeout}
-        }
         async with httpcore.AsyncConnectionPool(
             ssl_context=self.ssl_context or httpcore.default_ssl_context(),
             network_backend=backend,
@@ -454,45 +451,67 @@ class FetchTool(ToolBase):
             retries=0,
         ) as pool:
             for hop in range(options.max_redirects + 1):
-                headers = [
-                    (b"Host", url.netloc),
-                    (b"User-Agent", f"crush-trio/{__version__} (fetch tool)".encode()),
-                    (b"Accept", b"text/html,text/markdown;q=0.9,text/plain;q=0.8,*/*;q=0.1"),
-                    (b"Accept-Encoding", b"gzip, deflate"),
-                ]
-                try:
-                    async with pool.stream(
-                        "GET", str(url), headers=headers, extensions=extensions
-                    ) as response:
-                        if response.status in _REDIRECTS:
-                            location = _header(response.headers, b"location")
-                            if location is None:
-                                raise ToolError(
-                                    f"{url} answered {response.status} without a Location "
-                                    "header; nothing to follow"
-                                )
-                            nxt = _check_url(url.join(location), policy)
-                        else:
-                            return await _read_body(url, response, options.max_bytes)
-                except FetchRefused as exc:
-                    raise ToolError(_refused_message(str(url), str(exc))) from None
-                except httpcore.TimeoutException:
+                started = trio.current_time()
+                outcome: _Fetched | httpx.URL | None = None
+                with trio.move_on_after(remaining):
+                    outcome = await self._hop(pool, url, policy, options.max_bytes, remaining)
+                remaining -= trio.current_time() - started
+                if outcome is None:
                     raise ToolError(
-                        f"fetch of {url} timed out after {timeout:g} s (options.fetch.timeout)"
-                    ) from None
-                except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-                    raise ToolError(
-                        f"fetch of {url} failed: {type(exc).__name__}: {exc or 'no detail'}"
-                    ) from None
+                        f"fetch of {url} timed out after {limit:g} s (options.fetch.timeout) "
+                        "and was stopped"
+                    )
+                if isinstance(outcome, _Fetched):
+                    return outcome
                 if hop == options.max_redirects:
                     break
-                if _origin(nxt) != _origin(url):
-                    await self._ask(ctx, nxt, fmt, str(url))
-                url = nxt
+                if _origin(outcome) != _origin(url):
+                    await self._ask(ctx, outcome, fmt, str(url))
+                url = outcome
         raise ToolError(
             f"fetch of {url} stopped: more than {options.max_redirects} redirects "
             "(options.fetch.max_redirects)"
         )
+
+    async def _hop(
+        self,
+        pool: httpcore.AsyncConnectionPool,
+        url: httpx.URL,
+        policy: AddressPolicy,
+        max_bytes: int,
+        remaining: float,
+    ) -> _Fetched | httpx.URL:
+        """One request: the body read (bounded), or where a redirect leads (checked)."""
+        headers = [
+            (b"Host", url.netloc),
+            (b"User-Agent", f"crush-trio/{__version__} (fetch tool)".encode()),
+            (b"Accept", b"text/html,text/markdown;q=0.9,text/plain;q=0.8,*/*;q=0.1"),
+            (b"Accept-Encoding", b"gzip, deflate"),
+        ]
+        phases = {"connect": remaining, "read": remaining, "write": remaining, "pool": remaining}
+        try:
+            async with pool.stream(
+                "GET", str(url), headers=headers, extensions={"timeout": phases}
+            ) as response:
+                if response.status not in _REDIRECTS:
+                    return await _read_body(url, response, max_bytes)
+                location = _header(response.headers, b"location")
+                if location is None:
+                    raise ToolError(
+                        f"{url} answered {response.status} without a Location header; nothing "
+                        "to follow"
+                    )
+                return _check_url(url.join(location), policy)
+        except FetchRefused as exc:
+            raise ToolError(_refused_message(str(url), str(exc))) from None
+        except httpcore.TimeoutException:
+            raise ToolError(
+                f"fetch of {url} timed out (options.fetch.timeout) and was stopped"
+            ) from None
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            raise ToolError(
+                f"fetch of {url} failed: {type(exc).__name__}: {exc or 'no detail'}"
+            ) from None
 
     async def _result(self, ctx: ToolContext, fetched: _Fetched, fmt: str) -> ToolResult:
         if fetched.status >= 400:
