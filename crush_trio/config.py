@@ -30,6 +30,7 @@ and the fix.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -178,6 +179,18 @@ DEFAULT_MAX_JOBS: Final = 8
 #: and counted, beyond it).
 DEFAULT_JOB_BUFFER_BYTES: Final = 256 * 1024
 
+# The fetch tool (docs/tools.md, "fetch"). Each bound has a hard ceiling no config can raise,
+# and an untrusted workspace's file may only lower it (below the user's value).
+#: Largest body read, in bytes (after content decoding); the rest is not read.
+DEFAULT_FETCH_MAX_BYTES: Final = 5 * 1024 * 1024
+FETCH_MAX_BYTES_CEILING: Final = 50 * 1024 * 1024
+#: Longest whole fetch (every redirect hop, connect, headers and body), in seconds.
+DEFAULT_FETCH_TIMEOUT: Final = 30.0
+FETCH_TIMEOUT_CEILING: Final = 120.0
+#: Most redirects followed.
+DEFAULT_FETCH_MAX_REDIRECTS: Final = 5
+FETCH_MAX_REDIRECTS_CEILING: Final = 20
+
 # Summaries and auto-compaction (Crush's thresholds).
 #: Context window assumed for a model whose entry gives none (``context_window`` 0), in tokens.
 DEFAULT_CONTEXT_WINDOW: Final = 128_000
@@ -323,8 +336,9 @@ CEILING_RETRY_DELAY: Final = 3600.0
 
 # A number field is checked to be >= 0; these metadata mark the ones that must be > 0.
 _POSITIVE: Final = "crush_trio.config.positive"
-#: Metadata of a bound a workspace's file may set: the field of :class:`Ceilings` that caps it
-#: (None: no ceiling, as for ``permission_timeout``, whose ``null`` means "wait until answered").
+#: Metadata of a bound a workspace's file may set: the field of :class:`Ceilings` that caps it, or
+#: a number, a hard ceiling no file can raise (None: no ceiling, as for ``permission_timeout``,
+#: whose ``null`` means "wait until answered").
 _CEILING: Final = "crush_trio.config.ceiling"
 #: Metadata of such a bound: which way it loosens. ``"up"`` (the default): a larger value allows
 #: more (more steps, more bytes, longer waits); ``"down"``: a smaller one does (a shorter publish
@@ -450,6 +464,27 @@ class JobsOptions:
 
 
 @attrs.frozen
+class FetchOptions:
+    """``options.fetch``: the bounds of the ``fetch`` tool and the private networks it may reach
+    (docs/tools.md). The numbers are capped by hard ceilings (``FETCH_*_CEILING``); an untrusted
+    workspace's file may only lower them and may not set ``allow_private``."""
+
+    max_bytes: int = attrs.field(
+        default=DEFAULT_FETCH_MAX_BYTES,
+        metadata={_POSITIVE: True, _CEILING: FETCH_MAX_BYTES_CEILING},
+    )
+    timeout: float = attrs.field(
+        default=DEFAULT_FETCH_TIMEOUT, metadata={_POSITIVE: True, _CEILING: FETCH_TIMEOUT_CEILING}
+    )
+    max_redirects: int = attrs.field(
+        default=DEFAULT_FETCH_MAX_REDIRECTS, metadata={_CEILING: FETCH_MAX_REDIRECTS_CEILING}
+    )
+    #: Networks (CIDR such as ``10.0.0.0/8``, or single addresses) fetch may reach although
+    #: they are loopback, private, link-local or this machine's own; default none.
+    allow_private: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class Options:
     """Workspace and agent options."""
 
@@ -470,6 +505,7 @@ class Options:
     context_max_file_bytes: int = _positive(DEFAULT_CONTEXT_MAX_FILE_BYTES)
     context_max_total_bytes: int = _positive(DEFAULT_CONTEXT_MAX_TOTAL_BYTES)
     sandbox: SandboxOptions = attrs.field(factory=SandboxOptions)
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
     #: Summarize the session before the next model step when the context is nearly full.
     auto_compact: bool = True
     #: Crush's spelling of ``auto_compact: false`` (either one turns it off).
@@ -1147,7 +1183,10 @@ def _filter_options(
     kept: dict[str, Any] = {}
     for key, value in options.items():
         path: PathParts = ("options", key)
-        if key not in UNTRUSTED_OPTION_KEYS:
+        if key == "fetch" and isinstance(value, dict):
+            fetch = base.get("fetch")
+            kept[key] = _filter_fetch(value, fetch if isinstance(fetch, dict) else {}, dropped)
+        elif key not in UNTRUSTED_OPTION_KEYS:
             dropped.append((path, _untrusted_reason(path)))
         elif key == "context_paths" and isinstance(value, list):
             kept[key] = _filter_context_paths(value, workspace, dropped)
@@ -1194,6 +1233,42 @@ def _inside_or_is(workspace: Path, raw: str) -> bool:
         return False
     real = Path(os.path.realpath(workspace / raw))
     return real == workspace or workspace in real.parents
+
+
+#: ``options.fetch`` keys an untrusted workspace may set, each only to a value no higher than
+#: the one in force (the user's, else the default).
+UNTRUSTED_FETCH_LOWER_ONLY: Final = {
+    "max_bytes": DEFAULT_FETCH_MAX_BYTES,
+    "timeout": DEFAULT_FETCH_TIMEOUT,
+    "max_redirects": DEFAULT_FETCH_MAX_REDIRECTS,
+}
+
+
+def _filter_fetch(
+    fetch: dict[str, Any], current: Mapping[str, Any], dropped: list[tuple[PathParts, str]]
+) -> dict[str, Any]:
+    """What an untrusted workspace may set of ``options.fetch``: lower bounds only."""
+    kept: dict[str, Any] = {}
+    for key, value in fetch.items():
+        path: PathParts = ("options", "fetch", key)
+        default = UNTRUSTED_FETCH_LOWER_ONLY.get(key)
+        if default is None:
+            dropped.append((path, _untrusted_reason(path)))
+            continue
+        limit = current.get(key, default)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and isinstance(limit, (int, float)) and value > limit:
+            dropped.append(
+                (
+                    path,
+                    f"ignored: an untrusted workspace may only lower {format_path(path)} "
+                    f"(now {limit}), not raise it to {value}; mark the workspace trusted to "
+                    "raise it",
+                )
+            )
+            continue
+        kept[key] = value  # a value of the wrong type is reported by the shape check
+    return kept
 
 
 def _inside(workspace: Path, raw: str) -> bool:
@@ -1359,13 +1434,19 @@ def _check_bounds(
                 )
             elif value < 0:
                 problems.append(_Problem(here, f"must not be negative, got {value}; fix the value"))
-            elif ceiling_name is not None and value > (ceiling := getattr(ceilings, ceiling_name)):
+            elif isinstance(ceiling_name, str) and value > (
+                ceiling := getattr(ceilings, ceiling_name)
+            ):
                 problems.append(
                     _Problem(
                         here,
                         f"{value} is above its ceiling {ceiling} (ceilings.{ceiling_name}); lower "
                         "the value, or raise the ceiling in the user's crush.json",
                     )
+                )
+            elif isinstance(ceiling_name, (int, float)) and value > ceiling_name:
+                problems.append(
+                    _Problem(here, f"must be at most {ceiling_name} (a hard limit), got {value}")
                 )
         elif attrs.has(type(value)):
             _check_bounds(value, here, problems, ceilings)
@@ -1759,6 +1840,7 @@ def _finish_loading(
         mcp={name: _expand_mcp(expander, name, server) for name, server in config.mcp.items()},
     )
     _check_mcp(config, problems)
+    _check_fetch(config, problems)
     config = _load_webhooks(expander, config, problems)
 
     roles: list[Literal["large", "small"]] = ["large"]
@@ -1773,6 +1855,21 @@ def _finish_loading(
     for line in warnings:
         logger.warning("%s", line)
     return LoadedConfig(config=config, trusted=trusted, warnings=tuple(warnings))
+
+
+def _check_fetch(config: Config, problems: list[_Problem]) -> None:
+    """Each ``options.fetch.allow_private`` entry is a network or an address."""
+    for index, entry in enumerate(config.options.fetch.allow_private):
+        try:
+            ipaddress.ip_network(entry.strip(), strict=False)
+        except ValueError:
+            problems.append(
+                _Problem(
+                    ("options", "fetch", "allow_private", index),
+                    f"{entry!r} is not a network or an address; write one such as "
+                    '"10.0.0.0/8" or "192.168.1.20"',
+                )
+            )
 
 
 @attrs.frozen

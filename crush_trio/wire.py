@@ -236,6 +236,24 @@ class Workspace:
     config: WorkspaceConfig | None = None
 
 
+class TodoStatus(enum.StrEnum):
+    """Where one item of a session's todo list stands (Crush's and OpenCode's values)."""
+
+    PENDING = "pending"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+
+
+@attrs.define
+class Todo:
+    """One item of a session's todo list, as the model wrote it with the ``todos`` tool (Crush's
+    shape: ``content`` in the imperative, ``active_form`` in the present continuous)."""
+
+    content: str
+    status: TodoStatus = TodoStatus.PENDING
+    active_form: str = ""
+
+
 @attrs.define
 class Session:
     id: str
@@ -250,6 +268,8 @@ class Session:
     is_busy: bool = False
     #: The summary message later model requests start from (``None``: the whole history).
     summary_message_id: str | None = None
+    #: The session's todo list (the ``todos`` tool), in the model's order.
+    todos: list[Todo] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -829,6 +849,7 @@ def _make_converter() -> cattrs.Converter:
         PayloadType,
         McpState,
         JobState,
+        TodoStatus,
     ):
         conv.register_structure_hook(enum_cls, _structure_enum)
 
@@ -919,6 +940,14 @@ def parts_to_json(parts: list[Part]) -> str:
 
 def parts_from_json(raw: str) -> list[Part]:
     return converter.structure(orjson.loads(raw), list[Part])
+
+
+def todos_to_json(todos: list[Todo]) -> str:
+    return orjson.dumps([converter.unstructure(t, Todo) for t in todos]).decode()
+
+
+def todos_from_json(raw: str) -> list[Todo]:
+    return converter.structure(orjson.loads(raw), list[Todo])
 
 
 def describe_error(exc: BaseException, root: str = "$") -> str:

@@ -140,6 +140,8 @@ async def test_allow_session_is_remembered_only_for_that_session(
         Step(text="a"),
         Step(tool_calls=[call]),
         Step(text="b"),
+        # The other session views the file first: it exists now (read-before-edit).
+        Step(tool_calls=[("view", {"path": "same.txt"})]),
         Step(tool_calls=[call]),
         Step(text="c"),
     )

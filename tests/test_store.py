@@ -68,7 +68,7 @@ async def test_open_creates_directory_wal_and_schema_version(tmp_path: Path) -> 
     await s.aclose()
     conn = sqlite3.connect(tmp_path / "nested" / "data" / DB_FILENAME)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         conn.close()

@@ -31,6 +31,8 @@ from crush_trio.wire import (
     RunStatus,
     Session,
     TextPart,
+    Todo,
+    TodoStatus,
     ToolCallPart,
     ToolResultPart,
 )
@@ -173,6 +175,33 @@ async def test_session_round_trip_update_usage_summary_and_list_order(backend: B
         assert (summary.completion_tokens, summary.cost) == (7, 2.5)
         assert await store.get_session("a") == summary
         assert await store.set_summary("missing", "x", 1, 1.0) is None
+
+
+async def test_todos_round_trip_replace_and_survive_a_reopen(backend: Backend) -> None:
+    store = backend.store
+    todos = [
+        Todo("Add tests", TodoStatus.IN_PROGRESS, "Adding tests"),
+        Todo("Fix the bug ✓ 'quoted' %s", TodoStatus.PENDING),
+    ]
+    with trio.fail_after(TEST_TIMEOUT):
+        await store.create_session(Session(id="a", title="t", created_at=100, updated_at=100))
+        assert (await store.get_session("a")) == Session(
+            id="a", title="t", created_at=100, updated_at=100
+        )  # an empty list by default
+        saved = await store.set_todos("a", todos)
+        assert saved is not None and saved.todos == todos and saved.title == "t"
+        assert saved.updated_at >= 100
+        # update_session (title, usage) leaves the list alone.
+        saved.title = "renamed"
+        assert await store.update_session(saved) is True
+        again = await backend.reopen()
+        got = await again.get_session("a")
+        assert got is not None and got.todos == todos and got.title == "renamed"
+        done = [Todo("Add tests", TodoStatus.COMPLETED, "Adding tests")]
+        replaced = await again.set_todos("a", done)
+        assert replaced is not None and replaced.todos == done
+        assert [s.todos for s in await again.list_sessions()] == [done]
+        assert await again.set_todos("missing", done) is None
 
 
 async def test_duplicate_session_is_a_store_error(backend: Backend) -> None:

@@ -39,7 +39,7 @@ def step_cost(prompt_tokens: int, completion_tokens: int) -> float:
 
 def test_the_read_only_tools_are_those_marked_read_only() -> None:
     names = [t.spec.name for t in read_only_tools(default_tools())]
-    assert names == ["ls", "view", "glob", "grep"]
+    assert names == ["ls", "view", "glob", "grep", "fetch"]  # fetch asks, as for its parent
 
 
 async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_the_parent(
@@ -75,7 +75,7 @@ async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_th
 
     # The child got only the read-only tools and never wrote.
     child_request = scripted_model.requests[1]
-    assert sorted(t.name for t in child_request.tools) == ["glob", "grep", "ls", "view"]
+    assert sorted(t.name for t in child_request.tools) == ["fetch", "glob", "grep", "ls", "view"]
     assert not (Path(ws.path) / "evil.txt").exists()
     assert not (Path(ws.path) / "evil2.txt").exists()
 

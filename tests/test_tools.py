@@ -681,6 +681,7 @@ async def test_cancel_while_waiting_for_permission_writes_nothing(
 
 async def test_edit_replaces_a_unique_string(ctx: ToolContext, asker: FakeAsker, ws: Path) -> None:
     (ws / "a.py").write_text("def f():\n    return 1\n")
+    await run(ctx, "view", path="a.py")
     result = await run(ctx, "edit", path="a.py", old_string="return 1", new_string="return 2")
     assert not result.is_error
     assert result.content.splitlines() == [
@@ -698,6 +699,7 @@ async def test_edit_errors_name_the_file_and_the_fix(
     ctx: ToolContext, asker: FakeAsker, ws: Path
 ) -> None:
     (ws / "a.txt").write_text("x = 1\nx = 1\n")
+    await run(ctx, "view", path="a.txt")
     missing = await run(ctx, "edit", path="a.txt", old_string="y = 1", new_string="y = 2")
     assert missing.is_error
     assert missing.content == "old_string not found in a.txt; view the file and copy the exact text"
@@ -734,6 +736,7 @@ async def test_edit_with_empty_old_string_creates_a_missing_file(
 
 async def test_edit_matches_crlf_files(ctx: ToolContext, ws: Path) -> None:
     (ws / "w.txt").write_bytes(b"one\r\ntwo\r\nthree\r\n")
+    await run(ctx, "view", path="w.txt")
     result = await run(ctx, "edit", path="w.txt", old_string="one\ntwo", new_string="1\n2")
     assert not result.is_error
     assert (ws / "w.txt").read_bytes() == b"1\r\n2\r\nthree\r\n"
@@ -742,6 +745,7 @@ async def test_edit_matches_crlf_files(ctx: ToolContext, ws: Path) -> None:
 async def test_edit_denied_leaves_the_file(ctx: ToolContext, asker: FakeAsker, ws: Path) -> None:
     asker.allow = False
     (ws / "a.txt").write_text("keep\n")
+    await run(ctx, "view", path="a.txt")
     result = await run(ctx, "edit", path="a.txt", old_string="keep", new_string="lose")
     assert result.is_error and result.stop_turn
     assert (ws / "a.txt").read_text() == "keep\n"

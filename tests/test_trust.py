@@ -152,6 +152,15 @@ async def call(ctx: ToolContext, name: str, **params: Any) -> ToolResult:
         return await call_tool(default_tools(), name, orjson.dumps(params).decode(), ctx)
 
 
+async def viewed_ctx(ws: Path, asker: HookAsker, *paths: str) -> ToolContext:
+    """A context whose session has viewed ``paths`` (edits of existing files need that)."""
+    ctx = make_ctx(ws, asker)
+    for path in paths:
+        viewed = await call(ctx, "view", path=path)
+        assert not viewed.is_error, viewed.content
+    return ctx
+
+
 def swap_dir_for_symlink(directory: Path, target: Path) -> Callable[[], None]:
     def swap() -> None:
         for child in directory.iterdir():
@@ -190,7 +199,8 @@ async def test_write_refuses_a_file_swapped_for_a_symlink_during_the_wait(
     secret = outside / "secret.txt"
     secret.write_text("keep me\n")
     asker = HookAsker(during_wait=swap_file_for_symlink(ws / "notes.txt", secret))
-    result = await call(make_ctx(ws, asker), "write", path="notes.txt", content="pwned")
+    ctx = await viewed_ctx(ws, asker, "notes.txt")
+    result = await call(ctx, "write", path="notes.txt", content="pwned")
     assert result.is_error, result.content
     assert "while waiting for permission" in result.content
     assert secret.read_text() == "keep me\n"
@@ -207,9 +217,8 @@ async def test_edit_refuses_a_file_swapped_for_a_symlink_during_the_wait(
     # The swap removes sub/code.py; the outside file has the same text, so a followed symlink
     # would edit it.
     secret_copy = secret.read_text()
-    result = await call(
-        make_ctx(ws, asker), "edit", path="sub/code.py", old_string="x = 1", new_string="x = 2"
-    )
+    ctx = await viewed_ctx(ws, asker, "sub/code.py")
+    result = await call(ctx, "edit", path="sub/code.py", old_string="x = 1", new_string="x = 2")
     assert result.is_error, result.content
     assert "while waiting for permission" in result.content
     assert secret.read_text() == secret_copy
@@ -238,7 +247,8 @@ async def test_write_refuses_a_hard_link_made_during_the_wait(layout: tuple[Path
     target = ws / "plain.txt"
     target.write_text("old\n")
     asker = HookAsker(during_wait=lambda: os.link(target, outside / "alias.txt"))
-    result = await call(make_ctx(ws, asker), "write", path="plain.txt", content="new\n")
+    ctx = await viewed_ctx(ws, asker, "plain.txt")
+    result = await call(ctx, "write", path="plain.txt", content="new\n")
     assert result.is_error, result.content
     assert "hard links" in result.content
     assert (outside / "alias.txt").read_text() == "old\n"
@@ -777,9 +787,8 @@ async def test_edit_of_a_file_removed_during_the_wait_creates_nothing(
     gone = ws / "sub" / "gone.py"
     gone.write_text("x = 1\n")
     asker = HookAsker(during_wait=gone.unlink)
-    result = await call(
-        make_ctx(ws, asker), "edit", path="sub/gone.py", old_string="x = 1", new_string="x = 2"
-    )
+    ctx = await viewed_ctx(ws, asker, "sub/gone.py")
+    result = await call(ctx, "edit", path="sub/gone.py", old_string="x = 1", new_string="x = 2")
     assert result.is_error, result.content
     assert "removed while waiting for permission" in result.content
     assert not gone.exists()

@@ -650,6 +650,54 @@ def test_permission_request_is_answered_in_one_tab_and_gone_from_both(
         server.stop()
 
 
+def test_the_todo_list_shows_as_a_checklist_that_updates_live_in_two_tabs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pages: Pages, project: Path
+) -> None:
+    plan = [
+        {"content": "Find the bug", "status": "in_progress", "active_form": "Finding the bug"},
+        {"content": "Fix <b>it</b>", "status": "pending"},
+    ]
+    done = [
+        {"content": "Find the bug", "status": "completed", "active_form": "Finding the bug"},
+        {"content": "Fix <b>it</b>", "status": "in_progress", "active_form": "Fixing it"},
+    ]
+    model = ScriptedModel(
+        [
+            Step(tool_calls=[("todos", {"todos": plan})]),
+            # A permission request holds the turn while both tabs show the first list.
+            Step(tool_calls=[("write", {"path": "fix.txt", "content": "fixed"})]),
+            Step(tool_calls=[("todos", {"todos": done})]),
+            Step(text="fixed"),
+        ]
+    )
+    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    try:
+        first = pages.open(server)
+        open_workspace(first, project)
+        send(first, "fix the bug")
+        expect(first.locator(".permission")).to_have_count(1)
+        second = pages.open(server, hash=f"#path={quote(str(project))}", context=first.context)
+        expect(second.locator("#connection")).to_have_attribute("data-state", "open")
+        for page in (first, second):
+            items = page.locator("#todos .todo")
+            expect(items).to_have_count(2)
+            expect(items.nth(0)).to_have_attribute("data-status", "in_progress")
+            expect(items.nth(0)).to_contain_text("Finding the bug")
+            expect(items.nth(1)).to_contain_text("Fix <b>it</b>")  # text, never markup
+            expect(page.locator("#todos summary")).to_contain_text("0 of 2 done")
+        first.locator('.permission button[data-action="allow"]').click()
+        wait_for_run(first, "completed")
+        for page in (first, second):
+            items = page.locator("#todos .todo")
+            expect(items.nth(0)).to_have_attribute("data-status", "completed")
+            expect(items.nth(1)).to_have_attribute("data-status", "in_progress")
+            expect(items.nth(1)).to_contain_text("Fixing it")
+            expect(page.locator("#todos summary")).to_contain_text("1 of 2 done")
+        screenshot(first, "web-todos.png")
+    finally:
+        server.stop()
+
+
 MARKDOWN_CASES: list[tuple[str, str]] = [
     (
         "*em* **strong** `co*de*` ~~del~~ snake_case_name",

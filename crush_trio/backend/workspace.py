@@ -46,7 +46,7 @@ from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
 from ..store import MessageService, Store
-from ..tools import JobManager, Toolbox
+from ..tools import FileTracker, JobManager, Toolbox
 from ..tools.hidden import HiddenPaths
 from ..tools.mcp import McpManager
 from ..tools.sandbox import Sandbox, SandboxStatus
@@ -213,6 +213,8 @@ class Workspace:
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
         #: Background jobs of ``bash`` (docs/tools.md); ended when the workspace closes.
         self.jobs = JobManager(publish=self.broker.publish, options=config.options.jobs)
+        #: The files each session viewed (read-before-edit); kept across config reloads.
+        self.files = FileTracker()
         self.permissions = PermissionService(
             self.broker,
             allowed_tools=list(config.permissions.allowed_tools),
@@ -511,6 +513,9 @@ class Workspace:
             mcp=self.mcp,
             publish=self.broker.publish,
             jobs=self.jobs,
+            files=self.files,
+            fetch=options.fetch,
+            todos=self,
         )
 
     async def _watch_holds(self) -> None:
@@ -669,6 +674,16 @@ class Workspace:
         self.broker.publish(session, EventKind.UPDATED)
         return session
 
+    async def set_todos(self, session_id: str, todos: list[wire.Todo]) -> Session | None:
+        """Save a session's todo list (the ``todos`` tool) and publish the session (lossy
+        ``session`` ``updated``); None when the session does not exist."""
+        session = await self.store.set_todos(session_id, todos)
+        if session is None:
+            return None
+        self.decorate(session)
+        self.broker.publish(session, EventKind.UPDATED)
+        return session
+
     def decorate(self, session: Session) -> Session:
         session.is_busy = self.agent.is_busy(session.id)
         return session
@@ -680,6 +695,7 @@ class Workspace:
         if session is None:
             return False
         await self.store.delete_session(session_id)
+        self.files.forget_session(session_id)
         self.broker.publish(session, EventKind.DELETED)
         return True
 

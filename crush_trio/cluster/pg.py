@@ -230,9 +230,14 @@ END
 $$;
 """
 
+# Version 2: a session's todo list (the ``todos`` tool), as JSON text.
+_MIGRATION_2: Final = """
+ALTER TABLE sessions ADD COLUMN todos text NOT NULL DEFAULT '[]';
+"""
+
 #: The schema, as ordered migrations: entry ``i`` moves the database from version ``i`` to
 #: ``i + 1``. Append new scripts; never edit one that has shipped.
-MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1,)
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2)
 
 #: The schema version this code writes.
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -51,7 +51,7 @@ from ..store.db import (
     _session_from_row,
     _session_row,
 )
-from ..wire import Message, Role, Run, RunStatus, Session, now
+from ..wire import Message, Role, Run, RunStatus, Session, Todo, now, todos_to_json
 from .pg import Fenced, PgCluster, check_epoch
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ T = TypeVar("T")
 
 _SESSION_COLUMNS: Final = (
     "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at, summary_message_id"
+    "created_at, updated_at, summary_message_id, todos"
 )
 _MESSAGE_COLUMNS: Final = (
     "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
@@ -211,7 +211,7 @@ class PgStore:
         def op(conn: psycopg.Connection[Any]) -> None:
             conn.execute(
                 f"INSERT INTO sessions (workspace_id, {_SESSION_COLUMNS}) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 row,
             )
 
@@ -297,6 +297,11 @@ class PgStore:
             "summary_message_id = %s, prompt_tokens = 0, completion_tokens = %s, cost = cost + %s",
             (message_id, completion_tokens, cost),
             f"setting the summary of session {session_id!r}",
+        )
+
+    async def set_todos(self, session_id: str, todos: list[Todo]) -> Session | None:
+        return await self._update_session(
+            session_id, "todos = %s", (todos_to_json(todos),), f"saving todos of {session_id!r}"
         )
 
     async def _update_session(

@@ -33,7 +33,19 @@ import trio
 
 from ..errors import StoreError
 from ..metrics import METRICS
-from ..wire import Message, Role, Run, RunStatus, Session, now, parts_from_json, parts_to_json
+from ..wire import (
+    Message,
+    Role,
+    Run,
+    RunStatus,
+    Session,
+    Todo,
+    now,
+    parts_from_json,
+    parts_to_json,
+    todos_from_json,
+    todos_to_json,
+)
 from .datadir import create_private_file, ensure_data_dir
 
 T = TypeVar("T")
@@ -115,14 +127,19 @@ ALTER TABLE sessions ADD COLUMN summary_message_id TEXT;
 ALTER TABLE messages ADD COLUMN is_summary_message INTEGER NOT NULL DEFAULT 0;
 """
 
-MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2, _MIGRATION_3)
+# Version 4: a session's todo list (the ``todos`` tool), as JSON text.
+_MIGRATION_4: Final = """
+ALTER TABLE sessions ADD COLUMN todos TEXT NOT NULL DEFAULT '[]';
+"""
+
+MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2, _MIGRATION_3, _MIGRATION_4)
 
 #: The schema version this code writes (``PRAGMA user_version`` after opening).
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _SESSION_COLUMNS: Final = (
     "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at, summary_message_id"
+    "created_at, updated_at, summary_message_id, todos"
 )
 _MESSAGE_COLUMNS: Final = (
     "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
@@ -162,6 +179,7 @@ def _session_row(s: Session) -> tuple[Any, ...]:
         s.created_at,
         s.updated_at,
         s.summary_message_id,
+        todos_to_json(s.todos),
     )
 
 
@@ -177,7 +195,18 @@ def _session_from_row(row: tuple[Any, ...]) -> Session:
         created_at=row[7],
         updated_at=row[8],
         summary_message_id=row[9],
+        todos=_todos_from_row(row[0], row[10]),
     )
+
+
+def _todos_from_row(session_id: str, raw: str) -> list[Todo]:
+    try:
+        return todos_from_json(raw)
+    except Exception as exc:
+        raise StoreError(
+            f"session {session_id!r} has an unreadable stored todo list ({exc}); the database "
+            "was written by an incompatible version or is damaged"
+        ) from exc
 
 
 def _message_row(m: Message) -> _MessageRow:
@@ -521,7 +550,7 @@ class Store:
                 conn,
                 lambda c: c.execute(
                     f"INSERT INTO sessions ({_SESSION_COLUMNS}) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 ),
             )
@@ -627,6 +656,16 @@ class Store:
             "summary_message_id = ?, prompt_tokens = 0, completion_tokens = ?, cost = cost + ?",
             (message_id, completion_tokens, cost),
             f"setting the summary of session {session_id!r}",
+        )
+
+    async def set_todos(self, session_id: str, todos: list[Todo]) -> Session | None:
+        """Replace the session's todo list.
+
+        Returns:
+            The updated session, or None if there is no such session.
+        """
+        return await self._update_session(
+            session_id, "todos = ?", (todos_to_json(todos),), f"saving todos of {session_id!r}"
         )
 
     async def _update_session(

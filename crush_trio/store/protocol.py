@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from ..wire import Message, Run, RunStatus, Session
+from ..wire import Message, Run, RunStatus, Session, Todo
 
 if TYPE_CHECKING:
     from .db import Store
@@ -88,6 +88,10 @@ class WorkspaceStore(Protocol):
         self, session_id: str, message_id: str, completion_tokens: int, cost: float
     ) -> Session | None:
         """Point the session at its summary message; the updated session, or None."""
+        ...
+
+    async def set_todos(self, session_id: str, todos: list[Todo]) -> Session | None:
+        """Replace the session's todo list; the updated session, or None."""
         ...
 
     async def delete_session(self, session_id: str) -> bool:

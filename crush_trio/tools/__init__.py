@@ -30,6 +30,7 @@ from typing import Any, Final
 import attrs
 import orjson
 
+from ..config import FetchOptions
 from ..wire import ToolOutput
 from .agent_tool import AgentTool
 from .base import (
@@ -38,6 +39,7 @@ from .base import (
     PermissionAsker,
     PermissionDenied,
     SubAgentRunner,
+    TodoSink,
     Tool,
     ToolContext,
     ToolError,
@@ -45,7 +47,8 @@ from .base import (
     ToolSpec,
 )
 from .bash import BashTool
-from .edit import EditTool
+from .edit import EditTool, MultiEditTool
+from .fetch import FetchTool
 from .grep import GrepTool
 from .hidden import HiddenPaths
 from .job_tools import JobKillTool, JobOutputTool
@@ -56,6 +59,8 @@ from .read import GlobTool, LsTool, ViewTool
 from .readonly import is_read_only
 from .sandbox import Sandbox
 from .stream import OutputStreamer
+from .todos import TodosTool
+from .tracker import FileTracker
 from .write import WriteTool
 
 __all__ = [
@@ -65,16 +70,21 @@ __all__ = [
     "AgentTool",
     "BashTool",
     "EditTool",
+    "FetchTool",
+    "FileTracker",
     "GlobTool",
     "GrepTool",
     "JobKillTool",
     "JobManager",
     "JobOutputTool",
     "LsTool",
+    "MultiEditTool",
     "OutputStreamer",
     "PermissionAsker",
     "PermissionDenied",
     "ResolvedPath",
+    "TodoSink",
+    "TodosTool",
     "Tool",
     "ToolContext",
     "ToolError",
@@ -105,6 +115,10 @@ def default_tools() -> list[Tool]:
         WriteTool(),
         EditTool(),
         BashTool(),
+        # fetch, todos, multiedit
+        FetchTool(),
+        TodosTool(),
+        MultiEditTool(),
         # Streamed output, background jobs and sub-agents (docs/tools.md).
         JobOutputTool(),
         JobKillTool(),
@@ -317,6 +331,14 @@ class Toolbox:
             self, tools=read_only_tools(self.tools), mcp=None, jobs=None, subagent=None
         )
 
+    #: The files each session viewed (read-before-edit); the workspace passes its own so that
+    #: a toolbox rebuilt after a config change keeps it.
+    files: FileTracker = attrs.field(factory=FileTracker)
+    #: ``options.fetch``: the bounds of ``fetch`` and the private networks it may reach.
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
+    #: Where ``todos`` saves and publishes a session's list (the workspace).
+    todos: TodoSink | None = None
+
     def offered(self) -> list[Tool]:
         """The tools on offer now: the built-in ones, then those of connected MCP servers."""
         if self.mcp is None:
@@ -355,5 +377,8 @@ class Toolbox:
             jobs=self.jobs,
             subagent=self.subagent,
             hidden=self.hidden,
+            files=self.files,
+            fetch=self.fetch,
+            todos=self.todos,
         )
         return await call_tool(self.offered(), name, input_json, ctx)

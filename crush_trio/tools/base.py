@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 import attrs
 import trio
 
-from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
+from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT, FetchOptions
 from ..errors import CrushError
 from ..providers.base import ToolSpec
+from ..wire import Session, Todo
 from .hidden import HiddenPaths
 from .sandbox import Sandbox
+from .tracker import FileTracker, Snapshot, refusal
 
 if TYPE_CHECKING:
     from ..wire import ToolOutput
@@ -48,6 +50,7 @@ __all__ = [
     "PermissionAsker",
     "PermissionDenied",
     "SubAgentRunner",
+    "TodoSink",
     "Tool",
     "ToolBase",
     "ToolContext",
@@ -55,6 +58,7 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "ask_permission",
+    "check_viewed",
     "run_blocking",
     "tool_thread_limiter",
 ]
@@ -184,6 +188,12 @@ class ToolContext:
         subagent: runs the ``agent`` tool's child session; None: no sub-agents here.
         hidden: the paths the sandbox hides, which the file tools refuse and skip too (with or
             without a sandbox; :mod:`.hidden`).
+        files: the files each session viewed (read-before-edit, :mod:`.tracker`); the
+            workspace's one tracker, shared by all its calls.
+        fetch: the bounds of ``fetch`` and the private networks it may reach
+            (``options.fetch``).
+        todos: where the ``todos`` tool saves the session's list (None: nowhere, the tool
+            says so).
     """
 
     workspace: Path = attrs.field(converter=_real_path)
@@ -199,6 +209,34 @@ class ToolContext:
     jobs: JobManager | None = None
     subagent: SubAgentRunner | None = None
     hidden: HiddenPaths = attrs.field(factory=HiddenPaths)
+    files: FileTracker = attrs.field(factory=FileTracker)
+    fetch: FetchOptions = attrs.field(factory=FetchOptions)
+    todos: TodoSink | None = None
+
+
+def check_viewed(seen: Snapshot | None, now: Snapshot | None, shown: str, tool_name: str) -> None:
+    """Read-before-edit: refuse to change an existing file unless this session viewed it
+    (``seen``, from ``ctx.files``) and it is unchanged since (``now``); see :mod:`.tracker`.
+
+    Raises:
+        ToolError: never viewed in this session, or changed since.
+    """
+    why = refusal(seen, now, shown, tool_name)
+    if why is not None:
+        raise ToolError(why)
+
+
+class TodoSink(Protocol):
+    """Where a session's todo list is saved and published (the workspace implements it; the
+    ``todos`` tool calls it)."""
+
+    async def set_todos(self, session_id: str, todos: list[Todo]) -> Session | None:
+        """Save and publish the list; the updated session, or None when it does not exist.
+
+        Cancellation:
+            ``trio.Cancelled`` propagates; the list may or may not have been saved.
+        """
+        ...
 
 
 class Tool(Protocol):
@@ -278,9 +316,11 @@ async def ask_permission(
     action: str,
     description: str,
     params: dict[str, Any],
-    path: Path,
+    path: Path | str,
 ) -> None:
     """Ask ``ctx.permissions`` and raise :class:`PermissionDenied` on a denial.
+
+    ``path`` is what the call touches: a real path, or a URL (``fetch``).
 
     Cancellation:
         ``trio.Cancelled`` from the asker propagates unchanged.

@@ -39,6 +39,7 @@ from .paths import (
     resolve_path,
     resolve_search_root,
 )
+from .tracker import stat_snapshot
 
 __all__ = [
     "GLOB_MAX_RESULTS",
@@ -309,16 +310,20 @@ class ViewTool(ToolBase):
                     params={"path": str(resolved.path)},
                     path=resolved.path,
                 )
+        # Read-before-edit: the snapshot taken before the read, so a change during it makes
+        # the record stale and the next edit is refused (tracker.py).
+        before = await run_blocking(ctx, "view", stat_snapshot, resolved.path)
         text = await run_blocking(
             ctx, "view", read_text_file, resolved.path, shown, VIEW_MAX_FILE_BYTES, "view"
         )
         lines = split_lines(text)
-        if not lines:
-            return ToolResult(content=f"({shown} is empty)")
-        if offset >= len(lines):
+        if lines and offset >= len(lines):
             raise ToolError(
                 f"offset {offset} is past the end of {shown}, which has {len(lines)} lines"
             )
+        ctx.files.record(ctx.session_id, resolved.path, before)
+        if not lines:
+            return ToolResult(content=f"({shown} is empty)")
         window = lines[offset : offset + limit]
         out = number_lines(window, offset)
         end = offset + len(window)

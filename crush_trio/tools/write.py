@@ -24,12 +24,15 @@ from .base import (
     ToolResult,
     ToolSpec,
     ask_permission,
+    check_viewed,
     run_blocking,
 )
 from .paths import ResolvedPath, check_not_hidden, check_writable, display_path, resolve_path
+from .tracker import Snapshot, stat_snapshot
 
 __all__ = [
     "WriteTool",
+    "check_opened_unchanged",
     "check_write_target",
     "open_for_write",
     "outside_note",
@@ -106,9 +109,7 @@ def open_for_write(
     Args:
         new: the file was approved as new: create it with ``O_CREAT|O_EXCL``, so a file that
             appeared during the wait is not overwritten.
-        may_create: create the file (and missing parent directories) when it is missing
-            (``write`` re-creates a file removed during the wait; ``edit`` of an existing file
-            does not).
+        may_create: create the file (and missing parent directories) when it is missing.
         read: open it for reading too (``edit``).
 
     Raises:
@@ -149,16 +150,27 @@ def open_for_write(
     return fd
 
 
-def write_fd(fd: int, data: bytes) -> None:
-    """Replace the whole content of the open file ``fd`` with ``data``, then close it."""
+def write_fd(fd: int, data: bytes) -> Snapshot:
+    """Replace the whole content of the open file ``fd`` with ``data``, then close it.
+
+    Returns:
+        The file's snapshot as written (recorded for read-before-edit).
+    """
     try:
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
+        return Snapshot.of(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+def check_opened_unchanged(fd: int, seen: Snapshot | None, shown: str, tool_name: str) -> None:
+    """Read-before-edit on the file actually opened after the permission wait: it must still be
+    the file the session viewed, unchanged (the caller closes ``fd`` on an error)."""
+    check_viewed(seen, Snapshot.of(os.fstat(fd)), shown, tool_name)
 
 
 def recheck_path(ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str) -> None:
@@ -169,11 +181,28 @@ def recheck_path(ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str)
 
 
 def _write_file(
-    ctx: ToolContext, raw: str, approved: ResolvedPath, shown: str, content: str, exists: bool
-) -> None:
+    ctx: ToolContext,
+    raw: str,
+    approved: ResolvedPath,
+    shown: str,
+    content: str,
+    exists: bool,
+    seen: Snapshot | None,
+) -> Snapshot:
     recheck_path(ctx, raw, approved, shown)
-    fd = open_for_write(approved.path, shown, "write", new=not exists, may_create=True, read=False)
-    write_fd(fd, content.encode("utf-8", errors="surrogateescape"))
+    # An existing file removed during the wait is not re-created: it changed since it was viewed.
+    fd = open_for_write(approved.path, shown, "write", new=not exists, may_create=False, read=False)
+    if exists:
+        try:
+            check_opened_unchanged(fd, seen, shown, "write")
+        except BaseException:
+            os.close(fd)
+            raise
+    return write_fd(fd, content.encode("utf-8", errors="surrogateescape"))
+
+
+def _check_viewed_now(path: Path, seen: Snapshot | None, shown: str, tool_name: str) -> None:
+    check_viewed(seen, stat_snapshot(path), shown, tool_name)
 
 
 def check_write_target(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> bool:
@@ -227,6 +256,9 @@ class WriteTool(ToolBase):
         shown = display_path(ctx, resolved.path)
         await check_not_hidden(ctx, "write", resolved.path)
         exists = check_write_target(ctx, "write", resolved)
+        seen = ctx.files.seen(ctx.session_id, resolved.path)
+        if exists:
+            await run_blocking(ctx, "write", _check_viewed_now, resolved.path, seen, shown, "write")
         size = len(content.encode("utf-8", errors="surrogateescape"))
         verb = "Overwrite" if exists else "Create"
         await ask_permission(
@@ -243,7 +275,7 @@ class WriteTool(ToolBase):
             path=resolved.path,
         )
         try:
-            await run_blocking(
+            written = await run_blocking(
                 ctx,
                 "write",
                 _write_file,
@@ -253,9 +285,11 @@ class WriteTool(ToolBase):
                 shown,
                 content,
                 exists,
+                seen,
                 abandon=False,
             )
         except OSError as exc:
             raise ToolError(f"could not write {shown}: {exc.strerror or exc}") from exc
+        ctx.files.record(ctx.session_id, resolved.path, written)
         done = "Overwrote" if exists else "Created"
         return ToolResult(content=f"{done} {shown} ({size} bytes)")

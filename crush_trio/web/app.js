@@ -24,6 +24,7 @@ import { modelChoices, renderAgent, renderModelPicker, renderSummarize, renderUs
 import { SHORTCUTS, answerForKey, isShortcutTarget, requestView, risksOf } from "./permcard.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
 import { JobsPanel } from "./jobs.js";
+import { renderTodos } from "./todos.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -545,6 +546,7 @@ class App {
       this.permissions = new Map(pending.map((p) => [p.id, p]));
       this.renderPermissions();
       this.renderSessions();
+      this.renderSessionHead();
       let target = this.current;
       if (target && !this.sessions.has(target)) target = null;
       if (!target && this.wantedSession && this.sessions.has(this.wantedSession)) {
@@ -859,6 +861,7 @@ class App {
     const state = $("session-state");
     state.dataset.busy = s?.is_busy ? "true" : "false";
     state.textContent = s ? (s.is_busy ? "busy" : "idle") : "";
+    renderTodos(s);
   }
 
   // -- messages ---------------------------------------------------------------------------------
