@@ -253,6 +253,30 @@ class McpState(enum.StrEnum):
 
 
 @attrs.define
+class FileChange:
+    """One file a run (or a revert) changed: ``status`` is ``added``, ``modified`` or ``deleted``;
+    ``binary`` files have no line counts (docs/protocol.md "Changes")."""
+
+    path: str
+    status: str
+    added: int = 0
+    removed: int = 0
+    binary: bool = False
+
+
+@attrs.define
+class FilesChanged:
+    """Lossy event after a tool call that changed files in the workspace."""
+
+    session_id: str
+    run_id: str
+    tool_call_id: str = ""
+    tool_name: str = ""
+    files: list[FileChange] = attrs.field(factory=list)
+    truncated: bool = False
+
+
+@attrs.define
 class McpServerInfo:
     """One MCP server in the agent info and in ``mcp`` agent events.
 
@@ -521,6 +545,7 @@ class PayloadType(enum.StrEnum):
     RUN_COMPLETE = "run_complete"
     PERMISSION_REQUEST = "permission_request"
     PERMISSION_NOTIFICATION = "permission_notification"
+    FILES_CHANGED = "files_changed"
 
     @property
     def must_deliver(self) -> bool:
@@ -543,6 +568,7 @@ PAYLOAD_TYPES: Final[dict[type[Any], PayloadType]] = {
     RunComplete: PayloadType.RUN_COMPLETE,
     PermissionRequest: PayloadType.PERMISSION_REQUEST,
     PermissionNotification: PayloadType.PERMISSION_NOTIFICATION,
+    FilesChanged: PayloadType.FILES_CHANGED,
 }
 
 
