@@ -33,6 +33,8 @@ from .. import wire
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
+from ..changes import ChangeLog
+from ..changes.tracking import TrackedTools
 from ..cluster.placement import ended_without_record
 from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
@@ -50,6 +52,7 @@ from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
     AgentEvent,
     EventKind,
+    FilesChanged,
     FinishPart,
     FinishReason,
     McpServerInfo,
@@ -196,6 +199,8 @@ class Workspace:
         self.messages: MessageService
         self.runs: RunBook
         self.agent: Agent
+        #: Snapshots, diffs and reverts of what runs change (opened when the workspace opens).
+        self.changes = ChangeLog(path, data_dir, publish=self._publish_files_changed)
         #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
         self.permissions = PermissionService(
@@ -305,6 +310,7 @@ class Workspace:
             publish_delta=self.broker.publish_delta,
         )
         self.runs = RunBook(self.store)
+        await self.changes.open()
         agent: Agent | None = None
         try:
             async with trio.open_nursery() as background:
@@ -330,6 +336,7 @@ class Workspace:
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
                         on_complete=self._run_completed,
+                        changes=self.changes,
                         terminals=(
                             None
                             if self.event_log is None
@@ -384,6 +391,9 @@ class Workspace:
             AgentEvent("mcp", message=message, error=info.error, mcp=info), EventKind.CREATED
         )
 
+    def _publish_files_changed(self, event: FilesChanged) -> None:
+        self.broker.publish(event, EventKind.CREATED)
+
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
 
@@ -419,9 +429,12 @@ class Workspace:
             )
             self.sandbox_info = SandboxInfo(active=True, network=settings.network)
 
-    def _make_tools(self) -> Toolbox:
+    def _make_tools(self) -> TrackedTools:
         options = self.config.options
         self._configure_sandbox()
+        return TrackedTools(self._make_toolbox(options), self.changes)
+
+    def _make_toolbox(self, options: Any) -> Toolbox:
         return Toolbox(
             workspace=self.path,
             data_dir=self.data_dir,

@@ -7,6 +7,6 @@
   reverts and the ``files_changed`` event.
 """
 
-from .service import ChangeLog, ChangeRecord, Diff, RevertConflict, RevertResult
+from .service import ChangeLog, ChangeRecord, RevertConflict
 
-__all__ = ["ChangeLog", "ChangeRecord", "Diff", "RevertConflict", "RevertResult"]
+__all__ = ["ChangeLog", "ChangeRecord", "RevertConflict"]

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from ..errors import BadRequest, Conflict, NotFound
-from ..wire import FileChange, FilesChanged, new_id, now
+from ..wire import Diff, FileChange, FilesChanged, RevertFile, RevertResult, new_id, now
 from .revert import (
     UnsafePath,
     read_json,
@@ -72,45 +72,6 @@ class ChangeRecord:
     truncated: bool = False
     #: A revert: the record it reverted.
     reverts: str | None = None
-
-
-@attrs.define
-class Diff:
-    """``GET .../diff``: the files changed and the unified diff (``truncated``: cut to the
-    bounds :data:`MAX_DIFF_FILES` / :data:`MAX_DIFF_BYTES`)."""
-
-    files: list[FileChange]
-    diff: str
-    truncated: bool = False
-    run_id: str | None = None
-    session_id: str | None = None
-
-
-@attrs.define
-class RevertFile:
-    """One file of a revert: ``outcome`` is ``new`` (restored), ``old`` (left as it was, the
-    revert stopped before it) or ``other`` (neither: changed meanwhile)."""
-
-    path: str
-    status: str
-    outcome: str = ""
-
-
-@attrs.define
-class RevertResult:
-    """``POST .../runs/{id}/revert``: ``state`` is ``done``, ``failed`` or (after a restart)
-    ``interrupted``; ``revert_id`` is the revert's own record (revert it to undo the revert)."""
-
-    revert_id: str
-    run_id: str
-    session_id: str
-    state: str
-    forced: bool
-    files: list[RevertFile]
-    conflicts: list[str] = attrs.field(factory=list)
-    error: str = ""
-    created_at: int = 0
-    finished_at: int | None = None
 
 
 class RevertConflict(Conflict):
@@ -259,16 +220,10 @@ class ChangeLog:
             return
         try:
             tree = await self._thread(self.repo.snapshot)
-        except GitError as exc:
+        except (GitError, OSError) as exc:
             log.warning("snapshot before run %s failed: %s", run_ids[0], exc)
             return
         self._active[session_id] = _Active(list(run_ids), tree, tree)
-
-    def add_runs(self, session_id: str, run_ids: list[str]) -> None:
-        """Prompts folded into a running turn share its record."""
-        active = self._active.get(session_id)
-        if active is not None:
-            active.run_ids.extend(r for r in run_ids if r not in active.run_ids)
 
     async def after_tool(self, session_id: str, tool_call_id: str, tool_name: str) -> None:
         """Snapshot after a tool call that may write; publish ``files_changed`` if it did."""
@@ -288,7 +243,7 @@ class ChangeLog:
 
         try:
             tree, files, truncated = await self._thread(work)
-        except GitError as exc:
+        except (GitError, OSError) as exc:
             log.warning("snapshot after tool call %s failed: %s", tool_call_id, exc)
             return
         active.last = tree
@@ -299,11 +254,13 @@ class ChangeLog:
                 )
             )
 
-    async def end_run(self, session_id: str) -> dict[str, list[FileChange]]:
-        """Snapshot after a run's turn and write its record; the files each run changed."""
+    async def end_run(self, session_id: str, run_ids: list[str]) -> dict[str, list[FileChange]]:
+        """Snapshot after a run's turn and write its record (every run of the turn, ``run_ids``,
+        gets it); the files each run changed."""
         active = self._active.pop(session_id, None)
         if active is None:
             return {}
+        active.run_ids.extend(r for r in run_ids if r not in active.run_ids)
 
         def work() -> ChangeRecord:
             after = self.repo.snapshot()
@@ -315,7 +272,7 @@ class ChangeLog:
 
         try:
             record = await self._thread(work)
-        except (GitError, OSError) as exc:
+        except Exception as exc:  # a failed snapshot must not fail the run's end
             log.warning("snapshot after run %s failed: %s", active.run_ids[0], exc)
             return {}
         return {run_id: record.files for run_id in active.run_ids}
