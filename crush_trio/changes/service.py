@@ -47,6 +47,8 @@ T = TypeVar("T")
 MAX_DIFF_BYTES: Final = 1024 * 1024
 #: Bound on the files listed in one diff, one ``files_changed`` event or one record.
 MAX_DIFF_FILES: Final = 1000
+#: Bound on the records (runs and reverts) a session diff walks (the latest ones).
+MAX_SESSION_RECORDS: Final = 10_000
 #: Bound on the paths named in a 409 conflict answer.
 MAX_CONFLICT_FILES: Final = 200
 #: Tools that never change files: no snapshot after them.
@@ -304,6 +306,11 @@ class ChangeLog:
         from ..wire import unstructure
 
         write_json_atomic(self._record_path(record_id), unstructure(record))
+        if _ID.fullmatch(session_id):
+            index = self.root / "sessions"
+            index.mkdir(exist_ok=True)
+            with open(index / session_id, "a", encoding="utf-8") as file:
+                file.write(record_id + "\n")
         return record
 
     # -- reading
@@ -343,13 +350,24 @@ class ChangeLog:
         diff.session_id = record.session_id
         return diff
 
-    async def session_diff(self, session_id: str, record_ids: Sequence[str]) -> Diff:
-        """The combined diff of a session's runs (``record_ids``, oldest first): from before
-        its first run to after its last, limited to the files its runs changed."""
+    def _session_records(self, session_id: str) -> list[str]:
+        """The ids of a session's records (runs and reverts), in the order they were written."""
+        if not _ID.fullmatch(session_id):
+            return []
+        try:
+            text = (self.root / "sessions" / session_id).read_text()
+        except OSError:
+            return []
+        return list(dict.fromkeys(line for line in text.splitlines() if _ID.fullmatch(line)))
+
+    async def session_diff(self, session_id: str) -> Diff:
+        """The combined diff of a session's runs and reverts: from before the first to after
+        the last, limited to the files they changed."""
         self._require_ready()
 
         def work() -> Diff:
-            records = [r for rid in record_ids if (r := self._load_record(rid)) is not None]
+            ids = self._session_records(session_id)[-MAX_SESSION_RECORDS:]
+            records = [r for rid in ids if (r := self._load_record(rid)) is not None]
             if not records:
                 return Diff([], "", session_id=session_id)
             paths: set[str] = set()

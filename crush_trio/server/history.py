@@ -120,16 +120,11 @@ class History:
                 return Diff([], "", run_id=run_id, session_id=run.session_id)
         return await ws.changes.run_diff(run_id)
 
-    async def session_runs(self, ws: Workspace, session_id: str) -> list[str]:
-        """The ids of a session's runs (oldest first) and of the reverts made on them."""
-        runs = await ws.store.page_runs(PageQuery(limit=MAX_SESSION_RUNS, session_id=session_id))
-        return [r.run_id for r in reversed(runs)]
-
     async def session_diff(self, ws: Workspace, session_id: str) -> Diff:
         await self.api.get_session(ws, session_id)
         if not ws.changes.enabled:
             raise Conflict(ws.changes.error or "change tracking is off for this workspace")
-        return await ws.changes.session_diff(session_id, await self.session_runs(ws, session_id))
+        return await ws.changes.session_diff(session_id)
 
     async def revert(self, ws: Workspace, run_id: str, body: RevertRequest) -> RevertResult:
         """Revert one run (or revert): 409 while its session runs, or on a conflict."""
