@@ -70,7 +70,8 @@ class Backend:
 
     def _open_data_dirs(self) -> list[Path]:
         """The data directories of the open workspaces (each hides the others' from bash)."""
-        return [ws.data_dir for ws in self.workspaces.values()]
+        dirs = [ws.data_dir for ws in self.workspaces.values()]
+        return dirs + [ws.changes.data_dir for ws in self.workspaces.values()]
 
     def __init__(
         self,
@@ -213,11 +214,25 @@ class Backend:
                 await trio.to_thread.run_sync(
                     _check_data_dir_inside, path, data_dir, loaded.config.options.data_directory
                 )
+            # In a cluster each node has its own --data-dir, but a workspace's snapshots must
+            # be found by whichever node owns it next: they live in the project's own data
+            # directory, on the file system the nodes share.
+            changes_dir = None
+            if self.placement is not None:
+                changes_dir = data_dir_for(path, loaded.config, None)
+                if not loaded.trusted:
+                    await trio.to_thread.run_sync(
+                        _check_data_dir_inside,
+                        path,
+                        changes_dir,
+                        loaded.config.options.data_directory,
+                    )
             ws = Workspace(
                 path=path,
                 config=loaded.config,
                 server=self.server,
                 data_dir=data_dir,
+                changes_dir=changes_dir,
                 version=self.version,
                 provider_factory=self.provider_factory,
                 trusted=loaded.trusted,

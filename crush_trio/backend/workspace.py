@@ -149,6 +149,7 @@ class Workspace:
         workspace_id: str | None = None,
         store_factory: Callable[[Path], Awaitable[Any]] | None = None,
         event_log: Any = None,
+        changes_dir: Path | None = None,
     ) -> None:
         self.id = workspace_id or new_id()
         #: Told each run's end before its run_complete is published (the server's webhooks).
@@ -200,7 +201,8 @@ class Workspace:
         self.runs: RunBook
         self.agent: Agent
         #: Snapshots, diffs and reverts of what runs change (opened when the workspace opens).
-        self.changes = ChangeLog(path, data_dir, publish=self._publish_files_changed)
+        #: ``changes_dir``: where they live when not in ``data_dir`` (a cluster's shared one).
+        self.changes = ChangeLog(path, changes_dir or data_dir, publish=self._publish_files_changed)
         #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
         self.permissions = PermissionService(

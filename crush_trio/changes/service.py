@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from ..errors import BadRequest, Conflict, NotFound
+from ..store.datadir import ensure_data_dir
 from ..wire import Diff, FileChange, FilesChanged, RevertFile, RevertResult, new_id, now
 from .revert import (
     UnsafePath,
@@ -126,6 +127,8 @@ class ChangeLog:
         publish: Callable[[FilesChanged], None] = lambda _: None,
         max_file_bytes: int = MAX_FILE_BYTES,
     ) -> None:
+        #: The data directory holding ``snapshots/``.
+        self.data_dir = data_dir
         self.root = data_dir / "snapshots"
         self.workspace = workspace
         self.repo = ShadowRepo(
@@ -165,6 +168,7 @@ class ChangeLog:
         return recovered
 
     def _open_sync(self) -> list[RevertResult]:
+        ensure_data_dir(self.data_dir)  # private, and ignored by the project's git
         self.repo.init()
         (self.root / "records").mkdir(exist_ok=True)
         (self.root / "reverts").mkdir(exist_ok=True)
