@@ -20,6 +20,7 @@ import { api, ApiError, httpCommand } from "./api.js";
 import { EventStream } from "./connection.js";
 import { clear, h, uuid } from "./dom.js";
 import { MessageView, STREAMED_FIELD } from "./render.js";
+import { ChangesPanel, permissionDiff } from "./changes.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -87,6 +88,11 @@ class App {
     this.callOwner = new Map();
     this.toggles = new Map();
     this.runs = new Map();
+    this.changes = new ChangesPanel(
+      $("changes"),
+      () => ({ wid: this.wid, sid: this.current }),
+      (message, kind) => this.toast(message, kind),
+    );
     this.permissions = new Map();
     this.queued = [];
     /** Files attached to the next prompt: {file_name, mime_type, content (base64)}. */
@@ -511,6 +517,10 @@ class App {
         break;
       case "run_complete":
         this.onRunComplete(obj);
+        if (obj.session_id === this.current) this.changes.refresh();
+        break;
+      case "files_changed":
+        this.changes.onFilesChanged(obj);
         break;
       case "agent_event":
         if (obj.type === "error" && obj.session_id === this.current && !this.runs.has(obj.run_id)) {
@@ -599,6 +609,7 @@ class App {
     this.renderSessions();
     this.renderSessionHead();
     this.renderRuns();
+    this.changes.refresh();
     this.updateControls();
     this.writeHash();
     if (window.innerWidth < NARROW_PX) this.toggleSidebar(false);
@@ -1183,7 +1194,7 @@ class App {
         h("h3", { id: titleId, text: `Allow ${req.tool_name}?` }),
         req.description ? h("p", { class: "permission-description", text: req.description }) : null,
         facts,
-        params ? h("pre", { class: "permission-params", tabindex: "0", text: params }) : null,
+        params ? permissionDiff(req) || h("pre", { class: "permission-params", tabindex: "0", text: params }) : null,
         h(
           "div",
           { class: "permission-actions" },
