@@ -499,3 +499,55 @@ def test_shadow_snapshot_sees_a_nested_repository_as_nothing(tmp_path: Path) -> 
     assert repo.snapshot() == tree  # no change: same tree
     shutil.rmtree(root / "inner")
     assert repo.snapshot() == tree
+
+
+async def test_odd_names_and_ids_neither_break_a_record_nor_leave_the_data_directory(
+    tmp_path: Path,
+) -> None:
+    """A file name that is not UTF-8, a symbolic link, and a client's run id that looks like a
+    path: the diff names them (undecodable bytes as U+FFFD), the revert restores them, and no
+    file is written outside the data directory."""
+    root, data = tmp_path / "ws", tmp_path / "data"
+    root.mkdir()
+    odd = os.fsdecode(b"caf\xe9.txt")
+    (root / odd).write_text("v1\n")
+    log = ChangeLog(root, data)
+    run_id = "../../escape\nme"
+    with trio.fail_after(CAP):
+        await log.open()
+        await log.begin_run("s/../x", [run_id])
+        (root / odd).write_text("v2\n")
+        os.symlink("target-elsewhere", root / "link")
+        await log.end_run("s/../x", [run_id])
+        diff = await log.run_diff(run_id)
+        assert sorted(f.path for f in diff.files) == ["caf\ufffd.txt", "link"]
+        orjson.dumps([f.path for f in diff.files])  # JSON can carry them
+        session = await log.session_diff("s/../x")
+        assert len(session.files) == 2
+        result = await log.revert(run_id)
+    assert result.state == "done"
+    assert (root / odd).read_text() == "v1\n" and not (root / "link").is_symlink()
+    assert not (tmp_path / "escape\nme.json").exists()
+    assert {p.parent.name for p in data.rglob("*.json")} <= {"records", "reverts"}
+
+
+async def test_a_revert_never_writes_through_a_directory_replaced_by_a_link(
+    tmp_path: Path,
+) -> None:
+    root, data, outside = tmp_path / "ws", tmp_path / "data", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (root / "sub" / "f.txt").write_text("v1\n")
+    log = ChangeLog(root, data)
+    with trio.fail_after(CAP):
+        await log.open()
+        await log.begin_run("s", ["r"])
+        (root / "sub" / "f.txt").write_text("v2\n")
+        await log.end_run("s", ["r"])
+    shutil.rmtree(root / "sub")
+    os.symlink(outside, root / "sub")  # the directory is now a link out of the workspace
+    with trio.fail_after(CAP):
+        result = await log.revert("r", force=True)
+    assert result.state == "failed" and "not a directory" in result.error
+    assert [f.outcome for f in result.files] == ["old"]
+    assert list(outside.iterdir()) == []

@@ -18,7 +18,9 @@ command is bounded by :data:`~.shadow.GIT_TIMEOUT`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import Conflict, NotFound, StoreError
 from ..store.datadir import ensure_data_dir
 from ..wire import Diff, FileChange, FilesChanged, RevertFile, RevertResult, new_id, now
 from .revert import (
@@ -57,7 +59,15 @@ READ_ONLY_TOOLS: Final = frozenset(
     {"view", "ls", "glob", "grep", "fetch", "sourcegraph", "diagnostics", "todos", "job_output"}
 )
 
-_ID: Final = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_KEY: Final = re.compile(r"[0-9a-f]{40}")
+
+
+def _key(identifier: str) -> str:
+    """The file and ref name of a run, revert or session id: ids come from clients (any text up
+    to 128 characters), so they never name a file themselves."""
+    return hashlib.sha256(identifier.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
 _STATUS: Final = {"A": "added", "D": "deleted", "M": "modified", "T": "modified"}
 
 
@@ -92,6 +102,17 @@ class _Active:
     last: str
 
 
+def display_path(path: str) -> str:
+    """A path as JSON can carry it: bytes that are not UTF-8 (kept as surrogates by
+    ``os.fsdecode``) become U+FFFD."""
+    return os.fsencode(path).decode("utf-8", "replace")
+
+
+def _real_path(item: dict[str, Any]) -> str:
+    """The exact path of a journal entry (its bytes are kept in ``raw``)."""
+    return os.fsdecode(bytes.fromhex(item["raw"])) if "raw" in item else str(item["path"])
+
+
 def _file_changes(
     raw: Sequence[RawChange], stats: dict[str, tuple[int, int] | None]
 ) -> list[FileChange]:
@@ -100,7 +121,7 @@ def _file_changes(
         counts = stats.get(change.path)
         files.append(
             FileChange(
-                path=change.path,
+                path=display_path(change.path),
                 status=_STATUS.get(change.status, "modified"),
                 added=counts[0] if counts else 0,
                 removed=counts[1] if counts else 0,
@@ -147,11 +168,21 @@ class ChangeLog:
         async with self._lock:
             return await trio.to_thread.run_sync(fn, abandon_on_cancel=False)
 
+    async def _answer(self, fn: Callable[[], T]) -> T:
+        """:meth:`_thread` for a request: a failure of git or of the disk is a StoreError
+        naming it (500 with the reason), not a bug."""
+        try:
+            return await self._thread(fn)
+        except (GitError, OSError) as exc:
+            raise StoreError(
+                f"the snapshot store of {self.workspace} failed: {exc}; see the server log"
+            ) from exc
+
     def _record_path(self, record_id: str) -> Path:
-        return self.root / "records" / f"{record_id}.json"
+        return self.root / "records" / f"{_key(record_id)}.json"
 
     def _journal_path(self, revert_id: str) -> Path:
-        return self.root / "reverts" / f"{revert_id}.json"
+        return self.root / "reverts" / f"{_key(revert_id)}.json"
 
     # -- lifetime
 
@@ -187,11 +218,11 @@ class ChangeLog:
         """Mark a revert killed mid-way: each file ``old``, ``new`` or ``other``."""
         revert_id = journal["revert_id"]
         for i, item in enumerate(journal["files"]):
-            remove_temp(self.workspace, item["path"], temp_name(revert_id, i))
+            remove_temp(self.workspace, _real_path(item), temp_name(revert_id, i))
         current = self.repo.snapshot()
-        now_entries = self.repo.entries(current, [f["path"] for f in journal["files"]])
+        now_entries = self.repo.entries(current, [_real_path(f) for f in journal["files"]])
         for item in journal["files"]:
-            have = now_entries.get(item["path"])
+            have = now_entries.get(_real_path(item))
             item["outcome"] = (
                 "new"
                 if _same(have, item["target"])
@@ -305,25 +336,25 @@ class ChangeLog:
             truncated=len(raw) > MAX_DIFF_FILES,
             reverts=reverts,
         )
-        self.repo.keep(f"changes/{record_id}/before", before)
-        self.repo.keep(f"changes/{record_id}/after", after)
+        self.repo.keep(f"changes/{_key(record_id)}/before", before)
+        self.repo.keep(f"changes/{_key(record_id)}/after", after)
         from ..wire import unstructure
 
         write_json_atomic(self._record_path(record_id), unstructure(record))
-        if _ID.fullmatch(session_id):
-            index = self.root / "sessions"
-            index.mkdir(exist_ok=True)
-            with open(index / session_id, "a", encoding="utf-8") as file:
-                file.write(record_id + "\n")
+        index = self.root / "sessions"
+        index.mkdir(exist_ok=True)
+        with open(index / _key(session_id), "a", encoding="utf-8") as file:
+            file.write(_key(record_id) + "\n")
         return record
 
     # -- reading
 
     def _load_record(self, record_id: str) -> ChangeRecord | None:
-        if not _ID.fullmatch(record_id):
-            return None
+        return self._load_record_file(self._record_path(record_id))
+
+    def _load_record_file(self, path: Path) -> ChangeRecord | None:
         try:
-            data = read_json(self._record_path(record_id))
+            data = read_json(path)
         except (OSError, ValueError):
             return None
         from ..wire import structure
@@ -349,20 +380,18 @@ class ChangeLog:
                 f"no changes recorded for run {record_id!r}: it has not run yet, or it ran "
                 "before change tracking"
             )
-        diff = await self._thread(lambda: self._diff_sync(record.before, record.after, None))
+        diff = await self._answer(lambda: self._diff_sync(record.before, record.after, None))
         diff.run_id = record_id
         diff.session_id = record.session_id
         return diff
 
     def _session_records(self, session_id: str) -> list[str]:
-        """The ids of a session's records (runs and reverts), in the order they were written."""
-        if not _ID.fullmatch(session_id):
-            return []
+        """The keys of a session's records (runs and reverts), in the order they were written."""
         try:
-            text = (self.root / "sessions" / session_id).read_text()
+            text = (self.root / "sessions" / _key(session_id)).read_text()
         except OSError:
             return []
-        return list(dict.fromkeys(line for line in text.splitlines() if _ID.fullmatch(line)))
+        return list(dict.fromkeys(line for line in text.splitlines() if _KEY.fullmatch(line)))
 
     async def session_diff(self, session_id: str) -> Diff:
         """The combined diff of a session's runs and reverts: from before the first to after
@@ -371,7 +400,11 @@ class ChangeLog:
 
         def work() -> Diff:
             ids = self._session_records(session_id)[-MAX_SESSION_RECORDS:]
-            records = [r for rid in ids if (r := self._load_record(rid)) is not None]
+            records = [
+                r
+                for key in ids
+                if (r := self._load_record_file(self.root / "records" / f"{key}.json")) is not None
+            ]
             if not records:
                 return Diff([], "", session_id=session_id)
             paths: set[str] = set()
@@ -382,7 +415,7 @@ class ChangeLog:
             diff.session_id = session_id
             return diff
 
-        return await self._thread(work)
+        return await self._answer(work)
 
     def _diff_sync(self, before: str, after: str, paths: Sequence[str] | None) -> Diff:
         if before == after or (paths is not None and not paths):
@@ -410,9 +443,7 @@ class ChangeLog:
             RevertConflict: a file changed after the run (and ``force`` is false).
         """
         self._require_ready()
-        if not _ID.fullmatch(record_id):
-            raise BadRequest(f"run id {record_id!r} is not valid")
-        return await self._thread(lambda: self._revert_sync(record_id, force))
+        return await self._answer(lambda: self._revert_sync(record_id, force))
 
     def _revert_sync(self, record_id: str, force: bool) -> RevertResult:
         record = self._load_record(record_id)
@@ -428,7 +459,7 @@ class ChangeLog:
             if current != record.after
             else set()
         )
-        conflicts = sorted(p for p in paths if p in later)
+        conflicts = sorted(display_path(p) for p in paths if p in later)
         if conflicts and not force:
             shown = conflicts[:MAX_CONFLICT_FILES]
             more = (
@@ -455,7 +486,8 @@ class ChangeLog:
             "error": "",
             "files": [
                 {
-                    "path": c.path,
+                    "path": display_path(c.path),
+                    "raw": os.fsencode(c.path).hex(),
                     "status": _STATUS.get(c.status, "modified"),
                     "target": _entry_json(c.old),
                     "was": _entry_json(was.get(c.path)),
@@ -476,7 +508,7 @@ class ChangeLog:
             except (OSError, UnsafePath, GitError) as exc:
                 remove_temp(self.workspace, change.path, temp_name(revert_id, i))
                 item["outcome"] = "old"
-                errors.append(f"{change.path}: {exc}")
+                errors.append(f"{display_path(change.path)}: {exc}")
         after = self.repo.snapshot()
         self._write_record_sync(revert_id, record.session_id, "revert", current, after, record_id)
         journal["state"] = "failed" if errors else "done"
@@ -487,7 +519,7 @@ class ChangeLog:
 
     async def revert_record(self, revert_id: str) -> RevertResult | None:
         """The journal of a revert (its outcome), or None."""
-        if not self._ready or not _ID.fullmatch(revert_id):
+        if not self._ready:
             return None
 
         def load() -> RevertResult | None:

@@ -242,17 +242,19 @@ class ShadowRepo:
         update: list[bytes] = []
         drop: list[bytes] = []
         seen: set[bytes] = set()
+        root = os.fsencode(self.workspace)
+        linked: dict[bytes, bool] = {}
         for raw in listed.split(b"\0"):
             if not raw or raw in seen or raw.endswith(b"/"):
                 continue  # a nested repository is listed as "dir/": never snapshotted
             seen.add(raw)
-            try:
-                st = os.lstat(os.path.join(os.fsencode(self.workspace), raw))
-            except FileNotFoundError:
-                update.append(raw)  # gone: --remove takes it out of the index
+            if _beyond_link(root, raw, linked):
+                drop.append(raw)  # its directory is now a link: git would refuse it
                 continue
+            try:
+                st = os.lstat(os.path.join(root, raw))
             except OSError:
-                drop.append(raw)
+                drop.append(raw)  # gone (or unreadable): out of the index
                 continue
             if stat.S_ISLNK(st.st_mode) or (
                 stat.S_ISREG(st.st_mode) and st.st_size <= self.max_file_bytes
@@ -261,7 +263,8 @@ class ShadowRepo:
             else:
                 drop.append(raw)  # oversized or not a file: not snapshotted
         if update:
-            self.git("update-index", "--add", "--remove", "-z", "--stdin", stdin=_z(update))
+            # --replace: a path whose directory became a file or a link (or the reverse).
+            self.git("update-index", "--add", "--replace", "-z", "--stdin", stdin=_z(update))
         if drop:
             self.git("update-index", "--force-remove", "-z", "--stdin", stdin=_z(drop))
         return self.git("write-tree").decode().strip()
@@ -357,6 +360,25 @@ class ShadowRepo:
 
     def blob(self, sha: str) -> bytes:
         return self.git("cat-file", "blob", sha)
+
+
+def _beyond_link(root: bytes, raw: bytes, cache: dict[bytes, bool]) -> bool:
+    """Whether a directory on the way to ``raw`` is a symbolic link (or not a directory)."""
+    parts = raw.split(b"/")[:-1]
+    prefix = b""
+    for part in parts:
+        prefix = prefix + b"/" + part if prefix else part
+        found = cache.get(prefix)
+        if found is None:
+            try:
+                mode = os.lstat(os.path.join(root, prefix)).st_mode
+                found = not stat.S_ISDIR(mode)
+            except OSError:
+                found = False  # missing: the file is simply gone
+            cache[prefix] = found
+        if found:
+            return True
+    return False
 
 
 def _z(paths: Sequence[bytes]) -> bytes:
