@@ -234,7 +234,7 @@ class Workspace:
         self.permissions.timeout = config.options.permission_timeout
         self.mcp.reconfigure(config.mcp)
         if hasattr(self, "agent"):
-            self.agent.replace_config(config, self._make_tools())
+            self.agent.replace_config(config, self._tracked_tools())
 
     def _move(self, new: WorkspaceState) -> None:
         check_workspace_move(self.id, self.state, new)
@@ -333,7 +333,7 @@ class Workspace:
                         background_nursery=background,
                         save_timeout=save_timeout,
                         provider_factory=self.provider_factory,
-                        tools=self._make_tools(),
+                        tools=self._tracked_tools(),
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
@@ -431,12 +431,13 @@ class Workspace:
             )
             self.sandbox_info = SandboxInfo(active=True, network=settings.network)
 
-    def _make_tools(self) -> TrackedTools:
+    def _tracked_tools(self) -> TrackedTools:
+        """The tools, with a snapshot after each call that may write (``files_changed``)."""
+        return TrackedTools(self._make_tools(), self.changes)
+
+    def _make_tools(self) -> Toolbox:
         options = self.config.options
         self._configure_sandbox()
-        return TrackedTools(self._make_toolbox(options), self.changes)
-
-    def _make_toolbox(self, options: Any) -> Toolbox:
         return Toolbox(
             workspace=self.path,
             data_dir=self.data_dir,
