@@ -322,6 +322,7 @@ class Workspace:
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
                 await background.start(self.mcp.run)
+                background.start_soon(self.changes.warm)
                 async with trio.open_nursery() as runs:
                     self.agent = agent = Agent(
                         store=self.store,

@@ -245,6 +245,22 @@ class ChangeLog:
         log.warning("revert %s was interrupted; its outcome is recorded", revert_id)
         return _result(journal)
 
+    async def warm(self) -> None:
+        """Take a first snapshot when the workspace opens, so the first run does not wait for
+        every file to be hashed (the run's own snapshot then only stats them)."""
+        if not self._ready:
+            return
+        async with self._lock:
+            try:
+                # Hashing a large tree can take long: a closing workspace does not wait for it
+                # but kills its git command (the next open clears the lock it may leave).
+                await trio.to_thread.run_sync(self.repo.snapshot, abandon_on_cancel=True)
+            except trio.Cancelled:
+                self.repo.kill()
+                raise
+            except (GitError, OSError) as exc:
+                log.warning("first snapshot of %s failed: %s", self.workspace, exc)
+
     # -- runs
 
     @property

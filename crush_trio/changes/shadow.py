@@ -132,6 +132,18 @@ class ShadowRepo:
         self.timeout = timeout
         self._exclude = [p for p in exclude]
         self._env = self._make_env()
+        #: The git command running now (one at a time: the change log serializes them).
+        self._running: subprocess.Popen[bytes] | None = None
+        #: Set by :meth:`kill`: every later command fails at once.
+        self._killed = False
+
+    def kill(self) -> None:
+        """Stop the running command and refuse later ones (the workspace is closing); callable
+        from any thread."""
+        self._killed = True
+        proc = self._running
+        if proc is not None:
+            proc.kill()
 
     def _make_env(self) -> dict[str, str]:
         env = {
@@ -162,6 +174,8 @@ class ShadowRepo:
             GitError: it exited non-zero or ran past the timeout.
         """
         cmd = ["git", *_SAFE_OPTIONS, *args]
+        if self._killed:
+            raise GitError("the snapshot store is closing")
         try:
             proc = subprocess.Popen(
                 cmd,
@@ -173,6 +187,19 @@ class ShadowRepo:
             )
         except OSError as exc:
             raise GitError(f"cannot run git: {exc}") from exc
+        self._running = proc
+        try:
+            return self._finish(proc, args, stdin, max_output)
+        finally:
+            self._running = None
+
+    def _finish(
+        self,
+        proc: subprocess.Popen[bytes],
+        args: Sequence[str],
+        stdin: bytes | None,
+        max_output: int | None,
+    ) -> bytes:
         if max_output is None:
             try:
                 out, err = proc.communicate(stdin, timeout=self.timeout)
