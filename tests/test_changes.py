@@ -551,3 +551,22 @@ async def test_a_revert_never_writes_through_a_directory_replaced_by_a_link(
     assert result.state == "failed" and "not a directory" in result.error
     assert [f.outcome for f in result.files] == ["old"]
     assert list(outside.iterdir()) == []
+
+
+async def test_a_fork_past_the_summary_points_at_its_own_copy_of_it(
+    crush_workspace: WorkspaceClient,
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    with trio.fail_after(CAP):
+        await ws.run(session.id, "hello", timeout=CAP)
+        summarized = await ws.summarize(session.id)
+        assert summarized.summary_message_id is not None
+        last = (await ws.messages(session.id))[-1]
+        fork = await ws.fork_session(session.id, last.id)
+        copied = await ws.messages(fork.session.id)
+    assert fork.session.summary_message_id not in (None, summarized.summary_message_id)
+    assert fork.session.summary_message_id in {m.id for m in copied}
+    assert [m.is_summary_message for m in copied] == [
+        m.is_summary_message for m in await ws.messages(session.id)
+    ]

@@ -36,7 +36,6 @@ from ..wire import (
     ToolCallPart,
     ToolResultPart,
     new_id,
-    now,
 )
 from .api import Api
 
@@ -204,10 +203,8 @@ class History:
         ]
         if copies:
             await ws.store.write_messages(copies)
-        if source.summary_message_id in ids:
-            fork.summary_message_id = ids[source.summary_message_id]
-            fork.updated_at = now()
-            await ws.store.update_session(fork)
+        if source.summary_message_id in ids:  # later requests start from the copied summary
+            await ws.store.set_summary(fork.id, ids[source.summary_message_id], 0, 0.0)
         stored = await self.api.get_session(ws, fork.id)
         ws.broker.publish(stored, wire.EventKind.CREATED)
         return ForkResult(stored, len(copies), reverts)
