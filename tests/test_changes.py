@@ -570,3 +570,26 @@ async def test_a_fork_past_the_summary_points_at_its_own_copy_of_it(
     assert [m.is_summary_message for m in copied] == [
         m.is_summary_message for m in await ws.messages(session.id)
     ]
+
+
+async def test_a_cancelled_run_still_records_what_it_changed(
+    crush_workspace: WorkspaceClient, scripted_model: ScriptedModel
+) -> None:
+    """Cancelled between two model steps (after a tool call changed a file): the run's end
+    snapshot is still taken, so its diff and revert work."""
+    ws = crush_workspace
+    session = await ws.create_session()
+    gate = Gate()
+    scripted_model.add(bash("echo 1 > one.txt"), Step("never", gate_before=gate))
+    with trio.fail_after(CAP):
+        handle = await ws.prompt(session.id, "write then wait", auto_approve=True)
+        await gate.reached.wait()
+        await handle.cancel()
+        run = await handle.result(CAP, check=False)
+        assert run.status is RunStatus.CANCELLED
+        diff = await ws.run_diff(run.run_id)
+        assert [f.path for f in diff.files] == ["one.txt"]
+        assert [f.path for f in (await ws.get_run(run.run_id)).files] == ["one.txt"]
+        await ws.revert_run(run.run_id)
+    assert not (Path(ws.path) / "one.txt").exists()
+    gate.release()
