@@ -71,7 +71,8 @@ class Backend:
     def _open_data_dirs(self) -> list[Path]:
         """The data directories of the open workspaces (each hides the others' from bash)."""
         dirs = [ws.data_dir for ws in self.workspaces.values()]
-        return dirs + [ws.changes.data_dir for ws in self.workspaces.values()]
+        dirs += [ws.changes.data_dir for ws in self.workspaces.values()]  # a cluster's snapshots
+        return list(dict.fromkeys(dirs))
 
     def __init__(
         self,
