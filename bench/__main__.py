@@ -29,6 +29,7 @@ from pathlib import Path
 
 import trio
 
+from . import snapshots
 from .client import COMPRESSION_ENV, DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
@@ -150,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(targets_table(results).markdown(), flush=True)
         paths = write_results(out, results, info, command)
         print(f"\nresults: {', '.join(str(p) for p in paths)}", flush=True)
+    if not args.only:  # the snapshot store's cost (docs/performance.md "Snapshots")
+        print(
+            "\n" + snapshots.report([200] if args.smoke else [1000, 20000], 1 if args.smoke else 5)
+        )
     if PROFILING.directory is not None:
         print(f"profiles: {PROFILING.directory} (summarize with python -m bench.profile FILE)")
     if args.keep_workdir or failed:

@@ -101,6 +101,8 @@ class RunOptions:
     attachments: list[Attachment] = attrs.field(factory=list)
     #: Show the embedded server's log on stderr (``--verbose``).
     verbose: bool = False
+    #: Print the run's diff at the end (``--diff``).
+    diff: bool = False
 
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -158,6 +160,11 @@ def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         default=[],
         metavar="FILE",
         help="send FILE with the prompt (an image or a text file; repeatable)",
+    )
+    p.add_argument(
+        "--diff",
+        action="store_true",
+        help="print the files the run changed and their unified diff at the end",
     )
     p.set_defaults(run=run_command)
 
@@ -244,6 +251,7 @@ def build_options(
         quiet=args.quiet,
         format=args.format,
         timeout=args.timeout,
+        diff=bool(getattr(args, "diff", False)),
         attachments=attachments,
         verbose=bool(getattr(args, "verbose", False)),
     )
@@ -531,6 +539,8 @@ class Runner:
                 except CrushError as exc:
                     self.err(f"crush-trio run: could not cancel run {handle.run_id}: {exc}")
         await self._finish_output(handle)
+        if opts.diff:
+            await self._print_diff(handle)
         if waiting.cancelled_caught:
             if self.interrupted:
                 self.err("crush-trio run: interrupted; the run was cancelled")
@@ -593,6 +603,32 @@ class Runner:
         if self.first_output_written:  # a run that printed nothing (failed early) ends no line
             self.stdout.write("\n")
             self.stdout.flush()
+
+    async def _print_diff(self, handle: RunHandle) -> None:
+        """``--diff``: the files the run changed (stderr) and its unified diff (stdout); in JSON
+        mode one ``{"type": "diff", ...}`` line."""
+        try:
+            with trio.fail_after(RECORD_TIMEOUT):
+                diff = await handle.workspace.run_diff(handle.run_id)
+        except (CrushError, trio.TooSlowError) as exc:
+            self.err(f"crush-trio run: no diff for run {handle.run_id}: {exc}")
+            return
+        if self.options.format == "json":
+            self.json_line({"type": "diff", **wire.converter.unstructure(diff)})
+            return
+        if not diff.files:
+            self.err("files changed: none")
+            return
+        self.err(f"files changed: {len(diff.files)}")
+        for f in diff.files:
+            counts = "binary" if f.binary else f"+{f.added} -{f.removed}"
+            self.err(f"  {f.status:<8} {f.path} ({counts})")
+        self.stdout.write(diff.diff)
+        if diff.truncated:
+            self.err(
+                "crush-trio run: the diff was cut at the server's bound (see docs/protocol.md)"
+            )
+        self.stdout.flush()
 
 
 def _is_error(event: Event) -> bool:

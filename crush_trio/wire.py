@@ -329,6 +329,18 @@ def check_run_transition(run_id: str, old: RunStatus, new: RunStatus) -> None:
 
 
 @attrs.define
+class FileChange:
+    """One file a run (or a revert) changed: ``status`` is ``added``, ``modified`` or ``deleted``;
+    ``binary`` files have no line counts (docs/protocol.md "Changes")."""
+
+    path: str
+    status: str
+    added: int = 0
+    removed: int = 0
+    binary: bool = False
+
+
+@attrs.define
 class Run:
     run_id: str
     session_id: str
@@ -338,6 +350,8 @@ class Run:
     error: str | None = None
     created_at: int = attrs.field(factory=now)
     finished_at: int | None = None
+    #: The files the run changed (from its change record; empty while it runs).
+    files: list[FileChange] = attrs.field(factory=list)
 
 
 @attrs.define
@@ -358,6 +372,82 @@ class McpState(enum.StrEnum):
     CONNECTED = "connected"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+@attrs.define
+class FilesChanged:
+    """Lossy event after a tool call that changed files in the workspace."""
+
+    session_id: str
+    run_id: str
+    tool_call_id: str = ""
+    tool_name: str = ""
+    files: list[FileChange] = attrs.field(factory=list)
+    truncated: bool = False
+
+
+@attrs.define
+class Diff:
+    """``GET .../diff``: the files changed and the unified diff (``truncated``: cut to the
+    bounds :data:`crush_trio.changes.service.MAX_DIFF_FILES` / ``MAX_DIFF_BYTES``)."""
+
+    files: list[FileChange]
+    diff: str
+    truncated: bool = False
+    run_id: str | None = None
+    session_id: str | None = None
+
+
+@attrs.define
+class RevertFile:
+    """One file of a revert: ``outcome`` is ``new`` (restored), ``old`` (left as it was, the
+    revert stopped before it) or ``other`` (neither: changed meanwhile)."""
+
+    path: str
+    status: str
+    outcome: str = ""
+
+
+@attrs.define
+class RevertResult:
+    """``POST .../runs/{id}/revert``: ``state`` is ``done``, ``failed`` or (after a restart)
+    ``interrupted``; ``revert_id`` is the revert's own record (revert it to undo the revert)."""
+
+    revert_id: str
+    run_id: str
+    session_id: str
+    state: str
+    forced: bool
+    files: list[RevertFile]
+    conflicts: list[str] = attrs.field(factory=list)
+    error: str = ""
+    created_at: int = 0
+    finished_at: int | None = None
+
+
+@attrs.define
+class ForkResult:
+    """``POST .../fork``: the new session, the messages copied and the reverts made."""
+
+    session: Session
+    messages: int
+    reverts: list[RevertResult] = attrs.field(factory=list)
+
+
+@attrs.define
+class RevertRequest:
+    """``POST .../runs/{id}/revert``: ``force`` overwrites files changed after the run."""
+
+    force: bool = False
+
+
+@attrs.define
+class ForkRequest:
+    """``POST .../sessions/{sid}/fork``: the history up to ``message_id`` (inclusive);
+    ``revert_files`` also reverts the files the later runs of the session changed."""
+
+    message_id: str
+    revert_files: bool = False
 
 
 @attrs.define
@@ -780,6 +870,7 @@ class PayloadType(enum.StrEnum):
     PERMISSION_REQUEST = "permission_request"
     PERMISSION_NOTIFICATION = "permission_notification"
     TOOL_OUTPUT = "tool_output"
+    FILES_CHANGED = "files_changed"
 
     @property
     def must_deliver(self) -> bool:
@@ -803,6 +894,7 @@ PAYLOAD_TYPES: Final[dict[type[Any], PayloadType]] = {
     PermissionRequest: PayloadType.PERMISSION_REQUEST,
     PermissionNotification: PayloadType.PERMISSION_NOTIFICATION,
     ToolOutput: PayloadType.TOOL_OUTPUT,
+    FilesChanged: PayloadType.FILES_CHANGED,
 }
 
 

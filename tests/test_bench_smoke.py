@@ -45,6 +45,7 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
         assert (tmp_path / f"{key}.md").read_text().count("|---") >= 2
         assert (tmp_path / f"{key}.png").stat().st_size > 0
     assert "| workload | target | measured | limit | verdict |" in out
+    assert "## Snapshots" in out and "| files | first snapshot |" in out
     raw = orjson.loads((tmp_path / "results.json").read_bytes())
     assert set(raw["workloads"]) == set(WORKLOADS)
     assert raw["targets"] and all(isinstance(t["met"], bool) for t in raw["targets"])

@@ -532,6 +532,11 @@ async def _rounds_keep_baseline(
             f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "prompt": words}
         )
         assert r.status_code == 202, r.text
+        # The turn starts with a workspace snapshot (a git subprocess and its pipes); its user
+        # message is written once that is done, so the baseline is taken after it.
+        with trio.fail_after(WAIT):
+            while not (await http.get(f"/v1/workspaces/{wid}/sessions/{sid}/messages")).json():
+                pass
         limit = trio.Semaphore(50)
         fds_before = _fds(pid)
 

@@ -329,6 +329,42 @@ async def test_a_client_resumes_on_the_new_owner_with_no_gap(cluster: Cluster) -
     assert "gap" not in {f["type"] for f in frames}
 
 
+async def test_a_run_is_reverted_on_the_new_owner_after_fail_over(cluster: Cluster) -> None:
+    """The run's snapshots live in the project's data directory (shared), its record in
+    PostgreSQL: the node that takes over a killed owner's workspace reverts the run."""
+    a, _b, c = cluster.nodes
+    wid = await hold_on(a, cluster.project)
+    target = cluster.project / "notes.txt"
+    target.write_text("before the run\n")
+    async with (
+        connect(c.url, TOKEN, reconnect_timeout=WAIT) as client,
+        client.workspace(cluster.project) as ws,
+    ):
+        session = await ws.create_session()
+        handle = await ws.prompt(session.id, " ".join(f"w{i}" for i in range(40)))
+        with trio.fail_after(WAIT):
+            async for _ in handle.events():
+                break  # streaming: the run's first snapshot is taken
+        target.write_text("changed while the run ran\n")
+        (cluster.project / "made.txt").write_text("new\n")
+        await handle.wait(timeout=WAIT)
+        diff = await ws.run_diff(handle.run_id)
+        assert sorted(f.path for f in diff.files) == ["made.txt", "notes.txt"]
+        # A run in flight when the owner dies: its run_complete in the log says another node
+        # took the workspace over.
+        other = await ws.create_session()
+        pending = await ws.prompt(other.id, LONG_PROMPT)
+        a.process.kill()
+        await cluster.wait_for_event(wid, "run_complete", pending.run_id)
+        with trio.fail_after(WAIT):
+            result = await ws.revert_run(handle.run_id)
+        assert client.owners.get(wid) != a.url  # answered by the new owner
+    assert result.state == "done"
+    assert target.read_text() == "before the run\n"
+    assert not (cluster.project / "made.txt").exists()
+    assert (cluster.project / ".crush" / ".gitignore").read_text() == "*\n"
+
+
 async def read_stream(
     url: str, wid: str, since: int, *, until_type: str, hops: int = 5
 ) -> list[dict[str, Any]]:

@@ -140,6 +140,25 @@ async def test_prints_the_reply_exactly(
     assert scripted_model.requests[-1].messages[-1].text() == "say hello"
 
 
+async def test_diff_prints_the_files_and_the_diff_of_the_run(
+    crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
+) -> None:
+    project = crush_server.project()
+    (project / "a.txt").write_text("old\n")
+    scripted_model.add(
+        Step(tool_calls=[("bash", {"command": "echo new > a.txt && echo b > b.txt"})]),
+        Step("changed"),
+    )
+    done = await run_cli(
+        "--yolo", "--diff", "change", tmp_path=tmp_path, server=crush_server, cwd=project
+    )
+    assert done.code == 0, done.err
+    assert done.out.startswith("changed\n")
+    assert "-old\n+new\n" in done.out and "+++ b/b.txt" in done.out
+    assert "files changed: 2" in done.err
+    assert "modified a.txt (+1 -1)" in done.err and "added    b.txt (+1 -0)" in done.err
+
+
 async def test_attach_sends_files_with_the_prompt_to_the_model(
     crush_server: CrushServer, scripted_model: ScriptedModel, tmp_path: Path
 ) -> None:

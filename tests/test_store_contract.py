@@ -20,6 +20,7 @@ from crush_trio.cluster.pg import Fenced, Lease, PgCluster
 from crush_trio.cluster.pgstore import PgStore
 from crush_trio.errors import StoreError
 from crush_trio.store.db import Store
+from crush_trio.store.paging import CursorNotFound, PageQuery
 from crush_trio.store.protocol import WorkspaceStore
 from crush_trio.wire import (
     FinishPart,
@@ -772,3 +773,64 @@ async def test_recovery_on_the_new_owner_does_not_record_a_second_terminal(
             await taken_over.new.mark_logged(["r"])
         await third.mark_logged(["r"])
         assert await third.unlogged_terminals() == []
+
+
+# -- pages (crush_trio.store.paging) --------------------------------------------------------------
+
+
+async def test_pages_return_every_item_once_in_a_fixed_order_while_items_arrive(
+    backend: Backend,
+) -> None:
+    """Sessions and runs page newest first by creation (an update does not move an item),
+    messages oldest first; equal times keep insertion order; a cursor naming nothing is
+    ``CursorNotFound``; the neighbour's rows never show."""
+    store = backend.store
+    with trio.fail_after(TEST_TIMEOUT):
+        for i in range(7):
+            await store.create_session(
+                Session(id=f"s{i}", title=f"Title {i} 50%_", created_at=100 + i // 2)
+            )
+        first = await store.page_sessions(PageQuery(limit=3))
+        assert [s.id for s in first] == ["s6", "s5", "s4"]
+        await store.create_session(Session(id="late", created_at=999))  # arrives meanwhile
+        moved = await store.get_session("s0")
+        assert moved is not None
+        moved.updated_at = 5000  # updated: it keeps its place in the pages
+        await store.update_session(moved)
+        rest = await store.page_sessions(PageQuery(limit=10, before="s4"))
+        assert [s.id for s in rest] == ["s3", "s2", "s1", "s0"]
+        found = await store.page_sessions(PageQuery(limit=10, query="title 3"))
+        assert [s.id for s in found] == ["s3"]
+        assert len(await store.page_sessions(PageQuery(limit=10, query="50%_"))) == 7
+        assert await store.page_sessions(PageQuery(limit=10, query="0%x")) == []
+        with pytest.raises(CursorNotFound):
+            await store.page_sessions(PageQuery(before="s"))  # the neighbour's id
+
+        msgs = [
+            Message(id=f"m{i}", session_id="s1", role=Role.USER, created_at=10) for i in range(5)
+        ]
+        await store.write_messages(msgs)
+        page = await store.page_messages("s1", PageQuery(limit=2))
+        assert [m.id for m in page] == ["m0", "m1"]
+        await store.write_messages(
+            [Message(id="m5", session_id="s1", role=Role.USER, created_at=10)]
+        )
+        page = await store.page_messages("s1", PageQuery(limit=10, after="m1"))
+        assert [m.id for m in page] == ["m2", "m3", "m4", "m5"]
+        page = await store.page_messages("s1", PageQuery(limit=2, before="m4"))
+        assert [m.id for m in page] == ["m2", "m3"]
+        with pytest.raises(CursorNotFound):
+            await store.page_messages("s1", PageQuery(after="m"))
+
+        await store.save_runs(
+            [
+                Run(run_id=f"r{i}", session_id="s1" if i % 2 else "s2", status=st, created_at=50)
+                for i, st in enumerate([RunStatus.COMPLETED, RunStatus.FAILED] * 3)
+            ]
+        )
+        runs = await store.page_runs(PageQuery(limit=2))
+        assert [r.run_id for r in runs] == ["r5", "r4"]
+        runs = await store.page_runs(PageQuery(limit=10, before="r4", session_id="s1"))
+        assert [r.run_id for r in runs] == ["r3", "r1"]
+        runs = await store.page_runs(PageQuery(limit=10, statuses=("completed",)))
+        assert [r.run_id for r in runs] == ["r4", "r2", "r0"]

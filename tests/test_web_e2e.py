@@ -1272,3 +1272,51 @@ def test_rendering_a_long_reply_costs_per_delta_not_per_reply(
     print(f"target {LONGER_REPLY_RATIO_TARGET}x on CPU time: {verdict}")
     assert long["cpu_p95_ms"] <= DELTA_P95_TARGET_MS, long
     assert cpu_ratio <= LONGER_REPLY_RATIO_GUARD, (cpu_ratio, short, long, again)
+
+
+def test_changes_panel_shows_a_runs_files_and_diff_and_reverts_it_after_a_conflict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pages: Pages, project: Path
+) -> None:
+    (project / "notes.txt").write_text("old line\n")
+    model = ScriptedModel(
+        [
+            Step(
+                tool_calls=[
+                    ("view", {"path": "notes.txt"}),  # read before edit
+                    ("write", {"path": "notes.txt", "content": "new line\n"}),
+                ]
+            ),
+            Step(text="rewrote it"),
+        ]
+    )
+    server = _start_server(tmp_path, monkeypatch, ECHO_CONFIG, provider_factory=model)
+    try:
+        page = pages.open(server)
+        open_workspace(page, project)
+        send(page, "rewrite notes.txt")
+        card = page.locator(".permission")
+        expect(card).to_have_count(1)
+        # The permission card shows the change as a diff, not raw JSON.
+        expect(card.locator("pre.diff .diff-add")).to_contain_text(["+ new line"])
+        expect(card.locator(".permission-params")).to_have_count(0)
+        card.locator('button[data-action="allow"]').click()
+        wait_for_run(page, "completed")
+        panel = page.locator("#changes")
+        expect(panel).to_be_visible()
+        expect(panel.locator(".changes-run")).to_have_count(1)
+        panel.locator(".changes-toggle").click()
+        panel.locator('.changes-file[data-path="notes.txt"]').click()
+        expect(panel.locator("pre.diff .diff-del")).to_contain_text(["-old line"])
+        expect(panel.locator("pre.diff .diff-add")).to_contain_text(["+new line"])
+        (project / "notes.txt").write_text("the user's edit\n")
+        panel.locator(".changes-revert").click()
+        conflict = panel.locator(".changes-conflict")
+        expect(conflict).to_contain_text("notes.txt")
+        assert (project / "notes.txt").read_text() == "the user's edit\n"
+        conflict.locator("button").click()
+        expect(panel.locator(".changes-conflict")).to_have_count(0)
+        expect(page.locator(".toast").last).to_contain_text("Reverted 1 file")
+        assert (project / "notes.txt").read_text() == "old line\n"
+        screenshot(page, "changes-panel.png")
+    finally:
+        server.stop()

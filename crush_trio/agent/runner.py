@@ -137,6 +137,15 @@ class Terminals(Protocol):
     async def logged(self, run_id: str, event: Any) -> None: ...
 
 
+class ChangeHooks(Protocol):
+    """The workspace's change log (:class:`crush_trio.changes.ChangeLog`): a snapshot before a
+    turn, and one after it that records what each of its runs changed."""
+
+    async def begin_run(self, session_id: str, run_ids: list[str]) -> None: ...
+
+    async def end_run(self, session_id: str, run_ids: list[str]) -> dict[str, Any]: ...
+
+
 class Agent:
     """Turns for every session of one workspace.
 
@@ -170,11 +179,14 @@ class Agent:
         on_complete: Callable[[RunComplete], None] = lambda _: None,
         terminals: Terminals | None = None,
         prompts: SystemPrompts | None = None,
+        changes: ChangeHooks | None = None,
     ) -> None:
         self.store = store
         #: Builds each turn's system prompt (None: the template without environment or context
         #: files).
         self.prompts = prompts
+        #: Snapshots before and after each turn (the workspace's change log), or None.
+        self.changes = changes
         #: Told each run's end, once, just before its run_complete is published (webhooks); it
         #: must return at once.
         self._on_complete = on_complete
@@ -550,6 +562,8 @@ class Agent:
                 self._scopes[id(turn)] = scope
                 if turn.cancelled:
                     scope.cancel()
+                if self.changes is not None:
+                    await self.changes.begin_run(turn.session_id, [turn.primary.run_id])
                 await self._turn_body(progress)
             cancelled = scope.cancelled_caught or turn.cancelled
         except trio.Cancelled:
@@ -570,6 +584,10 @@ class Agent:
             # The terminals are decided in memory first, so that a slow or failing store can
             # delay or lose a save but never a run's run_complete.
             completes = self._decide(progress, error=error, cancelled=cancelled)
+            if self.changes is not None:
+                # Not abandoned on cancel: the snapshot's git commands are bounded themselves.
+                with trio.move_on_after(self.save_timeout, shield=True):
+                    await self.changes.end_run(turn.session_id, [p.run_id for p in turn.prompts])
             with trio.move_on_after(self.save_timeout, shield=True):
                 try:
                     await self._save_final(progress, error=error, cancelled=cancelled)

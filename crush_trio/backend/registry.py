@@ -77,12 +77,13 @@ class Backend:
         return tuple(paths)
 
     def _more_hidden(self) -> list[Path]:
-        """The data directories of the open workspaces (each hides the others' from bash), and
-        the webhook secret files their configurations name."""
+        """The data directories of the open workspaces (each hides the others' from bash), a
+        cluster's snapshot directories, and the webhook secret files their configurations name."""
         paths = [ws.data_dir for ws in self.workspaces.values()]
+        paths += [ws.changes.data_dir for ws in self.workspaces.values()]  # a cluster's snapshots
         for ws in self.workspaces.values():
             paths += _secret_files(ws.config.webhooks)
-        return paths
+        return list(dict.fromkeys(paths))
 
     def __init__(
         self,
@@ -227,11 +228,25 @@ class Backend:
                 await trio.to_thread.run_sync(
                     _check_data_dir_inside, path, data_dir, loaded.config.options.data_directory
                 )
+            # In a cluster each node has its own --data-dir, but a workspace's snapshots must
+            # be found by whichever node owns it next: they live in the project's own data
+            # directory, on the file system the nodes share.
+            changes_dir = None
+            if self.placement is not None:
+                changes_dir = data_dir_for(path, loaded.config, None)
+                if not loaded.trusted:
+                    await trio.to_thread.run_sync(
+                        _check_data_dir_inside,
+                        path,
+                        changes_dir,
+                        loaded.config.options.data_directory,
+                    )
             ws = Workspace(
                 path=path,
                 config=loaded.config,
                 server=self.server,
                 data_dir=data_dir,
+                changes_dir=changes_dir,
                 version=self.version,
                 provider_factory=self.provider_factory,
                 trusted=loaded.trusted,

@@ -36,6 +36,8 @@ from ..agent.prompt import SystemPrompts
 from ..agent.runner import Agent
 from ..agent.runs import RunBook
 from ..broker import Broker
+from ..changes import ChangeLog
+from ..changes.tracking import TrackedTools
 from ..cluster.placement import ended_without_record
 from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
@@ -54,6 +56,7 @@ from ..tools.sandbox import probe as sandbox_probe
 from ..wire import (
     AgentEvent,
     EventKind,
+    FilesChanged,
     FinishPart,
     FinishReason,
     McpServerInfo,
@@ -155,6 +158,7 @@ class Workspace:
         store_factory: Callable[[Path], Awaitable[Any]] | None = None,
         event_log: Any = None,
         user_context_dir: Path | None = None,
+        changes_dir: Path | None = None,
     ) -> None:
         self.id = workspace_id or new_id()
         #: The user config directory, home of the user's own context files (docs/providers.md).
@@ -209,6 +213,9 @@ class Workspace:
         self.messages: MessageService
         self.runs: RunBook
         self.agent: Agent
+        #: Snapshots, diffs and reverts of what runs change (opened when the workspace opens).
+        #: ``changes_dir``: where they live when not in ``data_dir`` (a cluster's shared one).
+        self.changes = ChangeLog(path, changes_dir or data_dir, publish=self._publish_files_changed)
         #: The MCP servers of the config's ``mcp`` section, started when the workspace opens.
         self.mcp = McpManager(config.mcp, cwd=path, on_change=self._mcp_changed)
         #: Background jobs of ``bash`` (docs/tools.md); ended when the workspace closes.
@@ -285,7 +292,7 @@ class Workspace:
         self.permissions.timeout = config.options.permission_timeout
         self.mcp.reconfigure(config.mcp)
         if hasattr(self, "agent"):
-            self.agent.replace_config(config, self._make_tools())
+            self.agent.replace_config(config, self._tracked_tools())
 
     def _move(self, new: WorkspaceState) -> None:
         check_workspace_move(self.id, self.state, new)
@@ -364,6 +371,7 @@ class Workspace:
         )
         self.runs = RunBook(self.store)
         prompts = SystemPrompts(self, user_dir=self.user_context_dir)
+        await self.changes.open()
         agent: Agent | None = None
         try:
             async with trio.open_nursery() as background:
@@ -375,6 +383,7 @@ class Workspace:
                 await background.start(self.mcp.run)
                 # Cancelled with the background nursery below: every job's process group ends.
                 await background.start(self.jobs.run)
+                background.start_soon(self.changes.warm)
                 async with trio.open_nursery() as runs:
                     self.agent = agent = Agent(
                         store=self.store,
@@ -386,11 +395,12 @@ class Workspace:
                         background_nursery=background,
                         save_timeout=save_timeout,
                         provider_factory=self.provider_factory,
-                        tools=self._make_tools(),
+                        tools=self._tracked_tools(),
                         on_idle=self.poke,
                         max_queued_prompts=self.server.max_queued_prompts,
                         max_queued_prompt_bytes=self.server.max_queued_prompt_bytes,
                         on_complete=self._run_completed,
+                        changes=self.changes,
                         terminals=(
                             None
                             if self.event_log is None
@@ -447,6 +457,9 @@ class Workspace:
             AgentEvent("mcp", text=message, error=info.error, mcp=info), EventKind.CREATED
         )
 
+    def _publish_files_changed(self, event: FilesChanged) -> None:
+        self.broker.publish(event, EventKind.CREATED)
+
     def _publish_message(self, message: Message, kind: EventKind) -> None:
         self.broker.publish(message, kind)
 
@@ -489,6 +502,10 @@ class Workspace:
                 more_hidden=self.sandbox_more_hidden,
             )
             self.sandbox_info = SandboxInfo(active=True, network=settings.network)
+
+    def _tracked_tools(self) -> TrackedTools:
+        """The tools, with a snapshot after each call that may write (``files_changed``)."""
+        return TrackedTools(self._make_tools(), self.changes)
 
     def _make_tools(self) -> Toolbox:
         options = self.config.options

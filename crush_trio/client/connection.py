@@ -277,6 +277,12 @@ class Client:
             found = orjson.loads(response.content).get("id")
             if isinstance(found, str):
                 self.moved(found, str(response.url))
+        if response.status_code == 307:
+            # Redirected more than MAX_REDIRECTS times (owners changing hands): not an answer.
+            raise Unreachable(
+                f"{method} {path}: the workspace's owner kept moving ({MAX_REDIRECTS} redirects); "
+                "retry in a moment"
+            )
         body = response.content
         data: Any = None
         if body:

@@ -236,6 +236,89 @@ class WorkspaceClient:
         data = await self.client.request("GET", self._url(f"/sessions/{session_id}/messages"))
         return wire.converter.structure(data, list[Message])
 
+    # -- history: pages, diffs, reverts, forks, exports (docs/client.md) -------------------------
+
+    async def sessions_page(
+        self, *, limit: int | None = None, before: str | None = None, query: str = ""
+    ) -> list[Session]:
+        """One page of sessions, newest created first; pass the last id as ``before`` for the
+        next page (each session comes once, whatever is created meanwhile)."""
+        params = _params(limit=limit, before=before, q=query or None)
+        params.setdefault("limit", str(_DEFAULT_PAGE))
+        data = await self.client.request("GET", self._url("/sessions"), params=params)
+        return wire.converter.structure(data, list[Session])
+
+    async def messages_page(
+        self,
+        session_id: str,
+        *,
+        limit: int | None = None,
+        before: str | None = None,
+        after: str | None = None,
+    ) -> list[Message]:
+        """One page of a session's messages, oldest first: ``after`` the last one read (new
+        messages come in later pages), or the ``limit`` ones ``before`` a message."""
+        params = _params(limit=limit, before=before, after=after)
+        params.setdefault("limit", str(_DEFAULT_PAGE))
+        url = self._url(f"/sessions/{session_id}/messages")
+        data = await self.client.request("GET", url, params=params)
+        return wire.converter.structure(data, list[Message])
+
+    async def runs(
+        self,
+        *,
+        status: Sequence[str] = (),
+        session_id: str | None = None,
+        limit: int | None = None,
+        before: str | None = None,
+    ) -> list[Run]:
+        """One page of run records, newest first, filtered by status and session."""
+        params = _params(
+            status=",".join(status) or None, session_id=session_id, limit=limit, before=before
+        )
+        data = await self.client.request("GET", self._url("/runs"), params=params)
+        return wire.converter.structure(data, list[Run])
+
+    async def run_diff(self, run_id: str) -> wire.Diff:
+        """What one run (or revert) changed: files and unified diff."""
+        data = await self.client.request("GET", self._url(f"/runs/{run_id}/diff"))
+        return wire.converter.structure(data, wire.Diff)
+
+    async def session_diff(self, session_id: str) -> wire.Diff:
+        """What a session's runs changed, together."""
+        data = await self.client.request("GET", self._url(f"/sessions/{session_id}/diff"))
+        return wire.converter.structure(data, wire.Diff)
+
+    async def revert_run(self, run_id: str, *, force: bool = False) -> wire.RevertResult:
+        """Put back the files a run changed as they were before it.
+
+        Raises:
+            Conflict: a file changed after the run (the message names them; ``force`` then
+                overwrites them), or the session has a run in progress.
+        """
+        data = await self.client.request(
+            "POST", self._url(f"/runs/{run_id}/revert"), json={"force": force}
+        )
+        return wire.converter.structure(data, wire.RevertResult)
+
+    async def fork_session(
+        self, session_id: str, message_id: str, *, revert_files: bool = False
+    ) -> wire.ForkResult:
+        """A new session with the history up to ``message_id`` (``parent_session_id`` set)."""
+        data = await self.client.request(
+            "POST",
+            self._url(f"/sessions/{session_id}/fork"),
+            json={"message_id": message_id, "revert_files": revert_files},
+        )
+        return wire.converter.structure(data, wire.ForkResult)
+
+    async def export_session(self, session_id: str) -> dict[str, Any]:
+        """A session with its messages and runs as one JSON document (``format=json``)."""
+        data = await self.client.request(
+            "GET", self._url(f"/sessions/{session_id}/export"), params={"format": "json"}
+        )
+        return dict(data)
+
     # -- agent -----------------------------------------------------------------------------------
 
     async def providers(self) -> list[CatalogProvider]:
@@ -501,3 +584,11 @@ class WorkspaceClient:
         Meant for tests and for a caller that suspects a stale connection.
         """
         self._stream.drop()
+
+
+#: Items per page the client asks for when the caller gives no ``limit`` (the server's default).
+_DEFAULT_PAGE = 100
+
+
+def _params(**values: Any) -> dict[str, str]:
+    return {k: str(v) for k, v in values.items() if v is not None}

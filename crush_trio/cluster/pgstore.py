@@ -51,6 +51,7 @@ from ..store.db import (
     _session_from_row,
     _session_row,
 )
+from ..store.paging import Dialect, PageQuery, run_page
 from ..wire import Message, Role, Run, RunStatus, Session, Todo, now, todos_to_json
 from .pg import Fenced, PgCluster, check_epoch
 
@@ -70,7 +71,13 @@ _MESSAGE_COLUMNS: Final = (
     "is_summary_message"
 )
 _RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
+
+
 #: Terminal run statuses, as stored: a run with one of them keeps it.
+def _fetch(conn: psycopg.Connection[Any]) -> Callable[[str, Any], list[Any]]:
+    return lambda sql, params: conn.execute(sql, params).fetchall()
+
+
 _TERMINAL: Final = tuple(s.value for s in RunStatus if s.terminal)
 
 _UPSERT_MESSAGE: Final = f"""
@@ -463,6 +470,52 @@ class PgStore:
             return None if row is None else str(row[0])
 
         return await self._read(f"reading the prompt of run {run_id!r}", op)
+
+    # -- paging (crush_trio.store.paging) ---------------------------------------------------
+
+    def _dialect(self) -> Dialect:
+        return Dialect(
+            mark="%s", seq="seq", scope="workspace_id = %s AND ", scope_params=(self.workspace_id,)
+        )
+
+    async def page_sessions(self, page: PageQuery) -> list[Session]:
+        dialect = self._dialect()
+        sql, cursor, params = dialect.sessions(_SESSION_COLUMNS, page)
+
+        def op(conn: psycopg.Connection[Any]) -> list[Session]:
+            rows = run_page(
+                _fetch(conn), sql, cursor, page.before, params, page.limit, dialect.scope_params
+            )
+            return [_session_from_row(r) for r in rows]
+
+        return await self._read("listing a page of sessions", op)
+
+    async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
+        dialect = self._dialect()
+        sql, cursor, params, reverse = dialect.messages(_MESSAGE_COLUMNS, session_id, page)
+        cursor_id = page.after if page.after is not None else page.before
+
+        def op(conn: psycopg.Connection[Any]) -> list[Message]:
+            rows = run_page(
+                _fetch(conn), sql, cursor, cursor_id, params, page.limit, dialect.scope_params
+            )
+            if reverse:
+                rows.reverse()
+            return [_message_from_row(r) for r in rows]
+
+        return await self._read(f"listing a page of messages of session {session_id!r}", op)
+
+    async def page_runs(self, page: PageQuery) -> list[Run]:
+        dialect = self._dialect()
+        sql, cursor, params = dialect.runs(_RUN_COLUMNS, page)
+
+        def op(conn: psycopg.Connection[Any]) -> list[Run]:
+            rows = run_page(
+                _fetch(conn), sql, cursor, page.before, params, page.limit, dialect.scope_params
+            )
+            return [_run_from_row(r) for r in rows]
+
+        return await self._read("listing a page of runs", op)
 
     async def list_runs(self, statuses: Iterable[RunStatus]) -> list[Run]:
         values = sorted({RunStatus(s).value for s in statuses})

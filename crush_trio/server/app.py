@@ -45,6 +45,8 @@ from ..wire import (
 from . import openapi
 from .api import Api
 from .connection import check_upgrade, parse_subscription
+from .history import parse_page, wants_page
+from .history import register as register_history
 from .security import (
     check_request_host,
     check_request_origin,
@@ -180,6 +182,9 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
         raw = await request.get_data(cache=False)
         return wire.loads_body(raw, cls)
 
+    # Diffs, reverts, forks, run lists, exports, and the paged forms of the lists below.
+    history = register_history(app, api, body, json_response)
+
     # -- system ---------------------------------------------------------------------------------
 
     @app.get("/v1/health")
@@ -274,6 +279,9 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
 
     @app.get("/v1/workspaces/<wid>/sessions")
     async def list_sessions(wid: str) -> Response:
+        if wants_page(request.args):
+            page = parse_page(request.args, what="sessions")
+            return json_response(await history.sessions_page(api.workspace(wid), page))
         return json_response(await api.list_sessions(api.workspace(wid)))
 
     @app.get("/v1/workspaces/<wid>/sessions/<sid>")
@@ -297,6 +305,9 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
 
     @app.get("/v1/workspaces/<wid>/sessions/<sid>/messages")
     async def list_messages(wid: str, sid: str) -> Response:
+        if wants_page(request.args):
+            page = parse_page(request.args, what="messages")
+            return json_response(await history.messages_page(api.workspace(wid), sid, page))
         return json_response(await api.list_messages(api.workspace(wid), sid))
 
     @app.get("/v1/workspaces/<wid>/sessions/<sid>/messages/user")
@@ -375,7 +386,7 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
 
     @app.get("/v1/workspaces/<wid>/runs/<run_id>")
     async def get_run(wid: str, run_id: str) -> Response:
-        return json_response(await api.get_run(api.workspace(wid), run_id))
+        return json_response(await history.run(api.workspace(wid), run_id))
 
     @app.post("/v1/workspaces/<wid>/runs/<run_id>/cancel")
     async def cancel_run(wid: str, run_id: str) -> Response:

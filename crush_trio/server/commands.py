@@ -26,6 +26,7 @@ from ..wire import (
     RunRef,
     SessionRef,
 )
+from .history import History
 
 if TYPE_CHECKING:
     from ..backend.workspace import Workspace
@@ -191,5 +192,6 @@ async def dispatch(method: str, params: dict[str, Any], ws: Workspace, api: Api)
         return await api.cancel_run(ws, ref_cancel.run_id, in_body=True)
     if method == "runs.get":
         ref_run = wire.structure(params, RunRef, what=what)
-        return await api.get_run(ws, ref_run.run_id, in_body=True)
+        run = await api.get_run(ws, ref_run.run_id, in_body=True)
+        return await History.decorate(ws, run)  # with the files it changed, as over HTTP
     return await api.grant(ws, wire.structure(params, GrantRequest, what=what))

@@ -152,6 +152,12 @@ _EMPTY: Final = {"type": "object", "maxProperties": 0, "description": "Nothing t
 _CLIENT_ID: Final = ("client_id", {"type": "string", "format": "uuid"}, True)
 _DELTAS: Final = ("deltas", {"type": "string", "enum": ["0", "1"]}, False)
 _SINCE: Final = ("since", {"type": "string", "pattern": "^[0-9]+$"}, False)
+_LIMIT: Final = ("limit", {"type": "string", "pattern": "^[0-9]+$"}, False)
+_BEFORE: Final = ("before", {"type": "string"}, False)
+_AFTER: Final = ("after", {"type": "string"}, False)
+_QUERY: Final = ("q", {"type": "string"}, False)
+_STATUS: Final = ("status", {"type": "string"}, False)
+_SESSION_ID: Final = ("session_id", {"type": "string"}, False)
 
 
 def routes() -> list[Route]:
@@ -195,8 +201,9 @@ def routes() -> list[Route]:
               wire.TrustResult, body=wire.TrustRequest, errors=(409,), tag="workspaces"),
         Route("POST", w + "/sessions", "Create a session", wire.Session,
               body=wire.CreateSessionRequest, errors=(409,), tag="sessions"),
-        Route("GET", w + "/sessions", "Sessions, most recently updated first",
-              list[wire.Session], tag="sessions"),
+        Route("GET", w + "/sessions", "Sessions, most recently updated first (with a paging "
+              "parameter: newest created first, one page)", list[wire.Session],
+              query=[_LIMIT, _BEFORE, _QUERY], tag="sessions"),
         Route("GET", s, "One session", wire.Session, tag="sessions"),
         Route("PATCH", s, "Rename a session", wire.Session, body=wire.UpdateSessionRequest,
               tag="sessions"),
@@ -205,8 +212,9 @@ def routes() -> list[Route]:
               tag="sessions"),
         Route("DELETE", s, "Delete a session (its runs are cancelled first)", _EMPTY,
               tag="sessions"),
-        Route("GET", s + "/messages", "A session's messages, oldest first",
-              list[wire.Message], tag="sessions"),
+        Route("GET", s + "/messages", "A session's messages, oldest first (paged with limit, "
+              "before or after)", list[wire.Message], query=[_LIMIT, _BEFORE, _AFTER],
+              tag="sessions"),
         Route("GET", s + "/messages/user", "A session's user messages, oldest first",
               list[wire.Message], tag="sessions"),
         Route("GET", w + "/messages/user", "Every session's user messages",
@@ -236,6 +244,24 @@ def routes() -> list[Route]:
         Route("GET", w + "/runs/{run_id}", "One run", wire.Run, tag="agent"),
         Route("POST", w + "/runs/{run_id}/cancel", "Cancel one run",
               {"$ref": _REF + "CancelResult"}, tag="agent"),
+        Route("GET", w + "/runs", "Run records, newest first (paged: docs/protocol.md "
+              "\"Paging\")", list[wire.Run], query=[_LIMIT, _BEFORE, _STATUS, _SESSION_ID],
+              errors=(400,), tag="changes"),
+        Route("GET", w + "/runs/{run_id}/diff", "What one run (or revert) changed",
+              wire.Diff, errors=(409,), tag="changes"),
+        Route("POST", w + "/runs/{run_id}/revert", "Put back the files a run changed",
+              wire.RevertResult, body=wire.RevertRequest, errors=(409,), tag="changes"),
+        Route("GET", w + "/reverts/{revert_id}", "A revert's recorded outcome",
+              wire.RevertResult, tag="changes"),
+        Route("GET", s + "/diff", "What a session's runs changed, together", wire.Diff,
+              errors=(409,), tag="changes"),
+        Route("POST", s + "/fork", "A new session with the history up to a message",
+              wire.ForkResult, status=201, body=wire.ForkRequest, errors=(400, 409),
+              tag="changes"),
+        Route("GET", s + "/export", "A session as one JSON or Markdown document",
+              {"type": "object"}, query=[("format", {"type": "string",
+                                                     "enum": ["json", "markdown"]}, False)],
+              errors=(400,), tag="changes"),
         Route("POST", w + "/permissions/grant", "Answer a permission request",
               {"$ref": _REF + "GrantResult"}, body=wire.GrantRequest, tag="permissions"),
         Route("GET", w + "/permissions", "Permission requests waiting for an answer",

@@ -47,6 +47,7 @@ from ..wire import (
     todos_to_json,
 )
 from .datadir import create_private_file, ensure_data_dir
+from .paging import Dialect, PageQuery, run_page
 
 T = TypeVar("T")
 
@@ -159,6 +160,13 @@ ON CONFLICT (id) DO UPDATE SET
     updated_at = excluded.updated_at,
     finished_at = excluded.finished_at
 """
+
+_SQLITE: Final = Dialect(mark="?", seq="rowid")
+
+
+def _fetch(conn: sqlite3.Connection) -> Callable[[str, Any], list[Any]]:
+    return lambda sql, params: conn.execute(sql, params).fetchall()
+
 
 _MessageRow = tuple[str, str, str, str, str, str, int, int, int | None, int]
 
@@ -834,6 +842,41 @@ class Store:
             return None if row is None else _run_from_row(row)
 
         return await self._call(f"reading run {run_id!r}", op)
+
+    # -- paging (crush_trio.store.paging) ---------------------------------------------------
+
+    async def page_sessions(self, page: PageQuery) -> list[Session]:
+        """One page of sessions, newest created first (``CursorNotFound``: bad ``before``)."""
+        sql, cursor, params = _SQLITE.sessions(_SESSION_COLUMNS, page)
+
+        def op(conn: sqlite3.Connection) -> list[Session]:
+            rows = run_page(_fetch(conn), sql, cursor, page.before, params, page.limit)
+            return [_session_from_row(r) for r in rows]
+
+        return await self._call("listing a page of sessions", op)
+
+    async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
+        """One page of a session's messages, oldest first (``CursorNotFound``: bad cursor)."""
+        sql, cursor, params, reverse = _SQLITE.messages(_MESSAGE_COLUMNS, session_id, page)
+        cursor_id = page.after if page.after is not None else page.before
+
+        def op(conn: sqlite3.Connection) -> list[Message]:
+            rows = run_page(_fetch(conn), sql, cursor, cursor_id, params, page.limit)
+            if reverse:
+                rows.reverse()
+            return [_message_from_row(r) for r in rows]
+
+        return await self._call(f"listing a page of messages of session {session_id!r}", op)
+
+    async def page_runs(self, page: PageQuery) -> list[Run]:
+        """One page of runs, newest first, filtered by status and session."""
+        sql, cursor, params = _SQLITE.runs(_RUN_COLUMNS, page)
+
+        def op(conn: sqlite3.Connection) -> list[Run]:
+            rows = run_page(_fetch(conn), sql, cursor, page.before, params, page.limit)
+            return [_run_from_row(r) for r in rows]
+
+        return await self._call("listing a page of runs", op)
 
     async def list_runs(self, statuses: Iterable[RunStatus]) -> list[Run]:
         """Runs whose status is one of ``statuses``, oldest first."""

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from ..wire import Message, Run, RunStatus, Session, Todo
+from .paging import PageQuery
 
 if TYPE_CHECKING:
     from .db import Store
@@ -130,6 +131,20 @@ class WorkspaceStore(Protocol):
 
     async def list_runs(self, statuses: Iterable[RunStatus]) -> list[Run]:
         """Runs whose status is one of ``statuses``, oldest first."""
+        ...
+
+    # -- pages (crush_trio.store.paging; CursorNotFound for a cursor naming nothing)
+
+    async def page_sessions(self, page: PageQuery) -> list[Session]:
+        """Sessions newest created first, ``before`` a session, titles holding ``query``."""
+        ...
+
+    async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
+        """A session's messages oldest first, ``after`` or ``before`` a message."""
+        ...
+
+    async def page_runs(self, page: PageQuery) -> list[Run]:
+        """Runs newest first, ``before`` a run, filtered by ``statuses`` and ``session_id``."""
         ...
 
 

@@ -10,10 +10,12 @@ export const BASE = location.pathname.replace(/\/[^/]*$/, "");
 
 /** An error answer of the API: the HTTP status and the server's message. */
 export class ApiError extends Error {
-  constructor(status, message) {
+  constructor(status, message, data = null) {
     super(message);
     this.name = "ApiError";
     this.status = status;
+    /** The decoded error body (e.g. a revert's 409 lists `files`). */
+    this.data = data;
   }
 }
 
@@ -48,7 +50,7 @@ export async function request(method, path, body) {
   }
   if (!response.ok) {
     const message = data && typeof data.message === "string" ? data.message : `HTTP ${response.status}`;
-    throw new ApiError(response.status, message);
+    throw new ApiError(response.status, message, data);
   }
   return data;
 }

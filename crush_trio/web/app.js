@@ -25,6 +25,7 @@ import { SHORTCUTS, answerForKey, isShortcutTarget, requestView, risksOf } from 
 import { MessageView, STREAMED_FIELD } from "./render.js";
 import { JobsPanel } from "./jobs.js";
 import { renderTodos } from "./todos.js";
+import { ChangesPanel } from "./changes.js";
 
 /** localStorage key of the recently opened workspace paths. */
 const RECENT_KEY = "crush_trio.recent_workspaces";
@@ -94,6 +95,11 @@ class App {
     this.callOwner = new Map();
     this.toggles = new Map();
     this.runs = new Map();
+    this.changes = new ChangesPanel(
+      $("changes"),
+      () => ({ wid: this.wid, sid: this.current }),
+      (message, kind) => this.toast(message, kind),
+    );
     this.permissions = new Map();
     this.queued = [];
     /** Files attached to the next prompt: {file_name, mime_type, content (base64)}. */
@@ -601,6 +607,10 @@ class App {
         break;
       case "run_complete":
         this.onRunComplete(obj);
+        if (obj.session_id === this.current) this.changes.refresh();
+        break;
+      case "files_changed":
+        this.changes.onFilesChanged(obj);
         break;
       case "agent_event":
         if (obj.type === "error" && obj.session_id === this.current && !this.runs.has(obj.run_id)) {
@@ -710,6 +720,7 @@ class App {
     this.summaryProgress = "";
     this.renderModelPicker();
     this.renderRuns();
+    this.changes.refresh();
     this.updateControls();
     this.writeHash();
     if (window.innerWidth < NARROW_PX) this.toggleSidebar(false);
