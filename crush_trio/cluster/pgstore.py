@@ -42,14 +42,17 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import trio
 
 from ..errors import StoreError
-from ..store.db import (
-    RunIdFilter,
-    _message_from_row,
-    _message_row,
-    _run_from_row,
-    _run_row,
-    _session_from_row,
-    _session_row,
+from ..store.db import RunIdFilter
+from ..store.rows import (
+    MESSAGE_COLUMNS,
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    message_from_row,
+    message_row,
+    run_from_row,
+    run_row,
+    session_from_row,
+    session_row,
 )
 from ..wire import Message, Role, Run, RunStatus, Session, now
 from .pg import Fenced, PgCluster, check_epoch
@@ -61,20 +64,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_SESSION_COLUMNS: Final = (
-    "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at, summary_message_id"
-)
-_MESSAGE_COLUMNS: Final = (
-    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
-    "is_summary_message"
-)
-_RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
 #: Terminal run statuses, as stored: a run with one of them keeps it.
 _TERMINAL: Final = tuple(s.value for s in RunStatus if s.terminal)
 
 _UPSERT_MESSAGE: Final = f"""
-INSERT INTO messages (workspace_id, {_MESSAGE_COLUMNS})
+INSERT INTO messages (workspace_id, {MESSAGE_COLUMNS})
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (workspace_id, id) DO UPDATE SET
     parts = excluded.parts,
@@ -85,7 +79,7 @@ ON CONFLICT (workspace_id, id) DO UPDATE SET
 # A terminal status is final: an update never moves a run out of one (the WHERE is evaluated on
 # the newest row version, so this holds against a concurrent record_terminal too).
 _UPSERT_RUN: Final = f"""
-INSERT INTO runs (workspace_id, {_RUN_COLUMNS}, prompt)
+INSERT INTO runs (workspace_id, {RUN_COLUMNS}, prompt)
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (workspace_id, run_id) DO UPDATE SET
     status = excluded.status,
@@ -206,11 +200,11 @@ class PgStore:
     # -- sessions ------------------------------------------------------------------------------
 
     async def create_session(self, session: Session) -> None:
-        row = (self.workspace_id, *_session_row(session))
+        row = (self.workspace_id, *session_row(session))
 
         def op(conn: psycopg.Connection[Any]) -> None:
             conn.execute(
-                f"INSERT INTO sessions (workspace_id, {_SESSION_COLUMNS}) "
+                f"INSERT INTO sessions (workspace_id, {SESSION_COLUMNS}) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 row,
             )
@@ -224,10 +218,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Session | None:
             row = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s AND id = %s",
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s AND id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _session_from_row(row)
+            return None if row is None else session_from_row(row)
 
         return await self._read(f"reading session {session_id!r}", op)
 
@@ -236,11 +230,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Session]:
             rows = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s "
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s "
                 "ORDER BY updated_at DESC, seq DESC",
                 params,
             ).fetchall()
-            return [_session_from_row(r) for r in rows]
+            return [session_from_row(r) for r in rows]
 
         return await self._read("listing sessions", op)
 
@@ -292,13 +286,13 @@ class PgStore:
     ) -> Session | None:
         query = (
             f"UPDATE sessions SET {assignments}, updated_at = %s "
-            f"WHERE workspace_id = %s AND id = %s RETURNING {_SESSION_COLUMNS}"
+            f"WHERE workspace_id = %s AND id = %s RETURNING {SESSION_COLUMNS}"
         ).encode()
         params = (*values, now(), self.workspace_id, session_id)
 
         def op(conn: psycopg.Connection[Any]) -> Session | None:
             row = conn.execute(query, params).fetchone()
-            return None if row is None else _session_from_row(row)
+            return None if row is None else session_from_row(row)
 
         return await self._write(what, op)
 
@@ -320,10 +314,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Message | None:
             row = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s AND id = %s",
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s AND id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _message_from_row(row)
+            return None if row is None else message_from_row(row)
 
         return await self._read(f"reading message {message_id!r}", op)
 
@@ -336,11 +330,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages "
                 "WHERE workspace_id = %s AND session_id = %s ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._read(f"listing messages of session {session_id!r}", op)
 
@@ -359,7 +353,7 @@ class PgStore:
         # The newest state of each id (a batch normally holds each once).
         latest: dict[str, tuple[Any, ...]] = {}
         for m in messages:
-            row = _message_row(m)
+            row = message_row(m)
             latest[m.id] = (workspace_id, *row[:-1], bool(row[-1]))
         rows = list(latest.values())
         session_ids = sorted({row[2] for row in rows})
@@ -398,11 +392,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s "
                 "AND finished_at IS NULL AND role = %s ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._read("listing unfinished assistant messages", op)
 
@@ -412,7 +406,7 @@ class PgStore:
         """Insert or update run records in one transaction (one pipeline). ``prompts`` is
         written only when a row is created; a run with a terminal status keeps it."""
         prompts = prompts or {}
-        rows = [(self.workspace_id, *_run_row(run), prompts.get(run.run_id, "")) for run in runs]
+        rows = [(self.workspace_id, *run_row(run), prompts.get(run.run_id, "")) for run in runs]
         for run in runs:
             self._run_ids.add(run.run_id)
 
@@ -429,10 +423,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Run | None:
             row = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE workspace_id = %s AND run_id = %s",
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE workspace_id = %s AND run_id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _run_from_row(row)
+            return None if row is None else run_from_row(row)
 
         return await self._read(f"reading run {run_id!r}", op)
 
@@ -457,11 +451,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Run]:
             rows = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE workspace_id = %s "
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE workspace_id = %s "
                 "AND status = ANY(%s) ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
         return await self._read(f"listing runs with status {', '.join(values)}", op)
 
@@ -486,13 +480,13 @@ class PgStore:
                 "(completed, failed, cancelled) has a terminal record"
             )
         data = event.encode() if isinstance(event, str) else bytes(event)
-        row = (self.workspace_id, *_run_row(run), "")
+        row = (self.workspace_id, *run_row(run), "")
         workspace_id, epoch, run_id = self.workspace_id, self.epoch, run.run_id
         self._run_ids.add(run_id)
 
         def op(conn: psycopg.Connection[Any]) -> bool:
             conn.execute(
-                f"INSERT INTO runs (workspace_id, {_RUN_COLUMNS}, prompt) "
+                f"INSERT INTO runs (workspace_id, {RUN_COLUMNS}, prompt) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (workspace_id, run_id) DO NOTHING",
                 row,
