@@ -399,3 +399,17 @@ def test_a_servers_stderr_file_stays_bounded() -> None:
         text = errlog.read()
     # The child's next write lands after the kept tail (the file offset is shared).
     assert text.endswith("xLASTNEXT") and len(text) == mcp.STDERR_TAIL_BYTES + 4
+
+
+async def test_the_http_client_of_an_mcp_server_sends_its_headers_with_the_named_timeouts() -> None:
+    import httpx2
+
+    from crush_trio.tools import mcp
+
+    async with mcp.mcp_http_client({"X-Token": "t"}) as client:
+        assert client.headers["x-token"] == "t"
+        assert client.timeout == httpx2.Timeout(
+            mcp.MCP_HTTP_TIMEOUT, read=mcp.MCP_HTTP_READ_TIMEOUT
+        )
+        # The SDK's transport follows redirects itself, within the server's origin only.
+        assert not client.follow_redirects
