@@ -32,10 +32,6 @@ from typing import Final
 
 import h11
 import httpcore
-from httpcore._async.connection_pool import PoolByteStream
-from httpcore._async.http11 import HTTP11ConnectionByteStream
-from httpx._client import BoundAsyncStream
-from httpx._transports.default import AsyncResponseStream
 
 #: The versions whose private names this module was checked against (pinned in pyproject.toml).
 CHECKED_AGAINST: Final = {"httpx": "0.28.1", "httpcore": "1.0.9", "h11": "0.16.0"}
@@ -63,6 +59,15 @@ def _version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "(not installed)"
+
+
+try:
+    from httpcore._async.connection_pool import PoolByteStream
+    from httpcore._async.http11 import HTTP11ConnectionByteStream
+    from httpx._client import BoundAsyncStream
+    from httpx._transports.default import AsyncResponseStream
+except ImportError as exc:
+    raise _fail(f"a private stream wrapper is gone ({exc})") from exc
 
 
 class Http11Exchange:
