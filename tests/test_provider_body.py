@@ -21,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from crush_trio._compat.httpcore import CompatError
 from crush_trio.errors import ProviderError
 from crush_trio.providers.body import (
     MAX_CHUNK_BYTES,
@@ -545,3 +546,52 @@ async def test_a_read_waiting_when_the_read_watch_stops_ends_with_a_clear_error(
     assert seen == ['{"n": 1}']
     assert len(errors) == 1
     assert "the provider read watch stopped" in str(errors[0])
+
+
+class _Wrapped(httpx.AsyncByteStream):
+    """A custom transport's response stream the body reader does not know."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self.inner = inner
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.inner.__aiter__()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class WrappingTransport(httpx.AsyncBaseTransport):
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_Wrapped(response.stream),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_an_httpcore_response_whose_connection_is_not_found_fails_loudly() -> None:
+    """An HTTP/1.1 response of httpcore's (its network stream says so) whose connection the
+    adapter cannot reach means its private shape changed: an error naming the adapter, never a
+    silent fall back to the slower reader."""
+    server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.serve)
+            async with httpx.AsyncClient(transport=WrappingTransport()) as client:
+                async with client.stream("GET", url) as response:
+                    with pytest.raises(
+                        CompatError,
+                        match=r"crush_trio\._compat\.httpcore: the HTTP/1\.1 connection",
+                    ):
+                        take_over(response, timeout=None)
+            nursery.cancel_scope.cancel()
