@@ -509,7 +509,7 @@ async def test_a_stalled_body_times_out_closes_the_connection_and_the_next_reque
 async def test_a_read_waiting_when_the_read_watch_stops_ends_with_a_clear_error() -> None:
     """The watch's owner (the server's backend) stops while a stream waits on a silent
     provider: the read ends at once with an error saying so, instead of waiting with no
-    timeout. A watch entered and left inside another leaves the outer one in charge (else the
+    timeout. A watch entered and left before the read leaves the outer one in charge (else the
     read would time itself and outlast the outer block)."""
     server = HangingServer(([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False))
     seen: list[str] = []
@@ -595,3 +595,43 @@ async def test_an_httpcore_response_whose_connection_is_not_found_fails_loudly()
                     ):
                         take_over(response, timeout=None)
             nursery.cancel_scope.cancel()
+
+
+async def test_a_read_of_a_stopping_watch_moves_to_another_running_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two watches run (two backends in one process); the one a stalled read joined stops: the
+    read is timed by the other and reported as stalled, not ended."""
+    server = HangingServer(([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False))
+    errors: list[ProviderError] = []
+    waiting = trio.Event()
+    done = trio.Event()
+
+    async def consume(http: HttpStreamer, url: str) -> None:
+        try:
+            async with contextlib.aclosing(http.stream_sse(url, {})) as events:
+                async for _ in events:
+                    waiting.set()
+        except ProviderError as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.serve)
+            settings = Settings(base_url=url, max_retries=0, chunk_timeout=20)
+            http = HttpStreamer("raw", settings, headers={})
+            async with read_watch():
+                async with read_watch():
+                    nursery.start_soon(consume, http, url + "/v1/chat")
+                    await waiting.wait()
+                    await trio.testing.wait_all_tasks_blocked()
+                left = trio.current_time()
+                await done.wait()
+                waited = trio.current_time() - left
+            await http.aclose()
+            nursery.cancel_scope.cancel()
+    assert len(errors) == 1
+    assert "stalled mid-stream: nothing for chunk_timeout=20s" in str(errors[0])
+    assert 0 < waited <= 20 + READ_WATCH_INTERVAL + 0.01

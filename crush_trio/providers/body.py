@@ -270,6 +270,7 @@ class SocketBody:
         self._deadline = math.inf
         self._timed_out = False
         self._unwatched = False
+        self._watch: _ReadWatch | None = None
         self._decoder = decoder
         self._pending = first
         self._timeout = timeout
@@ -300,7 +301,7 @@ class SocketBody:
     async def _receive(self) -> bytes:
         if self._timeout is None:
             return await self._read()
-        watch = _READ_WATCH.get(None) if self._fd is not None else None
+        watch = _current_watch() if self._fd is not None else None
         if watch is None:
             with trio.move_on_after(self._timeout):
                 return await self._read()
@@ -320,7 +321,9 @@ class SocketBody:
                 ) from None
             raise
         finally:
-            watch.reads.discard(self)
+            if self._watch is not None:
+                self._watch.reads.discard(self)
+                self._watch = None
 
     def _timeout_error(self) -> BodyTimeout:
         return BodyTimeout(f"nothing arrived for {self._timeout:g}s")
@@ -367,6 +370,7 @@ class _ReadWatch:
         if not self.reads:
             self._wake.set()
         self.reads.add(body)
+        body._watch = self
 
     async def run(self) -> None:
         while True:
@@ -380,30 +384,52 @@ class _ReadWatch:
                 body._expire()
 
 
-_READ_WATCH: Final = trio.lowlevel.RunVar[_ReadWatch | None]("crush_trio_read_watch")
+#: The read watches running in this Trio run, newest last; reads join the newest.
+_READ_WATCHES: Final = trio.lowlevel.RunVar[list[_ReadWatch]]("crush_trio_read_watches")
+
+
+def _watches() -> list[_ReadWatch]:
+    try:
+        return _READ_WATCHES.get()
+    except LookupError:
+        watches: list[_ReadWatch] = []
+        _READ_WATCHES.set(watches)
+        return watches
+
+
+def _current_watch() -> _ReadWatch | None:
+    try:
+        watches = _READ_WATCHES.get()
+    except LookupError:
+        return None
+    return watches[-1] if watches else None
 
 
 @contextlib.asynccontextmanager
 async def read_watch() -> AsyncIterator[None]:
-    """Run the read watch of this Trio run (see :class:`_ReadWatch`) for the block, as a task
-    of a nursery the block owns. The server's backend enters it for its lifetime; entered again
-    while a watch runs, it leaves that one in charge. When the block ends, a read still waiting
-    is ended (it raises :class:`IncompleteBody`) and later reads time themselves."""
-    if _READ_WATCH.get(None) is not None:
-        yield
-        return
+    """Run a read watch (see :class:`_ReadWatch`) for the block, as a task of a nursery the
+    block owns; the server's backend enters it for its lifetime. Reads started while it runs
+    join it (the newest, when several run, as with several nodes in one process). When the
+    block ends, its waiting reads move to another running watch, or, where none runs, are
+    ended (they raise :class:`IncompleteBody` saying so); later reads time themselves."""
     watch = _ReadWatch()
+    watches = _watches()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch.run, name="crush_trio provider read watch")
-        _READ_WATCH.set(watch)
+        watches.append(watch)
         try:
             yield
         finally:
-            _READ_WATCH.set(None)
-            for body in list(watch.reads):
-                body._unwatched = True
-                body._interrupt()
+            watches.remove(watch)
             nursery.cancel_scope.cancel()
+            successor = watches[-1] if watches else None
+            for body in list(watch.reads):
+                watch.reads.discard(body)
+                if successor is not None:
+                    successor.add(body)
+                else:
+                    body._unwatched = True
+                    body._interrupt()
 
 
 def _releasing_inner(stream: object) -> object | None:
