@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio._compat.httpcore import CompatError
+from crush_trio._compat import CompatError
 from crush_trio.errors import ProviderError
 from crush_trio.providers.body import (
     MAX_CHUNK_BYTES,

@@ -13,3 +13,8 @@ rule over the source tree.
 * :mod:`crush_trio._compat.hypercorn`: ``hypercorn``'s per-connection reader and closer, for the
   listener's connection rules (:mod:`crush_trio.server.listener`).
 """
+
+
+class CompatError(RuntimeError):
+    """An installed dependency no longer has the internal shape its adapter relies on (the
+    message names what changed, the installed versions and the versions checked)."""

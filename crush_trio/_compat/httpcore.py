@@ -33,15 +33,13 @@ from typing import Final
 import h11
 import httpcore
 
+from . import CompatError
+
 #: The versions whose private names this module was checked against (pinned in pyproject.toml).
 CHECKED_AGAINST: Final = {"httpx": "0.28.1", "httpcore": "1.0.9", "h11": "0.16.0"}
 
 #: Most stream wrappers looked through to find ``httpcore``'s connection.
 MAX_WRAPPERS: Final = 8
-
-
-class CompatError(RuntimeError):
-    """An installed dependency no longer has the private shape this adapter relies on."""
 
 
 def _fail(what: str) -> CompatError:

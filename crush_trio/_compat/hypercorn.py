@@ -29,6 +29,8 @@ import inspect
 from importlib import metadata
 from typing import Final
 
+from . import CompatError
+
 __all__ = [
     "CHECKED_AGAINST",
     "MAX_RECV",
@@ -50,10 +52,6 @@ CHECKED_AGAINST: Final = {"hypercorn": "0.18.0"}
 _HOOKED: Final = {"_read_data": (), "_close": ()}
 #: The attributes of a ``TCPServer`` the listener's hooks use.
 _ATTRIBUTES: Final = ("app", "config", "context", "send_lock", "stream")
-
-
-class CompatError(RuntimeError):
-    """The installed hypercorn no longer has the internal shape this adapter relies on."""
 
 
 def _fail(what: str) -> CompatError:

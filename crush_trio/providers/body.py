@@ -48,7 +48,8 @@ import httpcore
 import httpx
 import trio
 
-from .._compat.httpcore import CompatError, Http11Exchange, http11_exchange
+from .._compat import CompatError
+from .._compat.httpcore import Http11Exchange, http11_exchange
 from .pool import ReleasingStream
 
 #: Bytes asked of the socket per read.
