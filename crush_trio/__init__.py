@@ -4,7 +4,8 @@ Layers, from the wire inwards (one module or package each):
 
 * ``wire`` — attrs wire types and the one cattrs converter; ``errors`` — the error hierarchy.
 * ``config`` — Crush's ``crush.json`` subset.
-* ``store`` — SQLite per workspace (worker thread) and the debounced message buffer.
+* ``store`` — SQLite per workspace (worker thread), the row shape both SQL stores share, and
+  the debounced message buffer.
 * ``broker`` — sequencing, encode-once, replay, per-client bounded delivery.
 * ``core`` — plain logic without Trio: run bookkeeping, the step assembler, holds, lifecycle.
 * ``agent`` — the turn runner shell, the tool step, titles and run records.
@@ -13,6 +14,8 @@ Layers, from the wire inwards (one module or package each):
 * ``backend`` — workspaces, client holds and the registry that owns their nurseries.
 * ``server`` — HTTP, SSE and websocket transports (quart-trio on hypercorn) and ``serve``.
 * ``cli`` — ``crush-trio serve`` and ``crush-trio run``.
+* ``_compat`` — the one adapter per dependency allowed to touch its private internals, each
+  checked at import against the pinned versions.
 """
 
 from __future__ import annotations

@@ -448,3 +448,17 @@ def test_tools_whose_names_meet_are_all_left_out() -> None:
     names = [t.spec.name for t in manager.tools()]
     assert "mcp_fs_read_file" not in names
     assert names == ["mcp_fs_list", "mcp_s_c"]
+
+
+async def test_the_http_client_of_an_mcp_server_sends_its_headers_with_the_named_timeouts() -> None:
+    import httpx2
+
+    from crush_trio.tools import mcp
+
+    async with mcp.mcp_http_client({"X-Token": "t"}) as client:
+        assert client.headers["x-token"] == "t"
+        assert client.timeout == httpx2.Timeout(
+            mcp.MCP_HTTP_TIMEOUT, read=mcp.MCP_HTTP_READ_TIMEOUT
+        )
+        # The SDK's transport follows redirects itself, within the server's origin only.
+        assert not client.follow_redirects

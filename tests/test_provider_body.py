@@ -21,6 +21,7 @@ import pytest
 import trio
 import trio.testing
 
+from crush_trio._compat import CompatError
 from crush_trio.errors import ProviderError
 from crush_trio.providers.body import (
     MAX_CHUNK_BYTES,
@@ -32,6 +33,7 @@ from crush_trio.providers.body import (
     IncompleteBody,
     LengthDecoder,
     SocketBody,
+    read_watch,
     take_over,
 )
 from crush_trio.providers.http import HttpStreamer, Settings, SSEEvent
@@ -233,8 +235,15 @@ CHUNKED = "transfer-encoding: chunked\r\n"
 
 
 @contextlib.asynccontextmanager
-async def streamer(server: RawServer, **settings: Any) -> AsyncIterator[tuple[HttpStreamer, str]]:
-    async with trio.open_nursery() as nursery:
+async def streamer(
+    server: RawServer, *, watch: bool = True, **settings: Any
+) -> AsyncIterator[tuple[HttpStreamer, str]]:
+    """The provider's HTTP client against ``server``; with ``watch``, the read watch runs (as it
+    does in the server), else every read times itself."""
+    async with contextlib.AsyncExitStack() as stack:
+        if watch:
+            await stack.enter_async_context(read_watch())
+        nursery = await stack.enter_async_context(trio.open_nursery())
         url = await nursery.start(server.serve)
         http = HttpStreamer("raw", Settings(base_url=url, max_retries=0, **settings), headers={})
         try:
@@ -459,22 +468,26 @@ class HangingServer(RawServer):
             self.client_gone.set()
 
 
-@pytest.mark.parametrize("first_byte_timeout", [60.0, 20.0], ids=["own-scope", "read-watch"])
+@pytest.mark.parametrize(
+    ("first_byte_timeout", "watch"),
+    [(60.0, True), (20.0, True), (20.0, False)],
+    ids=["own-scope", "read-watch", "scope-per-read"],
+)
 async def test_a_stalled_body_times_out_closes_the_connection_and_the_next_request_works(
-    first_byte_timeout: float, autojump_clock: trio.testing.MockClock
+    first_byte_timeout: float, watch: bool, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """chunk_timeout >= first_byte_timeout: the run's read watch times the reads (no cancel
-    scope per read); otherwise a scope per chunk does. Same error, bounded by the watch's
-    interval, and the stalled connection is closed, not handed back."""
+    """chunk_timeout >= first_byte_timeout: the read watch times the reads (no cancel scope per
+    read), or each read its own scope where no watch runs; otherwise a scope per chunk does.
+    Same error, bounded by the watch's interval, and the stalled connection is closed, not
+    handed back."""
     server = HangingServer(
         ([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False),
         ([head(CHUNKED), chunked([EVENTS])], False),
     )
     with trio.fail_after(1000):
-        async with streamer(server, chunk_timeout=20, first_byte_timeout=first_byte_timeout) as (
-            http,
-            url,
-        ):
+        async with streamer(
+            server, watch=watch, chunk_timeout=20, first_byte_timeout=first_byte_timeout
+        ) as (http, url):
             seen: list[str] = []
             with pytest.raises(ProviderError) as info:
                 async with contextlib.aclosing(http.stream_sse(url, {})) as events:
@@ -491,3 +504,134 @@ async def test_a_stalled_body_times_out_closes_the_connection_and_the_next_reque
     )
     assert 20 <= waited <= 20 + READ_WATCH_INTERVAL + 0.01
     assert server.connections == 2
+
+
+async def test_a_read_waiting_when_the_read_watch_stops_ends_with_a_clear_error() -> None:
+    """The watch's owner (the server's backend) stops while a stream waits on a silent
+    provider: the read ends at once with an error saying so, instead of waiting with no
+    timeout. A watch entered and left before the read leaves the outer one in charge (else the
+    read would time itself and outlast the outer block)."""
+    server = HangingServer(([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False))
+    seen: list[str] = []
+    errors: list[ProviderError] = []
+    waiting = trio.Event()
+    done = trio.Event()
+
+    async def consume(http: HttpStreamer, url: str) -> None:
+        try:
+            async with contextlib.aclosing(http.stream_sse(url, {})) as events:
+                async for event in events:
+                    assert isinstance(event, SSEEvent)
+                    seen.append(event.data)
+                    waiting.set()
+        except ProviderError as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.serve)
+            settings = Settings(base_url=url, max_retries=0, chunk_timeout=60)
+            http = HttpStreamer("raw", settings, headers={})
+            async with read_watch():
+                async with read_watch():
+                    pass
+                nursery.start_soon(consume, http, url + "/v1/chat")
+                await waiting.wait()
+                await trio.testing.wait_all_tasks_blocked()
+            await done.wait()
+            await http.aclose()
+            nursery.cancel_scope.cancel()
+    assert seen == ['{"n": 1}']
+    assert len(errors) == 1
+    assert "the provider read watch stopped" in str(errors[0])
+
+
+class _Wrapped(httpx.AsyncByteStream):
+    """A custom transport's response stream the body reader does not know."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self.inner = inner
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self.inner.__aiter__()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class WrappingTransport(httpx.AsyncBaseTransport):
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=_Wrapped(response.stream),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_an_httpcore_response_whose_connection_is_not_found_fails_loudly() -> None:
+    """An HTTP/1.1 response of httpcore's (its network stream says so) whose connection the
+    adapter cannot reach means its private shape changed: an error naming the adapter, never a
+    silent fall back to the slower reader."""
+    server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.serve)
+            async with httpx.AsyncClient(transport=WrappingTransport()) as client:
+                async with client.stream("GET", url) as response:
+                    with pytest.raises(
+                        CompatError,
+                        match=r"crush_trio\._compat\.httpcore: the HTTP/1\.1 connection",
+                    ):
+                        take_over(response, timeout=None)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_read_of_a_stopping_watch_moves_to_another_running_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two watches run (two backends in one process); the one a stalled read joined stops: the
+    read is timed by the other and reported as stalled, not ended."""
+    server = HangingServer(([head(CHUNKED), chunked([sse('{"n": 1}')])[:-5]], False))
+    errors: list[ProviderError] = []
+    waiting = trio.Event()
+    done = trio.Event()
+
+    async def consume(http: HttpStreamer, url: str) -> None:
+        try:
+            async with contextlib.aclosing(http.stream_sse(url, {})) as events:
+                async for _ in events:
+                    waiting.set()
+        except ProviderError as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    with trio.fail_after(1000):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(server.serve)
+            settings = Settings(base_url=url, max_retries=0, chunk_timeout=20)
+            http = HttpStreamer("raw", settings, headers={})
+            async with read_watch():
+                async with read_watch():
+                    nursery.start_soon(consume, http, url + "/v1/chat")
+                    await waiting.wait()
+                    await trio.testing.wait_all_tasks_blocked()
+                left = trio.current_time()
+                await done.wait()
+                waited = trio.current_time() - left
+            await http.aclose()
+            nursery.cancel_scope.cancel()
+    assert len(errors) == 1
+    assert "stalled mid-stream: nothing for chunk_timeout=20s" in str(errors[0])
+    assert 0 < waited <= 20 + READ_WATCH_INTERVAL + 0.01

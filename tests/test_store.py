@@ -17,6 +17,7 @@ import trio
 
 from crush_trio.errors import StoreError
 from crush_trio.store import db as db_module
+from crush_trio.store import rows as rows_module
 from crush_trio.store.db import DB_FILENAME, SCHEMA_VERSION, RunIdFilter, Store
 from crush_trio.wire import (
     FinishPart,
@@ -215,7 +216,7 @@ async def test_call_waiting_for_its_turn_when_the_store_closes_raises_store_erro
 
     await store.create_session(Session(id="s"))
     await store.write_messages([Message(id="m", session_id="s", role=Role.USER)])
-    monkeypatch.setattr(db_module, "parts_from_json", blocking)
+    monkeypatch.setattr(rows_module, "parts_from_json", blocking)
     errors: list[BaseException] = []
 
     async def queued_call() -> None:
@@ -249,7 +250,7 @@ async def test_database_work_runs_in_a_worker_thread(
         seen.append(threading.get_ident())
         return real(raw_parts)
 
-    monkeypatch.setattr(db_module, "parts_from_json", spy)
+    monkeypatch.setattr(rows_module, "parts_from_json", spy)
     assert await store.list_messages("s") != []
     assert seen
     assert threading.get_ident() not in seen
@@ -272,7 +273,7 @@ async def test_event_loop_keeps_running_while_a_database_call_is_busy(
         await trio.testing.wait_all_tasks_blocked()
         loop_ran.set()
 
-    monkeypatch.setattr(db_module, "parts_from_json", needs_the_loop)
+    monkeypatch.setattr(rows_module, "parts_from_json", needs_the_loop)
     with trio.fail_after(TEST_TIMEOUT):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other_task)

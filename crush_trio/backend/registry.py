@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..eventlog import Fenced
 from ..metrics import METRICS
+from ..providers.body import read_watch
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import PermissionRequest, RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
@@ -130,8 +131,9 @@ class Backend:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Backend]:
-        """Own the workspaces' nursery for the duration of the block; shut down on exit."""
-        async with trio.open_nursery() as nursery:
+        """Own the workspaces' nursery for the duration of the block; shut down on exit. The
+        providers' read watch (one task timing their stream reads) runs around it."""
+        async with read_watch(), trio.open_nursery() as nursery:
             await nursery.start(self.webhooks.run)
             self._nursery = nursery
             try:

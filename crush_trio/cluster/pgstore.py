@@ -42,16 +42,19 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import trio
 
 from ..errors import StoreError
-from ..store.db import (
-    RunIdFilter,
-    _message_from_row,
-    _message_row,
-    _run_from_row,
-    _run_row,
-    _session_from_row,
-    _session_row,
-)
+from ..store.db import RunIdFilter
 from ..store.paging import Dialect, PageQuery, run_page
+from ..store.rows import (
+    MESSAGE_COLUMNS,
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    message_from_row,
+    message_row,
+    run_from_row,
+    run_row,
+    session_from_row,
+    session_row,
+)
 from ..wire import Message, Role, Run, RunStatus, Session, Todo, now, todos_to_json
 from .pg import Fenced, PgCluster, check_epoch
 
@@ -62,17 +65,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_SESSION_COLUMNS: Final = (
-    "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at, summary_message_id, todos"
-)
-_MESSAGE_COLUMNS: Final = (
-    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
-    "is_summary_message"
-)
-_RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
-
-
 #: Terminal run statuses, as stored: a run with one of them keeps it.
 def _fetch(conn: psycopg.Connection[Any]) -> Callable[[str, Any], list[Any]]:
     return lambda sql, params: conn.execute(sql, params).fetchall()
@@ -81,7 +73,7 @@ def _fetch(conn: psycopg.Connection[Any]) -> Callable[[str, Any], list[Any]]:
 _TERMINAL: Final = tuple(s.value for s in RunStatus if s.terminal)
 
 _UPSERT_MESSAGE: Final = f"""
-INSERT INTO messages (workspace_id, {_MESSAGE_COLUMNS})
+INSERT INTO messages (workspace_id, {MESSAGE_COLUMNS})
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (workspace_id, id) DO UPDATE SET
     parts = excluded.parts,
@@ -92,7 +84,7 @@ ON CONFLICT (workspace_id, id) DO UPDATE SET
 # A terminal status is final: an update never moves a run out of one (the WHERE is evaluated on
 # the newest row version, so this holds against a concurrent record_terminal too).
 _UPSERT_RUN: Final = f"""
-INSERT INTO runs (workspace_id, {_RUN_COLUMNS}, prompt)
+INSERT INTO runs (workspace_id, {RUN_COLUMNS}, prompt)
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)
 ON CONFLICT (workspace_id, run_id) DO UPDATE SET
     status = excluded.status,
@@ -213,11 +205,11 @@ class PgStore:
     # -- sessions ------------------------------------------------------------------------------
 
     async def create_session(self, session: Session) -> None:
-        row = (self.workspace_id, *_session_row(session))
+        row = (self.workspace_id, *session_row(session))
 
         def op(conn: psycopg.Connection[Any]) -> None:
             conn.execute(
-                f"INSERT INTO sessions (workspace_id, {_SESSION_COLUMNS}) "
+                f"INSERT INTO sessions (workspace_id, {SESSION_COLUMNS}) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
                 row,
             )
@@ -231,10 +223,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Session | None:
             row = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s AND id = %s",
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s AND id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _session_from_row(row)
+            return None if row is None else session_from_row(row)
 
         return await self._read(f"reading session {session_id!r}", op)
 
@@ -243,11 +235,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Session]:
             rows = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s "
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE workspace_id = %s "
                 "ORDER BY updated_at DESC, seq DESC",
                 params,
             ).fetchall()
-            return [_session_from_row(r) for r in rows]
+            return [session_from_row(r) for r in rows]
 
         return await self._read("listing sessions", op)
 
@@ -316,13 +308,13 @@ class PgStore:
     ) -> Session | None:
         query = (
             f"UPDATE sessions SET {assignments}, updated_at = %s "
-            f"WHERE workspace_id = %s AND id = %s RETURNING {_SESSION_COLUMNS}"
+            f"WHERE workspace_id = %s AND id = %s RETURNING {SESSION_COLUMNS}"
         ).encode()
         params = (*values, now(), self.workspace_id, session_id)
 
         def op(conn: psycopg.Connection[Any]) -> Session | None:
             row = conn.execute(query, params).fetchone()
-            return None if row is None else _session_from_row(row)
+            return None if row is None else session_from_row(row)
 
         return await self._write(what, op)
 
@@ -344,10 +336,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Message | None:
             row = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s AND id = %s",
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s AND id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _message_from_row(row)
+            return None if row is None else message_from_row(row)
 
         return await self._read(f"reading message {message_id!r}", op)
 
@@ -360,11 +352,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages "
                 "WHERE workspace_id = %s AND session_id = %s ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._read(f"listing messages of session {session_id!r}", op)
 
@@ -383,7 +375,7 @@ class PgStore:
         # The newest state of each id (a batch normally holds each once).
         latest: dict[str, tuple[Any, ...]] = {}
         for m in messages:
-            row = _message_row(m)
+            row = message_row(m)
             latest[m.id] = (workspace_id, *row[:-1], bool(row[-1]))
         rows = list(latest.values())
         session_ids = sorted({row[2] for row in rows})
@@ -422,11 +414,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE workspace_id = %s "
                 "AND finished_at IS NULL AND role = %s ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._read("listing unfinished assistant messages", op)
 
@@ -436,7 +428,7 @@ class PgStore:
         """Insert or update run records in one transaction (one pipeline). ``prompts`` is
         written only when a row is created; a run with a terminal status keeps it."""
         prompts = prompts or {}
-        rows = [(self.workspace_id, *_run_row(run), prompts.get(run.run_id, "")) for run in runs]
+        rows = [(self.workspace_id, *run_row(run), prompts.get(run.run_id, "")) for run in runs]
         for run in runs:
             self._run_ids.add(run.run_id)
 
@@ -453,10 +445,10 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> Run | None:
             row = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE workspace_id = %s AND run_id = %s",
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE workspace_id = %s AND run_id = %s",
                 params,
             ).fetchone()
-            return None if row is None else _run_from_row(row)
+            return None if row is None else run_from_row(row)
 
         return await self._read(f"reading run {run_id!r}", op)
 
@@ -480,19 +472,19 @@ class PgStore:
 
     async def page_sessions(self, page: PageQuery) -> list[Session]:
         dialect = self._dialect()
-        sql, cursor, params = dialect.sessions(_SESSION_COLUMNS, page)
+        sql, cursor, params = dialect.sessions(SESSION_COLUMNS, page)
 
         def op(conn: psycopg.Connection[Any]) -> list[Session]:
             rows = run_page(
                 _fetch(conn), sql, cursor, page.before, params, page.limit, dialect.scope_params
             )
-            return [_session_from_row(r) for r in rows]
+            return [session_from_row(r) for r in rows]
 
         return await self._read("listing a page of sessions", op)
 
     async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
         dialect = self._dialect()
-        sql, cursor, params, reverse = dialect.messages(_MESSAGE_COLUMNS, session_id, page)
+        sql, cursor, params, reverse = dialect.messages(MESSAGE_COLUMNS, session_id, page)
         cursor_id = page.after if page.after is not None else page.before
 
         def op(conn: psycopg.Connection[Any]) -> list[Message]:
@@ -501,19 +493,19 @@ class PgStore:
             )
             if reverse:
                 rows.reverse()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._read(f"listing a page of messages of session {session_id!r}", op)
 
     async def page_runs(self, page: PageQuery) -> list[Run]:
         dialect = self._dialect()
-        sql, cursor, params = dialect.runs(_RUN_COLUMNS, page)
+        sql, cursor, params = dialect.runs(RUN_COLUMNS, page)
 
         def op(conn: psycopg.Connection[Any]) -> list[Run]:
             rows = run_page(
                 _fetch(conn), sql, cursor, page.before, params, page.limit, dialect.scope_params
             )
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
         return await self._read("listing a page of runs", op)
 
@@ -527,11 +519,11 @@ class PgStore:
 
         def op(conn: psycopg.Connection[Any]) -> list[Run]:
             rows = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE workspace_id = %s "
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE workspace_id = %s "
                 "AND status = ANY(%s) ORDER BY created_at, seq",
                 params,
             ).fetchall()
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
         return await self._read(f"listing runs with status {', '.join(values)}", op)
 
@@ -556,13 +548,13 @@ class PgStore:
                 "(completed, failed, cancelled) has a terminal record"
             )
         data = event.encode() if isinstance(event, str) else bytes(event)
-        row = (self.workspace_id, *_run_row(run), "")
+        row = (self.workspace_id, *run_row(run), "")
         workspace_id, epoch, run_id = self.workspace_id, self.epoch, run.run_id
         self._run_ids.add(run_id)
 
         def op(conn: psycopg.Connection[Any]) -> bool:
             conn.execute(
-                f"INSERT INTO runs (workspace_id, {_RUN_COLUMNS}, prompt) "
+                f"INSERT INTO runs (workspace_id, {RUN_COLUMNS}, prompt) "
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
                 "ON CONFLICT (workspace_id, run_id) DO NOTHING",
                 row,

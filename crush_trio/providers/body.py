@@ -18,15 +18,21 @@ client-side CPU of a paced token. This module keeps ``httpx`` for everything bef
 
 Handing the connection back: ``httpcore`` returns a connection to its pool when its ``h11``
 state machine saw the whole response. When :class:`SocketBody` read the whole body itself, the
-connection is at a message boundary, so :meth:`SocketBody.aclose` gives it an ``h11`` state that
-has finished one exchange (the same state ``h11`` reaches after a complete response) and closing
-the response then returns the connection to the pool. When the body was not read to its end,
-the server asked to close, or it sent bytes past the end of the body, the state is left as it
-is and closing the response closes the connection, as ``httpx`` does.
+connection is at a message boundary, so :meth:`SocketBody.aclose` marks the exchange finished
+(the same state ``h11`` reaches after a complete response) and closing the response then
+returns the connection to the pool. When the body was not read to its end, the server asked to
+close, or it sent bytes past the end of the body, nothing is marked and closing the response
+closes the connection, as ``httpx`` does.
 
-This reaches into ``httpcore``'s connection object (its ``_h11_state``, and the streams that
-lead to it); :func:`take_over` checks every step with ``isinstance`` and falls back to ``httpx``
-when the shape differs, and a test asserts that the fast path is taken with the pinned versions.
+Finding ``httpcore``'s connection behind the response and marking its exchange finished needs
+private names of ``httpcore`` and ``httpx``: all of that is in the adapter
+:mod:`crush_trio._compat.httpcore`, which checks them at import against the pinned versions and
+fails loudly when an upgrade changed them. This module uses only its small public surface and
+the documented ``network_stream`` response extension.
+
+Read timeouts: a read of a plain TCP socket is timed by the read watch of :func:`read_watch`, one
+task in the nursery of whoever runs the providers (the server's backend), instead of a cancel
+scope per read. Where no watch runs, each read has its own cancel scope (same errors, more CPU).
 """
 
 from __future__ import annotations
@@ -35,13 +41,16 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Final
 
-import h11
 import httpcore
 import httpx
 import trio
+
+from .._compat import CompatError
+from .._compat.httpcore import Http11Exchange, http11_exchange
+from .pool import ReleasingStream
 
 #: Bytes asked of the socket per read.
 READ_SIZE: Final = 64 * 1024
@@ -56,8 +65,6 @@ MAX_TRAILER_BYTES: Final = 64 * 1024
 #: How often the read watch looks for provider reads past their timeout (seconds): a stalled
 #: read is reported between ``chunk_timeout`` and ``chunk_timeout`` plus this after it began.
 READ_WATCH_INTERVAL: Final = 0.25
-#: Most stream wrappers looked through to find ``httpcore``'s connection.
-_MAX_WRAPPERS: Final = 8
 
 _HEX: Final = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
@@ -237,9 +244,9 @@ class SocketBody:
         decoder: the body's framing.
         first: bytes of the body that arrived with the headers.
         timeout: longest wait for one read (seconds); ``None``: the caller times the reads.
-            With ``fd`` (the connection's socket) the reads are timed by the run's read watch
-            (:class:`_ReadWatch`), else by a cancel scope per read.
-        connection: ``httpcore``'s connection, handed back at :meth:`aclose` when reusable.
+            With ``fd`` (the connection's socket) the reads are timed by the read watch of
+            :func:`read_watch` when one runs, else by a cancel scope per read.
+        connection: the exchange, marked finished at :meth:`aclose` when reusable.
         reusable: whether the connection may carry another request after this body.
 
     Raises (from iteration):
@@ -255,7 +262,7 @@ class SocketBody:
         first: bytes,
         *,
         timeout: float | None,
-        connection: Any = None,
+        connection: Http11Exchange | None = None,
         reusable: bool = False,
         fd: int | None = None,
     ) -> None:
@@ -263,6 +270,8 @@ class SocketBody:
         self._fd = fd
         self._deadline = math.inf
         self._timed_out = False
+        self._unwatched = False
+        self._watch: _ReadWatch | None = None
         self._decoder = decoder
         self._pending = first
         self._timeout = timeout
@@ -293,11 +302,11 @@ class SocketBody:
     async def _receive(self) -> bytes:
         if self._timeout is None:
             return await self._read()
-        if self._fd is None:
+        watch = _current_watch() if self._fd is not None else None
+        if watch is None:
             with trio.move_on_after(self._timeout):
                 return await self._read()
             raise self._timeout_error()
-        watch = _read_watch()
         self._deadline = trio.current_time() + self._timeout
         self._timed_out = False
         watch.add(self)
@@ -306,9 +315,16 @@ class SocketBody:
         except IncompleteBody:
             if self._timed_out:
                 raise self._timeout_error() from None
+            if self._unwatched:
+                raise IncompleteBody(
+                    "the read was ended: the provider read watch stopped (the server is "
+                    "shutting down)"
+                ) from None
             raise
         finally:
-            watch.reads.discard(self)
+            if self._watch is not None:
+                self._watch.reads.discard(self)
+                self._watch = None
 
     def _timeout_error(self) -> BodyTimeout:
         return BodyTimeout(f"nothing arrived for {self._timeout:g}s")
@@ -316,6 +332,10 @@ class SocketBody:
     def _expire(self) -> None:
         """Called by the read watch: end the pending read (it raises :class:`BodyTimeout`)."""
         self._timed_out = True
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """End the pending read: it raises :class:`IncompleteBody` (or the timeout)."""
         if self._fd is not None:
             with contextlib.suppress(OSError, ValueError):
                 trio.lowlevel.notify_closing(self._fd)
@@ -330,7 +350,7 @@ class SocketBody:
         caller then closes the response, which hands the connection back or closes it."""
         connection, self._connection = self._connection, None
         if connection is not None and self._reusable and self.complete and not self._ended:
-            connection._h11_state = _finished_exchange()
+            connection.mark_finished()
 
 
 class _ReadWatch:
@@ -351,6 +371,7 @@ class _ReadWatch:
         if not self.reads:
             self._wake.set()
         self.reads.add(body)
+        body._watch = self
 
     async def run(self) -> None:
         while True:
@@ -364,64 +385,57 @@ class _ReadWatch:
                 body._expire()
 
 
-_READ_WATCH: Final = trio.lowlevel.RunVar[_ReadWatch]("crush_trio_read_watch")
+#: The read watches running in this Trio run, newest last; reads join the newest.
+_READ_WATCHES: Final = trio.lowlevel.RunVar[list[_ReadWatch]]("crush_trio_read_watches")
 
 
-def _read_watch() -> _ReadWatch:
-    """The current run's read watch, started on first use (a system task of the run)."""
+def _watches() -> list[_ReadWatch]:
     try:
-        return _READ_WATCH.get()
+        return _READ_WATCHES.get()
     except LookupError:
-        watch = _ReadWatch()
-        _READ_WATCH.set(watch)
-        trio.lowlevel.spawn_system_task(watch.run, name="crush_trio provider read watch")
-        return watch
+        watches: list[_ReadWatch] = []
+        _READ_WATCHES.set(watches)
+        return watches
 
 
-def _finished_exchange() -> h11.Connection:
-    """A client ``h11`` state that has sent one request and received one complete response."""
-    state = h11.Connection(
-        our_role=h11.CLIENT,
-        max_incomplete_event_size=httpcore.AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE,
-    )
-    state.send(h11.Request(method="GET", target="/", headers=[("host", "-")]))
-    state.send(h11.EndOfMessage())
-    state.receive_data(b"HTTP/1.1 204 No Content\r\n\r\n")
-    state.next_event()
-    state.next_event()
-    return state
-
-
-def _http11_connection(stream: object) -> httpcore.AsyncHTTP11Connection | None:
-    """``httpcore``'s HTTP/1.1 connection behind an ``httpx`` response stream, or None."""
-    from httpcore._async.connection_pool import PoolByteStream
-    from httpcore._async.http11 import HTTP11ConnectionByteStream
-
-    from .pool import _ReleasingStream
-
-    # httpx's BoundAsyncStream (``_stream``), the sharded transport's releasing stream
-    # (``inner``), httpx's AsyncResponseStream (``_httpcore_stream``), httpcore's PoolByteStream
-    # (``_stream``): a few wrappers, each looked through by name.
-    core: object = stream
-    for _ in range(_MAX_WRAPPERS):
-        if isinstance(core, HTTP11ConnectionByteStream):
-            break
-        if isinstance(core, _ReleasingStream):
-            core = core.inner
-        elif isinstance(core, PoolByteStream | httpx._client.BoundAsyncStream):
-            core = core._stream
-        elif isinstance(core, httpx._transports.default.AsyncResponseStream):
-            core = core._httpcore_stream
-        else:
-            return None
-    if not isinstance(core, HTTP11ConnectionByteStream):
+def _current_watch() -> _ReadWatch | None:
+    try:
+        watches = _READ_WATCHES.get()
+    except LookupError:
         return None
-    connection = core._connection
-    if not isinstance(connection, httpcore.AsyncHTTP11Connection):
-        return None
-    if not isinstance(getattr(connection, "_h11_state", None), h11.Connection):
-        return None
-    return connection
+    return watches[-1] if watches else None
+
+
+@contextlib.asynccontextmanager
+async def read_watch() -> AsyncIterator[None]:
+    """Run a read watch (see :class:`_ReadWatch`) for the block, as a task of a nursery the
+    block owns; the server's backend enters it for its lifetime. Reads started while it runs
+    join it (the newest, when several run, as with several nodes in one process). When the
+    block ends, its waiting reads move to another running watch, or, where none runs, are
+    ended (they raise :class:`IncompleteBody` saying so); later reads time themselves."""
+    watch = _ReadWatch()
+    watches = _watches()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run, name="crush_trio provider read watch")
+        watches.append(watch)
+        try:
+            yield
+        finally:
+            watches.remove(watch)
+            nursery.cancel_scope.cancel()
+            successor = watches[-1] if watches else None
+            for body in list(watch.reads):
+                watch.reads.discard(body)
+                if successor is not None:
+                    successor.add(body)
+                else:
+                    body._unwatched = True
+                    body._interrupt()
+
+
+def _releasing_inner(stream: object) -> object | None:
+    """The inner stream of the sharded transport's response stream (providers/pool.py)."""
+    return stream.inner if isinstance(stream, ReleasingStream) else None
 
 
 def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody | None:
@@ -435,14 +449,20 @@ def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody 
         return None
     if response.status_code in (204, 304) or response.status_code < 200:
         return None
-    connection = _http11_connection(response.stream)
     network = response.extensions.get("network_stream")
-    if connection is None or not isinstance(network, httpcore.AsyncNetworkStream):
+    if not isinstance(network, httpcore.AsyncNetworkStream):
+        return None  # not from httpcore (a mock or custom transport)
+    exchange = http11_exchange(response.stream, _releasing_inner)
+    if exchange is None:
+        # An HTTP/1.1 response of httpcore's whose connection cannot be found: the private
+        # shape changed in a way the adapter's import check missed. Say so; do not slow down.
+        raise CompatError(
+            "crush_trio._compat.httpcore: the HTTP/1.1 connection behind an httpx response was "
+            f"not found (stream {type(response.stream).__name__}); update the adapter"
+        )
+    if not exchange.at_body_start:
         return None
-    state: h11.Connection = connection._h11_state
-    if state.our_state is not h11.DONE or state.their_state is not h11.SEND_BODY:
-        return None
-    first, closed = state.trailing_data
+    first, closed = exchange.trailing_data
     decoder: Decoder
     until_close = False
     coding = headers.get("transfer-encoding")
@@ -470,7 +490,7 @@ def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody 
         first,
         fd=sock.fileno() if isinstance(sock, trio.socket.SocketType) else None,
         timeout=timeout,
-        connection=connection,
+        connection=exchange,
         reusable=reusable,
     )
 

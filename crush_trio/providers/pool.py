@@ -112,7 +112,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         return httpx.Response(
             status_code=response.status_code,
             headers=response.headers,
-            stream=_ReleasingStream(response.stream, release),
+            stream=ReleasingStream(response.stream, release),
             extensions=response.extensions,
         )
 
@@ -135,7 +135,7 @@ class _Release:
             self.counts[self.index] -= 1
 
 
-class _ReleasingStream(httpx.AsyncByteStream):
+class ReleasingStream(httpx.AsyncByteStream):
     """A response body that releases its request's shard slot when closed."""
 
     def __init__(self, stream: httpx.AsyncByteStream, release: _Release) -> None:

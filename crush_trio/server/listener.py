@@ -32,13 +32,17 @@ import h11
 import orjson
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, RawData
-from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
 from trio_websocket import ConnectionClosed
 
+from .._compat.hypercorn import (
+    MAX_RECV,
+    Closed,
+    ConnectionState,
+    HypercornConnection,
+    Lifespan,
+    RawData,
+    WorkerContext,
+)
 from .peers import sandboxed_peer
 from .security import strip_web_prefix
 
@@ -350,8 +354,9 @@ async def contained(
         log.debug("%s from %s closed", what, peer)
 
 
-class HttpConnection(TCPServer):
-    """hypercorn's connection with a close that is never lost and a lingering close.
+class HttpConnection(HypercornConnection):
+    """hypercorn's connection with a close that is never lost and a lingering close (its read
+    loop and close are hooks of :class:`~crush_trio._compat.hypercorn.HypercornConnection`).
 
     hypercorn closes a connection (``Connection: close``, HTTP/1.0, a response sent before the
     request body was read) from inside the application's task, where a cancellation at the close's
@@ -369,7 +374,7 @@ class HttpConnection(TCPServer):
         self._reader_done = trio.Event()
         self._reading = trio.CancelScope()
 
-    async def _read_data(self) -> None:
+    async def read_data(self) -> None:
         self._reader = trio.lowlevel.current_task()
         try:
             with self._reading:
@@ -421,7 +426,7 @@ class HttpConnection(TCPServer):
     async def _linger(self) -> None:
         await discard_until_eof(self.stream)
 
-    async def _close(self) -> None:
+    async def close_connection(self) -> None:
         with trio.move_on_after(CLOSE_BOUND + LINGER_TIMEOUT + SEND_TIMEOUT, shield=True):
             if not self._eof_sent:
                 self._eof_sent = True

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.utils import wrap_app
 
 from .. import __version__
+from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
 from ..config import Config, load_config
 from ..errors import ConfigError

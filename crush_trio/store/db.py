@@ -41,13 +41,21 @@ from ..wire import (
     Session,
     Todo,
     now,
-    parts_from_json,
-    parts_to_json,
-    todos_from_json,
     todos_to_json,
 )
 from .datadir import create_private_file, ensure_data_dir
 from .paging import Dialect, PageQuery, run_page
+from .rows import (
+    MESSAGE_COLUMNS,
+    RUN_COLUMNS,
+    SESSION_COLUMNS,
+    message_from_row,
+    message_row,
+    run_from_row,
+    run_row,
+    session_from_row,
+    session_row,
+)
 
 T = TypeVar("T")
 
@@ -138,21 +146,11 @@ MIGRATIONS: Final[tuple[str, ...]] = (_MIGRATION_1, _MIGRATION_2, _MIGRATION_3, 
 #: The schema version this code writes (``PRAGMA user_version`` after opening).
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
-_SESSION_COLUMNS: Final = (
-    "id, parent_session_id, title, message_count, prompt_tokens, completion_tokens, cost, "
-    "created_at, updated_at, summary_message_id, todos"
-)
-_MESSAGE_COLUMNS: Final = (
-    "id, session_id, role, parts, model, provider, created_at, updated_at, finished_at, "
-    "is_summary_message"
-)
-_RUN_COLUMNS: Final = "run_id, session_id, status, message_id, text, error, created_at, finished_at"
-
 # Insert a message, or update the streaming fields of an existing one. Rows whose session no longer
 # exists are skipped rather than failing the batch: a late write after a session was deleted must
 # neither resurrect the row nor break the other messages in the batch.
 _UPSERT_MESSAGE: Final = f"""
-INSERT INTO messages ({_MESSAGE_COLUMNS})
+INSERT INTO messages ({MESSAGE_COLUMNS})
 SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ?
 WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)
 ON CONFLICT (id) DO UPDATE SET
@@ -166,126 +164,6 @@ _SQLITE: Final = Dialect(mark="?", seq="rowid")
 
 def _fetch(conn: sqlite3.Connection) -> Callable[[str, Any], list[Any]]:
     return lambda sql, params: conn.execute(sql, params).fetchall()
-
-
-_MessageRow = tuple[str, str, str, str, str, str, int, int, int | None, int]
-
-
-# ---------------------------------------------------------------------------------------------
-# Row encoding (event loop side) and decoding (worker thread side)
-
-
-def _session_row(s: Session) -> tuple[Any, ...]:
-    return (
-        s.id,
-        s.parent_session_id,
-        s.title,
-        s.message_count,
-        s.prompt_tokens,
-        s.completion_tokens,
-        s.cost,
-        s.created_at,
-        s.updated_at,
-        s.summary_message_id,
-        todos_to_json(s.todos),
-    )
-
-
-def _session_from_row(row: tuple[Any, ...]) -> Session:
-    return Session(
-        id=row[0],
-        parent_session_id=row[1],
-        title=row[2],
-        message_count=row[3],
-        prompt_tokens=row[4],
-        completion_tokens=row[5],
-        cost=float(row[6]),
-        created_at=row[7],
-        updated_at=row[8],
-        summary_message_id=row[9],
-        todos=_todos_from_row(row[0], row[10]),
-    )
-
-
-def _todos_from_row(session_id: str, raw: str) -> list[Todo]:
-    try:
-        return todos_from_json(raw)
-    except Exception as exc:
-        raise StoreError(
-            f"session {session_id!r} has an unreadable stored todo list ({exc}); the database "
-            "was written by an incompatible version or is damaged"
-        ) from exc
-
-
-def _message_row(m: Message) -> _MessageRow:
-    finish = m.finish()
-    return (
-        m.id,
-        m.session_id,
-        m.role.value,
-        parts_to_json(m.parts),
-        m.model,
-        m.provider,
-        m.created_at,
-        m.updated_at,
-        finish.time if finish is not None else None,
-        int(m.is_summary_message),
-    )
-
-
-def _message_from_row(row: tuple[Any, ...]) -> Message:
-    try:
-        parts = parts_from_json(row[3])
-        role = Role(row[2])
-    except Exception as exc:
-        raise StoreError(
-            f"message {row[0]!r} has unreadable stored data ({exc}); the database was written "
-            "by an incompatible version or is damaged"
-        ) from exc
-    return Message(
-        id=row[0],
-        session_id=row[1],
-        role=role,
-        parts=parts,
-        model=row[4],
-        provider=row[5],
-        created_at=row[6],
-        updated_at=row[7],
-        is_summary_message=bool(row[9]),
-    )
-
-
-def _run_row(r: Run) -> tuple[Any, ...]:
-    return (
-        r.run_id,
-        r.session_id,
-        r.status.value,
-        r.message_id,
-        r.text,
-        r.error,
-        r.created_at,
-        r.finished_at,
-    )
-
-
-def _run_from_row(row: tuple[Any, ...]) -> Run:
-    try:
-        status = RunStatus(row[2])
-    except ValueError as exc:
-        raise StoreError(
-            f"run {row[0]!r} has unknown stored status {row[2]!r}; the database was written by "
-            "an incompatible version or is damaged"
-        ) from exc
-    return Run(
-        run_id=row[0],
-        session_id=row[1],
-        status=status,
-        message_id=row[3],
-        text=row[4],
-        error=row[5],
-        created_at=row[6],
-        finished_at=row[7],
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,13 +429,13 @@ class Store:
 
     async def create_session(self, session: Session) -> None:
         """Insert a session. Raises StoreError if the id exists."""
-        row = _session_row(session)
+        row = session_row(session)
 
         def op(conn: sqlite3.Connection) -> None:
             _transaction(
                 conn,
                 lambda c: c.execute(
-                    f"INSERT INTO sessions ({_SESSION_COLUMNS}) "
+                    f"INSERT INTO sessions ({SESSION_COLUMNS}) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 ),
@@ -570,9 +448,9 @@ class Store:
     async def get_session(self, session_id: str) -> Session | None:
         def op(conn: sqlite3.Connection) -> Session | None:
             row = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+                f"SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
             ).fetchone()
-            return None if row is None else _session_from_row(row)
+            return None if row is None else session_from_row(row)
 
         return await self._call(f"reading session {session_id!r}", op)
 
@@ -581,9 +459,9 @@ class Store:
 
         def op(conn: sqlite3.Connection) -> list[Session]:
             rows = conn.execute(
-                f"SELECT {_SESSION_COLUMNS} FROM sessions ORDER BY updated_at DESC, rowid DESC"
+                f"SELECT {SESSION_COLUMNS} FROM sessions ORDER BY updated_at DESC, rowid DESC"
             ).fetchall()
-            return [_session_from_row(r) for r in rows]
+            return [session_from_row(r) for r in rows]
 
         return await self._call("listing sessions", op)
 
@@ -688,9 +566,9 @@ class Store:
             def tx(c: sqlite3.Connection) -> Session | None:
                 c.execute(sql, params)
                 row = c.execute(
-                    f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
+                    f"SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
                 ).fetchone()
-                return None if row is None else _session_from_row(row)
+                return None if row is None else session_from_row(row)
 
             return _transaction(conn, tx)
 
@@ -728,9 +606,9 @@ class Store:
     async def get_message(self, message_id: str) -> Message | None:
         def op(conn: sqlite3.Connection) -> Message | None:
             row = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = ?", (message_id,)
             ).fetchone()
-            return None if row is None else _message_from_row(row)
+            return None if row is None else message_from_row(row)
 
         return await self._call(f"reading message {message_id!r}", op)
 
@@ -748,11 +626,11 @@ class Store:
 
         def op(conn: sqlite3.Connection) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
                 "ORDER BY created_at, rowid",
                 (session_id,),
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._call(f"listing messages of session {session_id!r}", op)
 
@@ -766,7 +644,7 @@ class Store:
         Returns:
             The ids that were written (the others were skipped).
         """
-        rows = [(*_message_row(m), m.session_id) for m in messages]
+        rows = [(*message_row(m), m.session_id) for m in messages]
         # Discarded before the call: from now on a listing must read the database.
         self._empty_sessions.difference_update(row[-1] for row in rows)
 
@@ -792,7 +670,7 @@ class Store:
         when the row is created, never by an update.
         """
         prompts = prompts or {}
-        rows = [(*_run_row(run), prompts.get(run.run_id, "")) for run in runs]
+        rows = [(*run_row(run), prompts.get(run.run_id, "")) for run in runs]
         for run in runs:
             self._run_ids.add(run.run_id)
 
@@ -800,7 +678,7 @@ class Store:
             _transaction(
                 conn,
                 lambda c: c.executemany(
-                    f"INSERT INTO runs ({_RUN_COLUMNS}, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    f"INSERT INTO runs ({RUN_COLUMNS}, prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(run_id) DO UPDATE SET status = excluded.status, "
                     "message_id = excluded.message_id, text = excluded.text, "
                     "error = excluded.error, finished_at = excluded.finished_at",
@@ -826,20 +704,20 @@ class Store:
 
         def op(conn: sqlite3.Connection) -> list[Message]:
             rows = conn.execute(
-                f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+                f"SELECT {MESSAGE_COLUMNS} FROM messages "
                 "WHERE finished_at IS NULL AND role = ? ORDER BY created_at, rowid",
                 (Role.ASSISTANT.value,),
             ).fetchall()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._call("listing unfinished assistant messages", op)
 
     async def get_run(self, run_id: str) -> Run | None:
         def op(conn: sqlite3.Connection) -> Run | None:
             row = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
             ).fetchone()
-            return None if row is None else _run_from_row(row)
+            return None if row is None else run_from_row(row)
 
         return await self._call(f"reading run {run_id!r}", op)
 
@@ -847,34 +725,34 @@ class Store:
 
     async def page_sessions(self, page: PageQuery) -> list[Session]:
         """One page of sessions, newest created first (``CursorNotFound``: bad ``before``)."""
-        sql, cursor, params = _SQLITE.sessions(_SESSION_COLUMNS, page)
+        sql, cursor, params = _SQLITE.sessions(SESSION_COLUMNS, page)
 
         def op(conn: sqlite3.Connection) -> list[Session]:
             rows = run_page(_fetch(conn), sql, cursor, page.before, params, page.limit)
-            return [_session_from_row(r) for r in rows]
+            return [session_from_row(r) for r in rows]
 
         return await self._call("listing a page of sessions", op)
 
     async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
         """One page of a session's messages, oldest first (``CursorNotFound``: bad cursor)."""
-        sql, cursor, params, reverse = _SQLITE.messages(_MESSAGE_COLUMNS, session_id, page)
+        sql, cursor, params, reverse = _SQLITE.messages(MESSAGE_COLUMNS, session_id, page)
         cursor_id = page.after if page.after is not None else page.before
 
         def op(conn: sqlite3.Connection) -> list[Message]:
             rows = run_page(_fetch(conn), sql, cursor, cursor_id, params, page.limit)
             if reverse:
                 rows.reverse()
-            return [_message_from_row(r) for r in rows]
+            return [message_from_row(r) for r in rows]
 
         return await self._call(f"listing a page of messages of session {session_id!r}", op)
 
     async def page_runs(self, page: PageQuery) -> list[Run]:
         """One page of runs, newest first, filtered by status and session."""
-        sql, cursor, params = _SQLITE.runs(_RUN_COLUMNS, page)
+        sql, cursor, params = _SQLITE.runs(RUN_COLUMNS, page)
 
         def op(conn: sqlite3.Connection) -> list[Run]:
             rows = run_page(_fetch(conn), sql, cursor, page.before, params, page.limit)
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
         return await self._call("listing a page of runs", op)
 
@@ -889,10 +767,10 @@ class Store:
 
         def op(conn: sqlite3.Connection) -> list[Run]:
             rows = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE status IN ({marks}) "
+                f"SELECT {RUN_COLUMNS} FROM runs WHERE status IN ({marks}) "
                 "ORDER BY created_at, rowid",
                 values,
             ).fetchall()
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
         return await self._call(f"listing runs with status {', '.join(values)}", op)

@@ -33,7 +33,7 @@ import math
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, Final, TextIO, cast
+from typing import IO, TYPE_CHECKING, Any, Final, TextIO, cast
 
 import anyio
 import attrs
@@ -45,6 +45,9 @@ from ..errors import IllegalTransition, unwrap_group
 from ..providers.base import ToolSpec
 from ..wire import McpServerInfo, McpState
 from .base import ToolContext, ToolResult, ask_permission
+
+if TYPE_CHECKING:
+    import httpx2
 
 __all__ = [
     "MAX_MCP_RESULT_CHARS",
@@ -72,6 +75,12 @@ STDERR_TAIL_BYTES: Final = 2000
 STDERR_MAX_BYTES: Final = 1024 * 1024
 #: How often a connected stdio server's stderr file is checked against :data:`STDERR_MAX_BYTES`.
 STDERR_CHECK_INTERVAL: Final = 10.0
+
+#: An http MCP server's connect, write and pool timeouts (seconds): the MCP SDK's own defaults.
+MCP_HTTP_TIMEOUT: Final = 30.0
+#: Longest silence on an http MCP server's response (seconds): a server may hold a response
+#: stream open between messages (the MCP SDK's default).
+MCP_HTTP_READ_TIMEOUT: Final = 300.0
 
 #: Allowed state moves of one server.
 MCP_MOVES: Final[Mapping[McpState, frozenset[McpState]]] = {
@@ -362,7 +371,6 @@ class McpServer:
         from mcp import StdioServerParameters, stdio_client
         from mcp.client.sse import sse_client
         from mcp.client.streamable_http import streamable_http_client
-        from mcp.shared._httpx_utils import create_mcp_http_client
 
         config = self.config
         if config.type == "stdio":
@@ -377,7 +385,7 @@ class McpServer:
         @contextlib.asynccontextmanager
         async def http() -> Any:
             async with (
-                create_mcp_http_client(headers=dict(config.headers)) as client,
+                mcp_http_client(config.headers) as client,
                 streamable_http_client(config.url, http_client=client) as streams,
             ):
                 yield streams
@@ -571,3 +579,17 @@ class McpManager:
                     self._on_change(attrs.evolve(old.info, state=McpState.STOPPED, tools=[]))
             if new is not None:
                 self._start(name, new)
+
+
+def mcp_http_client(headers: Mapping[str, str]) -> httpx2.AsyncClient:
+    """The HTTP client of one http MCP server: ``headers`` on every request,
+    :data:`MCP_HTTP_TIMEOUT` to connect, write and wait for the pool, and
+    :data:`MCP_HTTP_READ_TIMEOUT` between reads. Redirects are left to the SDK's transport,
+    which follows them only within the server's origin (the client's ``follow_redirects`` is
+    not consulted). The MCP SDK takes an ``httpx2`` client (its HTTP library)."""
+    import httpx2
+
+    return httpx2.AsyncClient(
+        headers=dict(headers),
+        timeout=httpx2.Timeout(MCP_HTTP_TIMEOUT, read=MCP_HTTP_READ_TIMEOUT),
+    )

@@ -1,0 +1,136 @@
+"""Adapter: ``hypercorn``'s per-connection server for Trio, with its read loop and close as hooks.
+
+The listener (:mod:`crush_trio.server.listener`) puts its own dispatcher in front of hypercorn
+and serves each HTTP connection with hypercorn's ``hypercorn.trio.tcp_server.TCPServer``, changing
+how a connection reads and closes (a close that is never lost and lingers; a reader that ends
+when a write finds the peer gone). ``hypercorn``'s documented interface (``hypercorn.trio.serve``
+and its ``Config``) has no seam for either, so this module is the one place that relies on its
+internals:
+
+* ``TCPServer._read_data()`` (the connection's read loop, called once by ``TCPServer.run``) and
+  ``TCPServer._close()`` (called when the connection ends and on a ``Closed`` event the protocol
+  sends) are private; :class:`HypercornConnection` maps them to the public hooks
+  :meth:`~HypercornConnection.read_data` and :meth:`~HypercornConnection.close_connection`,
+  which default to hypercorn's own behaviour;
+* the undocumented modules the listener builds a worker from: ``TCPServer`` and ``MAX_RECV``,
+  ``Lifespan``, ``WorkerContext``, the ``RawData`` and ``Closed`` events, ``ConnectionState``
+  and ``wrap_app`` (re-exported here, so the listener imports none of hypercorn's internals itself).
+
+Checked against hypercorn :data:`CHECKED_AGAINST`, pinned exactly in ``pyproject.toml``.
+:func:`check` runs when this module is imported and raises :class:`CompatError` naming what
+changed (a method gone, a different signature, ``run`` no longer calling the hooks), so an
+upgrade stops the server at start-up and fails ``tests/test_compat.py`` instead of silently
+serving connections without the listener's close rules.
+"""
+
+from __future__ import annotations
+
+import inspect
+from importlib import metadata
+from typing import Final
+
+from . import CompatError
+
+__all__ = [
+    "CHECKED_AGAINST",
+    "MAX_RECV",
+    "Closed",
+    "CompatError",
+    "ConnectionState",
+    "HypercornConnection",
+    "Lifespan",
+    "RawData",
+    "WorkerContext",
+    "check",
+    "wrap_app",
+]
+
+#: The hypercorn version whose internals this module was checked against.
+CHECKED_AGAINST: Final = {"hypercorn": "0.18.0"}
+
+#: The private methods of ``TCPServer`` mapped to hooks: name and parameters (besides self).
+_HOOKED: Final = {"_read_data": (), "_close": ()}
+#: The attributes of a ``TCPServer`` the listener's hooks use.
+_ATTRIBUTES: Final = ("app", "config", "context", "send_lock", "stream")
+
+
+def _fail(what: str) -> CompatError:
+    try:
+        installed = metadata.version("hypercorn")
+    except metadata.PackageNotFoundError:
+        installed = "(not installed)"
+    return CompatError(
+        f"crush_trio._compat.hypercorn: {what}. Installed: hypercorn {installed}; this adapter "
+        f"was checked against hypercorn {CHECKED_AGAINST['hypercorn']}. Install the version "
+        "pinned in pyproject.toml, or update crush_trio/_compat/hypercorn.py for the new one."
+    )
+
+
+try:
+    from hypercorn.events import Closed, RawData
+    from hypercorn.trio.lifespan import Lifespan
+    from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+    from hypercorn.utils import wrap_app
+except ImportError as exc:
+    raise _fail(f"an internal module or name is gone ({exc})") from exc
+
+
+class HypercornConnection(TCPServer):  # type: ignore[misc]
+    """hypercorn's connection server with its read loop and close as overridable hooks.
+
+    Construct it as ``TCPServer`` (``app, config, context, state, stream``) and await it.
+    """
+
+    async def _read_data(self) -> None:
+        await self.read_data()
+
+    async def _close(self) -> None:
+        await self.close_connection()
+
+    async def read_data(self) -> None:
+        """Read the connection until it ends, feeding the protocol (hypercorn's own loop)."""
+        await super()._read_data()
+
+    async def close_connection(self) -> None:
+        """Send EOF and close the stream (hypercorn's own close)."""
+        await super()._close()
+
+
+def check() -> None:
+    """Verify the internals this module relies on (no I/O).
+
+    Raises:
+        CompatError: a hooked method is gone, is no longer a coroutine function, takes other
+            parameters or is no longer called by ``TCPServer.run``/``protocol_send``; or a
+            connection lacks an attribute the listener uses.
+    """
+    for name, parameters in _HOOKED.items():
+        method = getattr(TCPServer, name, None)
+        if method is None or not inspect.iscoroutinefunction(method):
+            raise _fail(f"TCPServer.{name} is gone or no longer a coroutine function")
+        params = tuple(inspect.signature(method).parameters)[1:]
+        if params != parameters:
+            raise _fail(f"TCPServer.{name} now takes {params}, not {parameters}")
+    try:
+        run = inspect.getsource(TCPServer.run)
+        send = inspect.getsource(TCPServer.protocol_send)
+    except (OSError, TypeError) as exc:
+        raise _fail(f"the source of TCPServer cannot be read ({exc})") from exc
+    if "self._read_data()" not in run or "self._close()" not in run:
+        raise _fail("TCPServer.run no longer calls self._read_data() and self._close()")
+    if "self._close()" not in send:
+        raise _fail("TCPServer.protocol_send no longer calls self._close() on Closed")
+    init = tuple(inspect.signature(TCPServer.__init__).parameters)[1:]
+    if init != ("app", "config", "context", "state", "stream"):
+        raise _fail(f"TCPServer() now takes {init}")
+    source = inspect.getsource(TCPServer.__init__)
+    missing = [name for name in _ATTRIBUTES if f"self.{name} =" not in source]
+    if missing:
+        raise _fail(f"TCPServer no longer sets {', '.join(missing)}")
+    if not isinstance(MAX_RECV, int) or MAX_RECV <= 0:
+        raise _fail("hypercorn.trio.tcp_server.MAX_RECV is no longer a positive int")
+
+
+check()
