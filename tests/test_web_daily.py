@@ -182,8 +182,14 @@ def test_screenshots_and_accessibility(
     height: int,
 ) -> None:
     """The page people see, written to docs/screenshots/ for docs/web.md, passes axe-core."""
+    plan = [
+        {"content": "Read main.py", "status": "completed", "active_form": "Reading main.py"},
+        {"content": "Run the tests", "status": "in_progress", "active_form": "Running the tests"},
+        {"content": "Fix what fails", "status": "pending", "active_form": "Fixing what fails"},
+    ]
     model = ScriptedModel(
         [
+            Step(tool_calls=[("todos", {"todos": plan})]),
             Step(text="Here is the plan:\n\n1. **read** `main.py`\n2. run the tests"),
             Step(tool_calls=[("bash", {"command": "pytest -q tests/"})]),  # denied: ends
         ]
@@ -196,6 +202,7 @@ def test_screenshots_and_accessibility(
         wait_for_run(page, "completed")
         send(page, "run the tests")
         expect(page.locator(".permission")).to_have_count(1)
+        expect(page.locator("#todos .todo")).to_have_count(3)
         check_accessibility(page)
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SCREENSHOTS / f"web-{width}x{height}.png"))
@@ -211,3 +218,32 @@ def test_screenshots_and_accessibility(
         wait_for_run(page, "completed", count=2)
     finally:
         srv.stop()
+
+
+def test_sessions_page_in_with_older_ones_on_demand_and_a_search_by_title(
+    server: ThreadServer, pages: Pages, project: Path
+) -> None:
+    page = pages.open(server, viewport={"width": 1280, "height": 800})
+    open_workspace(page, project)
+    wid = page.evaluate("window.crushTrio.wid")
+    with server.http() as http:
+        for i in range(60):
+            made = http.post(f"/v1/workspaces/{wid}/sessions", json={"title": f"topic {i:02d}"})
+            assert made.status_code == 200, made.text
+    page.reload()
+    expect(page.locator("#connection")).to_have_attribute("data-state", "open")
+    sessions = page.locator("#session-list .session")
+    expect(sessions).to_have_count(50)  # the newest page only
+    more = page.locator("#more-sessions")
+    expect(more).to_be_visible()
+    more.click()
+    expect(sessions).to_have_count(60)
+    expect(more).to_be_hidden()
+    page.fill("#session-search", "topic 0")
+    expect(sessions).to_have_count(10)  # topic 00 ... topic 09, found by the server
+    expect(sessions.first).to_contain_text("topic 0")
+    page.fill("#session-search", "no such topic")
+    expect(sessions).to_have_count(0)
+    expect(page.locator("#no-sessions")).to_contain_text("no such topic")
+    page.fill("#session-search", "")
+    expect(sessions).to_have_count(60)

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+
 #: Terminal run statuses, as stored: a run with one of them keeps it.
 def _fetch(conn: psycopg.Connection[Any]) -> Callable[[str, Any], list[Any]]:
     return lambda sql, params: conn.execute(sql, params).fetchall()

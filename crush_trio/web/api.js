@@ -97,6 +97,14 @@ export const api = {
     request("GET", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/prompts/list`),
   agentInfo: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/agent`),
   pendingPermissions: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/permissions`),
+  session: (wid, sid) => request("GET", `/v1/workspaces/${enc(wid)}/sessions/${enc(sid)}`),
+  /** One page of sessions, newest created first: `{limit, before?, q?}` (PROTOCOL "Paging"). */
+  sessionsPage: (wid, { limit, before, q }) => {
+    const query = new URLSearchParams({ limit: String(limit) });
+    if (before) query.set("before", before);
+    if (q) query.set("q", q);
+    return request("GET", `/v1/workspaces/${enc(wid)}/sessions?${query}`);
+  },
   providers: (wid) => request("GET", `/v1/workspaces/${enc(wid)}/providers`),
   summarize: (wid, sid) =>
     request("POST", `/v1/workspaces/${enc(wid)}/agent/sessions/${enc(sid)}/summarize`),

@@ -31,6 +31,10 @@ import { ChangesPanel } from "./changes.js";
 const RECENT_KEY = "crush_trio.recent_workspaces";
 /** How many recent workspaces are remembered. */
 const RECENT_MAX = 8;
+/** Sessions read per page for the sidebar (`GET .../sessions?limit=`), and per search. */
+const SESSIONS_PAGE = 50;
+/** Milliseconds of no typing before the session search asks the server. */
+const SEARCH_DEBOUNCE_MS = 250;
 /** localStorage key prefix of the model last chosen for a session (`...<session id>`). */
 const MODEL_KEY = "crush_trio.model.";
 /** Finished runs kept in the prompt status list (older ones are dropped on the next send). */
@@ -113,6 +117,19 @@ class App {
     /** The agent info of the open workspace (`GET .../agent`), and the model picker's choices. */
     this.agent = null;
     this.modelChoices = [];
+    this.sessionsCursor = null;
+    this.sessionsMore = false;
+    this.searchResults = null;
+    this.searchText = "";
+    $("session-search").value = "";
+    /** Paging of the sidebar: the oldest session read so far, and whether older ones exist. */
+    this.sessionsCursor = null;
+    this.sessionsMore = false;
+    /** The sidebar's search: its text, and the sessions the server found for it. */
+    this.searchText = "";
+    this.searchResults = null;
+    this.searchTimer = 0;
+    this.searchGen = 0;
     /** The session being summarized, and the progress line of its summary. */
     this.summarizing = null;
     this.summaryProgress = "";
@@ -162,6 +179,11 @@ class App {
       $("toggle-panel").focus();
     });
     $("summarize").addEventListener("click", () => this.summarize());
+    $("session-search").addEventListener("input", (ev) => {
+      clearTimeout(this.searchTimer);
+      this.searchTimer = setTimeout(() => this.searchSessions(ev.target.value), SEARCH_DEBOUNCE_MS);
+    });
+    $("more-sessions").addEventListener("click", () => this.loadOlderSessions());
     $("model-picker").addEventListener("change", (ev) => {
       if (this.current) localStorage.setItem(MODEL_KEY + this.current, ev.target.value);
     });
@@ -543,9 +565,24 @@ class App {
     const gen = ++this.syncGen;
     this.stats.resyncs += 1;
     try {
-      const sessions = await this.call("sessions.list");
+      // The newest page only: a workspace may have thousands of sessions.
+      const sessions = await api.sessionsPage(this.wid, { limit: SESSIONS_PAGE });
       if (gen !== this.syncGen) return;
       this.sessions = new Map(sessions.map((s) => [s.id, s]));
+      this.sessionsCursor = sessions.length ? sessions[sessions.length - 1].id : null;
+      this.sessionsMore = sessions.length === SESSIONS_PAGE;
+      for (const sid of [this.current, this.wantedSession]) {
+        // The open (or bookmarked) session may be older than the first page.
+        if (sid && !this.sessions.has(sid)) {
+          try {
+            const s = await api.session(this.wid, sid);
+            if (gen !== this.syncGen) return;
+            this.sessions.set(s.id, s);
+          } catch {
+            // Deleted meanwhile: left out.
+          }
+        }
+      }
       // Requests asked before this page connected (or during a gap) are still answerable.
       const pending = await api.pendingPermissions(this.wid);
       if (gen !== this.syncGen) return;
@@ -701,9 +738,9 @@ class App {
     }
   }
 
-  /** The running-commands and jobs panel, above the prompt area. */
+  /** The running-commands and jobs panel, in the side panel. */
   jobsPanel() {
-    if (!this.jobs) this.jobs = new JobsPanel(document.querySelector(".prompt-area"));
+    if (!this.jobs) this.jobs = new JobsPanel($("jobs-anchor"));
     return this.jobs;
   }
 
@@ -810,6 +847,44 @@ class App {
     input.select();
   }
 
+  /** Ask the server for the sessions whose title contains `text` (the sidebar's search). */
+  async searchSessions(text) {
+    const q = String(text || "").trim();
+    const gen = ++this.searchGen;
+    this.searchText = q;
+    if (!q || !this.wid) {
+      this.searchResults = null;
+      this.renderSessions();
+      return;
+    }
+    try {
+      const found = await api.sessionsPage(this.wid, { limit: SESSIONS_PAGE, q });
+      if (gen !== this.searchGen) return;
+      this.searchResults = found.map((s) => s.id);
+      for (const s of found) if (!this.sessions.has(s.id)) this.sessions.set(s.id, s);
+      this.renderSessions();
+      this.announce(`${found.length} sessions found`);
+    } catch (err) {
+      if (gen === this.searchGen) this.toast(`Cannot search the sessions: ${err.message}`, "error");
+    }
+  }
+
+  /** The next page of older sessions (the sidebar's *Show older sessions*). */
+  async loadOlderSessions() {
+    if (!this.wid || !this.sessionsCursor) return;
+    const wid = this.wid;
+    try {
+      const page = await api.sessionsPage(wid, { limit: SESSIONS_PAGE, before: this.sessionsCursor });
+      if (wid !== this.wid) return;
+      for (const s of page) if (!this.sessions.has(s.id)) this.sessions.set(s.id, s);
+      if (page.length) this.sessionsCursor = page[page.length - 1].id;
+      this.sessionsMore = page.length === SESSIONS_PAGE;
+      this.renderSessions();
+    } catch (err) {
+      this.toast(`Cannot load older sessions: ${err.message}`, "error");
+    }
+  }
+
   renderSessions() {
     // A rename in progress keeps its input; the list is redrawn when it ends.
     if (this.renaming) return;
@@ -820,7 +895,8 @@ class App {
       ? [active.closest(".session")?.dataset.sessionId, active.className.split(" ").pop()]
       : null;
     clear(ul);
-    const sessions = [...this.sessions.values()].sort(byNewest);
+    const shown = this.searchResults ? new Set(this.searchResults) : null;
+    const sessions = [...this.sessions.values()].filter((s) => !shown || shown.has(s.id)).sort(byNewest);
     for (const s of sessions) {
       const title = sessionTitle(s);
       const li = h("li", {
@@ -859,6 +935,11 @@ class App {
       ul.append(li);
     }
     $("no-sessions").hidden = sessions.length > 0 || !this.wid;
+    $("no-sessions").textContent = shown
+      ? `No session title contains “${this.searchText}”.`
+      : "No sessions yet. Send a prompt to start one.";
+    $("more-sessions").hidden = !this.sessionsMore || !!shown || !this.wid;
+    $("session-search").disabled = !this.wid;
     if (focusKey) {
       const [sid, cls] = focusKey;
       const target = [...ul.querySelectorAll(".session")].find((li) => li.dataset.sessionId === sid);

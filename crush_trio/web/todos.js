@@ -10,13 +10,15 @@ import { clear, h } from "./dom.js";
 const STATUS_LABELS = { pending: "to do", in_progress: "in progress", completed: "done" };
 const STATUS_MARKS = { pending: "○", in_progress: "◐", completed: "●" };
 
-/** The checklist element, made once and placed after the session head. */
+/** The checklist element, made once and placed in the side panel (else after the session head). */
 function container() {
   let el = document.getElementById("todos");
   if (el) return el;
   el = h("section", { id: "todos", class: "todos", "aria-label": "Plan", hidden: true });
+  const panel = document.getElementById("panel-plan");
   const head = document.querySelector(".session-head");
-  if (head) head.after(el);
+  if (panel) panel.append(el);
+  else if (head) head.after(el);
   else document.getElementById("main")?.prepend(el);
   return el;
 }
