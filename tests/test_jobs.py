@@ -370,14 +370,14 @@ async def test_cancel_while_a_job_starts_leaves_no_job(
     ws = tmp_path / "ws"
     ws.mkdir()
     starting = trio.Event()
-    real_argv = jobs_module.shell_argv
+    real_start = jobs_module.start_shell
 
-    async def slow_argv(*args: Any, **kwargs: Any) -> list[str]:
+    async def slow_start(*args: Any, **kwargs: Any) -> Any:
         starting.set()
         await trio.sleep_forever()
-        return await real_argv(*args, **kwargs)  # pragma: no cover
+        return await real_start(*args, **kwargs)  # pragma: no cover
 
-    monkeypatch.setattr(jobs_module, "shell_argv", slow_argv)
+    monkeypatch.setattr(jobs_module, "start_shell", slow_start)
     async with job_manager() as manager:
         ctx = make_ctx(ws, FakeAsker(), jobs=manager)
         returned: list[ToolResult] = []
@@ -400,7 +400,7 @@ async def test_cancel_while_a_job_starts_leaves_no_job(
         assert returned == []
         assert manager.info() == []
         # The manager still starts jobs afterwards.
-        monkeypatch.setattr(jobs_module, "shell_argv", real_argv)
+        monkeypatch.setattr(jobs_module, "start_shell", real_start)
         await call(ctx, "bash", command="echo later", background=True)
         assert (await call(ctx, "job_output", job_id="job-2", wait=10)).content.startswith("later")
     assert not (ws / "made").exists()

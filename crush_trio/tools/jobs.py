@@ -23,8 +23,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
-import subprocess
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -36,14 +34,13 @@ import trio
 from ..config import DEFAULT_JOB_BUFFER_BYTES, JobsOptions
 from ..wire import JobInfo, JobState, ToolOutput, now
 from .base import ToolError
-from .sandbox import Sandbox, shell_env
+from .sandbox import Sandbox
 from .shell import (
     CLEANUP_MARGIN,
     KILL_GRACE,
     OUTPUT_DRAIN_TIMEOUT,
-    deliver_cancel,
     end_group,
-    shell_argv,
+    start_shell,
 )
 from .stream import OutputStreamer
 
@@ -262,38 +259,20 @@ class JobManager:
             else None
         )
         killed = False
-        args_fd: int | None = None
         try:
             with job.scope:
-                argv, args_fd = await shell_argv(
-                    job.command,
-                    cwd=cwd,
-                    sandbox=sandbox,
-                    data_dir=data_dir,
-                    writable=writable,
-                    network=network,
-                    prompt_free=prompt_free,
-                )
                 async with trio.open_nursery() as nursery:
-                    process: trio.Process = await nursery.start(
-                        partial(
-                            trio.run_process,
-                            argv,
-                            cwd=cwd,
-                            env=shell_env(),
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            start_new_session=True,
-                            check=False,
-                            deliver_cancel=deliver_cancel,
-                            pass_fds=() if args_fd is None else (args_fd,),
-                        )
+                    process = await start_shell(
+                        nursery,
+                        job.command,
+                        cwd=cwd,
+                        sandbox=sandbox,
+                        data_dir=data_dir,
+                        writable=writable,
+                        network=network,
+                        prompt_free=prompt_free,
                     )
                     job.pgid = process.pid
-                    if args_fd is not None:
-                        os.close(args_fd)  # the child has its own copy
-                        args_fd = None
                     assert process.stdout is not None
                     task_status.started(job)
                     drained = trio.Event()
@@ -308,8 +287,6 @@ class JobManager:
                     nursery.cancel_scope.cancel()
             killed = job.scope.cancelled_caught
         finally:
-            if args_fd is not None:
-                os.close(args_fd)
             if job.pgid is not None:
                 with trio.move_on_after(KILL_GRACE + CLEANUP_MARGIN, shield=True):
                     await end_group(job.pgid)

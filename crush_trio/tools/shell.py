@@ -32,6 +32,7 @@ __all__ = [
     "render_output",
     "run_shell",
     "shell_argv",
+    "start_shell",
 ]
 
 #: Seconds a process group gets between SIGTERM and SIGKILL.
@@ -220,6 +221,56 @@ async def shell_argv(
     return spawned, fd
 
 
+async def start_shell(
+    nursery: trio.Nursery,
+    command: str,
+    *,
+    cwd: Path,
+    sandbox: Sandbox | None,
+    data_dir: Path | None,
+    writable: bool,
+    network: bool | None,
+    prompt_free: bool = False,
+) -> trio.Process:
+    """Start ``bash -c command`` (in ``sandbox`` when given, :func:`shell_argv`) as a task of
+    ``nursery``: in its own process group, stdin closed, stdout and stderr on one pipe. Its
+    cancel ends the whole group (:func:`deliver_cancel`).
+
+    Cancellation:
+        Before the process started: nothing is left running, and the sandbox's layout
+        descriptor is closed.
+    """
+    argv, args_fd = await shell_argv(
+        command,
+        cwd=cwd,
+        sandbox=sandbox,
+        data_dir=data_dir,
+        writable=writable,
+        network=network,
+        prompt_free=prompt_free,
+    )
+    try:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                argv,
+                cwd=cwd,
+                env=shell_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                check=False,
+                deliver_cancel=deliver_cancel,
+                pass_fds=() if args_fd is None else (args_fd,),
+            )
+        )
+    finally:
+        if args_fd is not None:
+            os.close(args_fd)  # the child has its own copy
+    return process
+
+
 async def run_shell(
     command: str,
     *,
@@ -264,38 +315,20 @@ async def run_shell(
     output = _OutputBuffer(max(output_limit, 2))
     pgid: int | None = None
     exit_code: int | None = None
-    args_fd: int | None = None
     try:
         with trio.move_on_after(time_limit):
-            argv, args_fd = await shell_argv(
-                command,
-                cwd=cwd,
-                sandbox=sandbox,
-                data_dir=data_dir,
-                writable=writable,
-                network=network,
-                prompt_free=prompt_free,
-            )
             async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    partial(
-                        trio.run_process,
-                        argv,
-                        cwd=cwd,
-                        env=shell_env(),
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        check=False,
-                        deliver_cancel=deliver_cancel,
-                        pass_fds=() if args_fd is None else (args_fd,),
-                    )
+                process = await start_shell(
+                    nursery,
+                    command,
+                    cwd=cwd,
+                    sandbox=sandbox,
+                    data_dir=data_dir,
+                    writable=writable,
+                    network=network,
+                    prompt_free=prompt_free,
                 )
                 pgid = process.pid
-                if args_fd is not None:
-                    os.close(args_fd)  # the child has its own copy
-                    args_fd = None
                 assert process.stdout is not None
                 drained = trio.Event()
                 nursery.start_soon(_collect, process.stdout, output, drained, streamer)
@@ -308,8 +341,6 @@ async def run_shell(
                     await drained.wait()
                 nursery.cancel_scope.cancel()
     finally:
-        if args_fd is not None:
-            os.close(args_fd)
         if streamer is not None:
             streamer.close()
         if pgid is not None:
