@@ -186,6 +186,14 @@ class Metrics:
             ["transport"],
             registry=r,
         )
+        self.slow_client_closes = Counter(
+            p + "slow_client_closes",
+            "Websockets disconnected as too slow, by how the close ended: closed (the frame in "
+            "flight, then the close frame 1013, written whole), aborted (not taken within "
+            "SLOW_CLOSE_TIMEOUT: reset, nothing more written), gone (the client left first)",
+            ["outcome"],
+            registry=r,
+        )
         self.must_deliver_wait = Histogram(
             p + "must_deliver_wait_seconds",
             "Time a must-deliver event waited for room in a full client queue (only events "
