@@ -601,6 +601,7 @@ class Workspace:
         if session is None:
             return False
         await self.store.delete_session(session_id)
+        self.permissions.forget_session(session_id)
         self.broker.publish(session, EventKind.DELETED)
         return True
 
