@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Final
 
 #: Frames kept per traced allocation (enough to see who called a library's allocation).
-FRAMES: Final = 4
+FRAMES: Final = 3
 #: How often the request thread looks for requests (seconds).
 POLL: Final = 0.2
 

@@ -49,6 +49,8 @@ from .common import Ctx, fake_config
 
 #: RSS growth from the baseline to the end that still counts as a plateau (fraction).
 W6_GROWTH_TARGET: Final = 0.10
+#: Length of a full soak (seconds).
+FULL_SOAK: Final = 3600.0
 #: Growth sites printed.
 TOP_SITES: Final = 15
 #: Bound on one HTTP request of the load (seconds).
@@ -76,6 +78,8 @@ class SoakPlan:
     tokens: int = 60
     token_delay: float = 0.005
     interval: float = 10.0
+    #: Server options of the soak (the defaults, or smaller replay buffers for a shortened run).
+    server: dict[str, Any] | None = None
 
     @property
     def baseline_at(self) -> float:
@@ -86,6 +90,7 @@ class SoakPlan:
 def plan(seconds: float, smoke: bool) -> SoakPlan:
     if smoke:
         return SoakPlan(
+            server={"replay_buffer": 256},
             seconds=seconds,
             sessions=4,
             ws_watchers=3,
@@ -97,7 +102,12 @@ def plan(seconds: float, smoke: bool) -> SoakPlan:
             tokens=10,
             interval=1.0,
         )
-    return SoakPlan(seconds=seconds, interval=max(2.0, min(30.0, seconds / 120)))
+    p = SoakPlan(seconds=seconds, interval=max(2.0, min(30.0, seconds / 120)))
+    if seconds < FULL_SOAK:
+        # A shortened run cannot wait an hour for the replay buffers (4096 events each) to fill
+        # at this load: a quarter of them fills before its baseline.
+        p.server = {"replay_buffer": 1024, "replay_bytes": 2 * MB}
+    return p
 
 
 def _text(message: dict[str, Any]) -> str:
@@ -442,8 +452,7 @@ async def w6(ctx: Ctx) -> WorkloadResult:
         project.mkdir(parents=True, exist_ok=True)
     samples: list[tuple[float, int, int]] = []
     async with fake_model(p) as fake_url:
-        config = fake_config(fake_url, provider={"max_retries": 0})
-        config["server"]["create_grace"] = 86400.0
+        config = fake_config(fake_url, provider={"max_retries": 0}, server=p.server)
         launcher = ("-m", "bench.traced_server", str(snaps))
         async with server_process(config, work, launcher=launcher) as server:
             load = Load(p, server.url, projects)
@@ -475,9 +484,12 @@ async def w6(ctx: Ctx) -> WorkloadResult:
                         base = await _snapshot(snaps, "base")
                         ctx.log(f"[W6] baseline snapshot at {elapsed:.0f} s")
                     await trio.sleep(min(p.interval, max(0.1, p.seconds - elapsed)))
+                # The last sample under load, before the snapshot (taking it costs memory).
+                samples.append(
+                    (time.monotonic() - started, memory(server.pid).rss, _fds(server.pid))
+                )
                 nursery.cancel_scope.cancel()
             end = await _snapshot(snaps, "end")
-            samples.append((time.monotonic() - started, memory(server.pid).rss, _fds(server.pid)))
             if base is None:
                 base = end
             await load.http.aclose()
@@ -490,6 +502,8 @@ async def w6(ctx: Ctx) -> WorkloadResult:
     at_base = next(rss for t, rss, _ in samples if t >= p.baseline_at) if samples else 0
     final = samples[-1][1]
     growth = (final - at_base) / at_base if at_base else math.nan
+    at_half = next(rss for t, rss, _ in samples if t >= p.seconds / 2) if samples else 0
+    half_growth = (final - at_half) / at_half if at_half else math.nan
     rss_table = Table(
         f"RSS of the server over {p.seconds / 60:g} min of mixed load (tracemalloc on)",
         ["minute", "RSS (MiB)", "open fds"],
@@ -522,6 +536,11 @@ async def w6(ctx: Ctx) -> WorkloadResult:
         )
     )
     result.notes.append(
+        f"RSS {at_base / MB:.1f} MiB at the baseline, {at_half / MB:.1f} MiB half-way, "
+        f"{final / MB:.1f} MiB at the end (under load, before the last snapshot): "
+        f"{half_growth:+.1%} over the second half"
+    )
+    result.notes.append(
         f"traced Python heap: {traced[0] / MB:.1f} MiB at the baseline, {traced[1] / MB:.1f} MiB "
         f"at the end; server errors in the log: {len(errors)}"
     )
@@ -530,6 +549,8 @@ async def w6(ctx: Ctx) -> WorkloadResult:
         "baseline_at": p.baseline_at,
         "samples": [{"t": t, "rss": rss, "fds": fds} for t, rss, fds in samples],
         "growth": growth,
+        "growth_second_half": half_growth,
+        "server": p.server or {},
         "sites": sites,
         "traced": traced,
         "counts": dict(load.counts),
