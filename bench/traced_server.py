@@ -4,7 +4,8 @@ snapshots taken when asked.
 The soak (W6, :mod:`bench.workloads.w6`) runs the server through this module. A thread watches
 ``DIR`` for request files: ``start.request`` starts ``tracemalloc`` (:data:`FRAMES` frames per
 allocation) and is answered with ``start.done``; ``NAME.request`` dumps a snapshot to
-``NAME.snap`` (written under a temporary name, then renamed, so a reader never sees half a file).
+``NAME.snap`` (written under a temporary name, then renamed, so a reader never sees half a file),
+with ``NAME.json`` beside it: the traced bytes and the memory of ``tracemalloc`` itself.
 Everything after ``DIR`` is the ``crush_trio`` command line.
 
 Tracing slows every allocation several times (the server took 55 s instead of 7 s to start on a
@@ -16,6 +17,7 @@ includes the traces themselves.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -41,6 +43,11 @@ def watch(directory: Path) -> None:
                 if not tracemalloc.is_tracing():
                     tracemalloc.start(FRAMES)
                 snapshot = tracemalloc.take_snapshot()
+                traced, _ = tracemalloc.get_traced_memory()
+                own = tracemalloc.get_tracemalloc_memory()  # the traces themselves
+                (directory / f"{name}.json").write_text(
+                    json.dumps({"traced": traced, "tracemalloc": own})
+                )
                 partial = directory / f"{name}.snap.partial"
                 snapshot.dump(str(partial))
                 partial.rename(directory / f"{name}.snap")
