@@ -5,9 +5,12 @@ Examples::
     python -m bench                      # every workload at full size (about 12 min on 2 cores)
     python -m bench --smoke              # every workload at tiny sizes (under a minute)
     python -m bench --only W1,W3         # some workloads
-    python -m bench --soak-runs 2000     # a shorter soak
+    python -m bench --soak-runs 2000     # a shorter W4 soak
+    python -m bench --only W6            # the mixed-load soak (60 min; memory plateau)
+    python -m bench --soak-minutes 15    # a shorter one
 
-Results go to ``bench/results/`` (``--out``): ``W1.md`` ... ``W5.md`` with a PNG chart each,
+A full run without ``--only`` runs W1-W5; W6 runs when named or when ``--soak-minutes`` is given.
+Results go to ``bench/results/`` (``--out``): ``W1.md`` ... ``W6.md`` with a PNG chart each,
 ``summary.md`` (every table and the targets) and ``results.json`` (raw figures). A smoke run
 writes to a temporary directory unless ``--out`` is given. The exit code is 0 when every workload
 ran (targets not met are reported, not failures), 1 when a workload failed.
@@ -33,7 +36,7 @@ from . import snapshots
 from .client import COMPRESSION_ENV, DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
-from .workloads import FULL, SMOKE, WORKLOADS, Ctx
+from .workloads import DEFAULT_FULL, FULL, SMOKE, WORKLOADS, Ctx
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
     p.add_argument("--w5-seconds", type=float, help="W5 chaos duration in seconds")
+    p.add_argument("--soak-minutes", type=float, help="W6 mixed-load soak length (full: 60)")
     return p
 
 
@@ -99,9 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w4_updates": args.w4_updates,
         "soak_runs": args.soak_runs,
         "w5_seconds": args.w5_seconds,
+        "soak_minutes": args.soak_minutes,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
-    keys = [k.strip().upper() for k in args.only.split(",") if k.strip()] or list(WORKLOADS)
+    default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)
+    if args.soak_minutes is not None and "W6" not in default:
+        default.append("W6")
+    keys = [k.strip().upper() for k in args.only.split(",") if k.strip()] or default
     unknown = [k for k in keys if k not in WORKLOADS]
     if unknown:
         print(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}", file=sys.stderr)

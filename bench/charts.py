@@ -126,3 +126,14 @@ def w5(path: Path, raw: dict[str, Any]) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     _save(fig, path)
+
+
+def w6(path: Path, raw: dict[str, Any]) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4))
+    samples = raw["samples"]
+    ax.plot([s["t"] / 60 for s in samples], [s["rss"] / MB for s in samples], label="RSS")
+    ax.axvline(raw["baseline_at"] / 60, color="grey", linestyle="--", linewidth=1, label="baseline")
+    ax.set(title="Soak: server RSS (MiB)", xlabel="minutes", ylim=(0, None))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    _save(fig, path)

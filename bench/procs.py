@@ -341,18 +341,21 @@ class ServerProcess:
 
 @asynccontextmanager
 async def server_process(
-    config: dict[str, Any], workdir: Path, name: str = "server"
+    config: dict[str, Any],
+    workdir: Path,
+    name: str = "server",
+    launcher: Sequence[str] = ("-m", "crush_trio"),
 ) -> AsyncIterator[ServerProcess]:
     """Run the server with ``config`` (a ``crush.json`` as a dict) until the block ends.
 
-    The server gets SIGTERM on exit (a graceful shutdown) and is killed if it does not exit
-    within :data:`STOP_TIMEOUT`.
+    ``launcher``: the interpreter arguments before ``serve`` (another module may wrap the server,
+    e.g. :mod:`bench.traced_server`). The server gets SIGTERM on exit (a graceful shutdown) and
+    is killed if it does not exit within :data:`STOP_TIMEOUT`.
     """
     config_path = _write_config(workdir, name, config)
     data_dir = workdir / f"{name}-data"
     argv = python(
-        "-m",
-        "crush_trio",
+        *launcher,
         "serve",
         "--port",
         "0",

@@ -69,6 +69,9 @@ TRANSPORTS: Final = ("ws", "sse", "other")
 #: Distinct ``tool`` label values kept; calls of further tool names count as ``other`` (the model
 #: chooses the name, so the label set must be bounded).
 MAX_TOOL_LABELS: Final = 128
+#: Distinct ``provider`` label values kept; further provider names (a workspace's config names
+#: them) count as ``other``.
+MAX_PROVIDER_LABELS: Final = 64
 #: The ``tool`` label of a call naming a tool that is not offered.
 UNKNOWN_TOOL: Final = "unknown"
 
@@ -186,6 +189,14 @@ class Metrics:
             ["transport"],
             registry=r,
         )
+        self.slow_client_closes = Counter(
+            p + "slow_client_closes",
+            "Websockets disconnected as too slow, by how the close ended: closed (the frame in "
+            "flight, then the close frame 1013, written whole), aborted (not taken within "
+            "SLOW_CLOSE_TIMEOUT: reset, nothing more written), gone (the client left first)",
+            ["outcome"],
+            registry=r,
+        )
         self.must_deliver_wait = Histogram(
             p + "must_deliver_wait_seconds",
             "Time a must-deliver event waited for room in a full client queue (only events "
@@ -279,9 +290,15 @@ class Metrics:
         return self._transports.get(transport) or self._transports["other"]
 
     def provider(self, name: str) -> ProviderMetrics:
-        """The bound children of the provider called ``name`` in the configuration."""
+        """The bound children of the provider called ``name`` in the configuration; names past
+        :data:`MAX_PROVIDER_LABELS` share the children of ``other``."""
         bound = self._providers.get(name)
         if bound is None:
+            if len(self._providers) >= MAX_PROVIDER_LABELS:
+                name = "other"
+                bound = self._providers.get(name)
+                if bound is not None:
+                    return bound
             bound = self._providers[name] = ProviderMetrics(self, name)
         return bound
 

@@ -20,6 +20,7 @@ No lock is held while waiting, so other runs (and other requests) go on.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Callable
@@ -36,6 +37,10 @@ log = logging.getLogger(__name__)
 
 #: Bound on publishing a notification from a cleanup path (seconds).
 NOTIFY_TIMEOUT: Final = 5.0
+#: Most ``allow_session`` grants a workspace keeps (sessions x tools x actions x scopes); past
+#: it the oldest grant is forgotten, so its tool call asks again. A deleted session's grants go
+#: at once (:meth:`PermissionService.forget_session`).
+MAX_SESSION_GRANTS: Final = 4096
 
 
 @attrs.define(eq=False)
@@ -78,8 +83,11 @@ class PermissionService:
         self.allowed_tools = frozenset(allowed_tools)
         self.timeout = timeout
         self.skip = False
-        #: ``allow_session`` answers: (session, tool, action, :func:`grant_scope`).
-        self._grants: set[tuple[str, str, str, str]] = set()
+        #: ``allow_session`` answers: (session, tool, action, :func:`grant_scope`), oldest first,
+        #: at most :data:`MAX_SESSION_GRANTS`.
+        self._grants: collections.OrderedDict[tuple[str, str, str, str], None] = (
+            collections.OrderedDict()
+        )
         self._pending: dict[str, _Pending] = {}
         #: Told of each request once it is published (the server's ``permission_request``
         #: webhooks); synchronous, and an error in it is logged, never raised.
@@ -87,6 +95,16 @@ class PermissionService:
 
     def set_skip(self, skip: bool) -> None:
         self.skip = skip
+
+    @property
+    def grants(self) -> int:
+        """How many ``allow_session`` grants are kept."""
+        return len(self._grants)
+
+    def forget_session(self, session_id: str) -> None:
+        """Drop the ``allow_session`` grants of a deleted session."""
+        for key in [key for key in self._grants if key[0] == session_id]:
+            del self._grants[key]
 
     @property
     def pending(self) -> list[PermissionRequest]:
@@ -175,7 +193,10 @@ class PermissionService:
         if action == "allow_session":
             req = pending.request
             scope = grant_scope(req.tool_name, req.params, req.path)
-            self._grants.add((req.session_id, req.tool_name, req.action, scope))
+            self._grants[(req.session_id, req.tool_name, req.action, scope)] = None
+            self._grants.move_to_end((req.session_id, req.tool_name, req.action, scope))
+            while len(self._grants) > MAX_SESSION_GRANTS:
+                self._grants.popitem(last=False)
         pending.done.set()
         await self._notify(pending)
         return True

@@ -25,6 +25,7 @@ WORKLOADS: Final = {
     "W3": "Fan-out",
     "W4": "Memory",
     "W5": "Chaos",
+    "W6": "Soak",
 }
 
 
@@ -56,6 +57,11 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
     assert paced["frame_kinds"].get("message_delta", [0])[0] > 0, paced  # the clients asked
     # The watchers offered permessage-deflate: their sockets carried fewer bytes than the text.
     assert paced["compressed"] and 0 < paced["wire_bytes"] < paced["bytes"], paced
+    # The soak sampled the server's memory and compared two tracemalloc snapshots.
+    soak = raw["workloads"]["W6"]
+    assert len(soak["samples"]) >= 3 and all(s["rss"] > 0 for s in soak["samples"]), soak
+    assert soak["sites"] and soak["traced"][1] > 0, soak
+    assert soak["counts"].get("prompt http", 0) > 0, soak["counts"]
     chaos = raw["workloads"]["W5"]["totals"]
     assert chaos["accepted"] > 0
     assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos

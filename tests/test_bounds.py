@@ -22,10 +22,13 @@ import pytest
 import trio
 import trio.testing
 
+from crush_trio import permissions
 from crush_trio.backend.registry import Backend
 from crush_trio.broker import Broker, ClientStream, Event
 from crush_trio.config import ServerOptions
 from crush_trio.core.holds import Holds
+from crush_trio.metrics import MAX_PROVIDER_LABELS, Metrics
+from crush_trio.permissions import PermissionService
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
 
 from .conftest import WAIT, running_server
@@ -566,3 +569,73 @@ async def _rounds_keep_baseline(
         assert max(rss for rss, _ in samples) <= rss_base + RSS_TOLERANCE_MB, (rss_base, samples)
         r = await http.post(f"/v1/workspaces/{wid}/agent/sessions/{sid}/cancel", json={})
         assert r.status_code == 200, r.text
+
+
+# -- structures that grow with sessions and configs: each one bounded --------------------------
+
+
+async def _grant_for_session(
+    service: PermissionService, session_id: str, path: str, action: str = "allow_session"
+) -> bool:
+    """One tool call of ``session_id`` writing ``path``, answered with ``action``; returns
+    whether it had to ask (False: an earlier grant covered it)."""
+    asked = False
+    async with trio.open_nursery() as nursery:
+
+        async def answer() -> None:
+            nonlocal asked
+            with trio.fail_after(WAIT):
+                while not service.pending:
+                    await trio.testing.wait_all_tasks_blocked()
+            asked = True
+            assert await service.grant(service.pending[0].id, action)
+
+        nursery.start_soon(answer)
+        allowed = await service.request(
+            session_id=session_id,
+            tool_call_id=f"call-{path}",
+            tool_name="write",
+            action="write",
+            description="",
+            params={"path": path},
+            path=path,
+        )
+        assert allowed
+        nursery.cancel_scope.cancel()
+    return asked
+
+
+async def test_session_grants_are_bounded_oldest_forgotten_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(permissions, "MAX_SESSION_GRANTS", 8)
+    service = PermissionService(Broker(), allowed_tools=[])
+    for i in range(12):  # twelve sessions, one grant each
+        assert await _grant_for_session(service, f"s{i}", f"/w/f{i}")
+    assert service.grants == 8
+    assert not await _grant_for_session(service, "s11", "/w/f11")  # the newest is kept
+    assert await _grant_for_session(service, "s0", "/w/f0")  # the oldest asks again
+
+
+async def test_a_deleted_sessions_grants_are_forgotten() -> None:
+    service = PermissionService(Broker(), allowed_tools=[])
+    for i in range(5):
+        assert await _grant_for_session(service, "gone", f"/w/f{i}")
+    assert await _grant_for_session(service, "kept", "/w/f0")
+    service.forget_session("gone")
+    assert service.grants == 1
+    assert await _grant_for_session(service, "gone", "/w/f1")
+
+
+def test_provider_label_values_are_bounded() -> None:
+    metrics = Metrics()
+    for i in range(MAX_PROVIDER_LABELS + 20):
+        metrics.provider(f"provider-{i}").requests.inc()
+    assert len(metrics._providers) == MAX_PROVIDER_LABELS + 1  # the kept names and "other"
+    labels = {
+        s.labels["provider"]
+        for s in metrics.provider_requests.collect()[0].samples
+        if s.name.endswith("_total")
+    }
+    assert len(labels) == MAX_PROVIDER_LABELS + 1 and "other" in labels
+    assert metrics.provider("provider-0") is metrics._providers["provider-0"]  # kept names stay

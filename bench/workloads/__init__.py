@@ -9,7 +9,8 @@ targets and chart.
 * :mod:`.common`: the context every workload gets (:class:`Ctx`) and the building blocks: server
   configs, the fake model, the orchestrator's hold on a workspace, client worker processes.
 * :mod:`.rounds`: rounds of concurrent one-prompt sessions (W1 and W2).
-* :mod:`.w1` ... :mod:`.w5`: one workload each.
+* :mod:`.w1` ... :mod:`.w6`: one workload each (W6, the long soak, runs at full size only when
+  asked for: ``--only W6`` or ``--soak-minutes``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from .w2 import w2
 from .w3 import w3
 from .w4 import w4
 from .w5 import w5
+from .w6 import w6
 
-__all__ = ["FULL", "SMOKE", "WORKLOADS", "Ctx", "Sizes"]
+__all__ = ["DEFAULT_FULL", "FULL", "SMOKE", "WORKLOADS", "Ctx", "Sizes"]
 
 WORKLOADS: Final[dict[str, Callable[[Ctx], Awaitable[WorkloadResult]]]] = {
     "W1": w1,
@@ -34,4 +36,7 @@ WORKLOADS: Final[dict[str, Callable[[Ctx], Awaitable[WorkloadResult]]]] = {
     "W3": w3,
     "W4": w4,
     "W5": w5,
+    "W6": w6,
 }
+#: Workloads of a full run when none are named (the soak takes an hour: asked for by name).
+DEFAULT_FULL: Final = ["W1", "W2", "W3", "W4", "W5"]

@@ -37,6 +37,8 @@ class Sizes:
     w5_workers: int
     w5_sessions: int
     w5_actors: int
+    #: W6: length of the mixed-load soak (minutes).
+    soak_minutes: float
     #: Bound on one measured phase (seconds); a hung phase fails the workload.
     phase_timeout: float = 180.0
     #: Settling time before an idle RSS reading (seconds).
@@ -71,6 +73,7 @@ FULL: Final = Sizes(
     w5_workers=2,
     w5_sessions=4,
     w5_actors=6,
+    soak_minutes=60.0,
 )
 
 SMOKE: Final = Sizes(
@@ -98,6 +101,7 @@ SMOKE: Final = Sizes(
     w5_workers=1,
     w5_sessions=2,
     w5_actors=3,
+    soak_minutes=0.25,
     phase_timeout=60.0,
     settle=0.3,
     w4_warmup=False,

@@ -713,6 +713,7 @@ class Workspace:
             return False
         await self.store.delete_session(session_id)
         self.files.forget_session(session_id)
+        self.permissions.forget_session(session_id)
         self.broker.publish(session, EventKind.DELETED)
         return True
 

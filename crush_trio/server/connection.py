@@ -14,13 +14,18 @@ answers it, and hands an :class:`EventSocket` to :func:`serve_connection`, which
 4. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
    client (1013 ``too slow``, 1012 ``dropped``), 1001 when the workspace closes, else 1000.
 
-The broker kills a client by cancelling its writer
-(:attr:`~crush_trio.broker.ClientStream.on_kill`), so a client stalled in a cancellable send is cut
-off at once.
+The broker kills a client (:attr:`~crush_trio.broker.ClientStream.on_kill`) by bounding the
+connection's writes (:meth:`EventSocket.limit_writes`, :data:`SLOW_CLOSE_TIMEOUT` from now) and
+cancelling its writer. The writer never leaves a frame half-written: the frame in flight is
+finished, frames not begun are not sent, and the close frame follows at that frame boundary. A
+client that reads again within the bound gets all that; otherwise the connection is aborted
+(reset) and nothing more is written. How each such close ended is counted
+(``crush_trio_slow_client_closes_total``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -29,9 +34,10 @@ import attrs
 import trio
 
 from .. import __version__, wire
-from ..broker import ClientStream, Event
+from ..broker import TOO_SLOW_REASON, ClientStream, Event
 from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL, BadRequest
 from ..logs import set_log_context
+from ..metrics import METRICS
 from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
@@ -42,6 +48,10 @@ if TYPE_CHECKING:
 
 #: Bound on sending a close frame (or a refusal) to a client (seconds).
 CLOSE_TIMEOUT: Final = 2.0
+#: A client disconnected as too slow (1013) or dropped (1012): how long it has, from then, to
+#: take the rest of the frame in flight and the close frame before the connection is aborted
+#: (reset, nothing more written; seconds).
+SLOW_CLOSE_TIMEOUT: Final = 5.0
 #: Close reason when the workspace closes under a connection.
 WORKSPACE_CLOSED: Final = "workspace closed"
 
@@ -70,6 +80,16 @@ class EventSocket(Protocol):
 
     async def close(self, code: int, reason: str) -> None:
         """Close the connection with ``code``; bounded, never raises."""
+
+    def limit_writes(self, deadline: float) -> None:
+        """Every write from now on must end by ``deadline`` (trio clock): the frame in flight
+        and the close frame; one that has not then aborts the connection (nothing more is
+        written). Synchronous: called from the broker's kill."""
+
+    def ending(self) -> str:
+        """How the connection's close went (after :meth:`close`): ``closed`` (everything written
+        whole, the close frame last), ``aborted`` (a write did not end in time: reset) or
+        ``gone`` (the client left or closed first)."""
 
 
 @attrs.frozen
@@ -159,6 +179,14 @@ async def subscribed(
         ws.detach(sub.client_id)
 
 
+def close_bound(write_deadline: float) -> float:
+    """How long a close may take (seconds): :data:`CLOSE_TIMEOUT`, or longer when the writes
+    have a deadline (a killed client: its close frame may go out until then)."""
+    if math.isinf(write_deadline):
+        return CLOSE_TIMEOUT
+    return max(CLOSE_TIMEOUT, write_deadline - trio.current_time())
+
+
 def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
     """The code and reason a finished connection is closed with."""
     if stream.killed.is_set():
@@ -175,23 +203,35 @@ async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, 
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
-    async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
-        writer_scope = trio.CancelScope()
-        stream.on_kill = writer_scope.cancel
+    client: ClientStream | None = None
+    try:
+        async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
+            client = stream
+            writer_scope = trio.CancelScope()
 
-        async def writer() -> None:
-            with writer_scope:
-                try:
-                    await write_events(sock, stream, hello, first)
-                except PeerGone:
-                    pass
-            nursery.cancel_scope.cancel()
+            def on_kill() -> None:
+                # Never cut the frame in flight: it, then the close frame, get the bound.
+                sock.limit_writes(trio.current_time() + SLOW_CLOSE_TIMEOUT)
+                writer_scope.cancel()
 
-        nursery.start_soon(writer)
-        while (raw := await sock.receive()) is not None:
-            await answer_command(raw, ws, api, stream, nursery)
-        nursery.cancel_scope.cancel()  # the client left
-    await sock.close(*close_code(stream, ws))
+            stream.on_kill = on_kill
+
+            async def writer() -> None:
+                with writer_scope:
+                    try:
+                        await write_events(sock, stream, hello, first)
+                    except PeerGone:
+                        pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(writer)
+            while (raw := await sock.receive()) is not None:
+                await answer_command(raw, ws, api, stream, nursery)
+            nursery.cancel_scope.cancel()  # the client left
+        await sock.close(*close_code(stream, ws))
+    finally:
+        if client is not None and client.kill_reason == TOO_SLOW_REASON:
+            METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()
 
 
 async def write_events(

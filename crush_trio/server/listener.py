@@ -19,12 +19,15 @@ trio-websocket's sends are cancellable, so a stalled client can be cut off by th
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import Any, Final
 
@@ -64,6 +67,13 @@ CLOSE_BOUND: Final = SEND_TIMEOUT + 1.0
 #: Longest one write of a response's bytes may take (seconds); a peer that takes nothing for
 #: this long counts as gone and the connection is closed.
 WRITE_TIMEOUT: Final = 30.0
+#: A write cancelled part-way through (a timeout, shutdown, the end of its handler) still
+#: finishes the frame it was writing within this bound (seconds), so that nothing is ever
+#: written after a frame cut short; a frame not finished in time aborts the connection (reset).
+FRAME_FINISH_TIMEOUT: Final = SEND_TIMEOUT
+#: ``SO_LINGER`` on, with a zero timeout: closing the socket resets the connection and the
+#: kernel discards what it has not sent.
+_LINGER_RESET: Final = struct.pack("ii", 1, 0)
 
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
 _WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
@@ -101,12 +111,24 @@ def clear_user_timeout(sock: Any) -> None:
 
 
 class PrefixedStream(trio.abc.HalfCloseableStream):
-    """A socket stream with bytes already read put back in front of it.
+    """A socket stream with bytes already read put back in front of it, whose writes are whole.
 
-    An EOF or a close waits for a write in progress (a close at most :data:`SEND_TIMEOUT`)
-    instead of failing with ``BusyResourceError`` or cutting the write in the middle. Writes
-    themselves are serialized by their callers (hypercorn's and trio-websocket's send locks), so
-    the write path costs no extra lock.
+    A write is never cut short and followed by more bytes: every frame a caller hands it (one
+    write is one frame, or several with their ends given to :meth:`send_frames`) is written whole,
+    or the connection is aborted (:meth:`abort`: reset, the kernel discards what it has not sent,
+    and nothing more is written). So a websocket close frame (or an HTTP response after a body) is
+    only ever written at a frame boundary:
+
+    * a write cancelled part-way through finishes the frame it was writing, shielded, within
+      :data:`FRAME_FINISH_TIMEOUT` (or by :attr:`write_deadline` when one is set), then lets the
+      cancellation through; a frame not finished by then aborts the connection;
+    * once :meth:`limit_writes` set a deadline (a client disconnected as too slow), every write
+      must end by then; one still going, or begun later, aborts the connection.
+
+    An EOF or a close waits for a write in progress (a close at most :data:`SEND_TIMEOUT`, then it
+    aborts) instead of failing with ``BusyResourceError`` or ending a frame cut short with a FIN.
+    Writes themselves are serialized by their callers (hypercorn's and trio-websocket's send
+    locks), so the write path costs no extra lock.
     """
 
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
@@ -115,6 +137,13 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self._prefix = prefix
         self.head = prefix  # the request head as read (the websocket endpoint reads Host from it)
         self._writing: trio.Event | None = None
+        #: Writes must be over by this time (trio clock); see :meth:`limit_writes`.
+        self.write_deadline = math.inf
+        self._write_scope: trio.CancelScope | None = None
+        #: The connection was aborted: a frame could not be written whole in time.
+        self.aborted = False
+        #: A write failed: the peer reset or closed the connection.
+        self.broken = False
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._prefix:
@@ -124,14 +153,118 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             return data
         return await self.transport.receive_some(max_bytes)
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._write_done()  # returns at once unless an EOF is being sent
-        self._writing = writing = trio.Event()
+    def limit_writes(self, deadline: float) -> None:
+        """Every write from now on (the one in progress included) must end by ``deadline``
+        (trio clock); one that has not then aborts the connection. Only ever moves earlier."""
+        self.write_deadline = min(self.write_deadline, deadline)
+        if self._write_scope is not None:
+            self._write_scope.deadline = min(self._write_scope.deadline, self.write_deadline)
+
+    def abort(self) -> None:
+        """Reset the connection now: the kernel discards the bytes it has not sent yet (the rest
+        of a frame cut short among them) and the peer gets no more bytes, only a reset. A task
+        blocked on the socket wakes up with ``ClosedResourceError``."""
+        if self.aborted:
+            return
+        self.aborted = True
         try:
-            await self.transport.send_all(data)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        except OSError as exc:  # not a TCP socket, or a closed one: a plain close then
+            log.debug("could not set SO_LINGER for a reset: %s", exc)
+        self.socket.close()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` as one frame: whole, or the connection is aborted (see the class)."""
+        await self.send_frames(data, None)
+
+    async def send_frames(
+        self, data: bytes | bytearray | memoryview, ends: Sequence[int] | None
+    ) -> None:
+        """Write ``data``, frames that end at the offsets ``ends`` (ascending, the last one
+        ``len(data)``; None: ``data`` is one frame).
+
+        Cancellation: a frame already begun is finished first (see the class), then
+        ``Cancelled`` goes through; frames not begun are not written.
+
+        Raises:
+            trio.BrokenResourceError: the peer reset or closed the connection, or it was
+                aborted because the write did not end by :attr:`write_deadline`.
+            trio.ClosedResourceError: the stream was closed (or aborted) already, or EOF sent.
+        """
+        await self._write_done()  # returns at once unless an EOF is being sent
+        if self.aborted:
+            raise trio.ClosedResourceError("the connection was aborted")
+        if self.socket.did_shutdown_SHUT_WR:
+            raise trio.ClosedResourceError("can't send data after sending EOF")
+        self._writing = writing = trio.Event()
+        view = memoryview(data)
+        sent = 0
+        try:
+            if not view:
+                await trio.lowlevel.checkpoint()
+                return
+            with trio.CancelScope(deadline=self.write_deadline) as scope:
+                self._write_scope = scope
+                try:
+                    while sent < len(view):
+                        sent += await self._send_some(view[sent:])
+                except trio.Cancelled:
+                    # Cancelled from outside (or the deadline passed): finish the frame in
+                    # flight so that whatever is written next starts at a frame boundary.
+                    self._write_scope = None
+                    await self._finish(view, sent, ends)
+                    raise
+            if scope.cancelled_caught:  # write_deadline passed before the write was over
+                self.abort()
+                raise trio.BrokenResourceError("write deadline passed: the connection was aborted")
         finally:
+            self._write_scope = None
             self._writing = None
             writing.set()
+
+    async def _finish(self, view: memoryview, sent: int, ends: Sequence[int] | None) -> None:
+        """Write the rest of the frame that ``sent`` is in the middle of (nothing at a frame
+        boundary), bounded; abort the connection when it does not go out in time."""
+        if ends is None:
+            end = len(view) if sent else 0
+        else:
+            end = next((e for e in ends if e >= sent), len(view))
+        if end <= sent:
+            return
+        if math.isinf(self.write_deadline):
+            bound = trio.current_time() + FRAME_FINISH_TIMEOUT
+        else:
+            bound = self.write_deadline
+        with trio.CancelScope(shield=True, deadline=bound) as finishing:
+            self._write_scope = finishing
+            try:
+                while sent < end:
+                    sent += await self._send_some(view[sent:end])
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return  # the peer is gone: nothing it could misread
+            finally:
+                self._write_scope = None
+        if finishing.cancelled_caught:
+            log.info(
+                "aborting a connection from %s: a frame was not taken within its bound "
+                "(%d of %d bytes written)",
+                _peer(self.transport),
+                sent,
+                end,
+            )
+            self.abort()
+
+    async def _send_some(self, view: memoryview) -> int:
+        try:
+            return await self.socket.send(view)
+        except trio.ClosedResourceError:
+            self.broken = True
+            raise
+        except OSError as exc:
+            self.broken = True
+            if exc.errno == errno.EBADF:
+                raise trio.ClosedResourceError("the connection was closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     async def _write_done(self) -> None:
         while self._writing is not None:
@@ -152,7 +285,16 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         with trio.move_on_after(SEND_TIMEOUT, shield=True):
             await self._write_done()
+        if self._writing is not None:
+            self.abort()  # a frame still going out: never end it cut short with a FIN
         await trio.aclose_forcefully(self.transport)
+
+
+#: The stream of the connection a task serves (set by the dispatcher for hypercorn's tasks, so
+#: that the event websocket of the ``asgi`` transport can bound its writes).
+CONNECTION_STREAM: ContextVar[PrefixedStream | None] = ContextVar(
+    "crush_trio_connection_stream", default=None
+)
 
 
 async def read_head(stream: trio.abc.ReceiveStream) -> bytes:
@@ -604,6 +746,7 @@ async def serve_dispatching(
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         return
                     wrapped = PrefixedStream(stream, head)
+                    CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                     if ws_handler is not None and is_event_websocket(head):
                         clear_user_timeout(stream.socket)
                         async with contained(wrapped, "event websocket"):

@@ -4,12 +4,16 @@ The lifecycle is :func:`~.connection.serve_connection`'s; this module only adapt
 ``websocket`` object to it. Hypercorn pings the client itself, writes one frame per send, and
 cannot interrupt a send to a client that stopped reading (it writes inside a shielded scope):
 the listening socket's ``TCP_USER_TIMEOUT`` (``server.tcp_user_timeout_ms``) makes the kernel
-break such a connection, which bounds how long a stalled client can hold shutdown. A disconnect
+break such a connection, which bounds how long a stalled client can hold shutdown. Its writes go
+through the connection's :class:`~.listener.PrefixedStream` (the dispatcher names it in
+:data:`~.listener.CONNECTION_STREAM`), which writes every frame whole or aborts the connection,
+and which a client killed as too slow bounds (:meth:`AsgiEventSocket.limit_writes`). A disconnect
 cancels the handler (quart-trio), which is why the reader never sees the client leave.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -17,7 +21,8 @@ import trio
 from quart import websocket
 
 from ..broker import Event
-from .connection import CLOSE_TIMEOUT, Subscription, serve_connection
+from .connection import Subscription, close_bound, serve_connection
+from .listener import CONNECTION_STREAM
 
 if TYPE_CHECKING:
     from ..backend.workspace import Workspace
@@ -30,6 +35,23 @@ class AsgiEventSocket:
     max_batch = 1
     ping_interval = 0.0  # hypercorn's websocket_ping_interval
 
+    def __init__(self) -> None:
+        #: The connection's stream under hypercorn (None: served without the dispatcher).
+        self.stream = CONNECTION_STREAM.get()
+        self._close_failed = False
+
+    def limit_writes(self, deadline: float) -> None:
+        if self.stream is not None:
+            self.stream.limit_writes(deadline)
+
+    def ending(self) -> str:
+        stream = self.stream
+        if stream is not None and stream.aborted:
+            return "aborted"
+        if self._close_failed or (stream is not None and stream.broken):
+            return "gone"
+        return "closed"
+
     async def send_frames(self, frames: Sequence[Event]) -> None:
         for frame in frames:
             await websocket.send(frame.text)
@@ -41,11 +63,12 @@ class AsgiEventSocket:
         return await websocket.receive()
 
     async def close(self, code: int, reason: str) -> None:
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        deadline = self.stream.write_deadline if self.stream is not None else math.inf
+        with trio.move_on_after(close_bound(deadline), shield=True):
             try:
                 await websocket.close(code, reason)
             except Exception:  # already closed by the peer or the server
-                pass
+                self._close_failed = True
 
 
 async def serve_asgi_websocket(ws: Workspace, sub: Subscription, api: Api) -> None:

@@ -7,14 +7,17 @@ permessage-deflate gets it (:mod:`crush_trio.wsdeflate`): its frames are compres
 connection, and its compressed commands are inflated within ``server.max_body_bytes``.
 
 Tasks per connection: trio-websocket's reader, the writer (the only task that sends events), and
-the handler itself, which runs the commands. Sends here can be cancelled, so the broker cuts a
-stalled client off at once. A writer that has sent nothing for ``server.ws_ping_interval``
-seconds pings the client and closes the connection if no pong comes back within
-:data:`PONG_TIMEOUT`.
+the handler itself, which runs the commands. Every write goes through the connection's
+:class:`~.listener.PrefixedStream`, which writes each frame whole or aborts the connection: a
+client disconnected as too slow gets the frame in flight and then the close frame (1013) if it
+reads again within :data:`~.connection.SLOW_CLOSE_TIMEOUT`, else a reset and nothing more. A
+writer that has sent nothing for ``server.ws_ping_interval`` seconds pings the client and closes
+the connection if no pong comes back within :data:`PONG_TIMEOUT`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Sequence
@@ -32,7 +35,7 @@ from ..broker import Event
 from ..cluster.placement import response_headers
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate, DeflateConnection
-from .connection import CLOSE_TIMEOUT, PeerGone, check_upgrade, serve_connection
+from .connection import CLOSE_TIMEOUT, PeerGone, check_upgrade, close_bound, serve_connection
 from .listener import PrefixedStream
 from .security import check_request_host, check_request_token
 
@@ -96,6 +99,12 @@ class SerializedStream(trio.abc.HalfCloseableStream):
         async with self.send_lock:
             await self.stream.send_all(data)
 
+    async def send_frames(self, data: bytes, ends: Sequence[int]) -> None:
+        """Write several frames (ending at the offsets ``ends``) in one write; a cancellation
+        finishes only the frame in flight (:meth:`PrefixedStream.send_frames`)."""
+        async with self.send_lock:
+            await self.stream.send_frames(data, ends)
+
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         return await self.stream.receive_some(max_bytes)
 
@@ -132,26 +141,44 @@ class TrioEventSocket:
         self.ping_interval = ping_interval
         #: The negotiated permessage-deflate, or None: frames go out as shared.
         self.deflate = deflate
+        self._peer_closed = False
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Write pre-encoded text frames (each event's frame is built once and shared by every
         client) in one write. Without permessage-deflate the shared bytes are exactly what
         trio-websocket would send; with it, each frame is compressed into this connection's
-        window first (:meth:`BoundedDeflate.frame`)."""
+        window first (:meth:`BoundedDeflate.frame`).
+
+        Cancellation: the frame in flight is finished (bounded), the frames after it are not
+        written (:meth:`PrefixedStream.send_frames`)."""
         if self.conn.closed is not None:  # closing or closed: no data frame after a close frame
             raise PeerGone
         deflate = self.deflate
         if deflate is not None:
             frame = deflate.frame
-            data = frame(frames[0]) if len(frames) == 1 else b"".join([frame(f) for f in frames])
-        elif len(frames) == 1:
-            data = frames[0].ws_frame
+            parts = [frame(f) for f in frames]
         else:
-            data = b"".join([f.ws_frame for f in frames])
+            parts = [f.ws_frame for f in frames]
         try:
-            await self.stream.send_all(data)
+            if len(parts) == 1:
+                await self.stream.send_frames(parts[0], (len(parts[0]),))
+            else:
+                await self.stream.send_frames(
+                    b"".join(parts), list(itertools.accumulate(map(len, parts)))
+                )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerGone from None
+
+    def limit_writes(self, deadline: float) -> None:
+        self.stream.stream.limit_writes(deadline)
+
+    def ending(self) -> str:
+        prefixed = self.stream.stream
+        if prefixed.aborted:
+            return "aborted"
+        if prefixed.broken or self._peer_closed:
+            return "gone"
+        return "closed"
 
     async def ping(self) -> bool:
         with trio.move_on_after(PONG_TIMEOUT) as waiting:
@@ -171,7 +198,9 @@ class TrioEventSocket:
             return None  # the client left (or sent an oversized frame: closed with 1009)
 
     async def close(self, code: int, reason: str) -> None:
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        # The client's close frame (or its leaving) came first: no close frame of ours then.
+        self._peer_closed = self.conn.closed is not None
+        with trio.move_on_after(close_bound(self.stream.stream.write_deadline), shield=True):
             await self.conn.aclose(code, reason)
 
 
