@@ -8,9 +8,10 @@ Examples::
     python -m bench --soak-runs 2000     # a shorter W4 soak
     python -m bench --only W6            # the mixed-load soak (60 min; memory plateau)
     python -m bench --soak-minutes 15    # a shorter one
+    python -m bench --only W7            # tool-heavy runs: server CPU per tool call
 
-A full run without ``--only`` runs W1-W5; W6 runs when named or when ``--soak-minutes`` is given.
-Results go to ``bench/results/`` (``--out``): ``W1.md`` ... ``W6.md`` with a PNG chart each,
+A full run without ``--only`` runs W1-W5 and W7; W6 runs when named or when ``--soak-minutes`` is
+given. Results go to ``bench/results/`` (``--out``): ``W1.md`` ... ``W7.md`` with a PNG chart each,
 ``summary.md`` (every table and the targets) and ``results.json`` (raw figures). A smoke run
 writes to a temporary directory unless ``--out`` is given. The exit code is 0 when every workload
 ran (targets not met are reported, not failures), 1 when a workload failed.
@@ -84,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
     p.add_argument("--w5-seconds", type=float, help="W5 chaos duration in seconds")
     p.add_argument("--soak-minutes", type=float, help="W6 mixed-load soak length (full: 60)")
+    p.add_argument("--w7-sessions", type=int, help="W7 concurrent tool-heavy runs (full: 10)")
+    p.add_argument("--w7-tool-calls", type=int, help="W7 tool calls per run (full: 80)")
     return p
 
 
@@ -104,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "soak_runs": args.soak_runs,
         "w5_seconds": args.w5_seconds,
         "soak_minutes": args.soak_minutes,
+        "w7_sessions": args.w7_sessions,
+        "w7_tool_calls": args.w7_tool_calls,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
     default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)

@@ -137,3 +137,19 @@ def w6(path: Path, raw: dict[str, Any]) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     _save(fig, path)
+
+
+def w7(path: Path, raw: dict[str, Any]) -> None:
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for tool in raw["tools"]:
+        values = sorted(v * 1000 for v in raw["tool_latency"].get(tool, []))
+        if values:
+            ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=tool)
+    ax.set(
+        title="Tool call → its result, as a client sees it",
+        xlabel="ms",
+        ylabel="fraction of calls (CDF)",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    _save(fig, path)

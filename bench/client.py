@@ -12,7 +12,9 @@ the project's client library, :mod:`crush_trio.client`. Roles:
   measures submit → first visible text (the run's first ``message`` or ``message_delta`` event
   with text), submit →
   ``run_complete``, and (when the model stamps its tokens) token-to-client latency; a workspace
-  subscription counts the ``run_complete`` events of every run, so a duplicate would show.
+  subscription counts the ``run_complete`` events of every run, so a duplicate would show. For
+  the runs' tool calls (W7) it measures each call's latency as a client sees it: the assistant
+  message showing the call finished → the tool message showing its result.
 * ``watch``: ``count`` raw event-stream connections (with ``deltas=1`` unless the config says
   ``"deltas": false``) that read until a ``run_complete`` frame (W3, and the reading client of
   W4) or stay idle until ``quit`` (W4's idle clients). They count frames and UTF-8 bytes.
@@ -44,7 +46,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import orjson
@@ -63,7 +65,7 @@ from crush_trio.client import (
     connect,
     open_event_socket,
 )
-from crush_trio.wire import Role
+from crush_trio.wire import Message, Role, ToolResultPart
 from tests.fake_llm import STAMP_RE
 
 from .procs import TOKEN, LineReader, raise_fd_limit
@@ -152,6 +154,10 @@ class RunTrack:
     text: str = ""
     #: Characters of the reply text already searched for stamps.
     seen_chars: int = 0
+    #: Tool calls seen finished: call id → (tool name, when it was seen).
+    tool_calls: dict[str, tuple[str, float]] = field(default_factory=dict)
+    #: Ids of the tool calls whose result was seen.
+    tool_results: set[str] = field(default_factory=set)
 
 
 class Runs:
@@ -161,6 +167,10 @@ class Runs:
         self.ws = ws
         self.stamp = stamp
         self.token_latencies: list[float] = []
+        #: Tool name → latencies of its calls (see :meth:`on_tool_results`).
+        self.tool_latencies: dict[str, list[float]] = collections.defaultdict(list)
+        #: Tool results that were errors.
+        self.tool_errors = 0
         #: run_complete events per run id, from a subscription to the whole workspace.
         self.completes: collections.Counter[str] = collections.Counter()
         #: Set (and replaced) whenever one of the runs ends.
@@ -207,8 +217,14 @@ class Runs:
     def on_event(self, event: Event, track: RunTrack, now: float) -> None:
         message = event.message  # a snapshot, or the message a delta leads to
         if message is not None:
+            if message.role is Role.TOOL:
+                self.on_tool_results(message, track, now)
+                return
             if message.role is not Role.ASSISTANT:
                 return
+            for call in message.tool_calls():
+                if call.finished and call.id not in track.tool_calls:
+                    track.tool_calls[call.id] = (call.name, now)
             text = message.text()
             if not text:
                 return
@@ -228,6 +244,18 @@ class Runs:
             track.error = complete.error
             track.cancelled = complete.cancelled
             track.text = complete.text
+
+    def on_tool_results(self, message: Message, track: RunTrack, now: float) -> None:
+        """Each tool call's latency, once: its call seen finished → its result seen."""
+        for part in message.parts:
+            if not isinstance(part, ToolResultPart) or part.tool_call_id in track.tool_results:
+                continue
+            seen = track.tool_calls.get(part.tool_call_id)
+            if seen is None:
+                continue  # the call was not seen (the stream dropped it): no latency
+            track.tool_results.add(part.tool_call_id)
+            self.tool_latencies[seen[0]].append(now - seen[1])
+            self.tool_errors += part.is_error
 
     async def create_sessions(self, count: int) -> list[str]:
         ids: list[str] = []
@@ -266,6 +294,8 @@ class Runs:
         tracks = [RunTrack() for _ in sessions]
         frames0, gaps0, drops0 = self.frames(), self.ws.stats.gaps, self.ws.stats.drops
         self.token_latencies = []
+        self.tool_latencies.clear()
+        self.tool_errors = 0
         prompt = command["prompt"]
         stall = float(command.get("stall", command["timeout"]))
         with trio.move_on_after(float(command["timeout"])):
@@ -286,6 +316,8 @@ class Runs:
             gaps=self.ws.stats.gaps - gaps0,
             drops=self.ws.stats.drops - drops0,
             token_latency=self.token_latencies,
+            tool_latency=dict(self.tool_latencies),
+            tool_errors=self.tool_errors,
             **self.summary(tracks),
         )
 

@@ -7,9 +7,16 @@ Every chat-completions request gets ``--tokens`` streamed tokens (``t0 ``, ``t1 
 fraction of requests fail: ``--fail-rate`` of them get HTTP 500 before any token, ``--drop-rate``
 of them lose the connection half-way through the stream.
 
+With ``--tool-calls N`` (the tool-heavy workload) a run's first ``N`` requests each get one tool
+call instead, the ``--tools`` in turn (``view`` and ``bash``'s ``cat`` read ``--tool-file``,
+``grep`` searches the workspace, ``ls`` lists it), and only the request after the ``N``-th tool
+result gets the tokens. The fake keeps no state: it counts the tool results after the last user
+message of each request, so any number of runs may be in flight.
+
 Usage::
 
     python -m bench.fake --port 0 --tokens 200 --delay-ms 0 [--stamp] [--fail-rate 0.1]
+    python -m bench.fake --port 0 --tokens 20 --tool-calls 80 --tool-file notes.txt
 
 prints ``fake-llm listening on http://127.0.0.1:PORT`` (flushed) once it accepts connections.
 """
@@ -19,8 +26,22 @@ from __future__ import annotations
 import argparse
 import random
 from collections.abc import Sequence
+from typing import Any, Final
 
-from tests.fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ReplySource, run_standalone
+import orjson
+
+from tests.fake_llm import (
+    FakeLLM,
+    Fault,
+    RecordedRequest,
+    Reply,
+    ReplySource,
+    ToolCall,
+    run_standalone,
+)
+
+#: The tools of ``--tool-calls``, in the order they are called.
+TOOLS: Final = ("view", "grep", "ls", "bash")
 
 
 def make_default(
@@ -59,6 +80,46 @@ def make_default(
     return choose
 
 
+def tool_arguments(tool: str, path: str) -> dict[str, Any]:
+    """The arguments of one read-only call of ``tool`` on the file ``path`` (workspace-relative);
+    ``bash`` runs ``cat``, a command the sandbox runs without asking."""
+    if tool == "view":
+        return {"path": path}
+    if tool == "grep":
+        return {"pattern": "line"}
+    if tool == "ls":
+        return {}
+    if tool == "bash":
+        return {"command": f"cat {path}"}
+    raise ValueError(f"no read-only call of {tool!r}; choose from {', '.join(TOOLS)}")
+
+
+def tool_results_so_far(request: RecordedRequest) -> int:
+    """Tool results after the request's last user message: the tool calls its run made."""
+    count = 0
+    for message in reversed((request.body or {}).get("messages") or []):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            break
+        count += role == "tool"
+    return count
+
+
+def with_tool_calls(final: ReplySource, calls: int, tools: Sequence[str], path: str) -> ReplySource:
+    """Reply to each of a run's first ``calls`` requests with one tool call (``tools`` in turn),
+    then with ``final``."""
+    arguments = [orjson.dumps(tool_arguments(tool, path)).decode() for tool in tools]
+
+    def choose(request: RecordedRequest) -> Reply:
+        done = tool_results_so_far(request)
+        if done < calls:
+            k = done % len(tools)
+            return Reply(tool_calls=[ToolCall(tools[k], arguments[k], id=f"call_{done}")])
+        return final if isinstance(final, Reply) else final(request)
+
+    return choose
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.fake", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
@@ -70,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--fail-rate", type=float, default=0.0)
     parser.add_argument("--drop-rate", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool-calls", type=int, default=0, help="tool calls per run")
+    parser.add_argument("--tools", default=",".join(TOOLS), help="the tools called, in turn")
+    parser.add_argument("--tool-file", default="notes.txt", help="the file view and cat read")
     args = parser.parse_args(argv)
     default = make_default(
         args.tokens,
@@ -80,6 +144,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         token_text=args.token_text,
     )
+    if args.tool_calls > 0:
+        tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+        default = with_tool_calls(default, args.tool_calls, tools, args.tool_file)
     run_standalone(FakeLLM(default=default, record=False), args.host, args.port)
 
 

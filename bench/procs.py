@@ -70,6 +70,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def children_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of the process's children it has waited for (``cutime`` and
+    ``cstime``: the commands the server ran, with their own children), in seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        data = f.read()
+    fields = data[data.rindex(")") + 2 :].split()
+    return (int(fields[13]) + int(fields[14])) / CLK_TCK
+
+
 @dataclass(frozen=True)
 class Memory:
     """Resident memory of a process, in bytes: now (``VmRSS``) and its peak (``VmHWM``)."""
@@ -321,6 +330,9 @@ class ServerProcess:
 
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
+
+    def children_cpu(self) -> float:
+        return children_cpu_seconds(self.pid)
 
     def memory(self) -> Memory:
         return memory(self.pid)

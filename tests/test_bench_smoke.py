@@ -26,6 +26,7 @@ WORKLOADS: Final = {
     "W4": "Memory",
     "W5": "Chaos",
     "W6": "Soak",
+    "W7": "Tool calls",
 }
 
 
@@ -62,6 +63,13 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
     assert len(soak["samples"]) >= 3 and all(s["rss"] > 0 for s in soak["samples"]), soak
     assert soak["sites"] and soak["traced"][1] > 0, soak
     assert soak["counts"].get("prompt http", 0) > 0, soak["counts"]
+    # The tool-heavy runs: every run made its tool calls, each seen with a result that is not an
+    # error, and the server's CPU per call was taken.
+    tools = raw["workloads"]["W7"]
+    assert tools["completed"] == tools["runs"] > 0, tools
+    assert tools["tool_calls"] == tools["runs"] * tools["tool_calls_per_run"] > 0, tools
+    assert tools["tool_calls_seen"] == tools["tool_calls"] and tools["tool_errors"] == 0, tools
+    assert set(tools["tool_latency"]) == set(tools["tools"]) and tools["cpu_per_tool_call"] > 0
     chaos = raw["workloads"]["W5"]["totals"]
     assert chaos["accepted"] > 0
     assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos

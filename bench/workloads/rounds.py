@@ -32,6 +32,8 @@ class LevelResult:
     missing: int = 0
     wall: float = 0.0
     cpu: float = 0.0
+    #: CPU of the commands the server ran and waited for (``bash``'s sandboxes).
+    children_cpu: float = 0.0
     tokens: int = 0
     events: int = 0
     hwm: int = 0
@@ -43,6 +45,9 @@ class LevelResult:
     first_token_sent: list[float] = field(default_factory=list)
     latency: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Tool name → latencies of its calls (call seen finished → result seen, by the clients).
+    tool_latency: dict[str, list[float]] = field(default_factory=dict)
+    tool_errors: int = 0
 
     @property
     def runs_per_s(self) -> float:
@@ -79,12 +84,13 @@ async def run_rounds(
     token_latency: list[float] = []
     async with workers(ctx, "runs", [cfg] * procs, f"w-{level.mode}-{level.n}") as ws:
 
-        async def one_round(text: str) -> tuple[list[dict[str, Any]], float, float]:
-            """The workers' ``done`` events, the server's CPU seconds and the start time."""
+        async def one_round(text: str) -> tuple[list[dict[str, Any]], float, float, float]:
+            """The workers' ``done`` events, the server's CPU seconds, the start time and the
+            CPU seconds of the server's children."""
             for child, share in zip(ws, shares, strict=True):
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
-            cpu0, t0 = server.cpu(), time.time()
+            cpu0, t0, child0 = server.cpu(), time.time(), server.children_cpu()
             command = {
                 "cmd": "go",
                 "prompt": text,
@@ -93,14 +99,15 @@ async def run_rounds(
             }
             await broadcast(ws, command)
             done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
-            return done, server.cpu() - cpu0, t0
+            return done, server.cpu() - cpu0, t0, server.children_cpu() - child0
 
         await all_events(ws, "ready", 60)
         if warm_up is not None:
             await one_round(warm_up)
         for r in range(rounds):
-            done, cpu, t0 = await one_round(prompt_text)
+            done, cpu, t0, children_cpu = await one_round(prompt_text)
             level.cpu += cpu
+            level.children_cpu += children_cpu
             level.wall += max(d["finished"] for d in done) - t0
             level.events += done[0]["frames"]
             level.round_first_text.append([x for d in done for x in d["first_text"]])
@@ -115,6 +122,9 @@ async def run_rounds(
                 level.first_token_sent += d.get("first_token_sent", [])
                 level.latency += d["latency"]
                 level.errors += d["errors"]
+                level.tool_errors += d.get("tool_errors", 0)
+                for tool, latencies in d.get("tool_latency", {}).items():
+                    level.tool_latency.setdefault(tool, []).extend(latencies)
                 token_latency += d["token_latency"]
                 if d["drops"]:
                     level.errors.append(

@@ -39,6 +39,12 @@ class Sizes:
     w5_actors: int
     #: W6: length of the mixed-load soak (minutes).
     soak_minutes: float
+    #: W7: concurrent tool-heavy runs per round, measured rounds, tool calls per run and tokens
+    #: of each run's final reply.
+    w7_sessions: int
+    w7_rounds: int
+    w7_tool_calls: int
+    w7_tokens: int
     #: Bound on one measured phase (seconds); a hung phase fails the workload.
     phase_timeout: float = 180.0
     #: Settling time before an idle RSS reading (seconds).
@@ -74,6 +80,10 @@ FULL: Final = Sizes(
     w5_sessions=4,
     w5_actors=6,
     soak_minutes=60.0,
+    w7_sessions=10,
+    w7_rounds=3,
+    w7_tool_calls=80,
+    w7_tokens=20,
 )
 
 SMOKE: Final = Sizes(
@@ -102,6 +112,10 @@ SMOKE: Final = Sizes(
     w5_sessions=2,
     w5_actors=3,
     soak_minutes=0.25,
+    w7_sessions=2,
+    w7_rounds=1,
+    w7_tool_calls=8,
+    w7_tokens=5,
     phase_timeout=60.0,
     settle=0.3,
     w4_warmup=False,
