@@ -80,8 +80,8 @@ def test_permission_cards_read_as_what_they_do_and_answer_by_key(
         send(page, "now edit the notes")
         expect(card).to_have_count(1)
         # An edit is shown as a diff of the lines it changes.
-        expect(card.locator(".diff .diff-del")).to_have_text(["- old words"])
-        expect(card.locator(".diff .diff-add")).to_have_text(["+ new words"])
+        expect(card.locator(".diff .diff-del")).to_have_text(["-old words"])
+        expect(card.locator(".diff .diff-add")).to_have_text(["+new words"])
         page.locator("#conversation").focus()
         page.keyboard.press("a")
         expect(card).to_have_count(0)

@@ -1297,7 +1297,7 @@ def test_changes_panel_shows_a_runs_files_and_diff_and_reverts_it_after_a_confli
         card = page.locator(".permission")
         expect(card).to_have_count(1)
         # The permission card shows the change as a diff, not raw JSON.
-        expect(card.locator("pre.diff .diff-add")).to_contain_text(["+ new line"])
+        expect(card.locator("pre.diff .diff-add")).to_contain_text(["+new line"])
         expect(card.locator(".permission-params")).to_have_count(0)
         card.locator('button[data-action="allow"]').click()
         wait_for_run(page, "completed")

@@ -46,36 +46,6 @@ export function diffView(lines, label) {
   return pre;
 }
 
-/** The change a permission request for edit, multiedit or write would make, as diff lines;
- *  null for other tools (the card then shows the raw parameters). */
-export function permissionDiffLines(req) {
-  const p = req.params || {};
-  const path = typeof p.path === "string" ? p.path : req.path || "";
-  const minus = (text) => String(text).split("\n").map((l) => `-${l}`);
-  const plus = (text) => String(text).split("\n").map((l) => `+${l}`);
-  if (req.tool_name === "edit" && typeof p.old_string === "string" && typeof p.new_string === "string") {
-    return [`--- a/${path}`, `+++ b/${path}`, "@@", ...minus(p.old_string), ...plus(p.new_string)];
-  }
-  if (req.tool_name === "multiedit" && Array.isArray(p.edits)) {
-    const out = [`--- a/${path}`, `+++ b/${path}`];
-    for (const e of p.edits) {
-      if (!e || typeof e.old_string !== "string" || typeof e.new_string !== "string") return null;
-      out.push("@@", ...minus(e.old_string), ...plus(e.new_string));
-    }
-    return out;
-  }
-  if (req.tool_name === "write" && typeof p.content === "string") {
-    return [`+++ b/${path} (whole file)`, "@@", ...plus(p.content)];
-  }
-  return null;
-}
-
-/** The diff element of a permission card, or null (see permissionDiffLines). */
-export function permissionDiff(req) {
-  const lines = permissionDiffLines(req);
-  return lines ? diffView(lines, `Change to ${req.params?.path || req.path || "the file"}`) : null;
-}
-
 /**
  * The panel under the session head: the session's runs that changed files, newest first.
  * `state()` gives the open workspace and session; `toast(message, kind)` reports errors.

@@ -2,10 +2,9 @@
 // edit or write as a diff, a fetch as its URL) and the risks it carries. Pure DOM building from
 // the request's fields; every piece of text goes in as text (dom.js), never as markup.
 
+import { diffView } from "./changes.js";
 import { h } from "./dom.js";
 
-/** Lines of a diff shown on a card; the rest is summarised as "N more lines". */
-export const DIFF_LINES_SHOWN = 400;
 /** Unchanged lines kept around a change in an edit's diff. */
 const CONTEXT_LINES = 2;
 
@@ -20,9 +19,10 @@ function splitLines(text) {
 }
 
 /**
- * A line diff from `before` to `after`: the common lines at both ends are kept as context (at
- * most CONTEXT_LINES each), the differing middle shown as removed then added lines.
- * @returns {{kind: " "|"-"|"+", text: string}[]}
+ * A line diff from `before` to `after`, as unified-diff lines (` ` context, `-` removed, `+`
+ * added): the common lines at both ends are kept as context (at most CONTEXT_LINES each), the
+ * differing middle shown as removed then added lines.
+ * @returns {string[]}
  */
 export function lineDiff(before, after) {
   const a = splitLines(before);
@@ -31,25 +31,12 @@ export function lineDiff(before, after) {
   while (head < a.length && head < b.length && a[head] === b[head]) head++;
   let tail = 0;
   while (tail < a.length - head && tail < b.length - head && a[a.length - 1 - tail] === b[b.length - 1 - tail]) tail++;
-  const out = [];
-  for (const text of a.slice(Math.max(0, head - CONTEXT_LINES), head)) out.push({ kind: " ", text });
-  for (const text of a.slice(head, a.length - tail)) out.push({ kind: "-", text });
-  for (const text of b.slice(head, b.length - tail)) out.push({ kind: "+", text });
-  for (const text of a.slice(a.length - tail, a.length - tail + CONTEXT_LINES)) out.push({ kind: " ", text });
-  return out;
-}
-
-/** A `<pre>` showing diff lines, cut at DIFF_LINES_SHOWN. */
-export function diffView(lines, label) {
-  const pre = h("pre", { class: "diff", tabindex: "0", "aria-label": label });
-  for (const line of lines.slice(0, DIFF_LINES_SHOWN)) {
-    const cls = line.kind === "+" ? "diff-add" : line.kind === "-" ? "diff-del" : "diff-ctx";
-    pre.append(h("span", { class: cls, text: `${line.kind} ${line.text}\n` }));
-  }
-  if (lines.length > DIFF_LINES_SHOWN) {
-    pre.append(h("span", { class: "diff-more", text: `… ${lines.length - DIFF_LINES_SHOWN} more lines\n` }));
-  }
-  return pre;
+  return [
+    ...a.slice(Math.max(0, head - CONTEXT_LINES), head).map((t) => ` ${t}`),
+    ...a.slice(head, a.length - tail).map((t) => `-${t}`),
+    ...b.slice(head, b.length - tail).map((t) => `+${t}`),
+    ...a.slice(a.length - tail, a.length - tail + CONTEXT_LINES).map((t) => ` ${t}`),
+  ];
 }
 
 function isInside(path, root) {
