@@ -26,6 +26,8 @@ from .common import Ctx, fake_config, fake_model, hold_workspace
 from .rounds import STALL_AFTER, LevelResult, run_rounds
 
 #: The file ``view`` and ``cat`` read (workspace-relative) and its lines.
+#: Steps a W7 run may take beyond its tool calls (its final reply, and room to spare).
+W7_EXTRA_STEPS: Final = 5
 TOOL_FILE: Final = "notes.txt"
 TOOL_FILE_LINES: Final = 50
 PROMPT: Final = "Look around the workspace with your tools, then answer."
@@ -54,7 +56,10 @@ async def w7(ctx: Ctx) -> WorkloadResult:
     ctx.log(f"[W7] N={n}, {s.w7_tool_calls} tool calls per run ({', '.join(tools)})")
     async with (
         fake_model(ctx, "w7-fake", *fake_args) as fake_url,
-        server_process(fake_config(fake_url), root) as server,
+        server_process(
+            # Every tool call is a model step: the run needs more than that many steps.
+            fake_config(fake_url, options={"max_steps": s.w7_tool_calls + W7_EXTRA_STEPS}),
+            root) as server,
         hold_workspace(server, project),
     ):
         warm_up = None if s.smoke else PROMPT
