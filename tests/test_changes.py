@@ -593,3 +593,26 @@ async def test_a_cancelled_run_still_records_what_it_changed(
         await ws.revert_run(run.run_id)
     assert not (Path(ws.path) / "one.txt").exists()
     gate.release()
+
+
+async def test_a_call_that_wrote_nothing_takes_no_snapshot() -> None:
+    """A prompt-free ``bash`` command ran with the workspace read-only (its result says
+    ``wrote_nothing``): the tracked toolbox skips the snapshot after it, and takes one after any
+    other call."""
+    from crush_trio.changes.tracking import TrackedTools
+    from crush_trio.tools import ToolResult
+
+    snapshots: list[str] = []
+
+    class Inner:
+        async def call(self, name: str, input_json: str, **kw: object) -> ToolResult:
+            return ToolResult(content="ok", wrote_nothing=name == "read-only bash")
+
+    class Log:
+        async def after_tool(self, session_id: str, tool_call_id: str, tool_name: str) -> None:
+            snapshots.append(tool_name)
+
+    tracked = TrackedTools(Inner(), Log())  # type: ignore[arg-type]
+    await tracked.call("read-only bash", "{}", session_id="s", tool_call_id="c1", run_id="r")
+    await tracked.call("bash", "{}", session_id="s", tool_call_id="c2", run_id="r")
+    assert snapshots == ["bash"]

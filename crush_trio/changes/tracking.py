@@ -42,5 +42,6 @@ class TrackedTools:
         result = await self.inner.call(
             name, input_json, session_id=session_id, tool_call_id=tool_call_id, **more
         )
-        await self.changes.after_tool(session_id, tool_call_id, name)
+        if not getattr(result, "wrote_nothing", False):
+            await self.changes.after_tool(session_id, tool_call_id, name)
         return result

@@ -91,12 +91,15 @@ class ToolResult:
         stop_turn: the user denied a permission; the agent loop ends the turn after this result.
         fail_run: with ``stop_turn``: nobody answered the permission request in time; the run
             ends failed, with ``content`` as its error.
+        wrote_nothing: the call could not have changed the workspace (a prompt-free ``bash``
+            command ran with it mounted read-only), so no snapshot is taken after it.
     """
 
     content: str
     is_error: bool = False
     stop_turn: bool = False
     fail_run: bool = False
+    wrote_nothing: bool = False
 
 
 class PermissionAsker(Protocol):

@@ -232,4 +232,7 @@ class BashTool(ToolBase):
             status += "\n" + _sandbox_note(
                 writable=not read_only, network=not read_only and (sandbox.network or asks_network)
             )
-        return ToolResult(content=f"{body}\n{status}", is_error=outcome.timed_out)
+        # A prompt-free command ran with the workspace read-only: it changed nothing there.
+        return ToolResult(
+            content=f"{body}\n{status}", is_error=outcome.timed_out, wrote_nothing=read_only
+        )
