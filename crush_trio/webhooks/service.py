@@ -42,6 +42,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -184,22 +185,17 @@ class Webhooks:
         Synchronous and quick: the POSTs happen in the deliveries' own tasks. When the outbox
         is full the oldest pending delivery is dropped (counted and logged).
         """
-        made: list[str] = []
-        for endpoint in endpoints:
-            if not policy.wanted(list(endpoint.events), complete):
-                continue
-            delivery_id = new_id()
-            body = policy.build_body(
+        return self._enqueue_each(
+            endpoints,
+            lambda events: policy.wanted(events, complete),
+            partial(
+                policy.build_body,
                 complete,
-                delivery_id=delivery_id,
                 workspace_id=workspace_id,
                 workspace_path=workspace_path,
-                created_at=now(),
                 max_bytes=self.options.webhook_max_body_bytes,
-            )
-            if self._enqueue_body(endpoint, delivery_id, body):
-                made.append(delivery_id)
-        return made
+            ),
+        )
 
     def enqueue_permission(
         self,
@@ -211,19 +207,32 @@ class Webhooks:
     ) -> list[str]:
         """Queue a permission request for every endpoint that lists ``permission_request``;
         returns the delivery ids. Synchronous and quick, like :meth:`enqueue`."""
-        made: list[str] = []
-        for endpoint in endpoints:
-            if not policy.wants_permission_requests(list(endpoint.events)):
-                continue
-            delivery_id = new_id()
-            body = policy.build_permission_body(
+        return self._enqueue_each(
+            endpoints,
+            policy.wants_permission_requests,
+            partial(
+                policy.build_permission_body,
                 request,
-                delivery_id=delivery_id,
                 workspace_id=workspace_id,
                 workspace_path=workspace_path,
-                created_at=now(),
                 max_bytes=self.options.webhook_max_body_bytes,
-            )
+            ),
+        )
+
+    def _enqueue_each(
+        self,
+        endpoints: Iterable[Endpoint],
+        wants: Callable[[list[str]], bool],
+        build: Callable[..., bytes],
+    ) -> list[str]:
+        """One delivery for each endpoint whose ``events`` it ``wants``, its body made by
+        ``build(delivery_id=, created_at=)``; returns the ids of those queued."""
+        made: list[str] = []
+        for endpoint in endpoints:
+            if not wants(list(endpoint.events)):
+                continue
+            delivery_id = new_id()
+            body = build(delivery_id=delivery_id, created_at=now())
             if self._enqueue_body(endpoint, delivery_id, body):
                 made.append(delivery_id)
         return made
