@@ -64,6 +64,7 @@ from ..wire import (
 )
 from .context_files import ContextFiles
 from .prompt import SystemPrompts, render_system_prompt
+from .provider_cache import ProviderCache, close_provider
 from .runs import RunBook
 from .summarize import (
     context_window,
@@ -105,6 +106,7 @@ class _TurnProgress:
     usage: pb.Usage | None = None  # the last step's, as the provider reported it
     model_entry: Any = None  # the ModelEntry the turn uses (prices, context window)
     first_token: bool = False  # the turn's first streamed content was seen (metrics)
+    held: pb.Provider | None = None  # the provider the turn holds (released when it ends)
 
 
 @attrs.define
@@ -203,9 +205,8 @@ class Agent:
         self._runs_nursery = runs_nursery
         self._bg = background_nursery
         self.save_timeout = save_timeout
-        self._provider_factory = provider_factory
-        self._providers: dict[str, pb.Provider] = {}
-        self._replaced_providers: list[pb.Provider] = []
+        #: The workspace's providers; a replaced one is closed when its last user is done.
+        self.providers = ProviderCache(provider_factory, close_soon=self._close_provider_soon)
         self.tools = tools
         self._bind_tools(tools)
         self._scopes: dict[int, trio.CancelScope] = {}
@@ -226,7 +227,7 @@ class Agent:
             store=store,
             broker=broker,
             config=config,
-            provider_for=self._provider,
+            providers=self.providers,
             is_busy=self.state.is_busy,
             save_timeout=save_timeout,
         )
@@ -239,9 +240,11 @@ class Agent:
         self.config = config
         self.tools = tools
         self._bind_tools(tools)
-        # A running turn may still use them: they are closed with the others at shutdown.
-        self._replaced_providers += self._providers.values()
-        self._providers = {}
+        # A running turn may still use them: each closes when its last user releases it.
+        self.providers.retire()
+
+    def _close_provider_soon(self, provider: pb.Provider) -> None:
+        self._bg.start_soon(close_provider, provider, self.save_timeout)
 
     def _bind_tools(self, tools: Any) -> None:
         """Let ``tools`` run ``agent`` calls through this agent (a toolbox with a ``subagent``
@@ -463,11 +466,7 @@ class Agent:
             self._apply(outcome, self._runs_nursery)
 
     async def aclose(self) -> None:
-        for provider in [*self._providers.values(), *self._replaced_providers]:
-            with trio.move_on_after(self.save_timeout, shield=True):
-                await provider.aclose()
-        self._providers.clear()
-        self._replaced_providers.clear()
+        await self.providers.aclose(self.save_timeout)
 
     # -- drivers --------------------------------------------------------------------------------
 
@@ -579,6 +578,8 @@ class Agent:
                 log.exception("turn of run %s failed with a bug", turn.primary.run_id)
         finally:
             self._scopes.pop(id(turn), None)
+            if progress.held is not None:
+                self.providers.release(progress.held)
             if cancelled:
                 self._cancel_jobs(turn)
             # The terminals are decided in memory first, so that a slow or failing store can
@@ -721,7 +722,7 @@ class Agent:
         if not self.store.session_exists(sid):
             raise SessionGone(f"session {sid!r} was deleted before its run could start")
         provider_name, provider_cfg, model_entry = self._turn_model(turn)
-        provider = self._provider(provider_name, provider_cfg)
+        provider = progress.held = self.providers.acquire(provider_name, provider_cfg)
         progress.model, progress.provider = model_entry.id, provider_name
         progress.model_entry = model_entry
         # The history is read once; this turn's own messages are appended as they are made (no
@@ -876,7 +877,7 @@ class Agent:
                 if turn.cancelled:
                     scope.cancel()
                 name, cfg, entry = self.config.resolve_model("large")
-                provider = self._provider(name, cfg)
+                provider = progress.held = self.providers.acquire(name, cfg)
                 progress.model, progress.provider, progress.model_entry = entry.id, name, entry
                 history = await self.model_history(turn.session_id)
                 waiter.message = await self._summarize(progress, provider, history)
@@ -893,6 +894,8 @@ class Agent:
             waiter.error = error
         finally:
             self._scopes.pop(id(turn), None)
+            if progress.held is not None:
+                self.providers.release(progress.held)
             if waiter.message is None and waiter.error is None:
                 waiter.error = Conflict("workspace closing: the summary was stopped")
             waiter.done.set()
@@ -982,18 +985,6 @@ class Agent:
     async def messages_for(self, session_id: str) -> list[Message]:
         await self.messages.flush_session(session_id)
         return await self.store.list_messages(session_id)
-
-    def _provider(self, name: str, cfg: Any) -> pb.Provider:
-        provider = self._providers.get(name)
-        if provider is None:
-            try:
-                provider = self._provider_factory(name, cfg)
-            except CrushError:
-                raise
-            except Exception as exc:
-                raise ConfigError(f"provider {name!r} could not be set up: {exc}") from exc
-            self._providers[name] = provider
-        return provider
 
     async def _stream_step(
         self,

@@ -87,7 +87,6 @@ async def run_subagent(
         raise ToolError(f"session {parent_session_id!r} is gone; the sub-agent did not start")
     tools = agent.tools.read_only() if hasattr(agent.tools, "read_only") else None
     provider_name, provider_cfg, entry = agent.config.resolve_model("large")
-    provider = agent._provider(provider_name, provider_cfg)
     child = Session(new_id(), title=_title(prompt), parent_session_id=parent_session_id)
     await agent.store.create_session(child)
     agent.broker.publish(child, EventKind.CREATED)
@@ -100,6 +99,7 @@ async def run_subagent(
     steps = agent.config.options.agent_max_steps
     cancelled = False
     failure: BaseException | None = None
+    provider = agent.providers.acquire(provider_name, provider_cfg)
     try:
         user = Message(new_id(), child.id, Role.USER, [TextPart(prompt)])
         await agent.messages.create(user)
@@ -159,6 +159,7 @@ async def run_subagent(
             raise ToolError(f"the sub-agent failed: {failure.message}") from failure
         raise
     finally:
+        agent.providers.release(provider)
         with trio.move_on_after(agent.save_timeout, shield=True):
             try:
                 msg_last = progress.assistant

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
     from ..store.protocol import WorkspaceStore
+    from .provider_cache import ProviderCache
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class Titles:
     """Titles the sessions of one workspace.
 
     Args:
-        provider_for: the provider of a model (``name, provider config`` in, provider out).
+        providers: the workspace's providers (a title holds one while it asks the model).
         is_busy: whether a session has a turn running (published with the titled session).
         save_timeout: bound on the shielded save of the title (seconds).
     """
@@ -93,14 +94,14 @@ class Titles:
         store: WorkspaceStore,
         broker: Broker,
         config: Config,
-        provider_for: Callable[[str, Any], pb.Provider],
+        providers: ProviderCache,
         is_busy: Callable[[str], bool],
         save_timeout: float,
     ) -> None:
         self.store = store
         self.broker = broker
         self.config = config
-        self._provider_for = provider_for
+        self._providers = providers
         self._is_busy = is_busy
         self.save_timeout = save_timeout
 
@@ -124,18 +125,21 @@ class Titles:
 
     async def _ask_model(self, session_id: str, prompt: str, title: list[str]) -> None:
         name, cfg, entry = self.config.resolve_model("small")
-        provider = self._provider_for(name, cfg)
-        request = pb.ModelRequest(
-            model=pb.ModelInfo(entry.id, entry.name, entry.context_window, TITLE_MAX_TOKENS),
-            system=TITLE_PROMPT,
-            messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
-            max_tokens=TITLE_MAX_TOKENS,
-        )
-        stream = provider.stream(request)
-        async with contextlib.aclosing(stream):  # type: ignore[type-var]
-            async for event in stream:
-                if isinstance(event, pb.TextDelta):
-                    title.append(event.text)
+        provider = self._providers.acquire(name, cfg)
+        try:
+            request = pb.ModelRequest(
+                model=pb.ModelInfo(entry.id, entry.name, entry.context_window, TITLE_MAX_TOKENS),
+                system=TITLE_PROMPT,
+                messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
+                max_tokens=TITLE_MAX_TOKENS,
+            )
+            stream = provider.stream(request)
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for event in stream:
+                    if isinstance(event, pb.TextDelta):
+                        title.append(event.text)
+        finally:
+            self._providers.release(provider)
 
     async def _save(self, session_id: str, model_title: str, prompt: str) -> None:
         title = final_title(model_title, prompt, self.config.options.title_max_words)

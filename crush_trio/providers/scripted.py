@@ -93,11 +93,15 @@ class ScriptedModel:
         self.summary_requests: list[pb.ModelRequest] = []
         self.streams_open = 0
         self.step_started = trio.Event()
+        #: Providers made and closed (a workspace closes the ones a new configuration replaced).
+        self.providers_made = 0
+        self.providers_closed = 0
 
     def add(self, *steps: Step) -> None:
         self.steps.extend(steps)
 
     def __call__(self, name: str, cfg: Any) -> pb.Provider:
+        self.providers_made += 1
         return _ScriptedProvider(self, name)
 
     async def stream(self, request: pb.ModelRequest) -> AsyncIterator[pb.StreamEvent]:
@@ -158,7 +162,7 @@ class _ScriptedProvider:
         return self.model.stream(request)
 
     async def aclose(self) -> None:
-        return None
+        self.model.providers_closed += 1
 
 
 def provider_failure(message: str = "scripted provider failure") -> ProviderError:
