@@ -17,6 +17,8 @@ includes the traces themselves.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import sys
 import threading
@@ -29,6 +31,52 @@ from typing import Final
 FRAMES: Final = 3
 #: How often the request thread looks for requests (seconds).
 POLL: Final = 0.2
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def malloc_stats() -> dict[str, int]:
+    """glibc's view of the heap over all its arenas (empty where ``mallinfo2`` is missing):
+    bytes in use (``in_use``: small blocks plus mmapped ones), bytes free inside the arenas
+    (``free``: held by the allocator, counted in RSS once touched) and the threads alive
+    (each may have its own arena)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {
+        "in_use": info.uordblks + info.hblkhd,
+        "free": info.fordblks,
+        "arena": info.arena,
+        "threads": _threads(),
+    }
+
+
+def _threads() -> int:
+    """Threads of this process, counted by the kernel (trio's worker threads included)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return -1
 
 
 def watch(directory: Path) -> None:
@@ -46,7 +94,7 @@ def watch(directory: Path) -> None:
                 traced, _ = tracemalloc.get_traced_memory()
                 own = tracemalloc.get_tracemalloc_memory()  # the traces themselves
                 (directory / f"{name}.json").write_text(
-                    json.dumps({"traced": traced, "tracemalloc": own})
+                    json.dumps({"traced": traced, "tracemalloc": own, "malloc": malloc_stats()})
                 )
                 partial = directory / f"{name}.snap.partial"
                 snapshot.dump(str(partial))

@@ -441,6 +441,15 @@ def _tracing_memory(directory: Path, name: str) -> int:
         return 0
 
 
+def _malloc(directory: Path, name: str) -> dict[str, int]:
+    """glibc's heap figures when snapshot ``name`` was taken (:func:`bench.traced_server.
+    malloc_stats`; empty: unknown)."""
+    try:
+        return dict(orjson.loads((directory / f"{name}.json").read_bytes()).get("malloc", {}))
+    except (OSError, ValueError):
+        return {}
+
+
 def _fds(pid: int) -> int:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -557,6 +566,14 @@ async def w6(ctx: Ctx) -> WorkloadResult:
         f"memory of tracemalloc itself (its traces, part of RSS): {own[0] / MB:.1f} MiB at the "
         f"baseline, {own[1] / MB:.1f} MiB at the end"
     )
+    heaps = [_malloc(snaps, name) for name in ("base", "end")]
+    if all(heaps):
+        result.notes.append(
+            "malloc (all arenas; includes the traced heap and what Python's allocator and SQLite "
+            f"hold): in use {heaps[0]['in_use'] / MB:.1f} -> {heaps[1]['in_use'] / MB:.1f} MiB, "
+            f"free inside the arenas {heaps[0]['free'] / MB:.1f} -> {heaps[1]['free'] / MB:.1f} "
+            f"MiB, threads {heaps[0]['threads']} -> {heaps[1]['threads']}"
+        )
     result.notes.append(
         f"traced Python heap: {traced[0] / MB:.1f} MiB at the baseline, {traced[1] / MB:.1f} MiB "
         f"at the end; server errors in the log: {len(errors)}"
@@ -571,6 +588,7 @@ async def w6(ctx: Ctx) -> WorkloadResult:
         "sites": sites,
         "traced": traced,
         "tracemalloc_memory": own,
+        "malloc": heaps,
         "counts": dict(load.counts),
         "errors": errors[:20],
     }
