@@ -10,7 +10,7 @@ What is read, in this order (each file once, however many names lead to it):
    variants...);
 3. ``options.context_paths``: files, or directories whose files are read in name order (relative
    paths start at the workspace; ``~`` and absolute paths come only from trusted files, see
-   :func:`crush_trio.config._filter_context_paths`).
+   :mod:`crush_trio.config.trust`).
 
 Bounds and refusals (each refusal is listed with its reason in ``GET .../agent``):
 
