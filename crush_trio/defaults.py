@@ -30,8 +30,10 @@ CLOSE_TIMEOUT: Final = 2.0
 #: (shielded), closing a client's websocket connection or workspace block, closing the cluster's
 #: database pool (connections still busy after it are dropped).
 CLEANUP_TIMEOUT: Final = 5.0
-#: How long SQLite waits for another connection's lock before the statement fails, in
-#: milliseconds (the store's database and the webhook outbox).
+#: How long SQLite waits for a lock held by another connection before failing with "database is
+#: locked", in milliseconds (the store's database and the webhook outbox). In this process the
+#: lock passes between the store's two connections, each holding it for one short transaction;
+#: another process on the same file can hold it too.
 SQLITE_BUSY_TIMEOUT_MS: Final = 5_000
 #: Bytes at the start of a file or body looked at for a NUL byte: one there makes it binary
 #: (context files, ``view``/``grep``/``edit``, ``fetch``).
