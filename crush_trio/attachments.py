@@ -16,7 +16,7 @@ import mimetypes
 from pathlib import Path
 from typing import Final
 
-from .config import (
+from .defaults import (
     DEFAULT_MAX_ATTACHMENT_BYTES,
     DEFAULT_MAX_ATTACHMENTS,
     DEFAULT_MAX_ATTACHMENTS_BYTES,

@@ -61,23 +61,19 @@ import orjson
 import trio
 
 from . import wire
+from .defaults import (
+    DEFAULT_CLIENT_QUEUE_BYTES,
+    DEFAULT_CLIENT_QUEUE_SIZE,
+    DEFAULT_MUST_DELIVER_TIMEOUT,
+    DEFAULT_REPLAY_BUFFER,
+    DEFAULT_REPLAY_BYTES,
+)
 from .errors import WS_CLOSE_SERVICE_RESTART, WS_CLOSE_TRY_AGAIN_LATER, CrushError
 from .eventlog import EventLog, EventLogError, Fenced
 from .metrics import METRICS
 from .wire import EventKind
 
 log = logging.getLogger(__name__)
-
-#: Default capacity of each client's queue (events). Full → lossy drops, must-deliver waits.
-DEFAULT_CLIENT_QUEUE_SIZE: Final = 1024
-#: Default bound on the bytes of encoded frames (events and command replies) in a client's queue.
-DEFAULT_CLIENT_QUEUE_BYTES: Final = 8 * 1024 * 1024
-#: Default number of events kept for resume by ``since`` / ``Last-Event-ID``.
-DEFAULT_REPLAY_BUFFER: Final = 4096
-#: Default bound on the bytes of encoded events in the replay buffer.
-DEFAULT_REPLAY_BYTES: Final = 8 * 1024 * 1024
-#: Default bound on how long a must-deliver publish waits for slow clients (seconds).
-DEFAULT_MUST_DELIVER_TIMEOUT: Final = 2.0
 
 #: Default bound on how long the log may refuse or delay one batch before the broker gives it up
 #: (seconds; retried meanwhile).

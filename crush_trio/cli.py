@@ -19,14 +19,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from . import __version__
+from .defaults import DEFAULT_HOST, DEFAULT_PORT
 from .errors import ConfigError, CrushError, unwrap_group
 
 if TYPE_CHECKING:
     from .server.serve import ServeOptions, ServerHandle
-
-#: Defaults of ``serve`` (repeated here so ``crush-trio run`` need not import the server).
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 7433
 
 EXIT_USAGE = 2
 
@@ -83,6 +80,7 @@ _COMMANDS: dict[str, argparse.ArgumentParser] = {}
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``serve`` command and its flags, in the order ``--help`` lists them."""
     p = sub.add_parser(
         "serve",
         help="run the server",
@@ -130,6 +128,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         metavar="PATH",
         help="read the auth token from this file (keeps it out of the process list)",
     )
+    _add_serve_access_flags(p)
+    _add_serve_log_flags(p)
+    _add_serve_cluster_flags(p)
+
+
+def _add_serve_access_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s flags for who may talk to the server besides its own page."""
     p.add_argument(
         "--allow-origin",
         action="append",
@@ -146,6 +151,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="another host name the server answers to, besides loopback ones (repeatable; "
         "default: none)",
     )
+
+
+def _add_serve_log_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s flags for logs and metrics."""
     p.add_argument(
         "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
     )
@@ -164,6 +173,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="also serve /metrics without the token on 127.0.0.1:PORT (0: any free port; "
         "default: server.metrics_port, else off)",
     )
+
+
+def _add_serve_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s flags of cluster mode (each overrides the config's ``cluster`` section)."""
     cluster = p.add_argument_group(
         "cluster",
         "run as one node of a cluster (docs/cluster.md); each flag overrides the "

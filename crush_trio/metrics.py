@@ -18,7 +18,7 @@ counter and histogram: Prometheus does not need them, and they double the output
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final, Protocol
 
 from prometheus_client import (
@@ -44,6 +44,8 @@ __all__ = [
 #: version reads (the names here are plain ASCII, so nothing needs format 1.0.0's escaping).
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
+#: The prefix of every family's name.
+_PREFIX: Final = "crush_trio_"
 # Bucket edges, in seconds.
 _RUN_SECONDS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _LATENCY_SECONDS: Final = (
@@ -126,161 +128,161 @@ class Metrics:
     """Every metric family of the server, registered on its own `CollectorRegistry`."""
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
         # The standard process_* families (CPU seconds, resident memory, open descriptors).
-        ProcessCollector(registry=r)
-        p = "crush_trio_"
-        # Runs.
-        self.runs_accepted = Counter(
-            p + "runs_accepted", "Prompts accepted (each one is a run)", registry=r
-        )
-        self.runs_finished = Counter(
-            p + "runs_finished",
+        ProcessCollector(registry=self.registry)
+        # Declared in the order of the exposition.
+        self._declare_runs()
+        self._declare_streams()
+        self._declare_providers()
+        self._declare_store()
+        self._declare_workspaces()
+        self._declare_webhooks()
+
+    # -- families ------------------------------------------------------------------------------
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(_PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(_PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        return Histogram(_PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _declare_runs(self) -> None:
+        self.runs_accepted = self._counter("runs_accepted", "Prompts accepted (each one is a run)")
+        self.runs_finished = self._counter(
+            "runs_finished",
             "Runs that reached a terminal state, by outcome (completed, failed, cancelled) "
             "and reason",
             ["outcome", "reason"],
-            registry=r,
         )
-        self.run_duration = Histogram(
-            p + "run_duration_seconds",
+        self.run_duration = self._histogram(
+            "run_duration_seconds",
             "Time from a run's acceptance to its terminal state (queue wait included)",
-            buckets=_RUN_SECONDS,
-            registry=r,
+            _RUN_SECONDS,
         )
-        self.time_to_first_token = Histogram(
-            p + "time_to_first_token_seconds",
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds",
             "Time from a run's acceptance to the first streamed content of its reply",
-            buckets=_LATENCY_SECONDS,
-            registry=r,
+            _LATENCY_SECONDS,
         )
-        self.queued_prompts = Gauge(
-            p + "queued_prompts", "Prompts waiting in session queues", registry=r
-        )
+        self.queued_prompts = self._gauge("queued_prompts", "Prompts waiting in session queues")
         self._queues: weakref.WeakSet[Any] = weakref.WeakSet()
         self.queued_prompts.set_function(self._queued_total)
-        # Events and clients.
-        self.events_published = Counter(
-            p + "events_published", "Events published by brokers, by type", ["type"], registry=r
+
+    def _declare_streams(self) -> None:
+        """Events and clients."""
+        self.events_published = self._counter(
+            "events_published", "Events published by brokers, by type", ["type"]
         )
         #: ``events_published`` children by event type.
         self.published = _Children(self.events_published)
-        self.events_dropped = Counter(
-            p + "events_dropped",
+        self.events_dropped = self._counter(
+            "events_dropped",
             "Lossy events dropped for a client whose queue was full, by transport",
             ["transport"],
-            registry=r,
         )
-        self.gaps_sent = Counter(
-            p + "gaps_sent",
-            "gap frames queued for clients, by transport",
-            ["transport"],
-            registry=r,
+        self.gaps_sent = self._counter(
+            "gaps_sent", "gap frames queued for clients, by transport", ["transport"]
         )
-        self.clients_killed = Counter(
-            p + "clients_killed_slow",
+        self.clients_killed = self._counter(
+            "clients_killed_slow",
             "Clients disconnected as too slow (1013): a must-deliver event or command reply "
             "found no room in time, or their queue stayed full; by transport",
             ["transport"],
-            registry=r,
         )
-        self.client_streams = Gauge(
-            p + "client_streams",
-            "Open client event streams, by transport",
-            ["transport"],
-            registry=r,
+        self.client_streams = self._gauge(
+            "client_streams", "Open client event streams, by transport", ["transport"]
         )
-        self.slow_client_closes = Counter(
-            p + "slow_client_closes",
+        self.slow_client_closes = self._counter(
+            "slow_client_closes",
             "Websockets disconnected as too slow, by how the close ended: closed (the frame in "
             "flight, then the close frame 1013, written whole), aborted (not taken within "
             "SLOW_CLOSE_TIMEOUT: reset, nothing more written), gone (the client left first)",
             ["outcome"],
-            registry=r,
         )
-        self.must_deliver_wait = Histogram(
-            p + "must_deliver_wait_seconds",
+        self.must_deliver_wait = self._histogram(
+            "must_deliver_wait_seconds",
             "Time a must-deliver event waited for room in a full client queue (only events "
             "that had to wait)",
-            buckets=_LATENCY_SECONDS,
-            registry=r,
+            _LATENCY_SECONDS,
         )
         self._transports = {t: TransportMetrics(self, t) for t in TRANSPORTS}
-        # Providers.
-        self.provider_requests = Counter(
-            p + "provider_requests",
+
+    def _declare_providers(self) -> None:
+        self.provider_requests = self._counter(
+            "provider_requests",
             "HTTP requests to LLM providers (each retry is one more)",
             ["provider"],
-            registry=r,
         )
-        self.provider_errors = Counter(
-            p + "provider_errors",
+        self.provider_errors = self._counter(
+            "provider_errors",
             "Failed LLM provider requests, by kind (connect, timeout, rate_limited, auth, "
             "http_4xx, http_5xx, http, broken, protocol, config)",
             ["provider", "kind"],
-            registry=r,
         )
-        self.provider_retries = Counter(
-            p + "provider_retries", "Retried provider requests", ["provider"], registry=r
+        self.provider_retries = self._counter(
+            "provider_retries", "Retried provider requests", ["provider"]
         )
-        self.provider_latency = Histogram(
-            p + "provider_latency_seconds",
+        self.provider_latency = self._histogram(
+            "provider_latency_seconds",
             "Time from sending a provider request to its response headers",
+            _LATENCY_SECONDS,
             ["provider"],
-            buckets=_LATENCY_SECONDS,
-            registry=r,
         )
         self._providers: dict[str, ProviderMetrics] = {}
-        # Store.
-        self.store_write_latency = Histogram(
-            p + "store_write_seconds",
+
+    def _declare_store(self) -> None:
+        self.store_write_latency = self._histogram(
+            "store_write_seconds",
             "Time of one committed store write transaction (messages, run records, sessions)",
-            buckets=_LATENCY_SECONDS,
-            registry=r,
+            _LATENCY_SECONDS,
         )
-        self.store_batch_size = Histogram(
-            p + "store_batch_size",
+        self.store_batch_size = self._histogram(
+            "store_batch_size",
             "Rows written per store transaction, by kind (messages, runs)",
+            _BATCH_SIZES,
             ["kind"],
-            buckets=_BATCH_SIZES,
-            registry=r,
         )
-        # Workspaces, tools, permissions.
-        self.workspaces_open = Gauge(
-            p + "workspaces_open", "Open workspaces (starting ones included)", registry=r
+
+    def _declare_workspaces(self) -> None:
+        """Workspaces, tools, permissions."""
+        self.workspaces_open = self._gauge(
+            "workspaces_open", "Open workspaces (starting ones included)"
         )
-        self.tool_calls = Counter(
-            p + "tool_calls",
+        self.tool_calls = self._counter(
+            "tool_calls",
             "Tool calls, by tool and outcome (ok, error, denied, cancelled)",
             ["tool", "outcome"],
-            registry=r,
         )
         self._tool_names: set[str] = set()
-        self.permission_waits = Histogram(
-            p + "permission_wait_seconds",
+        self.permission_waits = self._histogram(
+            "permission_wait_seconds",
             "Time a tool call waited for a permission answer, by outcome (allowed, denied, "
             "timeout, cancelled)",
+            _RUN_SECONDS,
             ["outcome"],
-            buckets=_RUN_SECONDS,
-            registry=r,
         )
-        self.permissions_pending = Gauge(
-            p + "permissions_pending", "Permission requests waiting for an answer", registry=r
+        self.permissions_pending = self._gauge(
+            "permissions_pending", "Permission requests waiting for an answer"
         )
-        # Run-completion webhooks.
-        self.webhook_deliveries = Counter(
-            p + "webhook_deliveries",
+
+    def _declare_webhooks(self) -> None:
+        """Run-completion webhooks."""
+        self.webhook_deliveries = self._counter(
+            "webhook_deliveries",
             "Webhook delivery attempts, by outcome (delivered, failed, retry, dropped)",
             ["outcome"],
-            registry=r,
         )
-        self.webhook_pending = Gauge(
-            p + "webhook_pending", "Webhook deliveries waiting in outboxes", registry=r
+        self.webhook_pending = self._gauge(
+            "webhook_pending", "Webhook deliveries waiting in outboxes"
         )
-        self.webhook_latency = Histogram(
-            p + "webhook_latency_seconds",
-            "Time of one webhook POST",
-            buckets=_LATENCY_SECONDS,
-            registry=r,
+        self.webhook_latency = self._histogram(
+            "webhook_latency_seconds", "Time of one webhook POST", _LATENCY_SECONDS
         )
 
     # -- bound children -------------------------------------------------------------------------

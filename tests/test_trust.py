@@ -919,19 +919,19 @@ def test_every_number_an_untrusted_file_may_set_is_a_checked_bound() -> None:
     for key in cfg.UNTRUSTED_OPTION_KEYS:
         field = attrs.fields_dict(cfg.Options)[key]
         if numeric(field):
-            assert cfg._LOOSENS in field.metadata, f"options.{key} is not a checked bound"
+            assert cfg.LOOSENS_METADATA in field.metadata, f"options.{key} is not a checked bound"
     for key in cfg.UNTRUSTED_PROVIDER_KEYS - {"models"}:
         field = attrs.fields_dict(cfg.ProviderConfig)[key]
-        assert cfg._CEILING in field.metadata, f"providers.*.{key} has no ceiling"
+        assert cfg.CEILING_METADATA in field.metadata, f"providers.*.{key} has no ceiling"
     for cls, keys in (
         (cfg.ModelEntry, ("context_window", "default_max_tokens")),
         (cfg.SelectedModel, ("max_tokens",)),
     ):
         for key in keys:
-            assert cfg._CEILING in attrs.fields_dict(cls)[key].metadata
+            assert cfg.CEILING_METADATA in attrs.fields_dict(cls)[key].metadata
     # Every named ceiling exists.
     names = {f.name for f in attrs.fields(cfg.Ceilings)}
     for cls in (cfg.Options, cfg.ProviderConfig, cfg.ModelEntry, cfg.SelectedModel):
         for field in attrs.fields(cls):
-            name = field.metadata.get(cfg._CEILING)
+            name = field.metadata.get(cfg.CEILING_METADATA)
             assert name is None or name in names, f"{cls.__name__}.{field.name}: {name}"

@@ -10,7 +10,7 @@ What is read, in this order (each file once, however many names lead to it):
    variants...);
 3. ``options.context_paths``: files, or directories whose files are read in name order (relative
    paths start at the workspace; ``~`` and absolute paths come only from trusted files, see
-   :func:`crush_trio.config._filter_context_paths`).
+   :mod:`crush_trio.config.trust`).
 
 Bounds and refusals (each refusal is listed with its reason in ``GET .../agent``):
 
@@ -41,6 +41,8 @@ from typing import Final
 
 import attrs
 import trio
+
+from ..defaults import BINARY_SNIFF_BYTES
 
 #: Files and directories Crush reads from a workspace (its ``defaultContextPaths``), with the
 #: ``.local`` variants of ``AGENTS.md`` and ``GEMINI.md`` added; a name ending in ``/`` is a
@@ -74,8 +76,6 @@ MAX_DIRECTORY_DEPTH: Final = 8
 #: Directory entries (files and subdirectories) looked at in one context directory at most, so
 #: a huge tree costs little at each turn.
 MAX_DIRECTORY_ENTRIES: Final = 2000
-#: Bytes read from the start of a file to tell whether it is binary.
-BINARY_SNIFF_BYTES: Final = 8192
 
 #: Reasons a file is skipped (``GET .../agent`` shows them).
 NOT_FOUND: Final = "not found"

@@ -27,9 +27,9 @@ import attrs
 import trio
 
 from .. import wire
-from ..config import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
 from ..core.agent_state import AgentState, CancelOutcome, Prompt, Turn
 from ..core.assembler import StepAssembler, repair_tool_calls
+from ..defaults import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
 from ..errors import (
     BadRequest,
     ConfigError,

@@ -50,12 +50,13 @@ from trio_websocket import (
     WebSocketConnection,
 )
 
+from ..defaults import CLEANUP_TIMEOUT
 from ..wire import Role
 from .deltas import Assembler
 from .errors import Conflict, CrushError, NotFound, Timeout, Unreachable, error_for_status
 from .events import MESSAGE_DELTA, Event, Mailbox, decode_frame
 from .runs import GrantAction, RunHandle, deadline_after, deadline_scope
-from .transport import CLOSE_TIMEOUT, HELLO_TIMEOUT, receive_hello, rejection_error
+from .transport import HELLO_TIMEOUT, receive_hello, rejection_error
 
 if TYPE_CHECKING:
     from ..wire import Message, Run
@@ -207,8 +208,9 @@ class EventStream:
 
         With ``read`` the reader and resync tasks run, and the block starts once the first
         ``hello`` has arrived; without it only permission grants can run. Leaving the block
-        closes the connection politely (a close handshake, bounded by :data:`CLOSE_TIMEOUT`),
-        fails the pending runs and ends the subscriptions.
+        closes the connection politely (a close handshake, bounded by
+        :data:`~crush_trio.defaults.CLEANUP_TIMEOUT`), fails the pending runs and ends the
+        subscriptions.
 
         Raises:
             Unreachable, AuthError, NotFound, Conflict, Timeout: the first connect failed.
@@ -252,7 +254,7 @@ class EventStream:
         """Close the connection with a websocket close handshake, bounded."""
         self.closed = True
         self.drop()
-        with trio.move_on_after(CLOSE_TIMEOUT):
+        with trio.move_on_after(CLEANUP_TIMEOUT):
             await self._stream_done.wait()
 
     def close(self) -> None:

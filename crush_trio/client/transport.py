@@ -19,13 +19,12 @@ import trio
 from trio_websocket import ConnectionRejected, WebSocketConnection
 from wsproto import ConnectionType, WSConnection
 
+from ..defaults import CLEANUP_TIMEOUT
 from ..wsdeflate import DeflateConnection, client_deflate
 from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable, single_errors
 
 #: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
 HELLO_TIMEOUT: Final = 10.0
-#: Bound on each cleanup step when a connection or a workspace block ends (seconds).
-CLOSE_TIMEOUT: Final = 5.0
 #: Largest event frame accepted (a message event carries a whole message).
 MAX_EVENT_BYTES: Final = 64 * 1024 * 1024
 #: Frames buffered inside the websocket library between the socket and the reader task.
@@ -140,7 +139,7 @@ async def open_stream_socket(
 ) -> AsyncIterator[WebSocketConnection]:
     """One websocket connection to ``resource`` (``/v1/...``): at ``ws_base`` over TCP (TLS for
     ``wss://``), or over the Unix socket ``unix_path`` when it is set. Leaving the block closes it
-    (bounded by :data:`CLOSE_TIMEOUT`).
+    (bounded by :data:`~crush_trio.defaults.CLEANUP_TIMEOUT`).
 
     With ``compression`` the upgrade offers permessage-deflate (protocol.md 6.7); a compressed frame
     that inflates past ``max_message_size`` closes the connection with 1009. ``counter``, when
@@ -176,7 +175,7 @@ async def open_stream_socket(
             try:
                 yield conn
             finally:
-                with trio.move_on_after(CLOSE_TIMEOUT):
+                with trio.move_on_after(CLEANUP_TIMEOUT):
                     await conn.aclose()
                 nursery.cancel_scope.cancel()
 

@@ -5,7 +5,7 @@ creates or joins the workspace, runs its :class:`~crush_trio.client.stream.Event
 ``async with`` block (reader, resync and grant tasks: see :mod:`crush_trio.client.stream`), and
 when the block ends closes the stream, fails the runs still pending with :class:`Conflict`
 ("workspace client closed") and releases the client's hold with
-``DELETE /v1/workspaces/{id}?client_id=`` (bounded by :data:`CLOSE_TIMEOUT`).
+``DELETE /v1/workspaces/{id}?client_id=`` (bounded by :data:`~crush_trio.defaults.CLEANUP_TIMEOUT`).
 
 While the stream is connected, :meth:`WorkspaceClient.prompt` sends its prompt as an
 ``agent.prompt`` command on that websocket (one frame, like the browser client, instead of an
@@ -28,6 +28,7 @@ import trio
 from trio_websocket import ConnectionRejected, HandshakeError, WebSocketConnection
 
 from .. import wire
+from ..defaults import CLEANUP_TIMEOUT, DEFAULT_PAGE
 from ..wire import (
     AcceptedPrompt,
     AgentInfo,
@@ -44,7 +45,6 @@ from .runs import DEFAULT_RUN_TIMEOUT, GrantAction, RunHandle
 from .stream import DEFAULT_RECONNECT_TIMEOUT, NOT_SENT, CommandLost, EventStream, StreamStats
 from .subscription import Subscription
 from .transport import (
-    CLOSE_TIMEOUT,
     HELLO_TIMEOUT,
     MAX_REDIRECTS,
     open_stream_socket,
@@ -82,13 +82,13 @@ async def open_workspace(
                 yield ws
     finally:
         ws._stream.close()
-        with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+        with trio.move_on_after(CLEANUP_TIMEOUT, shield=True):
             try:
                 await client.request(
                     "DELETE",
                     f"/v1/workspaces/{info.id}",
                     params={"client_id": client.client_id},
-                    timeout=CLOSE_TIMEOUT,
+                    timeout=CLEANUP_TIMEOUT,
                 )
             except CrushError as exc:
                 log.debug("releasing workspace %s: %s", info.id, exc)
@@ -244,7 +244,7 @@ class WorkspaceClient:
         """One page of sessions, newest created first; pass the last id as ``before`` for the
         next page (each session comes once, whatever is created meanwhile)."""
         params = _params(limit=limit, before=before, q=query or None)
-        params.setdefault("limit", str(_DEFAULT_PAGE))
+        params.setdefault("limit", str(DEFAULT_PAGE))
         data = await self.client.request("GET", self._url("/sessions"), params=params)
         return wire.converter.structure(data, list[Session])
 
@@ -259,7 +259,7 @@ class WorkspaceClient:
         """One page of a session's messages, oldest first: ``after`` the last one read (new
         messages come in later pages), or the ``limit`` ones ``before`` a message."""
         params = _params(limit=limit, before=before, after=after)
-        params.setdefault("limit", str(_DEFAULT_PAGE))
+        params.setdefault("limit", str(DEFAULT_PAGE))
         url = self._url(f"/sessions/{session_id}/messages")
         data = await self.client.request("GET", url, params=params)
         return wire.converter.structure(data, list[Message])
@@ -584,10 +584,6 @@ class WorkspaceClient:
         Meant for tests and for a caller that suspects a stale connection.
         """
         self._stream.drop()
-
-
-#: Items per page the client asks for when the caller gives no ``limit`` (the server's default).
-_DEFAULT_PAGE = 100
 
 
 def _params(**values: Any) -> dict[str, str]:

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 import attrs
 import trio
 
+from ..defaults import CLEANUP_TIMEOUT, DEFAULT_DATABASE_POOL
 from ..errors import StoreError
 from ..eventlog import Fenced as Fenced  # one class for the store and the event log
 
@@ -77,9 +78,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: Connections in a cluster's pool (and the size of the limiter in front of it): the most
-#: database calls of one node at once.
-POOL_SIZE: Final = 8
 #: Bound on opening a connection to the database (seconds), and on opening the pool.
 CONNECT_TIMEOUT: Final = 10.0
 #: Bound on waiting for a pooled connection inside a call (seconds). The limiter keeps calls to
@@ -99,8 +97,6 @@ TCP_USER_TIMEOUT: Final = 10.0
 KEEPALIVE_IDLE: Final = 10
 KEEPALIVE_INTERVAL: Final = 5
 KEEPALIVE_COUNT: Final = 3
-#: Bound on closing the pool (seconds): connections still busy after it are dropped.
-CLOSE_TIMEOUT: Final = 5.0
 #: SQLSTATE raised by the database's epoch check (``crush_check_epoch``) for a fenced write.
 FENCED_SQLSTATE: Final = "CR001"
 #: Key of the advisory lock that serializes schema migrations of nodes starting together.
@@ -364,7 +360,7 @@ class PgCluster:
         cls,
         dsn: str,
         *,
-        pool_size: int = POOL_SIZE,
+        pool_size: int = DEFAULT_DATABASE_POOL,
         connect_timeout: float = CONNECT_TIMEOUT,
         statement_timeout: float = STATEMENT_TIMEOUT,
         idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT,
@@ -422,7 +418,7 @@ class PgCluster:
                 with pool.connection(timeout=connect_timeout) as conn:
                     _migrate(conn, where)
             except BaseException:
-                pool.close(timeout=CLOSE_TIMEOUT)
+                pool.close(timeout=CLEANUP_TIMEOUT)
                 raise
             return pool
 
@@ -440,11 +436,11 @@ class PgCluster:
         return self._pool is None
 
     async def aclose(self) -> None:
-        """Close the pool after the calls in progress (bounded by :data:`CLOSE_TIMEOUT`); later
-        calls raise StoreError. Idempotent."""
+        """Close the pool after the calls in progress (bounded by
+        :data:`~crush_trio.defaults.CLEANUP_TIMEOUT`); later calls raise StoreError. Idempotent."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            await trio.to_thread.run_sync(lambda: pool.close(timeout=CLOSE_TIMEOUT))
+            await trio.to_thread.run_sync(lambda: pool.close(timeout=CLEANUP_TIMEOUT))
 
     def _closed_error(self) -> StoreError:
         return StoreError(

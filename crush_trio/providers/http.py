@@ -45,25 +45,25 @@ import httpx
 import orjson
 import trio
 
+from ..defaults import (
+    CLEANUP_TIMEOUT,
+    DEFAULT_CHUNK_TIMEOUT,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_FIRST_BYTE_TIMEOUT,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_BASE_DELAY,
+    DEFAULT_RETRY_MAX_DELAY,
+)
 from ..errors import ProviderError
 from ..metrics import METRICS, status_kind
 from .base import Retrying
 from .body import BodyError, BodyTimeout, IncompleteBody, take_over
 from .pool import ShardedTransport, shared_ssl_context
 
-#: Defaults of the provider config keys (the config module uses the same values).
-DEFAULT_CONNECT_TIMEOUT: Final = 10.0
-DEFAULT_FIRST_BYTE_TIMEOUT: Final = 60.0
-DEFAULT_CHUNK_TIMEOUT: Final = 60.0
-DEFAULT_MAX_RETRIES: Final = 3
-DEFAULT_RETRY_BASE_DELAY: Final = 1.0
-DEFAULT_RETRY_MAX_DELAY: Final = 30.0
 #: Largest extra wait added to a server's ``Retry-After``, as a fraction of it (so that clients
 #: told the same delay spread out instead of retrying at the same instant).
 RETRY_AFTER_JITTER: Final = 0.2
 
-#: How long closing a response may take when the stream ends or is cancelled (shielded cleanup).
-CLOSE_TIMEOUT: Final = 5.0
 #: After the final event of a reply, how long to wait for the end of the body so the connection
 #: can be reused; past it the connection is closed instead (no error: the reply is complete).
 DRAIN_TIMEOUT: Final = 1.0
@@ -348,7 +348,7 @@ class HttpStreamer:
 
     Cancellation: cancelling (or closing) a :meth:`stream_sse` generator closes its HTTP response,
     and with it the upstream connection, inside a shielded scope bounded by
-    :data:`CLOSE_TIMEOUT`.
+    :data:`~crush_trio.defaults.CLEANUP_TIMEOUT`.
     """
 
     def __init__(
@@ -442,7 +442,7 @@ class HttpStreamer:
             for event in self._decode(decoder, None):
                 yield event
         finally:
-            with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+            with trio.move_on_after(CLEANUP_TIMEOUT, shield=True):
                 await _aclose_iter(chunks)
                 await response.aclose()
 
@@ -559,7 +559,7 @@ class HttpStreamer:
             raise ProviderError(f"request to provider {name!r} failed: {_describe(exc)}") from exc
         finally:
             if response is not None and not ok:
-                with trio.move_on_after(CLOSE_TIMEOUT, shield=True):
+                with trio.move_on_after(CLEANUP_TIMEOUT, shield=True):
                     await response.aclose()
 
     async def _failed(self, response: httpx.Response, url: str) -> _Retry:

@@ -35,6 +35,7 @@ import trio
 
 from .. import __version__, wire
 from ..broker import TOO_SLOW_REASON, ClientStream, Event
+from ..defaults import CLOSE_TIMEOUT
 from ..errors import WS_CLOSE_GOING_AWAY, WS_CLOSE_NORMAL, BadRequest
 from ..logs import set_log_context
 from ..metrics import METRICS
@@ -46,8 +47,6 @@ if TYPE_CHECKING:
     from .api import Api
     from .settings import Settings
 
-#: Bound on sending a close frame (or a refusal) to a client (seconds).
-CLOSE_TIMEOUT: Final = 2.0
 #: A client disconnected as too slow (1013) or dropped (1012): how long it has, from then, to
 #: take the rest of the frame in flight and the close frame before the connection is aborted
 #: (reset, nothing more written; seconds).

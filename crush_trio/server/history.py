@@ -19,8 +19,9 @@ from quart_trio import QuartTrio
 from .. import wire
 from ..backend.workspace import Workspace
 from ..changes import RevertConflict
+from ..defaults import DEFAULT_PAGE
 from ..errors import BadRequest, Conflict, NotFound
-from ..store.paging import DEFAULT_PAGE, MAX_PAGE, CursorNotFound, PageQuery
+from ..store.paging import MAX_PAGE, CursorNotFound, PageQuery
 from ..wire import (
     Diff,
     FileChange,

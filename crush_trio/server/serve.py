@@ -31,6 +31,7 @@ from .. import __version__
 from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
 from ..config import Config, load_config
+from ..defaults import DEFAULT_HOST, DEFAULT_PORT
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from ..tools.sandbox import probe as sandbox_probe
@@ -48,8 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST: Final = "127.0.0.1"
-DEFAULT_PORT: Final = 7433
 #: Seconds hypercorn waits for open connections after the app has closed its streams (its
 #: websocket ping tasks outlive their connection by up to one ping interval; nothing else is left).
 HYPERCORN_GRACE: Final = 0.5

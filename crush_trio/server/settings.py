@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..config import (
+from ..defaults import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SSE_PING_INTERVAL,
     DEFAULT_WS_PING_INTERVAL,

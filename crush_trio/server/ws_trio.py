@@ -33,9 +33,10 @@ from wsproto import ConnectionType, WSConnection
 
 from ..broker import Event
 from ..cluster.placement import response_headers
+from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate, DeflateConnection
-from .connection import CLOSE_TIMEOUT, PeerGone, check_upgrade, close_bound, serve_connection
+from .connection import PeerGone, check_upgrade, close_bound, serve_connection
 from .listener import PrefixedStream
 from .security import check_request_host, check_request_token
 

@@ -31,6 +31,7 @@ from typing import Any, Final, TypeVar
 
 import trio
 
+from ..defaults import SQLITE_BUSY_TIMEOUT_MS
 from ..errors import StoreError
 from ..metrics import METRICS
 from ..wire import (
@@ -61,11 +62,6 @@ T = TypeVar("T")
 
 #: File name of the database inside a workspace's data directory.
 DB_FILENAME: Final = "crush.db"
-
-#: How long sqlite waits for a lock held by another connection before failing with "database is
-#: locked" (milliseconds). In this process the lock passes between the store's two connections,
-#: each holding it for one short transaction; another process on the same file can hold it too.
-BUSY_TIMEOUT_MS: Final = 5_000
 
 _MIGRATION_1: Final = """
 CREATE TABLE sessions (
@@ -211,7 +207,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     create_private_file(path)  # 0600: it holds every prompt, reply and tool output
     conn = sqlite3.connect(
         path,
-        timeout=BUSY_TIMEOUT_MS / 1000,
+        timeout=SQLITE_BUSY_TIMEOUT_MS / 1000,
         isolation_level=None,  # we issue BEGIN/COMMIT ourselves
         check_same_thread=False,  # used from worker threads, one at a time (see Store)
     )
@@ -223,7 +219,7 @@ def _connect(path: Path) -> sqlite3.Connection:
                 "directory on a local file system"
             )
         conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
+        conn.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS:d}")
         conn.execute("PRAGMA synchronous = NORMAL")  # safe with WAL; commits stay durable on crash
         _migrate(conn, path)
     except BaseException:

@@ -56,6 +56,7 @@ from typing import Final, NamedTuple, Protocol
 
 import trio
 
+from ..defaults import DEFAULT_DEBOUNCE_MS, DEFAULT_MESSAGE_WRITE_MS
 from ..errors import StoreError
 from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart
 
@@ -63,12 +64,12 @@ logger = logging.getLogger(__name__)
 
 #: Publish window for streaming updates of one message (seconds): at most one ``updated`` event
 #: per message per window (Crush's 33 ms). Configured by ``options.debounce_ms``.
-DEBOUNCE_SECONDS: Final = 0.033
+DEBOUNCE_SECONDS: Final = DEFAULT_DEBOUNCE_MS / 1000
 
 #: Write window (seconds): pending streaming state is written to the store at most this long
 #: after its first unwritten update, all pending messages in one transaction. Configured by
 #: ``server.message_write_ms``. Terminal changes are written at once regardless.
-WRITE_WINDOW_SECONDS: Final = 0.25
+WRITE_WINDOW_SECONDS: Final = DEFAULT_MESSAGE_WRITE_MS / 1000
 
 #: After a failed background write, the flusher waits this long (seconds) before trying again, so
 #: a broken disk produces a log line a second rather than thirty.

@@ -18,10 +18,10 @@ from typing import Any, Final
 
 import attrs
 
+from ..defaults import DEFAULT_PAGE
+
 #: The most items one page may ask for (``limit``).
 MAX_PAGE: Final = 1000
-#: Items in a page when a paging parameter is given without ``limit``.
-DEFAULT_PAGE: Final = 100
 
 
 class CursorNotFound(Exception):

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 import attrs
 import trio
 
-from ..config import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT, FetchOptions
+from ..config import FetchOptions
+from ..defaults import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
 from ..errors import CrushError
 from ..providers.base import ToolSpec
 from ..wire import Session, Todo

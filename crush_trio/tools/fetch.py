@@ -40,6 +40,7 @@ import trio
 
 from .. import __version__
 from ..config import FetchOptions
+from ..defaults import BINARY_SNIFF_BYTES
 from .base import (
     ToolBase,
     ToolContext,
@@ -67,8 +68,6 @@ FETCH_MAX_RESULT_CHARS: Final = 100_000
 FETCH_MAX_HTML_DEPTH: Final = 512
 #: ``fetch``: most bytes one step of gzip/deflate decoding may produce (bounds a compression bomb).
 DECODE_STEP_BYTES: Final = 256 * 1024
-#: ``fetch``: bytes looked at to tell binary (a NUL byte) from text when no type says.
-SNIFF_BYTES: Final = 8192
 
 FETCH_FORMATS: Final = ("markdown", "text", "html")
 _REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
@@ -303,7 +302,7 @@ def _is_text(media: str, body: bytes) -> bool:
         return True
     if media.endswith(("+json", "+xml")):
         return True
-    return media in ("", "application/octet-stream") and b"\0" not in body[:SNIFF_BYTES]
+    return media in ("", "application/octet-stream") and b"\0" not in body[:BINARY_SNIFF_BYTES]
 
 
 def _decode(body: bytes, charset: str | None) -> str:

@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 from typing import Final
 
+from ..defaults import BINARY_SNIFF_BYTES
 from .base import ToolError
 
 __all__ = [
@@ -38,9 +39,6 @@ IGNORED_DIR_NAMES: Final = frozenset(
         ".pytest_cache",
     }
 )
-
-#: Bytes read from the start of a file to tell binary (a NUL byte) from text.
-BINARY_SNIFF_BYTES: Final = 8192
 
 #: ``view`` (and the snippet ``edit`` returns): longer lines are cut to this many characters.
 VIEW_MAX_LINE_CHARS: Final = 2000

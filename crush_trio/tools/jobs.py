@@ -31,7 +31,8 @@ from typing import Final
 import attrs
 import trio
 
-from ..config import DEFAULT_JOB_BUFFER_BYTES, JobsOptions
+from ..config import JobsOptions
+from ..defaults import DEFAULT_JOB_BUFFER_BYTES
 from ..wire import JobInfo, JobState, ToolOutput, now
 from .base import ToolError
 from .sandbox import Sandbox

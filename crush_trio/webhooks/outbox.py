@@ -22,6 +22,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
+from ..defaults import SQLITE_BUSY_TIMEOUT_MS
 from ..errors import StoreError
 from ..store.datadir import create_private_file, ensure_data_dir
 
@@ -29,8 +30,6 @@ T = TypeVar("T")
 
 #: File name of the outbox inside the server's data directory.
 OUTBOX_FILENAME: Final = "webhooks.db"
-#: How long sqlite waits for a lock held by another connection (milliseconds).
-BUSY_TIMEOUT_MS: Final = 5_000
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS deliveries (
@@ -137,7 +136,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         create_private_file(path)  # 0600: it holds run texts and endpoint URLs
         conn = sqlite3.connect(
             path,
-            timeout=BUSY_TIMEOUT_MS / 1000,
+            timeout=SQLITE_BUSY_TIMEOUT_MS / 1000,
             isolation_level=None,  # BEGIN/COMMIT are ours
             check_same_thread=False,  # used from worker threads, one at a time
         )

@@ -51,6 +51,7 @@ import httpx
 import trio
 
 from ..config import ServerOptions
+from ..defaults import DEFAULT_SHUTDOWN_SAVE_TIMEOUT
 from ..errors import StoreError
 from ..metrics import METRICS
 from ..providers.pool import shared_ssl_context
@@ -68,8 +69,6 @@ UNCONFIGURED_ERROR: Final = (
     "the endpoint is no longer in the configuration (or its workspace is no longer trusted), so "
     "there is no secret to sign with"
 )
-#: Longest wait for the final save of the outbox at shutdown when no bound is given (seconds).
-DEFAULT_SAVE_TIMEOUT: Final = 5.0
 
 
 @attrs.frozen
@@ -115,7 +114,7 @@ class Webhooks:
         *,
         resolve: Resolver,
         version: str = "",
-        save_timeout: float = DEFAULT_SAVE_TIMEOUT,
+        save_timeout: float = DEFAULT_SHUTDOWN_SAVE_TIMEOUT,
         sleep: Callable[[float], Awaitable[None]] = trio.sleep,
         draw: Callable[[], float] = random.random,
         wall: Callable[[], float] = time.time,
