@@ -27,9 +27,9 @@ import trio.testing
 import trio_websocket
 from trio_websocket import ConnectionClosed, open_websocket_url
 
-from crush_trio.server import app as app_module
 from crush_trio.server import listener, ws_trio
 from crush_trio.server.listener import HEAD_LIMIT, contained
+from crush_trio.server.routes import events as app_module
 
 from .conftest import TOKEN, WAIT, Server, running_server
 

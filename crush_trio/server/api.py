@@ -2,6 +2,8 @@
 
 Each operation takes already-parsed input and returns a wire object (or plain JSON data); errors
 are :class:`~crush_trio.errors.CrushError` subclasses that both transports map to the same status.
+The operations of a workspace's configuration and models need the workspace alone, so they are
+plain functions here; the rest are :class:`Api`'s.
 """
 
 from __future__ import annotations
@@ -57,7 +59,41 @@ def validate_workspace_path(raw_path: str) -> None:
         )
 
 
+# -- configuration and models -------------------------------------------------------------------
+# Functions of the workspace alone: the configuration it runs with and the model catalog.
+
+
+def workspace_config(ws: Workspace) -> WorkspaceConfig:
+    """``GET .../config``: the configuration in use, in Crush's shape (no secrets)."""
+    return catalog.workspace_config(ws.config, ws.data_dir)
+
+
+def providers(ws: Workspace) -> list[CatalogProvider]:
+    """``GET .../providers``: the providers and the models each offers."""
+    return catalog.catalog(ws.config)
+
+
+def select_model(ws: Workspace, body: SelectModelRequest) -> dict[str, Any]:
+    """``POST .../config/model``: use a model for the large or small role from the next turn."""
+    if body.scope not in SCOPES:
+        raise BadRequest(
+            f"scope {body.scope} is not one of Crush's scopes (0 global, 1 workspace); both "
+            "apply to this workspace until it closes"
+        )
+    ws.check_open()
+    ws.select_model(body.model_type, body.model)
+    return {}
+
+
+def default_small_model(ws: Workspace, provider_id: str | None) -> ModelChoice:
+    """``GET .../agent/default-small-model``: the small model of a provider."""
+    return catalog.default_small_model(ws.config, provider_id or "")
+
+
 class Api:
+    """The operations over one server's backend: workspaces, sessions, the agent, runs,
+    permissions and trust."""
+
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
@@ -170,27 +206,6 @@ class Api:
         from the next turn on, so this only checks that the workspace is open."""
         ws.check_open()
         return {}
-
-    # -- configuration and models ---------------------------------------------------------------
-
-    def config(self, ws: Workspace) -> WorkspaceConfig:
-        return catalog.workspace_config(ws.config, ws.data_dir)
-
-    def providers(self, ws: Workspace) -> list[CatalogProvider]:
-        return catalog.catalog(ws.config)
-
-    def select_model(self, ws: Workspace, body: SelectModelRequest) -> dict[str, Any]:
-        if body.scope not in SCOPES:
-            raise BadRequest(
-                f"scope {body.scope} is not one of Crush's scopes (0 global, 1 workspace); both "
-                "apply to this workspace until it closes"
-            )
-        ws.check_open()
-        ws.select_model(body.model_type, body.model)
-        return {}
-
-    def default_small_model(self, ws: Workspace, provider_id: str | None) -> ModelChoice:
-        return catalog.default_small_model(ws.config, provider_id or "")
 
     async def set_current_session(
         self, ws: Workspace, client_id: str, body: CurrentSessionRequest

@@ -1,20 +1,19 @@
-"""Routes over what a workspace's runs did: diffs, reverts, forks, paged lists and exports.
+"""What a workspace's runs did: diffs, reverts, forks, paged lists and exports.
 
 ``GET .../runs/{id}/diff``, ``GET .../sessions/{sid}/diff``, ``POST .../runs/{id}/revert``,
 ``GET .../reverts/{revert_id}``, ``POST .../sessions/{sid}/fork``, ``GET .../runs`` (paged) and
 ``GET .../sessions/{sid}/export``; paging of ``GET .../sessions`` and ``GET .../messages`` is
 answered here too when a paging parameter is given (docs/protocol.md "Changes" and "Paging").
-The operations are in :class:`History`; :func:`register` adds the routes to the app.
+The operations are in :class:`History`; :mod:`.routes.changes` adds their routes to the app.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Final
 
 import attrs
-from quart import Response, request
-from quart_trio import QuartTrio
+from quart import Response
 
 from .. import wire
 from ..backend.workspace import Workspace
@@ -303,57 +302,3 @@ def export_markdown(session: Session, messages: list[Message], runs: list[Run]) 
 def _file_line(f: FileChange) -> str:
     counts = "binary" if f.binary else f"+{f.added} -{f.removed}"
     return f"`{f.path}` {f.status} ({counts})"
-
-
-def register(
-    app: QuartTrio,
-    api: Api,
-    body: Callable[[type[Any]], Awaitable[Any]],
-    json_response: Callable[..., Response],
-) -> History:
-    """Add the routes of this module to ``app``."""
-    history = History(api)
-    w = "/v1/workspaces/<wid>"
-
-    @app.get(w + "/runs")
-    async def list_runs(wid: str) -> Response:
-        ws = api.workspace(wid)
-        return json_response(await history.list_runs(ws, parse_page(request.args, what="runs")))
-
-    @app.get(w + "/runs/<run_id>/diff")
-    async def run_diff(wid: str, run_id: str) -> Response:
-        return json_response(await history.run_diff(api.workspace(wid), run_id))
-
-    @app.post(w + "/runs/<run_id>/revert")
-    async def revert(wid: str, run_id: str) -> Response:
-        ws = api.workspace(wid)
-        raw = await request.get_data(cache=False)
-        req = wire.loads_body(raw, RevertRequest) if raw.strip() else RevertRequest()
-        try:
-            return json_response(await history.revert(ws, run_id, req))
-        except RevertConflict as exc:
-            return json_response({"message": exc.message, "files": exc.files}, 409)
-
-    @app.get(w + "/reverts/<revert_id>")
-    async def revert_record(wid: str, revert_id: str) -> Response:
-        return json_response(await history.revert_record(api.workspace(wid), revert_id))
-
-    @app.get(w + "/sessions/<sid>/diff")
-    async def session_diff(wid: str, sid: str) -> Response:
-        return json_response(await history.session_diff(api.workspace(wid), sid))
-
-    @app.post(w + "/sessions/<sid>/fork")
-    async def fork(wid: str, sid: str) -> Response:
-        ws = api.workspace(wid)
-        req = await body(ForkRequest)
-        try:
-            return json_response(await history.fork(ws, sid, req), 201)
-        except RevertConflict as exc:
-            return json_response({"message": exc.message, "files": exc.files}, 409)
-
-    @app.get(w + "/sessions/<sid>/export")
-    async def export(wid: str, sid: str) -> Response:
-        fmt = request.args.get("format", "json")
-        return await history.export(api.workspace(wid), sid, fmt)
-
-    return history

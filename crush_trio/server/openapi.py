@@ -160,11 +160,20 @@ _STATUS: Final = ("status", {"type": "string"}, False)
 _SESSION_ID: Final = ("session_id", {"type": "string"}, False)
 
 
+#: Path prefixes: a workspace, one of its sessions, and that session as the agent sees it.
+_W: Final = "/v1/workspaces/{wid}"
+_S: Final = _W + "/sessions/{sid}"
+_A: Final = _W + "/agent/sessions/{sid}"
+
+
 def routes() -> list[Route]:
-    """Every route of the application (docs/protocol.md section 4)."""
-    w = "/v1/workspaces/{wid}"
-    s = w + "/sessions/{sid}"
-    a = w + "/agent/sessions/{sid}"
+    """Every route of the application (docs/protocol.md section 4), in the document's order."""
+    return [*_server_routes(), *_session_routes(), *_change_routes()]
+
+
+def _server_routes() -> list[Route]:
+    """The server's own routes, workspaces, configuration and models."""
+    w = _W
     return [
         Route("GET", "/v1/health", "Liveness (no token needed)", {"$ref": _REF + "Health"},
               auth=False),
@@ -199,6 +208,13 @@ def routes() -> list[Route]:
               "(always false)", wire.NeedsInit, tag="workspaces"),
         Route("POST", w + "/trust", "Trust the workspace's own config files (or stop)",
               wire.TrustResult, body=wire.TrustRequest, errors=(409,), tag="workspaces"),
+    ]  # fmt: skip
+
+
+def _session_routes() -> list[Route]:
+    """Sessions, their messages, the agent and runs."""
+    w, s, a = _W, _S, _A
+    return [
         Route("POST", w + "/sessions", "Create a session", wire.Session,
               body=wire.CreateSessionRequest, errors=(409,), tag="sessions"),
         Route("GET", w + "/sessions", "Sessions, most recently updated first (with a paging "
@@ -244,6 +260,13 @@ def routes() -> list[Route]:
         Route("GET", w + "/runs/{run_id}", "One run", wire.Run, tag="agent"),
         Route("POST", w + "/runs/{run_id}/cancel", "Cancel one run",
               {"$ref": _REF + "CancelResult"}, tag="agent"),
+    ]  # fmt: skip
+
+
+def _change_routes() -> list[Route]:
+    """What runs changed, permissions, the event streams and the browser client."""
+    w, s = _W, _S
+    return [
         Route("GET", w + "/runs", "Run records, newest first (paged: docs/protocol.md "
               "\"Paging\")", list[wire.Run], query=[_LIMIT, _BEFORE, _STATUS, _SESSION_ID],
               errors=(400,), tag="changes"),
@@ -292,6 +315,12 @@ DEBUG_ROUTES: Final = frozenset({("POST", "/v1/workspaces/{wid}/debug/drop-strea
 
 def _event_components(sch: _Schemas) -> None:
     """The event envelope per payload type, the connection frames and the websocket frames."""
+    _frame_components(sch)
+    _websocket_components(sch)
+
+
+def _frame_components(sch: _Schemas) -> None:
+    """What an event stream carries: one envelope per payload type, ``hello`` and ``gap``."""
     c = sch.components
     c["EventKind"] = {"type": "string", "enum": [k.value for k in wire.EventKind]}
     variants = []
@@ -353,6 +382,11 @@ def _event_components(sch: _Schemas) -> None:
         "description": "One frame of an event stream: an event, hello or gap.",
         "oneOf": [sch.ref("Event"), sch.ref("Hello"), sch.ref("Gap")],
     }
+
+
+def _websocket_components(sch: _Schemas) -> None:
+    """The websocket's own frames: commands, their replies and the error frame."""
+    c = sch.components
     c["Command"] = sch.of(wire.WsCommand)
     methods = {
         "agent.prompt": wire.AgentMessage,

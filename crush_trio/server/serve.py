@@ -176,46 +176,13 @@ async def serve(
     except BaseException:
         sock.close()
         raise
-    cluster_opts = config.cluster
-    if options.cluster:
-        try:
-            cluster_opts = attrs.evolve(cluster_opts, **options.cluster)
-        except TypeError as exc:
-            _close_sockets(sock, msock)
-            raise ConfigError(f"bad --cluster flag: {exc}") from None
-    placement: Placement | None = None
-    if cluster_opts.enabled:
-        from ..cluster.placement import Placement
-
-        try:
-            placement = Placement(cluster_opts, url)
-        except ConfigError:
-            _close_sockets(sock, msock)
-            raise
-    backend = Backend(
-        server=server_opts,
-        config_file=options.config_file,
-        data_dir=options.data_dir,
-        version=__version__,
-        user_config_dir=options.user_config_dir,
-        provider_factory=options.provider_factory,
-        webhooks=config.webhooks,
-        placement=placement,
-        secret_paths=[
-            p
-            for p in (options.token_file, Path(url[len("unix:") :]) if unix else None)
-            if p is not None
-        ],
-    )
-    settings = Settings(
-        token=token,
-        allow_origins=[*server_opts.allow_origins, *options.allow_origins],
-        unix=unix,
-        max_body_bytes=server_opts.max_body_bytes,
-        sse_ping_interval=server_opts.sse_ping_interval,
-        ws_ping_interval=server_opts.ws_ping_interval,
-        hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
-    )
+    try:
+        placement = _placement(options, config, url)
+    except ConfigError:
+        _close_sockets(sock, msock)
+        raise
+    backend = _backend(options, config, placement, url)
+    settings = _settings(options, config, token)
     stop = trio.Event()
     api = Api(backend)
     app = create_app(api, settings, on_shutdown=stop.set)
@@ -277,6 +244,63 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
+
+
+def _placement(options: ServeOptions, config: Config, url: str) -> Placement | None:
+    """This node's placement when the cluster is on (``cluster`` with the ``--cluster-*`` flags
+    applied), else None.
+
+    Raises:
+        ConfigError: a ``--cluster-*`` flag names no field, or the cluster section is invalid.
+    """
+    cluster_opts = config.cluster
+    if options.cluster:
+        try:
+            cluster_opts = attrs.evolve(cluster_opts, **options.cluster)
+        except TypeError as exc:
+            raise ConfigError(f"bad --cluster flag: {exc}") from None
+    if not cluster_opts.enabled:
+        return None
+    from ..cluster.placement import Placement
+
+    return Placement(cluster_opts, url)
+
+
+def _backend(
+    options: ServeOptions, config: Config, placement: Placement | None, url: str
+) -> Backend:
+    """The backend serving the workspaces; the token file and the unix socket are secrets that
+    sandboxed commands may not read."""
+    unix = options.host.startswith("unix:")
+    return Backend(
+        server=config.server,
+        config_file=options.config_file,
+        data_dir=options.data_dir,
+        version=__version__,
+        user_config_dir=options.user_config_dir,
+        provider_factory=options.provider_factory,
+        webhooks=config.webhooks,
+        placement=placement,
+        secret_paths=[
+            p
+            for p in (options.token_file, Path(url[len("unix:") :]) if unix else None)
+            if p is not None
+        ],
+    )
+
+
+def _settings(options: ServeOptions, config: Config, token: str) -> Settings:
+    """What the app and the event-stream transports know about how they are served."""
+    server_opts = config.server
+    return Settings(
+        token=token,
+        allow_origins=[*server_opts.allow_origins, *options.allow_origins],
+        unix=options.host.startswith("unix:"),
+        max_body_bytes=server_opts.max_body_bytes,
+        sse_ping_interval=server_opts.sse_ping_interval,
+        ws_ping_interval=server_opts.ws_ping_interval,
+        hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
+    )
 
 
 @asynccontextmanager
