@@ -1,10 +1,15 @@
 """permessage-deflate (RFC 7692) on the event websocket, for the server and the client library.
 
-trio-websocket 0.12 negotiates no extension, but wsproto underneath implements permessage-deflate.
-:class:`DeflateConnection` is trio-websocket's connection with two additions: a client offers the
-extension in its upgrade request, a server accepts it when (and only when) the client offered it;
-and a compressed message that inflates past the connection's size bound closes it with 1009, like
-an uncompressed one, instead of being inflated whole first.
+trio-websocket 0.12 negotiates no extension, and wsproto's own permessage-deflate inflates a
+whole message before anyone can compare its size with a bound. :class:`BoundedDeflate` is the
+extension both sides use: wsproto's parameter negotiation (the public ``offer``/``accept``/
+``finalize`` of :class:`~wsproto.extensions.PerMessageDeflate`) with its own compression and
+inflation on wsproto's public extension hooks, so that a compressed message that inflates past
+the connection's size bound stops as it passes the bound (the connection closes with 1009, like
+for an uncompressed one) instead of being inflated whole first. Offering and accepting it through
+trio-websocket, which has no seam for extensions, is :mod:`crush_trio._compat.trio_websocket`'s
+job; making hypercorn's websocket (the ``"asgi"`` transport) use it is
+:func:`bound_hypercorn_deflate`'s, through :mod:`crush_trio._compat.hypercorn`.
 
 The server compresses every frame per connection, with context takeover: an event is encoded once
 for all clients (:attr:`crush_trio.broker.Event.ws_frame`), then deflated into each negotiating
@@ -22,14 +27,12 @@ go out uncompressed, so an idle client holds none.
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from trio_websocket import WebSocketConnection
-from trio_websocket._impl import CloseReason as TrioCloseReason
-from wsproto.connection import ConnectionState
-from wsproto.events import AcceptConnection, CloseConnection, Request
-from wsproto.extensions import Extension, PerMessageDeflate
+from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
+
+from ._compat.hypercorn import use_websocket_deflate
 
 if TYPE_CHECKING:
     from .broker import Event
@@ -54,6 +57,8 @@ UNCOMPRESSED_TYPES: Final = frozenset({"hello", "gap"})
 TOO_BIG_REASON: Final = "Exceeded maximum message size: {} bytes (inflated)"
 
 _SYNC_TAIL: Final = b"\x00\x00\xff\xff"
+#: The opcodes whose frames carry message data (compressible; RFC 7692 §6).
+_DATA_OPCODES: Final = frozenset({Opcode.TEXT, Opcode.BINARY, Opcode.CONTINUATION})
 
 
 def frame_header(opcode_byte: int, size: int) -> bytes:
@@ -74,23 +79,60 @@ def _header_size(frame_size: int) -> int:
     return 10
 
 
+class Deflater(Protocol):
+    """A zlib compressor (what :func:`zlib.compressobj` returns)."""
+
+    def compress(self, data: bytes | memoryview, /) -> bytes: ...
+
+    def flush(self, mode: int = ..., /) -> bytes: ...
+
+
+class Inflater(Protocol):
+    """A zlib decompressor (what :func:`zlib.decompressobj` returns)."""
+
+    @property
+    def unconsumed_tail(self) -> bytes: ...
+
+    def decompress(self, data: bytes, /, max_length: int = ...) -> bytes: ...
+
+
 class BoundedDeflate(PerMessageDeflate):
-    """wsproto's permessage-deflate with a bound on what one received message inflates to, and
-    the server's per-connection frame compression (:meth:`frame`).
+    """permessage-deflate with a bound on what one received message inflates to, and the
+    server's per-connection frame compression (:meth:`frame`).
+
+    The parameters are negotiated by wsproto's :class:`~wsproto.extensions.PerMessageDeflate`
+    (its public ``offer``, ``accept``, ``finalize`` and window and takeover attributes); the
+    frames are compressed and inflated here, on wsproto's public extension hooks, with this
+    class's own zlib objects.
 
     Inflation is bounded as it happens: each chunk of a compressed message is inflated to at most
     the bytes left under ``max_message_size`` (plus one), and one byte more closes the connection
-    with 1009 (:class:`DeflateConnection`). A deflate bomb therefore never takes more memory than
-    the bound.
+    with 1009 (:mod:`crush_trio._compat.trio_websocket`). A deflate bomb therefore never takes
+    more memory than the bound.
     """
 
     def __init__(self, max_message_size: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         #: Bound on the inflated bytes of one received message.
         self.max_message_size = max_message_size
-        #: Set when a received message inflated past the bound.
+        #: Set when a received message inflated past the bound (the connection then closes with
+        #: 1009 and :attr:`too_big_reason`).
         self.overflowed = False
         self._inflated = 0
+        #: The connection's zlib compressor, created with its first compressed frame.
+        self._deflater: Deflater | None = None
+        #: The connection's zlib decompressor, created with its first compressed message.
+        self._inflater: Inflater | None = None
+        #: Whether the frame being received carries message data.
+        self._frame_is_data = False
+        #: Whether the message being received is compressed (None between messages: only the
+        #: first frame of a message says, with RSV1).
+        self._message_compressed: bool | None = None
+
+    @property
+    def too_big_reason(self) -> str:
+        """The close reason of a message that inflated past the bound."""
+        return TOO_BIG_REASON.format(self.max_message_size)
 
     # -- negotiation -----------------------------------------------------------------------------
 
@@ -104,10 +146,27 @@ class BoundedDeflate(PerMessageDeflate):
 
     # -- receiving -------------------------------------------------------------------------------
 
+    def frame_inbound_header(
+        self,
+        proto: FrameDecoder | FrameProtocol,
+        opcode: Opcode,
+        rsv: RsvBits,
+        payload_length: int,
+    ) -> CloseReason | RsvBits:
+        if rsv.rsv1 and (opcode.iscontrol() or opcode is Opcode.CONTINUATION):
+            return CloseReason.PROTOCOL_ERROR
+        self._frame_is_data = opcode in _DATA_OPCODES
+        if self._message_compressed is None:
+            self._message_compressed = rsv.rsv1
+            if rsv.rsv1 and self._inflater is None:
+                bits = self.server_max_window_bits if proto.client else self.client_max_window_bits
+                self._inflater = zlib.decompressobj(-bits)
+        return RsvBits(True, False, False)
+
     def frame_inbound_payload_data(
         self, proto: FrameDecoder | FrameProtocol, data: bytes
     ) -> bytes | CloseReason:
-        if not self._inbound_compressed or not self._inbound_is_compressible:
+        if not self._message_compressed or not self._frame_is_data:
             return data
         return self._inflate(data)
 
@@ -116,8 +175,8 @@ class BoundedDeflate(PerMessageDeflate):
     ) -> bytes | CloseReason | None:
         if not fin:
             return None
-        if not self._inbound_is_compressible or not self._inbound_compressed:
-            self._inbound_compressed = None
+        if not self._frame_is_data or not self._message_compressed:
+            self._message_compressed = None
             return None
         data = self._inflate(_SYNC_TAIL)
         self._inflated = 0
@@ -125,29 +184,30 @@ class BoundedDeflate(PerMessageDeflate):
             self.server_no_context_takeover if proto.client else self.client_no_context_takeover
         )
         if no_takeover:
-            self._decompressor = None
-        self._inbound_compressed = None
+            self._inflater = None
+        self._message_compressed = None
         return data
 
     def _inflate(self, data: bytes) -> bytes | CloseReason:
         if self.overflowed:
             return CloseReason.MESSAGE_TOO_BIG
-        assert self._decompressor is not None
+        inflater = self._inflater
+        assert inflater is not None
         room = self.max_message_size - self._inflated
         try:
-            out = self._decompressor.decompress(data, room + 1)
+            out = inflater.decompress(data, room + 1)
         except zlib.error:
             return CloseReason.INVALID_FRAME_PAYLOAD_DATA
         self._inflated += len(out)
-        if self._inflated > self.max_message_size or self._decompressor.unconsumed_tail:
+        if self._inflated > self.max_message_size or inflater.unconsumed_tail:
             self.overflowed = True
-            self._decompressor = None
+            self._inflater = None
             return CloseReason.MESSAGE_TOO_BIG
         return out
 
     # -- sending ---------------------------------------------------------------------------------
 
-    def _new_compressor(self, client: bool) -> Any:
+    def _new_compressor(self, client: bool) -> Deflater:
         bits = self.client_max_window_bits if client else self.server_max_window_bits
         return zlib.compressobj(
             COMPRESS_LEVEL, zlib.DEFLATED, -min(bits, SERVER_WINDOW_BITS), SERVER_MEM_LEVEL
@@ -161,9 +221,22 @@ class BoundedDeflate(PerMessageDeflate):
         data: bytes,
         fin: bool,
     ) -> tuple[RsvBits, bytes]:
-        if self._compressor is None and opcode in (Opcode.TEXT, Opcode.BINARY):
-            self._compressor = self._new_compressor(proto.client)
-        return super().frame_outbound(proto, opcode, rsv, data, fin)
+        if opcode not in _DATA_OPCODES:
+            return rsv, data
+        if opcode is not Opcode.CONTINUATION:
+            rsv = RsvBits(True, rsv.rsv2, rsv.rsv3)
+        if self._deflater is None:
+            self._deflater = self._new_compressor(proto.client)
+        deflater = self._deflater
+        out = deflater.compress(data)
+        if fin:
+            out = (out + deflater.flush(zlib.Z_SYNC_FLUSH))[:-4]
+            no_takeover = (
+                self.client_no_context_takeover if proto.client else self.server_no_context_takeover
+            )
+            if no_takeover:
+                self._deflater = None
+        return rsv, out
 
     def frame(self, event: Event) -> bytes:
         """The server's frame of ``event`` on this connection: compressed into the connection's
@@ -173,13 +246,13 @@ class BoundedDeflate(PerMessageDeflate):
         shared = event.ws_frame
         if len(shared) > MAX_COMPRESSED_EVENT or event.type in UNCOMPRESSED_TYPES:
             return shared
-        if self._compressor is None:
-            self._compressor = self._new_compressor(False)
-        compressor = self._compressor
+        deflater = self._deflater
+        if deflater is None:
+            deflater = self._deflater = self._new_compressor(False)
         payload = memoryview(shared)[_header_size(len(shared)) :]
-        data = compressor.compress(payload) + compressor.flush(zlib.Z_SYNC_FLUSH)
+        data = deflater.compress(payload) + deflater.flush(zlib.Z_SYNC_FLUSH)
         if self.server_no_context_takeover:
-            self._compressor = None
+            self._deflater = None
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
 
 
@@ -201,13 +274,12 @@ class HypercornDeflate(BoundedDeflate):
 
 def bound_hypercorn_deflate(max_message_size: int) -> None:
     """Make hypercorn's websocket handshake offer :class:`HypercornDeflate`, bounded by
-    ``max_message_size``. hypercorn looks the extension class up by name in its module at each
-    handshake, so this replaces that name; it is process-wide, and the bound of the server
-    started last applies (one server per process outside tests)."""
-    from hypercorn.protocol import ws_stream
-
+    ``max_message_size``. hypercorn has no setting for its websocket extensions, so this goes
+    through its adapter (:func:`crush_trio._compat.hypercorn.use_websocket_deflate`); it is
+    process-wide, and the bound of the server started last applies (one server per process
+    outside tests)."""
     HypercornDeflate.bound = max_message_size
-    setattr(ws_stream, "PerMessageDeflate", HypercornDeflate)  # noqa: B010 (a module global)
+    use_websocket_deflate(HypercornDeflate)
 
 
 def client_deflate(max_message_size: int) -> BoundedDeflate:
@@ -215,63 +287,3 @@ def client_deflate(max_message_size: int) -> BoundedDeflate:
     server uses anyway; it keeps the client's inflater at 2 KiB of window, not 32), received
     messages bounded by ``max_message_size``."""
     return BoundedDeflate(max_message_size, server_max_window_bits=SERVER_WINDOW_BITS)
-
-
-class DeflateConnection(WebSocketConnection):
-    """A trio-websocket connection that negotiates permessage-deflate through ``deflate``
-    (None: no extension, exactly trio-websocket's behaviour).
-
-    A client offers it in its upgrade request; a server accepts it only when the client offered
-    it (:attr:`compressing` tells afterwards). Built by :mod:`crush_trio.server.ws_trio` and
-    :func:`crush_trio.client.transport.open_stream_socket`, since trio-websocket's own
-    constructors take no extension.
-    """
-
-    def __init__(self, *args: Any, deflate: BoundedDeflate | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.deflate = deflate
-        request = self._initial_request
-        if deflate is not None and request is not None:
-            self._initial_request = Request(
-                host=request.host,
-                target=request.target,
-                extensions=[deflate],
-                extra_headers=request.extra_headers,
-                subprotocols=request.subprotocols,
-            )
-
-    @property
-    def compressing(self) -> bool:
-        """Whether permessage-deflate was negotiated."""
-        return self.deflate is not None and self.deflate.enabled()
-
-    async def _accept(
-        self, request: Request, subprotocol: str | None, extra_headers: list[tuple[bytes, bytes]]
-    ) -> None:
-        # trio-websocket's accept, with the extension (wsproto negotiates it against the offer).
-        self._subprotocol = subprotocol
-        self._path = request.target
-        extensions: list[Extension] = [self.deflate] if self.deflate is not None else []
-        await self._send(
-            AcceptConnection(
-                subprotocol=subprotocol, extra_headers=extra_headers, extensions=extensions
-            )
-        )
-        self._open_handshake.set()
-
-    async def _handle_close_connection_event(self, event: CloseConnection) -> None:
-        deflate = self.deflate
-        if (
-            deflate is not None
-            and deflate.overflowed
-            and self._wsproto.state == ConnectionState.OPEN
-        ):
-            # Not the peer's close: wsproto stopped parsing at a message that inflated past the
-            # bound. Close with 1009 as trio-websocket does for an uncompressed one.
-            reason = TOO_BIG_REASON.format(deflate.max_message_size)
-            self._close_reason = TrioCloseReason(1009, reason)
-            await self._send(CloseConnection(code=1009, reason=reason))
-            await self._recv_channel.aclose()
-            self._reader_running = False
-            return
-        await super()._handle_close_connection_event(event)

@@ -4,7 +4,8 @@ Each adapter checks, when imported, the private names it relies on; these tests 
 check passes on the pinned versions, that the pins are the versions the adapter names, and that a
 simulated upgrade (a name gone, a changed signature) raises a clear CompatError rather than
 letting the code fall back silently. The last tests scan the source tree for private imports
-and private names of dependencies outside crush_trio/_compat/.
+and private names of dependencies outside crush_trio/_compat/, and for classes that override a
+private method of a dependency's class.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from typing import Any
 
 import httpcore
 import pytest
+import trio_websocket
+from hypercorn.protocol import ws_stream
 from hypercorn.trio import tcp_server
+from wsproto.extensions import PerMessageDeflate
 
 from crush_trio._compat import CompatError
 from crush_trio._compat import httpcore as httpcore_compat
 from crush_trio._compat import hypercorn as hypercorn_compat
+from crush_trio._compat import trio_websocket as trio_websocket_compat
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "crush_trio"
@@ -50,7 +55,10 @@ def load_fresh(module: ModuleType) -> None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-@pytest.mark.parametrize("adapter", [httpcore_compat, hypercorn_compat], ids=lambda m: m.__name__)
+ADAPTERS = [httpcore_compat, hypercorn_compat, trio_websocket_compat]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda m: m.__name__)
 def test_an_adapter_names_the_pinned_versions_and_they_are_installed(adapter: Any) -> None:
     pins = pinned()
     for name, version in adapter.CHECKED_AGAINST.items():
@@ -153,16 +161,146 @@ def test_the_listener_overrides_the_hooks_not_the_private_methods() -> None:
     assert "_read_data" not in vars(HttpConnection) and "_close" not in vars(HttpConnection)
 
 
+def test_the_hypercorn_check_fails_loudly_when_the_websocket_extension_name_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(ws_stream, "PerMessageDeflate")
+    with pytest.raises(CompatError, match=r"ws_stream\.PerMessageDeflate is no longer"):
+        hypercorn_compat.check()
+
+
+def test_the_hypercorn_check_fails_loudly_when_the_handshake_builds_its_extension_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def accept(self: Any, subprotocol: Any, additional_headers: Any) -> Any:
+        return self.build_extensions()  # an upgrade that no longer uses the module-level name
+
+    monkeypatch.setattr(ws_stream.Handshake, "accept", accept)
+    with pytest.raises(CompatError, match="no longer builds its extension as PerMessageDeflate"):
+        hypercorn_compat.check()
+
+
+def test_hypercorn_negotiates_the_extension_class_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ws_stream, "PerMessageDeflate", ws_stream.PerMessageDeflate)  # restored
+    built: list[PerMessageDeflate] = []
+
+    class Recorded(PerMessageDeflate):
+        def __init__(self) -> None:
+            super().__init__()
+            built.append(self)
+
+    hypercorn_compat.use_websocket_deflate(Recorded)
+    handshake = ws_stream.Handshake(
+        [
+            (b"sec-websocket-version", b"13"),
+            (b"sec-websocket-key", b"dGhlIHNhbXBsZSBub25jZQ=="),
+            (b"sec-websocket-extensions", b"permessage-deflate"),
+        ],
+        "1.1",
+    )
+    status, headers, _ = handshake.accept(None, [])
+    assert status == 101 and len(built) == 1 and built[0].enabled()
+    assert (b"sec-websocket-extensions", b"permessage-deflate") in headers
+
+
+def test_the_trio_websocket_check_fails_loudly_when_an_extended_method_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(trio_websocket.WebSocketConnection, "_handle_close_connection_event")
+    with pytest.raises(CompatError) as info:
+        trio_websocket_compat.check()
+    message = str(info.value)
+    assert "WebSocketConnection._handle_close_connection_event is gone" in message
+    assert "checked against trio-websocket 0.12.2" in message
+
+
+def test_the_trio_websocket_check_fails_loudly_when_a_replaced_method_changes_signature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def accept(self: Any, request: Any, subprotocol: Any) -> None:
+        pass
+
+    monkeypatch.setattr(trio_websocket.WebSocketConnection, "_accept", accept)
+    with pytest.raises(CompatError, match=r"_accept now takes \('request', 'subprotocol'\)"):
+        trio_websocket_compat.check()
+
+
+def test_the_trio_websocket_check_fails_loudly_when_the_reader_stops_calling_the_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def reader_task(self: Any) -> None:
+        await self._dispatch_events()
+
+    monkeypatch.setattr(trio_websocket.WebSocketConnection, "_reader_task", reader_task)
+    with pytest.raises(CompatError, match="the reader no longer hands CloseConnection"):
+        trio_websocket_compat.check()
+
+
+def test_the_trio_websocket_check_fails_loudly_when_accept_stops_calling_the_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def accept(self: Any, **kwargs: Any) -> Any:
+        return await self._connection._accept_request(self._event, **kwargs)
+
+    monkeypatch.setattr(trio_websocket.WebSocketRequest, "accept", accept)
+    with pytest.raises(CompatError, match="accept no longer calls the connection's _accept"):
+        trio_websocket_compat.check()
+
+
+@pytest.mark.parametrize(
+    ("attribute", "complaint"),
+    [
+        ("_initial_request", "_initial_request no longer holds the client's Request"),
+        ("_wsproto", "_wsproto no longer holds the wsproto connection"),
+        ("_close_reason", "_close_reason no longer starts as None"),
+        ("_reader_running", "_reader_running no longer starts as True"),
+        ("_recv_channel", "_recv_channel is no longer a memory receive channel"),
+        ("_open_handshake", "_open_handshake is no longer a trio.Event"),
+    ],
+)
+def test_the_trio_websocket_check_fails_loudly_when_a_connection_attribute_is_renamed(
+    monkeypatch: pytest.MonkeyPatch, attribute: str, complaint: str
+) -> None:
+    original = trio_websocket.WebSocketConnection.__init__
+
+    def renamed(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        setattr(self, f"{attribute}_v2", vars(self).pop(attribute))  # an upgrade's rename
+
+    monkeypatch.setattr(trio_websocket.WebSocketConnection, "__init__", renamed)
+    with pytest.raises(CompatError, match=re.escape(complaint)):
+        trio_websocket_compat.check()
+
+
+def test_the_trio_websocket_check_fails_loudly_when_wsproto_reports_an_extension_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from wsproto.connection import Connection, ConnectionState
+
+    original = Connection.events
+
+    def closing(self: Any) -> Any:
+        events = list(original(self))
+        self._state = ConnectionState.CLOSED  # an upgrade that ends the connection itself
+        return iter(events)
+
+    monkeypatch.setattr(Connection, "events", closing)
+    with pytest.raises(CompatError, match="wsproto now reports an extension's MESSAGE_TOO_BIG"):
+        trio_websocket_compat.check()
+
+
+def test_importing_the_trio_websocket_adapter_fails_loudly_after_a_breaking_upgrade(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(trio_websocket.WebSocketConnection, "_get_request")
+    with pytest.raises(CompatError, match=r"WebSocketConnection\._get_request is gone"):
+        load_fresh(trio_websocket_compat)
+
+
 # ---------------------------------------------------------------------------------------------
 # The rule, over the source tree
-
-#: Modules that still touch dependency internals outside crush_trio/_compat/, with what they
-#: touch: to move into _compat/trio_websocket.py and _compat/wsproto.py.
-KNOWN_EXCEPTIONS = {
-    "crush_trio/wsdeflate.py",
-    "crush_trio/server/ws_trio.py",
-    "crush_trio/client/transport.py",
-}
 
 #: Modules that still import a private name of another crush_trio module (to be made public).
 KNOWN_INTERNAL_EXCEPTIONS = {"crush_trio/agent/subagent.py"}
@@ -171,7 +309,11 @@ KNOWN_INTERNAL_EXCEPTIONS = {"crush_trio/agent/subagent.py"}
 ADAPTED_NAMES = re.compile(
     r"\b(_h11_state|_httpcore_stream|_httpx_utils|_read_data|HTTP11ConnectionByteStream"
     r"|PoolByteStream|BoundAsyncStream|AsyncResponseStream|hypercorn\.trio\.tcp_server"
-    r"|hypercorn\.trio\.lifespan|hypercorn\.trio\.worker_context|hypercorn\.utils)\b"
+    r"|hypercorn\.trio\.lifespan|hypercorn\.trio\.worker_context|hypercorn\.utils"
+    r"|hypercorn\.protocol|trio_websocket\._impl|_initial_request|_wsproto|_close_reason"
+    r"|_recv_channel|_reader_running|_reader_task|_get_request|_open_handshake"
+    r"|_handle_\w+_event|_inbound_compressed|_inbound_is_compressible|_compressor"
+    r"|_decompressor)\b"
 )
 
 
@@ -216,13 +358,105 @@ def test_the_scan_sees_private_imports() -> None:
     assert len(dependency) == 3 and len(internal) == 1
 
 
+#: Private names every class may define over its base (ABC and typing bookkeeping).
+BOOKKEEPING = frozenset({"_abc_impl", "_is_protocol", "_is_runtime_protocol"})
+
+
+def imported_objects(tree: ast.Module, module: str) -> dict[str, tuple[str, str | None]]:
+    """Local name -> (module, attribute or None for the module itself) of every import of a
+    dependency, or of an adapter in crush_trio._compat, in ``tree`` (the module ``module``)."""
+    package = module.rsplit(".", 1)[0]
+    found: dict[str, tuple[str, str | None]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0],
+                    None,
+                )
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            for alias in node.names:
+                found[alias.asname or alias.name] = (base, alias.name)
+    return {
+        name: (mod, attr)
+        for name, (mod, attr) in found.items()
+        if not mod.startswith("crush_trio") or mod.startswith("crush_trio._compat")
+    }
+
+
+def resolve(expr: ast.expr, imported: dict[str, tuple[str, str | None]]) -> object | None:
+    """The object a base-class expression names, when it comes from an import in ``imported``."""
+    attrs: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        attrs.insert(0, expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name) or expr.id not in imported:
+        return None
+    module, attr = imported[expr.id]
+    obj: object = importlib.import_module(module)
+    for name in [attr, *attrs] if attr else attrs:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def private_overrides(text: str, module: str) -> list[str]:
+    """The private names (methods or attributes) that the classes of one module's source define
+    over a dependency's class they subclass (an adapter's class counts as the dependency's)."""
+    tree = ast.parse(text)
+    imported = imported_objects(tree, module)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = [b for b in (resolve(e, imported) for e in node.bases) if isinstance(b, type)]
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                names = [item.name]
+            elif isinstance(item, ast.Assign):
+                names = [t.id for t in item.targets if isinstance(t, ast.Name)]
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names = [item.target.id]
+            else:
+                continue
+            for name in names:
+                if not private(name) or name.endswith("_") or name in BOOKKEEPING:
+                    continue
+                for base in bases:
+                    if hasattr(base, name):
+                        found.append(f"{node.name}.{name} over {base.__module__}.{base.__name__}")
+    return found
+
+
+def test_the_scan_sees_a_private_method_overridden_in_a_subclass() -> None:
+    text = (
+        "import trio\nfrom trio_websocket import WebSocketConnection\n"
+        "from .._compat import hypercorn as compat\n"
+        "class A(WebSocketConnection):\n    async def _accept(self, r, s, h): ...\n"
+        "    async def accept_all(self): ...\n"
+        "class B(compat.HypercornConnection):\n    async def _close(self): ...\n"
+        "class C(trio.abc.Stream):\n    _stream = None\n    _abc_impl = None\n"
+    )
+    assert private_overrides(text, "crush_trio.server.probe") == [
+        "A._accept over trio_websocket._impl.WebSocketConnection",
+        "B._close over crush_trio._compat.hypercorn.HypercornConnection",
+    ]
+
+
 def test_no_module_outside_compat_touches_a_dependency_private() -> None:
     found = {}
     for path, text in sources():
         dependency, _ = import_violations(text)
         names = sorted({m[0] for m in ADAPTED_NAMES.finditer(text)})
-        if (dependency or names) and path not in KNOWN_EXCEPTIONS:
-            found[path] = dependency + names
+        module = path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        overrides = private_overrides(text, module)
+        if dependency or names or overrides:
+            found[path] = dependency + names + overrides
     assert not found, (
         "private internals of a dependency are used outside crush_trio/_compat/ (put them in "
         f"that library's adapter module there): {found}"
@@ -240,7 +474,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
 
 def test_every_adapter_says_which_versions_it_was_checked_against() -> None:
     adapters = [p for p in COMPAT.glob("*.py") if p.name != "__init__.py"]
-    assert {p.stem for p in adapters} >= {"httpcore", "hypercorn"}
+    assert {p.stem for p in adapters} >= {"httpcore", "hypercorn", "trio_websocket"}
     for path in adapters:
         text = path.read_text()
         assert "CHECKED_AGAINST" in text and "def check()" in text, path.name

@@ -11,7 +11,11 @@ rule over the source tree.
 * :mod:`crush_trio._compat.httpcore`: ``httpcore``'s HTTP/1.1 connection behind an ``httpx``
   response, for the provider body reader (:mod:`crush_trio.providers.body`).
 * :mod:`crush_trio._compat.hypercorn`: ``hypercorn``'s per-connection reader and closer, for the
-  listener's connection rules (:mod:`crush_trio.server.listener`).
+  listener's connection rules (:mod:`crush_trio.server.listener`), and the extension class of
+  its websocket handshake (:mod:`crush_trio.wsdeflate`).
+* :mod:`crush_trio._compat.trio_websocket`: ``trio-websocket``'s connection with permessage-deflate
+  offered, accepted and bounded, for the event websocket's server
+  (:mod:`crush_trio.server.ws_trio`) and client (:mod:`crush_trio.client.transport`).
 """
 
 

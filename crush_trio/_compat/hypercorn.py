@@ -12,6 +12,11 @@ internals:
   sends) are private; :class:`HypercornConnection` maps them to the public hooks
   :meth:`~HypercornConnection.read_data` and :meth:`~HypercornConnection.close_connection`,
   which default to hypercorn's own behaviour;
+* ``hypercorn.protocol.ws_stream.PerMessageDeflate``: the extension class hypercorn's websocket
+  handshake (``Handshake.accept``) builds, by that module-level name, for every websocket it
+  accepts. hypercorn has no setting for its websocket extensions, so
+  :func:`use_websocket_deflate` replaces that name (process-wide) with a subclass of wsproto's
+  ``PerMessageDeflate`` that bounds inflation (:class:`crush_trio.wsdeflate.HypercornDeflate`);
 * the undocumented modules the listener builds a worker from: ``TCPServer`` and ``MAX_RECV``,
   ``Lifespan``, ``WorkerContext``, the ``RawData`` and ``Closed`` events, ``ConnectionState``
   and ``wrap_app`` (re-exported here, so the listener imports none of hypercorn's internals itself).
@@ -20,7 +25,8 @@ Checked against hypercorn :data:`CHECKED_AGAINST`, pinned exactly in ``pyproject
 :func:`check` runs when this module is imported and raises :class:`CompatError` naming what
 changed (a method gone, a different signature, ``run`` no longer calling the hooks), so an
 upgrade stops the server at start-up and fails ``tests/test_compat.py`` instead of silently
-serving connections without the listener's close rules.
+serving connections without the listener's close rules (or websockets that inflate a whole
+message before checking its size).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import inspect
 from importlib import metadata
 from typing import Final
+
+from wsproto.extensions import PerMessageDeflate
 
 from . import CompatError
 
@@ -42,6 +50,7 @@ __all__ = [
     "RawData",
     "WorkerContext",
     "check",
+    "use_websocket_deflate",
     "wrap_app",
 ]
 
@@ -50,6 +59,8 @@ CHECKED_AGAINST: Final = {"hypercorn": "0.18.0"}
 
 #: The private methods of ``TCPServer`` mapped to hooks: name and parameters (besides self).
 _HOOKED: Final = {"_read_data": (), "_close": ()}
+#: The module-level name hypercorn's websocket handshake builds its extension from.
+_DEFLATE_NAME: Final = "PerMessageDeflate"
 #: The attributes of a ``TCPServer`` the listener's hooks use.
 _ATTRIBUTES: Final = ("app", "config", "context", "send_lock", "stream")
 
@@ -68,6 +79,7 @@ def _fail(what: str) -> CompatError:
 
 try:
     from hypercorn.events import Closed, RawData
+    from hypercorn.protocol import ws_stream
     from hypercorn.trio.lifespan import Lifespan
     from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
@@ -77,7 +89,7 @@ except ImportError as exc:
     raise _fail(f"an internal module or name is gone ({exc})") from exc
 
 
-class HypercornConnection(TCPServer):  # type: ignore[misc]
+class HypercornConnection(TCPServer):
     """hypercorn's connection server with its read loop and close as overridable hooks.
 
     Construct it as ``TCPServer`` (``app, config, context, state, stream``) and await it.
@@ -98,13 +110,24 @@ class HypercornConnection(TCPServer):  # type: ignore[misc]
         await super()._close()
 
 
+def use_websocket_deflate(extension: type[PerMessageDeflate]) -> None:
+    """Make every websocket hypercorn accepts from now on negotiate permessage-deflate with
+    ``extension`` (built with no arguments, like wsproto's) instead of wsproto's own class.
+
+    Process-wide: hypercorn looks the class up by its name in ``hypercorn.protocol.ws_stream``
+    at each handshake, and this replaces that name.
+    """
+    setattr(ws_stream, _DEFLATE_NAME, extension)
+
+
 def check() -> None:
     """Verify the internals this module relies on (no I/O).
 
     Raises:
         CompatError: a hooked method is gone, is no longer a coroutine function, takes other
-            parameters or is no longer called by ``TCPServer.run``/``protocol_send``; or a
-            connection lacks an attribute the listener uses.
+            parameters or is no longer called by ``TCPServer.run``/``protocol_send``; a
+            connection lacks an attribute the listener uses; or the websocket handshake no
+            longer builds its extension from ``ws_stream.PerMessageDeflate``.
     """
     for name, parameters in _HOOKED.items():
         method = getattr(TCPServer, name, None)
@@ -131,6 +154,18 @@ def check() -> None:
         raise _fail(f"TCPServer no longer sets {', '.join(missing)}")
     if not isinstance(MAX_RECV, int) or MAX_RECV <= 0:
         raise _fail("hypercorn.trio.tcp_server.MAX_RECV is no longer a positive int")
+    deflate = getattr(ws_stream, _DEFLATE_NAME, None)
+    if not (isinstance(deflate, type) and issubclass(deflate, PerMessageDeflate)):
+        raise _fail(f"hypercorn.protocol.ws_stream.{_DEFLATE_NAME} is no longer wsproto's class")
+    handshake = getattr(ws_stream, "Handshake", None)
+    try:
+        accept = inspect.getsource(handshake.accept)  # type: ignore[union-attr]
+    except (AttributeError, OSError, TypeError) as exc:
+        raise _fail(f"ws_stream.Handshake.accept cannot be read ({exc})") from exc
+    if f"[{_DEFLATE_NAME}()]" not in accept:
+        raise _fail(
+            f"ws_stream.Handshake.accept no longer builds its extension as {_DEFLATE_NAME}()"
+        )
 
 
 check()

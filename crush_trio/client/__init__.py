@@ -8,6 +8,8 @@ Layers, from the socket up:
   reconnect with ``since``, websocket commands, refetch after a ``gap``.
 * :mod:`.workspace`: :class:`WorkspaceClient`, one open workspace: its HTTP operations, its
   prompts, and the lifecycle of its event stream.
+* :mod:`.resources`: the workspace's HTTP operations by resource (sessions and their history,
+  the agent), which :class:`WorkspaceClient` is made of.
 * :mod:`.runs`: :class:`RunHandle`, one prompt's events and final record, with the rules that
   tell a run's own events from everyone else's; it asks the stream for I/O through
   :class:`~.runs.RunFeed`.

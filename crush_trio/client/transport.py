@@ -17,10 +17,10 @@ from urllib.parse import quote, urlencode, urlsplit
 import orjson
 import trio
 from trio_websocket import ConnectionRejected, WebSocketConnection
-from wsproto import ConnectionType, WSConnection
 
+from .._compat import trio_websocket as compat_ws
 from ..defaults import CLEANUP_TIMEOUT
-from ..wsdeflate import DeflateConnection, client_deflate
+from ..wsdeflate import client_deflate
 from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable, single_errors
 
 #: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
@@ -156,19 +156,17 @@ async def open_stream_socket(
             if counter is not None:
                 stream = _CountingStream(stream, counter)
             try:
-                conn = DeflateConnection(
-                    stream,
-                    WSConnection(ConnectionType.CLIENT),
-                    host=host,
-                    path=resource,
-                    client_extra_headers=headers,
-                    message_queue_size=message_queue_size,
-                    max_message_size=max_message_size,
-                    deflate=client_deflate(max_message_size) if compression else None,
-                )
-                nursery.start_soon(conn._reader_task)
                 with trio.fail_at(deadline):
-                    await conn._open_handshake.wait()
+                    conn = await compat_ws.wrap_client_stream(
+                        nursery,
+                        stream,
+                        host,
+                        resource,
+                        extra_headers=headers,
+                        message_queue_size=message_queue_size,
+                        max_message_size=max_message_size,
+                        deflate=client_deflate(max_message_size) if compression else None,
+                    )
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise

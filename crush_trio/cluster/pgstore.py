@@ -66,11 +66,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-#: Terminal run statuses, as stored: a run with one of them keeps it.
 def _fetch(conn: psycopg.Connection[Any]) -> Callable[[str, Any], list[Any]]:
     return lambda sql, params: conn.execute(sql, params).fetchall()
 
 
+#: Terminal run statuses, as stored: a run with one of them keeps it.
 _TERMINAL: Final = tuple(s.value for s in RunStatus if s.terminal)
 
 _UPSERT_MESSAGE: Final = f"""
@@ -97,6 +97,72 @@ WHERE runs.status NOT IN {_TERMINAL!r} OR runs.status = excluded.status
 """
 
 
+class FencedCalls:
+    """One workspace store's calls to the cluster database: reads, and writes that each run in
+    one transaction behind the check of the lease epoch (see "Fencing" above).
+
+    After :attr:`closed` is set every call raises :class:`StoreError`; after a write was fenced
+    (:attr:`fenced`) every later write raises :class:`~crush_trio.cluster.pg.Fenced` at once,
+    without a database call. Reads still work then.
+    """
+
+    def __init__(self, cluster: PgCluster, workspace_id: str, epoch: int) -> None:
+        self.cluster = cluster
+        self.workspace_id = workspace_id
+        self.epoch = epoch
+        #: Set when the store is closed: every later call raises StoreError.
+        self.closed = False
+        #: Set by the first write that was fenced: every later write is refused without a call.
+        self.fenced = False
+
+    def check_open(self) -> None:
+        """Raises StoreError once the store is closed."""
+        if self.closed:
+            raise StoreError(
+                f"store of workspace {self.workspace_id!r} is closed; its workspace has shut "
+                "down, open the workspace again to use it"
+            )
+
+    def fenced_error(self) -> Fenced:
+        return Fenced(
+            f"workspace {self.workspace_id!r} is no longer owned by this node: its lease (epoch "
+            f"{self.epoch}) was taken over; nothing was written, reconnect to the workspace's "
+            "current owner"
+        )
+
+    async def read(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``fn`` on a pooled connection (``what`` names it in errors)."""
+        self.check_open()
+
+        def tx(conn: psycopg.Connection[Any]) -> T:
+            self.check_open()  # closed while this call waited for its turn
+            return fn(conn)
+
+        return await self.cluster.call(what, tx)
+
+    async def write(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """Run ``fn`` in one transaction behind the epoch check.
+
+        Raises:
+            Fenced: the workspace's epoch moved on (now or at an earlier write); nothing landed.
+        """
+        self.check_open()
+        if self.fenced:
+            raise self.fenced_error()
+        workspace_id, epoch = self.workspace_id, self.epoch
+
+        def tx(conn: psycopg.Connection[Any]) -> T:
+            self.check_open()  # closed while this call waited for its turn
+            check_epoch(conn, workspace_id, epoch)
+            return fn(conn)
+
+        try:
+            return await self.cluster.call(what, tx)
+        except Fenced:
+            self.fenced = True
+            raise
+
+
 class PgStore:
     """One workspace's data in the cluster database, written at lease epoch ``epoch``.
 
@@ -109,9 +175,12 @@ class PgStore:
         self.cluster = cluster
         self.workspace_id = workspace_id
         self.epoch = epoch
-        self._closed = False
-        #: Set by the first write that was fenced: every later write is refused without a call.
-        self.fenced = False
+        #: Every call to the database goes through here: reads, and the fenced writes.
+        self.calls = FencedCalls(cluster, workspace_id, epoch)
+        #: The paging queries' shape here (crush_trio.store.paging): rows of this workspace.
+        self._paging = Dialect(
+            mark="%s", seq="seq", scope="workspace_id = %s AND ", scope_params=(workspace_id,)
+        )
         self._session_ids: set[str] = set()
         self._run_ids = RunIdFilter()
         self._empty_sessions: set[str] = set()
@@ -149,11 +218,16 @@ class PgStore:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.calls.closed
+
+    @property
+    def fenced(self) -> bool:
+        """Set by the first write that was fenced: every later write is refused without a call."""
+        return self.calls.fenced
 
     async def aclose(self) -> None:
         """Refuse later calls (StoreError); calls in progress finish. Idempotent."""
-        self._closed = True
+        self.calls.closed = True
         await trio.lowlevel.checkpoint()
 
     def session_exists(self, session_id: str) -> bool:
@@ -161,47 +235,6 @@ class PgStore:
 
     def may_have_run(self, run_id: str) -> bool:
         return run_id in self._run_ids
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(
-                f"store of workspace {self.workspace_id!r} is closed; its workspace has shut "
-                "down, open the workspace again to use it"
-            )
-
-    def _fenced_error(self) -> Fenced:
-        return Fenced(
-            f"workspace {self.workspace_id!r} is no longer owned by this node: its lease (epoch "
-            f"{self.epoch}) was taken over; nothing was written, reconnect to the workspace's "
-            "current owner"
-        )
-
-    async def _read(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
-        self._check_open()
-
-        def tx(conn: psycopg.Connection[Any]) -> T:
-            self._check_open()  # closed while this call waited for its turn
-            return fn(conn)
-
-        return await self.cluster.call(what, tx)
-
-    async def _write(self, what: str, fn: Callable[[psycopg.Connection[Any]], T]) -> T:
-        """Run ``fn`` in one transaction behind the epoch check."""
-        self._check_open()
-        if self.fenced:
-            raise self._fenced_error()
-        workspace_id, epoch = self.workspace_id, self.epoch
-
-        def tx(conn: psycopg.Connection[Any]) -> T:
-            self._check_open()  # closed while this call waited for its turn
-            check_epoch(conn, workspace_id, epoch)
-            return fn(conn)
-
-        try:
-            return await self.cluster.call(what, tx)
-        except Fenced:
-            self.fenced = True
-            raise
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -215,7 +248,7 @@ class PgStore:
                 row,
             )
 
-        await self._write(f"creating session {session.id!r}", op)
+        await self.calls.write(f"creating session {session.id!r}", op)
         self._session_ids.add(session.id)
         self._empty_sessions.add(session.id)
 
@@ -229,7 +262,7 @@ class PgStore:
             ).fetchone()
             return None if row is None else session_from_row(row)
 
-        return await self._read(f"reading session {session_id!r}", op)
+        return await self.calls.read(f"reading session {session_id!r}", op)
 
     async def list_sessions(self) -> list[Session]:
         params = (self.workspace_id,)
@@ -242,7 +275,7 @@ class PgStore:
             ).fetchall()
             return [session_from_row(r) for r in rows]
 
-        return await self._read("listing sessions", op)
+        return await self.calls.read("listing sessions", op)
 
     async def update_session(self, session: Session) -> bool:
         params = (
@@ -265,7 +298,7 @@ class PgStore:
             )
             return cur.rowcount > 0
 
-        return await self._write(f"updating session {session.id!r}", op)
+        return await self.calls.write(f"updating session {session.id!r}", op)
 
     async def record_step_usage(
         self, session_id: str, prompt_tokens: int, completion_tokens: int, cost: float
@@ -317,7 +350,7 @@ class PgStore:
             row = conn.execute(query, params).fetchone()
             return None if row is None else session_from_row(row)
 
-        return await self._write(what, op)
+        return await self.calls.write(what, op)
 
     async def delete_session(self, session_id: str) -> bool:
         params = (self.workspace_id, session_id)
@@ -328,7 +361,7 @@ class PgStore:
 
         self._session_ids.discard(session_id)
         self._empty_sessions.discard(session_id)
-        return await self._write(f"deleting session {session_id!r}", op)
+        return await self.calls.write(f"deleting session {session_id!r}", op)
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -342,11 +375,11 @@ class PgStore:
             ).fetchone()
             return None if row is None else message_from_row(row)
 
-        return await self._read(f"reading message {message_id!r}", op)
+        return await self.calls.read(f"reading message {message_id!r}", op)
 
     async def list_messages(self, session_id: str) -> list[Message]:
         if session_id in self._empty_sessions:
-            self._check_open()
+            self.calls.check_open()
             await trio.lowlevel.checkpoint()
             return []
         params = (self.workspace_id, session_id)
@@ -359,7 +392,7 @@ class PgStore:
             ).fetchall()
             return [message_from_row(r) for r in rows]
 
-        return await self._read(f"listing messages of session {session_id!r}", op)
+        return await self.calls.read(f"listing messages of session {session_id!r}", op)
 
     async def write_messages(self, messages: Iterable[Message]) -> set[str]:
         """Upsert messages in one transaction, sent as one pipeline (see the module docstring).
@@ -399,7 +432,7 @@ class PgStore:
                     cur.executemany(_UPSERT_MESSAGE, kept)
             return {row[1] for row in kept}
 
-        return await self._write(f"writing {len(rows)} message(s)", op)
+        return await self.calls.write(f"writing {len(rows)} message(s)", op)
 
     async def delete_message(self, message_id: str) -> bool:
         params = (self.workspace_id, message_id)
@@ -408,7 +441,7 @@ class PgStore:
             cur = conn.execute("DELETE FROM messages WHERE workspace_id = %s AND id = %s", params)
             return cur.rowcount > 0
 
-        return await self._write(f"deleting message {message_id!r}", op)
+        return await self.calls.write(f"deleting message {message_id!r}", op)
 
     async def unfinished_assistant_messages(self) -> list[Message]:
         params = (self.workspace_id, Role.ASSISTANT.value)
@@ -421,7 +454,7 @@ class PgStore:
             ).fetchall()
             return [message_from_row(r) for r in rows]
 
-        return await self._read("listing unfinished assistant messages", op)
+        return await self.calls.read("listing unfinished assistant messages", op)
 
     # -- runs ----------------------------------------------------------------------------------
 
@@ -439,7 +472,7 @@ class PgStore:
                     cur.executemany(_UPSERT_RUN, rows)
 
         what = f"saving run {runs[0].run_id!r}" if len(runs) == 1 else f"saving {len(rows)} runs"
-        await self._write(what, op)
+        await self.calls.write(what, op)
 
     async def get_run(self, run_id: str) -> Run | None:
         params = (self.workspace_id, run_id)
@@ -451,7 +484,7 @@ class PgStore:
             ).fetchone()
             return None if row is None else run_from_row(row)
 
-        return await self._read(f"reading run {run_id!r}", op)
+        return await self.calls.read(f"reading run {run_id!r}", op)
 
     async def get_run_prompt(self, run_id: str) -> str | None:
         params = (self.workspace_id, run_id)
@@ -462,17 +495,12 @@ class PgStore:
             ).fetchone()
             return None if row is None else str(row[0])
 
-        return await self._read(f"reading the prompt of run {run_id!r}", op)
+        return await self.calls.read(f"reading the prompt of run {run_id!r}", op)
 
     # -- paging (crush_trio.store.paging) ---------------------------------------------------
 
-    def _dialect(self) -> Dialect:
-        return Dialect(
-            mark="%s", seq="seq", scope="workspace_id = %s AND ", scope_params=(self.workspace_id,)
-        )
-
     async def page_sessions(self, page: PageQuery) -> list[Session]:
-        dialect = self._dialect()
+        dialect = self._paging
         sql, cursor, params = dialect.sessions(SESSION_COLUMNS, page)
 
         def op(conn: psycopg.Connection[Any]) -> list[Session]:
@@ -481,10 +509,10 @@ class PgStore:
             )
             return [session_from_row(r) for r in rows]
 
-        return await self._read("listing a page of sessions", op)
+        return await self.calls.read("listing a page of sessions", op)
 
     async def page_messages(self, session_id: str, page: PageQuery) -> list[Message]:
-        dialect = self._dialect()
+        dialect = self._paging
         sql, cursor, params, reverse = dialect.messages(MESSAGE_COLUMNS, session_id, page)
         cursor_id = page.after if page.after is not None else page.before
 
@@ -496,10 +524,10 @@ class PgStore:
                 rows.reverse()
             return [message_from_row(r) for r in rows]
 
-        return await self._read(f"listing a page of messages of session {session_id!r}", op)
+        return await self.calls.read(f"listing a page of messages of session {session_id!r}", op)
 
     async def page_runs(self, page: PageQuery) -> list[Run]:
-        dialect = self._dialect()
+        dialect = self._paging
         sql, cursor, params = dialect.runs(RUN_COLUMNS, page)
 
         def op(conn: psycopg.Connection[Any]) -> list[Run]:
@@ -508,11 +536,11 @@ class PgStore:
             )
             return [run_from_row(r) for r in rows]
 
-        return await self._read("listing a page of runs", op)
+        return await self.calls.read("listing a page of runs", op)
 
     async def list_runs(self, statuses: Iterable[RunStatus]) -> list[Run]:
         values = sorted({RunStatus(s).value for s in statuses})
-        self._check_open()
+        self.calls.check_open()
         if not values:
             await trio.lowlevel.checkpoint()
             return []
@@ -526,7 +554,7 @@ class PgStore:
             ).fetchall()
             return [run_from_row(r) for r in rows]
 
-        return await self._read(f"listing runs with status {', '.join(values)}", op)
+        return await self.calls.read(f"listing runs with status {', '.join(values)}", op)
 
     # -- the terminal record -------------------------------------------------------------------
 
@@ -577,7 +605,7 @@ class PgStore:
             )
             return True
 
-        return await self._write(f"recording the end of run {run_id!r}", op)
+        return await self.calls.write(f"recording the end of run {run_id!r}", op)
 
     async def terminal_event(self, run_id: str) -> bytes | None:
         """The run's recorded terminal event, or None."""
@@ -589,7 +617,7 @@ class PgStore:
             ).fetchone()
             return None if row is None else bytes(row[0])
 
-        return await self._read(f"reading the terminal event of run {run_id!r}", op)
+        return await self.calls.read(f"reading the terminal event of run {run_id!r}", op)
 
     async def unlogged_terminals(self) -> list[tuple[str, bytes]]:
         """Terminal events not yet marked as in the event log: ``(run_id, event)``, oldest
@@ -604,13 +632,13 @@ class PgStore:
             ).fetchall()
             return [(str(r[0]), bytes(r[1])) for r in rows]
 
-        return await self._read("listing terminal events not in the log", op)
+        return await self.calls.read("listing terminal events not in the log", op)
 
     async def mark_logged(self, run_ids: Iterable[str]) -> None:
         """Note that the event log holds these runs' terminal events (fenced)."""
         params = (self.workspace_id, sorted(set(run_ids)))
         if not params[1]:
-            self._check_open()
+            self.calls.check_open()
             await trio.lowlevel.checkpoint()
             return
 
@@ -621,7 +649,7 @@ class PgStore:
                 params,
             )
 
-        await self._write(f"marking {len(params[1])} terminal event(s) as logged", op)
+        await self.calls.write(f"marking {len(params[1])} terminal event(s) as logged", op)
 
 
 if TYPE_CHECKING:

@@ -479,40 +479,9 @@ class HttpStreamer:
                         f"({detail}); check that base_url {self.settings.base_url!r} points at "
                         "an API that supports streaming"
                     )
-                encoded = response.headers.get("content-encoding", "identity").lower()
-                stream = response.stream
-                body = take_over(
-                    response,
-                    timeout=self.settings.chunk_timeout if self._read_timeout else None,
-                )
-                chunks: AsyncIterator[bytes]
-                if body is not None:
-                    # HTTP/1.1, uncompressed: the body is read from the connection itself
-                    # (providers/body.py), one socket read per payload.
-                    chunks = body
-                elif encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
-                    # The transport's byte stream itself: ``aiter_raw`` would add a generator
-                    # and a re-chunker per chunk and changes nothing without a chunk size.
-                    chunks = aiter(stream)
-                else:  # the server compressed it anyway, or HTTP/2
-                    chunks = response.aiter_bytes()
-                timed_out = False
-                try:
-                    first: bytes | None = await anext(chunks)
-                except StopAsyncIteration:
-                    first = None
-                except BodyError as exc:
-                    raise self._malformed_body(exc) from exc
-                except IncompleteBody as exc:
-                    self._metrics.error("broken")
-                    raise ProviderError(
-                        f"provider {name!r} broke the connection before the reply started: "
-                        f"{_describe(exc)}",
-                        retryable=True,
-                    ) from exc
-                except BodyTimeout:  # reported as the first-byte timeout, below
-                    timed_out = True
-                if not timed_out:
+                chunks = self._body_chunks(response)
+                first, timed_out = await self._first_chunk(chunks)
+                if not timed_out:  # a timeout is reported as the first-byte timeout, below
                     ok = True
                     return _Opened(response, chunks, first)
             self._metrics.error("timeout")
@@ -561,6 +530,47 @@ class HttpStreamer:
             if response is not None and not ok:
                 with trio.move_on_after(CLEANUP_TIMEOUT, shield=True):
                     await response.aclose()
+
+    def _body_chunks(self, response: httpx.Response) -> AsyncIterator[bytes]:
+        """The chunks of a response's body, read the cheapest way its encoding allows."""
+        encoded = response.headers.get("content-encoding", "identity").lower()
+        stream = response.stream
+        body = take_over(
+            response,
+            timeout=self.settings.chunk_timeout if self._read_timeout else None,
+        )
+        if body is not None:
+            # HTTP/1.1, uncompressed: the body is read from the connection itself
+            # (providers/body.py), one socket read per payload.
+            return body
+        if encoded in ("", "identity") and isinstance(stream, httpx.AsyncByteStream):
+            # The transport's byte stream itself: ``aiter_raw`` would add a generator and a
+            # re-chunker per chunk and changes nothing without a chunk size.
+            return aiter(stream)
+        return response.aiter_bytes()  # the server compressed it anyway, or HTTP/2
+
+    async def _first_chunk(self, chunks: AsyncIterator[bytes]) -> tuple[bytes | None, bool]:
+        """The body's first chunk (None: the body is empty), and whether the body reader's own
+        timeout ran out first.
+
+        Raises:
+            ProviderError: the body is malformed, or the connection broke before it started.
+        """
+        try:
+            return await anext(chunks), False
+        except StopAsyncIteration:
+            return None, False
+        except BodyError as exc:
+            raise self._malformed_body(exc) from exc
+        except IncompleteBody as exc:
+            self._metrics.error("broken")
+            raise ProviderError(
+                f"provider {self.provider!r} broke the connection before the reply started: "
+                f"{_describe(exc)}",
+                retryable=True,
+            ) from exc
+        except BodyTimeout:
+            return None, True
 
     async def _failed(self, response: httpx.Response, url: str) -> _Retry:
         """Turn a non-2xx response into a retry, or raise the matching ProviderError."""

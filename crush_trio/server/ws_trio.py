@@ -29,13 +29,13 @@ import orjson
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
 from werkzeug.datastructures import Headers
-from wsproto import ConnectionType, WSConnection
 
+from .._compat import trio_websocket as compat_ws
 from ..broker import Event
 from ..cluster.placement import response_headers
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
-from ..wsdeflate import BoundedDeflate, DeflateConnection
+from ..wsdeflate import BoundedDeflate
 from .connection import PeerGone, check_upgrade, close_bound, serve_connection
 from .listener import PrefixedStream
 from .security import check_request_host, check_request_token
@@ -258,7 +258,7 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
         except (*_GONE, trio.TooSlowError):
             nursery.cancel_scope.cancel()
             return  # the client left (or stalled) while the upgrade answer was written
-        assert isinstance(conn, DeflateConnection)
+        assert isinstance(conn, compat_ws.DeflateConnection)
         sock = TrioEventSocket(
             conn,
             serialized,
@@ -274,13 +274,12 @@ async def wrap_server_stream(
     nursery: trio.Nursery, stream: SerializedStream, max_message_size: int
 ) -> WebSocketRequest:
     """trio-websocket's ``wrap_server_stream`` with a connection that accepts permessage-deflate
-    when the client offers it (inflating its messages within ``max_message_size``)."""
-    conn = DeflateConnection(
+    when the client offers it (inflating its messages within ``max_message_size``), through
+    :mod:`crush_trio._compat.trio_websocket`."""
+    return await compat_ws.wrap_server_stream(
+        nursery,
         stream,
-        WSConnection(ConnectionType.SERVER),
         message_queue_size=INBOUND_QUEUE,
         max_message_size=max_message_size,
         deflate=BoundedDeflate(max_message_size),
     )
-    nursery.start_soon(conn._reader_task)
-    return await conn._get_request()
