@@ -22,7 +22,7 @@ LAYERS: Final = (
     ("providers (SSE decode, parsing)", ("crush_trio/providers/",)),
     ("agent loop", ("crush_trio/agent/",)),
     ("store (sqlite calls, message buffer)", ("crush_trio/store/",)),
-    ("broker (sequence, encode, fan-out)", ("crush_trio/broker.py",)),
+    ("broker (sequence, encode, fan-out)", ("crush_trio/broker/",)),
     (
         "event streams (websocket/SSE writers)",
         (

@@ -1,0 +1,207 @@
+"""Event framing: each event is encoded once, and every client and the replay buffer share the
+bytes.
+
+:class:`Event` holds one envelope's JSON text and builds its websocket and SSE frames on first
+use; :func:`encode_event` and :func:`encode_delta` make them from wire objects,
+:func:`connection_frame` makes the frames of one connection (``hello``, ``gap``) and
+:func:`log_record` / :func:`event_from_log` are an event's form in the event log. Nothing here
+does I/O or knows about clients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import attrs
+import orjson
+
+from .. import wire
+from ..wire import EventKind
+
+#: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
+GAP_FRAME_BYTES: Final = 160
+
+
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` encoded as UTF-8 (without encoding it when it is ASCII)."""
+    return len(text) if text.isascii() else len(text.encode())
+
+
+class Event:
+    """One published event, encoded once and shared by every client.
+
+    ``text`` is the envelope JSON (a websocket text frame); :attr:`sse` is the SSE block, built on
+    first use and cached. ``size`` is the UTF-8 length of ``text``: what the queue and replay
+    byte bounds count.
+
+    A ``message_delta`` event has ``is_delta`` set and carries the same change's ``message``
+    snapshot form in ``snapshot`` (None when it was not encoded: no snapshot-mode client was
+    connected when it was published).
+    """
+
+    __slots__ = (
+        "_frame",
+        "_sse",
+        "is_delta",
+        "must_deliver",
+        "seq",
+        "size",
+        "snapshot",
+        "text",
+        "type",
+    )
+
+    def __init__(
+        self, seq: int, type: str, text: str, must_deliver: bool, size: int | None = None
+    ) -> None:
+        self.seq = seq
+        self.type = type
+        self.text = text
+        self.must_deliver = must_deliver
+        self.size = utf8_len(text) if size is None else size
+        self._sse: bytes | None = None
+        self._frame: bytes | None = None
+        self.is_delta = False
+        self.snapshot: Event | None = None
+
+    def form_for(self, deltas: bool) -> Event | None:
+        """The form a client in this mode gets: None when it was not encoded (a gap)."""
+        if self.is_delta and not deltas:
+            return self.snapshot
+        return self
+
+    @property
+    def ws_frame(self) -> bytes:
+        """The websocket text frame (server to client: unmasked), built on first use."""
+        if self._frame is None:
+            self._frame = websocket_text_frame(self.text)
+        return self._frame
+
+    @property
+    def sse(self) -> bytes:
+        if self._sse is None:
+            self._sse = f"id: {self.seq}\ndata: {self.text}\n\n".encode()
+        return self._sse
+
+    def __repr__(self) -> str:
+        return f"<Event seq={self.seq} type={self.type}>"
+
+
+def encode_event(seq: int, obj: Any, kind: EventKind) -> Event:
+    """The event ``seq`` carrying wire object ``obj``: its envelope encoded once."""
+    ptype = wire.PAYLOAD_TYPES[type(obj)]
+    envelope = {
+        "seq": seq,
+        "type": ptype.value,
+        "payload": {"type": kind.value, "payload": wire.converter.unstructure(obj)},
+    }
+    data = orjson.dumps(envelope)
+    return Event(seq, ptype.value, data.decode(), ptype.must_deliver, len(data))
+
+
+def encode_delta(seq: int, delta: wire.MessageDelta) -> Event:
+    """The ``message_delta`` form of change ``seq`` (its ``snapshot`` form is set by the caller).
+
+    Built by hand rather than through the converter: a streaming reply publishes one per token.
+    """
+    payload = {
+        "message_id": delta.message_id,
+        "session_id": delta.session_id,
+        "part": delta.part,
+        "part_type": delta.part_type,
+        "offset": delta.offset,
+        "text": delta.text,
+    }
+    # Left out when empty, as the converter does (PROTOCOL §6.6).
+    if delta.tool_call_id:
+        payload["tool_call_id"] = delta.tool_call_id
+    if delta.tool_name:
+        payload["tool_name"] = delta.tool_name
+    data = orjson.dumps(
+        {
+            "seq": seq,
+            "type": "message_delta",
+            "payload": {"type": "updated", "payload": payload},
+        }
+    )
+    event = Event(seq, "message_delta", data.decode(), False, len(data))
+    event.is_delta = True
+    return event
+
+
+def replay_cost(event: Event) -> int:
+    """Bytes an event holds in the replay buffer: both forms of a delta change."""
+    snapshot = event.snapshot
+    return event.size if snapshot is None else event.size + snapshot.size
+
+
+def log_record(event: Event) -> bytes:
+    """An event as the log keeps it: its envelope, and for a delta change whose snapshot form was
+    encoded, a newline and that form (compact JSON holds no raw newline)."""
+    data = event.text.encode()
+    snapshot = event.snapshot
+    if snapshot is not None:
+        data += b"\n" + snapshot.text.encode()
+    return data
+
+
+def event_from_log(seq: int, data: bytes) -> Event:
+    """The :class:`Event` of a log record (see :func:`log_record`)."""
+    text, _, snapshot = data.partition(b"\n")
+    ptype = wire.PayloadType(orjson.loads(text)["type"])
+    event = Event(seq, ptype.value, text.decode(), ptype.must_deliver, len(text))
+    if ptype is wire.PayloadType.MESSAGE_DELTA:
+        event.is_delta = True
+        if snapshot:
+            event.snapshot = Event(
+                seq, wire.PayloadType.MESSAGE.value, snapshot.decode(), False, len(snapshot)
+            )
+    return event
+
+
+def websocket_text_frame(text: str) -> bytes:
+    """One final, unmasked text frame (RFC 6455 §5.2) carrying ``text``."""
+    payload = text.encode()
+    size = len(payload)
+    if size < 126:
+        header = bytes((0x81, size))
+    elif size < 1 << 16:
+        header = bytes((0x81, 126)) + size.to_bytes(2, "big")
+    else:
+        header = bytes((0x81, 127)) + size.to_bytes(8, "big")
+    return header + payload
+
+
+def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:
+    """A frame of one connection (``hello``, ``gap``): it repeats the latest seq, takes none."""
+    text = orjson.dumps({"seq": seq, "type": type, "payload": payload}).decode()
+    return Event(seq, type, text, must_deliver=False)
+
+
+@attrs.define
+class Gap:
+    """Events a client missed: ``dropped`` of them between ``from_seq`` and ``to_seq``."""
+
+    dropped: int
+    from_seq: int
+    to_seq: int
+
+    def extend(self, seq: int) -> None:
+        self.dropped += 1
+        self.to_seq = seq
+
+    def frame(self, latest_seq: int) -> Event:
+        return connection_frame(
+            latest_seq,
+            "gap",
+            {"dropped": self.dropped, "from_seq": self.from_seq, "to_seq": self.to_seq},
+        )
+
+
+def widen_gap(gap: Gap | None, first: int, last: int) -> Gap:
+    """``gap`` extended by the missing seqs ``first..last`` (they follow it)."""
+    if gap is None:
+        return Gap(last - first + 1, first, last)
+    gap.dropped += last - first + 1
+    gap.to_seq = last
+    return gap

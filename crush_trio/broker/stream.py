@@ -1,0 +1,259 @@
+"""One subscriber's stream: the Trio shell around its :class:`~.outbox.Outbox`.
+
+:class:`ClientStream` is the broker's handle on a client: the outbox decides (queue, drop into a
+gap, wait, too slow) and this adds the waits for room under the broker's bound, the kill that
+disconnects a slow client, and the metrics.
+
+The **handoff** to the client's writer task is the outbox's deque (filled by
+:meth:`~.outbox.Outbox.put_nowait`, emptied by :meth:`~.outbox.Outbox.take`), the hook that wakes
+the writer (:meth:`ClientStream._wake_writer`) and :class:`ClientQueue`, the end the writer
+drains: the only code between a queued frame and the transport's writer task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from ..defaults import DEFAULT_CLIENT_QUEUE_BYTES
+from ..errors import WS_CLOSE_TRY_AGAIN_LATER
+from ..metrics import METRICS
+from .framing import Event, Gap
+from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from .fanout import Broker
+
+log = logging.getLogger("crush_trio.broker")
+
+TOO_SLOW_REASON: Final = "too slow"
+
+
+class ClientQueue:
+    """The writer's end of a client's queue: what the transport's writer task drains.
+
+    Same interface as a trio memory receive channel (``receive``, ``receive_nowait``, ``async
+    for``; :class:`trio.EndOfChannel` once closed and drained) so each transport's writer task
+    drains it the same way. One reader at a time.
+    """
+
+    __slots__ = ("_readers", "_stream")
+
+    def __init__(self, stream: ClientStream, readers: trio.lowlevel.ParkingLot) -> None:
+        self._stream = stream
+        self._readers = readers
+
+    def __len__(self) -> int:
+        return len(self._stream.items)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the queued frames."""
+        return self._stream.bytes
+
+    @property
+    def size(self) -> int:
+        return self._stream.size
+
+    @property
+    def max_bytes(self) -> int:
+        return self._stream.max_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    @property
+    def full(self) -> bool:
+        return self._stream.full
+
+    def receive_nowait(self) -> Event:
+        stream = self._stream
+        event = stream.take()
+        if event is not None:
+            return event
+        if stream.closed:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    async def receive(self) -> Event:
+        """The next item (a checkpoint, like a memory channel's; one reader at a time)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            event = self.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return event
+        while True:
+            await self._readers.park()  # cancelled here: nothing was taken
+            try:
+                return self.receive_nowait()
+            except trio.WouldBlock:
+                continue
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self
+
+    async def __anext__(self) -> Event:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+
+class ClientStream(Outbox):
+    """One subscriber: a bounded queue of frames plus its drop accounting.
+
+    Backpressure: the queue holds ``size`` events and ``max_bytes`` bytes. Lossy events are
+    dropped and counted when it is full (a :class:`~.framing.Gap` is recorded and queued as soon
+    as there is room); must-deliver events and command replies wait for room up to the broker's
+    bound, then the client is killed (``killed`` is set, ``kill_reason`` says why) and the
+    transport closes it with 1013. The writer drains :attr:`receive`.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        size: int,
+        *,
+        client_id: str = "",
+        max_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES,
+        deltas: bool = False,
+        transport: str = "other",
+    ) -> None:
+        super().__init__(size, max_bytes, deltas=deltas, clock=trio.current_time)
+        self.broker = broker
+        self.client_id = client_id
+        #: This transport's metrics (drops, gaps, kills, open streams).
+        self.metrics = METRICS.transport(transport)
+        self._readers = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()
+        #: The writer's end of the queue.
+        self.receive = ClientQueue(self, self._readers)
+        self._md_lock = trio.Lock()
+        self.killed = trio.Event()
+        self.kill_reason = ""
+        self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
+        #: Called once when the client is killed (a transport cancels its writer with it).
+        self.on_kill: Callable[[], object] | None = None
+
+    # -- the handoff: wake the writer ---------------------------------------------------------
+
+    def _wake_writer(self) -> None:
+        readers = self._readers
+        if readers:
+            readers.unpark()
+
+    def _room_made(self) -> None:
+        self._room.unpark_all()
+
+    # -- the outbox's other hooks -------------------------------------------------------------
+
+    def _stalled(self) -> None:
+        self.broker.client_full(self)
+
+    def _dropped_one(self) -> None:
+        self.metrics.dropped.inc()
+        self.broker.dropped += 1
+
+    def _gap_sent(self) -> None:
+        self.metrics.gaps.inc()
+
+    def _gap_frame(self, gap: Gap) -> Event:
+        return gap.frame(self.broker.latest_seq)
+
+    # -- waits for room -----------------------------------------------------------------------
+
+    async def _put_waiting(self, item: Event) -> None:
+        """Wait for room (or the close), then queue ``item`` (the caller bounds the wait)."""
+        while not self.closed and not self.fits(item.size):
+            await self._room.park()
+        if not self.put_nowait(item):  # pragma: no cover - room was just checked
+            raise AssertionError("no room after waiting for room")
+
+    async def deliver(self, event: Event, *, reserved: bool = False) -> None:
+        """Wait for room for a must-deliver event (the caller bounds the wait).
+
+        ``reserved``: :meth:`reserve_delivery` was called for this event already.
+
+        Cancellation: if cancelled while waiting the event was not queued; the caller then kills
+        this client.
+        """
+        if not reserved:
+            self.reserve_delivery()
+        started = trio.current_time()
+        try:
+            async with self._md_lock:
+                gap = self.gap
+                if gap is not None:
+                    # Detach the gap before waiting: drops during the wait start a new one.
+                    self.gap = None
+                    await self._put_waiting(self._gap_frame(gap))
+                    self.gaps += 1
+                    self._gap_sent()
+                await self._put_waiting(event)
+        finally:
+            self.release_delivery()
+            METRICS.must_deliver_wait.observe(trio.current_time() - started)
+        self.after_receive()  # lossy events dropped while it waited
+
+    async def send_reply(self, frame: Event) -> None:
+        """Queue a command reply: waits for room (backpressure on the client's commands) for at
+        most ``must_deliver_timeout``; a client that still has no room is killed (1013)."""
+        if self.closed:
+            return
+        if self.try_deliver_nowait(frame):
+            await trio.lowlevel.checkpoint()
+            return
+        self.reserve_delivery(must_deliver=False)
+        try:
+            with trio.move_on_after(self.broker.must_deliver_timeout) as waited:
+                async with self._md_lock:
+                    await self._put_waiting(frame)
+        finally:
+            self.release_delivery()
+        if waited.cancelled_caught and not self.closed:
+            self.broker.killed += 1
+            self.kill(TOO_SLOW_REASON)
+            return
+        self.after_receive()
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def kill(self, reason: str, code: int = WS_CLOSE_TRY_AGAIN_LATER) -> None:
+        """Disconnect this client (by default: it could not take a must-deliver event in time);
+        the transport closes it with ``code`` and ``reason``. What was queued is dropped."""
+        if not self.killed.is_set():
+            self.kill_reason = reason
+            self.kill_code = code
+            if reason == TOO_SLOW_REASON:
+                self.metrics.killed.inc()
+            on_kill, self.on_kill = self.on_kill, None
+            if on_kill is not None:
+                on_kill()
+            log.warning(
+                "disconnecting client %s: %s (queue %d/%d events, %d/%d bytes)",
+                self.client_id or "?",
+                reason,
+                len(self.items),
+                self.size,
+                self.bytes,
+                self.max_bytes,
+            )
+            self.killed.set()
+        self.close()
+        self.clear()
+
+    def close(self) -> None:
+        """End the stream: the writer finishes what is queued, then gets
+        :class:`trio.EndOfChannel`."""
+        if not self.closed:
+            super().close()
+            self._readers.unpark_all()
+            self._room.unpark_all()
+            self.broker.unsubscribe(self)
