@@ -164,9 +164,6 @@ KNOWN_EXCEPTIONS = {
     "crush_trio/client/transport.py",
 }
 
-#: Modules that still import a private name of another crush_trio module (to be made public).
-KNOWN_INTERNAL_EXCEPTIONS = {"crush_trio/agent/subagent.py"}
-
 #: Private names of dependencies that only their adapter may use.
 ADAPTED_NAMES = re.compile(
     r"\b(_h11_state|_httpcore_stream|_httpx_utils|_read_data|HTTP11ConnectionByteStream"
@@ -233,7 +230,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
     found = {}
     for path, text in sources():
         _, internal = import_violations(text)
-        if internal and path not in KNOWN_INTERNAL_EXCEPTIONS:
+        if internal:
             found[path] = internal
     assert not found, f"private names imported from another module (make them public): {found}"
 
