@@ -302,8 +302,6 @@ def test_importing_the_trio_websocket_adapter_fails_loudly_after_a_breaking_upgr
 # ---------------------------------------------------------------------------------------------
 # The rule, over the source tree
 
-#: Modules that still import a private name of another crush_trio module (to be made public).
-KNOWN_INTERNAL_EXCEPTIONS = {"crush_trio/agent/subagent.py"}
 
 #: Private names of dependencies that only their adapter may use.
 ADAPTED_NAMES = re.compile(
@@ -467,7 +465,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
     found = {}
     for path, text in sources():
         _, internal = import_violations(text)
-        if internal and path not in KNOWN_INTERNAL_EXCEPTIONS:
+        if internal:
             found[path] = internal
     assert not found, f"private names imported from another module (make them public): {found}"
 

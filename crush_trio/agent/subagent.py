@@ -19,26 +19,17 @@ tool call (shielded, bounded by the save timeout), as a turn's is.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
+import attrs
 import trio
 
 from ..core.agent_state import Prompt, Turn
-from ..core.assembler import repair_tool_calls
 from ..errors import CrushError, unwrap_group
 from ..providers import base as pb
 from ..tools.base import ToolError
-from ..wire import (
-    EventKind,
-    FinishPart,
-    FinishReason,
-    Message,
-    Role,
-    Session,
-    TextPart,
-    new_id,
-    now,
-)
+from ..wire import EventKind, FinishReason, Session, new_id
+from .steps import TurnProgress
 from .summarize import step_cost
 from .tool_step import StopTurn, run_tools
 
@@ -57,6 +48,18 @@ SUBAGENT_SYSTEM_PROMPT: Final = (
 SUBAGENT_TITLE_CHARS: Final = 60
 #: What a cancelled sub-agent's last message says (as a cancelled turn's does).
 SUBAGENT_CANCELED: Final = "Parent run canceled"
+
+
+@attrs.define
+class _Child:
+    """A running sub-agent: its progress, its read-only tools, the parent's run and what its
+    steps cost so far (added as soon as a step has streamed, also when it fails)."""
+
+    progress: TurnProgress
+    tools: Any
+    run_id: str | None
+    max_steps: int
+    cost: float = 0.0
 
 
 def _title(prompt: str) -> str:
@@ -79,8 +82,6 @@ async def run_subagent(
         The child's last message is saved as cancelled and its cost added to the parent (in
         shielded scopes bounded by the save timeout), then ``trio.Cancelled`` propagates.
     """
-    from .runner import CANCELED_MESSAGE, _error_text, _TurnProgress
-
     if agent.closing:
         raise ToolError("the workspace is closing; the sub-agent did not start")
     if not agent.store.session_exists(parent_session_id):
@@ -92,66 +93,15 @@ async def run_subagent(
     agent.broker.publish(child, EventKind.CREATED)
 
     turn = Turn(child.id, Prompt(child.id, run_id or "", prompt, 0, True))
-    progress = _TurnProgress(turn)
+    progress = TurnProgress(turn)
     progress.model, progress.provider, progress.model_entry = entry.id, provider_name, entry
     progress.first_token = True  # the parent run's metrics are not the child's
-    cost = 0.0
-    steps = agent.config.options.agent_max_steps
+    run = _Child(progress, tools, run_id, agent.config.options.agent_max_steps)
     cancelled = False
     failure: BaseException | None = None
     provider = agent.providers.acquire(provider_name, provider_cfg)
     try:
-        user = Message(new_id(), child.id, Role.USER, [TextPart(prompt)])
-        await agent.messages.create(user)
-        progress.history.append(user)
-        for _step in range(steps):
-            request = pb.ModelRequest(
-                model=pb.ModelInfo(
-                    entry.id, entry.name, entry.context_window, entry.default_max_tokens
-                ),
-                system=SUBAGENT_SYSTEM_PROMPT,
-                messages=list(progress.history),
-                tools=tools.specs() if tools is not None else [],
-                max_tokens=entry.default_max_tokens,
-            )
-            msg = Message(new_id(), child.id, Role.ASSISTANT, model=entry.id)
-            msg.provider = provider_name
-            progress.assistant = msg
-            progress.results = set()
-            await agent.messages.create(msg)
-            progress.history.append(msg)
-            progress.usage = None
-            try:
-                reason = await agent._stream_step(provider, request, msg, progress)
-            finally:
-                if progress.usage is not None:
-                    cost += step_cost(progress.usage, entry)
-            calls = msg.tool_calls()
-            if reason is not FinishReason.TOOL_USE and not calls:
-                return msg.text()
-            try:
-                await run_tools(
-                    tools=tools,
-                    messages=agent.messages,
-                    msg=msg,
-                    calls=calls,
-                    done=progress.results,
-                    history=progress.history,
-                    save_timeout=agent.save_timeout,
-                    run_id=run_id,
-                )
-            except StopTurn:
-                msg.parts = [p for p in msg.parts if not isinstance(p, FinishPart)]
-                msg.parts.append(FinishPart(FinishReason.END_TURN))
-                await agent.messages.update(msg)
-                return (
-                    "the sub-agent stopped: the user denied one of its tool calls "
-                    f"(session {child.id}); do not retry it, ask the user how to proceed"
-                )
-        raise ToolError(
-            f"the sub-agent stopped after {steps} steps (options.agent_max_steps) without an "
-            "answer; give it a narrower task"
-        )
+        return await _steps(agent, run, provider)
     except BaseException as exc:
         cancelled = isinstance(exc, trio.Cancelled)
         failure = None if cancelled else unwrap_group(exc)
@@ -162,26 +112,61 @@ async def run_subagent(
         agent.providers.release(provider)
         with trio.move_on_after(agent.save_timeout, shield=True):
             try:
-                msg_last = progress.assistant
-                if msg_last is not None and (cancelled or failure is not None):
-                    repair_tool_calls(msg_last)
-                    msg_last.parts = [p for p in msg_last.parts if not isinstance(p, FinishPart)]
-                    if cancelled:
-                        msg_last.parts.append(
-                            FinishPart(FinishReason.CANCELED, message=CANCELED_MESSAGE)
-                        )
-                    else:
-                        assert failure is not None
-                        msg_last.parts.append(
-                            FinishPart(FinishReason.ERROR, message=_error_text(failure))
-                        )
-                    msg_last.updated_at = now()
-                    await agent.messages.update(msg_last)
-                    await agent._write_missing_results(progress, cancelled=cancelled)
+                if progress.assistant is not None and (cancelled or failure is not None):
+                    await agent.steps.end_interrupted(progress, error=failure, cancelled=cancelled)
                 await agent.messages.flush_session(child.id)
-                await _roll_up(agent, parent_session_id, child.id, cost)
+                await _roll_up(agent, parent_session_id, child.id, run.cost)
             except Exception:
                 log.exception("saving the end of sub-agent session %s failed", child.id)
+
+
+async def _steps(agent: Agent, run: _Child, provider: pb.Provider) -> str:
+    """The child's model and tool steps, from its task to its answer."""
+    progress, tools = run.progress, run.tools
+    turn, entry = progress.turn, progress.model_entry
+    child_id = turn.session_id
+    await agent.steps.write_user_message(progress, turn.primary)
+    for _step in range(run.max_steps):
+        request = pb.ModelRequest(
+            model=pb.ModelInfo(
+                entry.id, entry.name, entry.context_window, entry.default_max_tokens
+            ),
+            system=SUBAGENT_SYSTEM_PROMPT,
+            messages=list(progress.history),
+            tools=tools.specs() if tools is not None else [],
+            max_tokens=entry.default_max_tokens,
+        )
+        msg = await agent.steps.start_message(progress, child_id)
+        progress.usage = None
+        try:
+            reason = await agent.steps.stream(provider, request, msg, progress)
+        finally:
+            if progress.usage is not None:
+                run.cost += step_cost(progress.usage, entry)
+        calls = msg.tool_calls()
+        if reason is not FinishReason.TOOL_USE and not calls:
+            return msg.text()
+        try:
+            await run_tools(
+                tools=tools,
+                messages=agent.messages,
+                msg=msg,
+                calls=calls,
+                done=progress.results,
+                history=progress.history,
+                save_timeout=agent.save_timeout,
+                run_id=run.run_id,
+            )
+        except StopTurn:
+            await agent.steps.end_turn(msg)
+            return (
+                "the sub-agent stopped: the user denied one of its tool calls "
+                f"(session {child_id}); do not retry it, ask the user how to proceed"
+            )
+    raise ToolError(
+        f"the sub-agent stopped after {run.max_steps} steps (options.agent_max_steps) without an "
+        "answer; give it a narrower task"
+    )
 
 
 async def _roll_up(agent: Agent, parent_id: str, child_id: str, cost: float) -> None:

@@ -1,7 +1,7 @@
 """Summaries of a session: the request, the history that starts from one, cost and compaction.
 
-Plain functions; the runner (:mod:`crush_trio.agent.runner`) streams the request, stores the
-message and points the session at it.
+Plain functions; :mod:`crush_trio.agent.compaction` streams the request, stores the message
+and points the session at it.
 
 * :func:`summary_request` asks the model to summarize the history it is given (tools off).
 * :func:`history_from_summary` is what later model requests get: the summary (sent as a user
