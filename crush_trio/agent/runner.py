@@ -21,20 +21,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
 
 from .. import wire
 from ..config import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
+from ..core import model as pb
 from ..core.agent_state import AgentState, CancelOutcome, Prompt, Turn
 from ..core.assembler import StepAssembler, repair_tool_calls
+from ..core.ports import ChangeHooks as ChangeHooks
+from ..core.ports import Terminals as Terminals
 from ..errors import (
     BadRequest,
     ConfigError,
     Conflict,
     CrushError,
+    Fenced,
     NotFound,
     PermissionTimeout,
     ProviderError,
@@ -43,10 +47,9 @@ from ..errors import (
     bug_message,
     unwrap_group,
 )
-from ..eventlog import Fenced
+from ..errors import SessionGone as SessionGone
 from ..logs import current_context, log_context
 from ..metrics import METRICS, run_reason
-from ..providers import base as pb
 from ..wire import (
     AgentEvent,
     EventKind,
@@ -78,16 +81,12 @@ from .tool_step import RepeatedCalls, StopTurn, missing_results, run_tools
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
+    from ..core.ports import WorkspaceStore
     from ..store import MessageService
-    from ..store.protocol import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
 CANCELED_MESSAGE: Final = "User canceled request"
-
-
-class SessionGone(CrushError):
-    status = 400
 
 
 @attrs.define
@@ -125,25 +124,6 @@ SUMMARY_CANCELLED: Final = "Summary cancelled"
 
 
 ProviderFactory = Callable[[str, Any], pb.Provider]
-
-
-class Terminals(Protocol):
-    """The once-only terminal record of a cluster's runs (see ``Workspace``): ``record`` stores
-    the run's terminal event with its final status (False: already recorded, do not publish);
-    ``logged`` notes that the event log holds the published event."""
-
-    async def record(self, run: Run, complete: RunComplete) -> bool: ...
-
-    async def logged(self, run_id: str, event: Any) -> None: ...
-
-
-class ChangeHooks(Protocol):
-    """The workspace's change log (:class:`crush_trio.changes.ChangeLog`): a snapshot before a
-    turn, and one after it that records what each of its runs changed."""
-
-    async def begin_run(self, session_id: str, run_ids: list[str]) -> None: ...
-
-    async def end_run(self, session_id: str, run_ids: list[str]) -> dict[str, Any]: ...
 
 
 class Agent:

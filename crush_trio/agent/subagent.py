@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
+from ..core import model as pb
 from ..core.agent_state import Prompt, Turn
 from ..core.assembler import repair_tool_calls
 from ..errors import CrushError, unwrap_group
-from ..providers import base as pb
 from ..tools.base import ToolError
 from ..wire import (
     EventKind,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
-from ..providers import base as pb
+from ..core import model as pb
 from ..wire import EventKind, Message, Role, TextPart, new_id
 
 if TYPE_CHECKING:
@@ -130,6 +130,7 @@ class Titles:
             system=TITLE_PROMPT,
             messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
             max_tokens=TITLE_MAX_TOKENS,
+            purpose=pb.RequestPurpose.TITLE,
         )
         stream = provider.stream(request)
         async with contextlib.aclosing(stream):  # type: ignore[type-var]
