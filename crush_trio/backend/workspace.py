@@ -38,7 +38,6 @@ from ..agent.runs import RunBook
 from ..broker import Broker
 from ..changes import ChangeLog
 from ..changes.tracking import TrackedTools
-from ..cluster.placement import ended_without_record
 from ..config import Config, ServerOptions
 from ..core.assembler import repair_tool_calls
 from ..core.holds import Holds
@@ -620,7 +619,7 @@ class Workspace:
                     await self._append_terminal(complete)
             await store.mark_logged([run_id for run_id, _ in unlogged])
         ended = []
-        for run_id in await ended_without_record(store):
+        for run_id in await store.ended_without_record():
             run = await store.get_run(run_id)
             if run is None:
                 continue
@@ -719,7 +718,7 @@ class Workspace:
 
 
 class LoggedTerminals:
-    """A cluster's once-only terminal records for the agent (``agent.runner.Terminals``): a
+    """A cluster's once-only terminal records for the agent (``core.ports.Terminals``): a
     run's ``run_complete`` is recorded with its final status before it is published, and marked
     logged once the event log holds it, so a node that takes the workspace over publishes
     exactly the ones that never reached the log."""

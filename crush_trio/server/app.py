@@ -24,7 +24,6 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from .. import __version__, wire
-from ..cluster.placement import response_headers
 from ..errors import WS_CLOSE_SERVICE_RESTART, CrushError, NotFound, TooLarge, bug_message
 from ..logs import set_log_context
 from ..metrics import CONTENT_TYPE, render
@@ -53,6 +52,7 @@ from .security import (
     check_request_token,
     check_state_change,
     redact_target,
+    response_headers,
     token_cookie_name,
 )
 from .settings import Settings
@@ -440,10 +440,9 @@ def create_app(api: Api, settings: Settings, *, on_shutdown: Any = None) -> Quar
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
-            if backend.placement is not None:
-                check_request_host(settings, websocket.headers)
-                check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
-                await api.place(websocket.path, websocket.query_string, websocket.args)
+            check_request_host(settings, websocket.headers)
+            check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
+            await api.place(websocket.path, websocket.query_string, websocket.args)
             ws, sub = check_upgrade(
                 settings,
                 api,

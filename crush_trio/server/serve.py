@@ -17,11 +17,9 @@ import os
 import secrets
 import socket
 import stat
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import attrs
 import trio
@@ -31,6 +29,7 @@ from .. import __version__
 from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
 from ..config import Config, load_config
+from ..core.placement import LocalPlacement, Placement
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
 from ..tools.sandbox import probe as sandbox_probe
@@ -42,9 +41,6 @@ from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
-
-if TYPE_CHECKING:
-    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +180,13 @@ async def serve(
         except TypeError as exc:
             _close_sockets(sock, msock)
             raise ConfigError(f"bad --cluster flag: {exc}") from None
-    placement: Placement | None = None
+    placement: Placement = LocalPlacement()
     if cluster_opts.enabled:
-        from ..cluster.placement import Placement
+        # Imported only in cluster mode: a single server needs neither psycopg nor coredis.
+        from ..cluster.placement import ClusterPlacement
 
         try:
-            placement = Placement(cluster_opts, url)
+            placement = ClusterPlacement(cluster_opts, url)
         except ConfigError:
             _close_sockets(sock, msock)
             raise
@@ -231,7 +228,7 @@ async def serve(
     hconfig.include_server_header = False
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
-        async with _placed(placement, backend), backend.running(), trio.open_nursery() as nursery:
+        async with placement.running(backend), backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
@@ -278,16 +275,6 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
-
-
-@asynccontextmanager
-async def _placed(placement: Placement | None, backend: Backend) -> AsyncIterator[None]:
-    """Run the node's placement (cluster mode) for the block; nothing on a single server."""
-    if placement is None:
-        yield
-        return
-    async with placement.running(backend):
-        yield
 
 
 def _close_sockets(*socks: socket.socket | None) -> None:
