@@ -22,7 +22,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import trio
 from trio_websocket import ConnectionRejected, HandshakeError, WebSocketConnection
@@ -51,15 +51,70 @@ from .transport import (
     stream_resource,
 )
 
-if TYPE_CHECKING:
-    from .connection import Client
-
 log = logging.getLogger(__name__)
+
+
+class ServerLink(Protocol):
+    """What a workspace client needs of its connection to the server
+    (:class:`~crush_trio.client.Client` keeps it)."""
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (``unix:/path`` on a Unix socket)."""
+        ...
+
+    @property
+    def client_id(self) -> str: ...
+
+    @property
+    def unix_path(self) -> str | None: ...
+
+    @property
+    def request_timeout(self) -> float: ...
+
+    @property
+    def reconnect_timeout(self) -> float: ...
+
+    @property
+    def mailbox_size(self) -> int: ...
+
+    @property
+    def deltas(self) -> bool:
+        """Whether event streams ask for ``message_delta`` events."""
+        ...
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> Any:
+        """One API request; the decoded JSON answer."""
+        ...
+
+    def ws_base_for(self, workspace_id: str) -> str:
+        """The websocket base URL that serves ``workspace_id``."""
+        ...
+
+    def moved(self, workspace_id: str | None, location: str) -> None:
+        """Remember that ``workspace_id`` is served at the origin of ``location``."""
+        ...
+
+    def forget_owner(self, workspace_id: str) -> bool:
+        """Send ``workspace_id``'s requests to the server again; True when an owner was known."""
+        ...
+
+    def auth_headers(self) -> list[tuple[bytes, bytes]]:
+        """The websocket handshake's ``Authorization`` header."""
+        ...
 
 
 @asynccontextmanager
 async def open_workspace(
-    client: Client, path: str | os.PathLike[str], *, events: bool = True
+    client: ServerLink, path: str | os.PathLike[str], *, events: bool = True
 ) -> AsyncIterator[WorkspaceClient]:
     """Create (or join) the workspace of ``path`` and hold it for the block's duration.
 
@@ -140,7 +195,7 @@ class WorkspaceClient:
 
     def __init__(
         self,
-        client: Client,
+        client: ServerLink,
         info: Workspace,
         *,
         mailbox_size: int = DEFAULT_MAILBOX_SIZE,

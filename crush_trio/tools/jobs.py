@@ -33,7 +33,7 @@ import trio
 
 from ..config import DEFAULT_JOB_BUFFER_BYTES, JobsOptions
 from ..wire import JobInfo, JobState, ToolOutput, now
-from .base import ToolError
+from .result import ToolError
 from .sandbox import Sandbox
 from .shell import (
     CLEANUP_MARGIN,
