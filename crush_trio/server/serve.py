@@ -182,7 +182,6 @@ async def serve(
             raise ConfigError(f"bad --cluster flag: {exc}") from None
     placement: Placement = LocalPlacement()
     if cluster_opts.enabled:
-        # Imported only in cluster mode: a single server needs neither psycopg nor coredis.
         from ..cluster.placement import ClusterPlacement
 
         try:
