@@ -31,7 +31,7 @@ from ..errors import Fenced, StoreError
 from ..wire import Run, RunStatus, check_run_transition, now
 
 if TYPE_CHECKING:
-    from ..store.protocol import WorkspaceStore
+    from ..core.ports import WorkspaceStore
 
 log = logging.getLogger(__name__)
 

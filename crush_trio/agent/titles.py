@@ -22,7 +22,7 @@ from ..wire import EventKind, Message, Role, TextPart, new_id
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
-    from ..store.protocol import WorkspaceStore
+    from ..core.ports import WorkspaceStore
 
 log = logging.getLogger(__name__)
 
