@@ -52,10 +52,6 @@ environment:
 """
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written, line breaks kept (each flag's help names its default)."""
-
-
 def _unknown_flag_hint(parser: argparse.ArgumentParser, flag: str) -> str:
     """A hint for an unknown ``flag`` of ``parser``: a known spelling, or the closest flag."""
     import difflib
@@ -84,7 +80,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "serve",
         help="run the server",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Run the server. It prints `crush-trio listening on URL?token=TOKEN`: open that URL\n"
             "in a browser (the token becomes a cookie), or send the token as\n"
@@ -213,7 +209,7 @@ def _trust_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "trust",
         help="trust a workspace's own crush.json",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Add a workspace directory to trusted_workspaces in the user's crush.json, so its "
             "own crush.json and .crush.json apply in full (providers, environment variables, "

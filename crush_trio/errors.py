@@ -4,6 +4,13 @@ Every error the server reports to a client is a :class:`CrushError`. Each class 
 status it maps to (the table of PROTOCOL §2) and, where it ends a websocket, the close code. The
 message always names the object at fault and what to do next. Provider, sqlite and socket errors are
 translated into these at the boundary where they occur.
+
+Every layer raises the classes of this one module (the cluster's :class:`Moved` and
+:class:`OwnerUnavailable`, the store's and the event log's :class:`Fenced`, the agent's
+:class:`SessionGone`...), so a caller recognises an error by its class without importing the layer
+that raised it. The exceptions that stay inside one module (a tool's ``ToolError``, which carries
+the tool's result; the client library's own hierarchy in ``crush_trio.client.errors``) are not
+here.
 """
 
 from __future__ import annotations
@@ -96,6 +103,34 @@ class ShuttingDown(CrushError):
     status = 503
 
 
+class Moved(CrushError):
+    """Another node of the cluster owns the workspace: answered 307 with ``Location`` set to the
+    same request at the owner."""
+
+    status: ClassVar[int] = 307
+
+    def __init__(self, message: str, location: str) -> None:
+        super().__init__(message)
+        self.location = location
+
+
+class OwnerUnavailable(CrushError):
+    """The node that owns the workspace stopped renewing its lease, which has not expired yet
+    (503 + ``Retry-After``); another node takes the workspace over then."""
+
+    status: ClassVar[int] = 503
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class SessionGone(CrushError):
+    """The session of an accepted prompt was deleted before its run could start (400)."""
+
+    status = 400
+
+
 class ConfigError(CrushError):
     """The configuration is invalid; the message names the JSON path and the fix."""
 
@@ -124,6 +159,29 @@ class StoreError(CrushError):
     """The embedded database failed; this is a bug or a broken disk (500)."""
 
     status = 500
+
+
+class Fenced(CrushError):
+    """A newer owner (a newer lease epoch) holds the workspace: this node may no longer write.
+
+    Raised by an event log's append (or fence) and by a cluster store's write made with an epoch
+    older than the current one. Nothing of the refused write landed. The workspace must stop on
+    this node; its clients reconnect and find the new owner.
+    """
+
+    status = 409
+
+
+class EventLogError(CrushError):
+    """The event log refused a write for a reason other than fencing (a seq out of order, a bad
+    batch); the message says which."""
+
+    status = 500
+
+
+class CursorNotFound(Exception):
+    """The ``before``/``after`` id of a page request names no item of the list (the routes
+    answer 400)."""
 
 
 class IllegalTransition(RuntimeError):

@@ -1,9 +1,11 @@
 """Event logs: where a workspace's encoded events are kept so that any ``seq`` a client saw can be
 replayed, here or on another node.
 
-:class:`EventLog` is the interface the broker writes through when a log is configured (cluster
-mode). An event is a ``(seq, bytes)`` pair: ``seq`` is the broker's sequence number (1, 2, ...; a
-log keeps them strictly increasing) and the bytes are the event's encoding, opaque to the log.
+:class:`~crush_trio.core.ports.EventLog` is the port the broker writes through when a log is
+configured (cluster mode); it, :data:`EventRecord`, :class:`~crush_trio.errors.Fenced` and
+:class:`~crush_trio.errors.EventLogError` are re-exported here. An event is a ``(seq, bytes)``
+pair: ``seq`` is the broker's sequence number (1, 2, ...; a log keeps them strictly increasing)
+and the bytes are the event's encoding, opaque to the log.
 
 Two implementations:
 
@@ -24,77 +26,19 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
-from typing import Final, Protocol, runtime_checkable
+from typing import Final
 
 import trio
 
-from .errors import CrushError
+from .core.ports import EventLog as EventLog
+from .core.ports import EventRecord as EventRecord
+from .errors import EventLogError as EventLogError
+from .errors import Fenced as Fenced
 
 #: Default number of events an event log keeps for resume.
 DEFAULT_LOG_MAX_EVENTS: Final = 100_000
 #: Default bound on the bytes of encoded events :class:`MemoryEventLog` keeps.
 DEFAULT_LOG_MAX_BYTES: Final = 64 * 1024 * 1024
-
-
-class Fenced(CrushError):
-    """A newer owner (a newer lease epoch) holds the workspace: this node may no longer write.
-
-    Raised by an append (or a fence) made with an epoch older than the log's current one. Nothing
-    of the refused write landed. The workspace must stop on this node; its clients reconnect and
-    find the new owner.
-    """
-
-    status = 409
-
-
-class EventLogError(CrushError):
-    """The log refused a write for a reason other than fencing (a seq out of order, a bad
-    batch); the message says which."""
-
-    status = 500
-
-
-EventRecord = tuple[int, bytes]
-
-
-@runtime_checkable
-class EventLog(Protocol):
-    """One workspace's event log (see the module's docstring)."""
-
-    async def append(self, batch: Sequence[EventRecord]) -> None:
-        """Append ``batch`` (``(seq, bytes)`` pairs, seqs increasing and above
-        :meth:`last_seq`) atomically: all of it or none.
-
-        Raises:
-            Fenced: a newer epoch owns the log; nothing was appended.
-            EventLogError: a seq is not above the last one.
-        """
-        ...
-
-    async def read(self, after_seq: int, limit: int) -> list[EventRecord]:
-        """Up to ``limit`` kept events with a seq above ``after_seq``, in order."""
-        ...
-
-    async def last_seq(self) -> int:
-        """The seq of the newest event appended (0 when none)."""
-        ...
-
-    async def first_seq(self) -> int:
-        """The seq of the oldest event kept (``last_seq() + 1`` when none is kept)."""
-        ...
-
-    async def fence(self, epoch: int) -> None:
-        """Claim the log for ``epoch``: appends through handles fenced with an older epoch fail
-        from now on. Claiming again with the current epoch is allowed.
-
-        Raises:
-            Fenced: the log already belongs to a newer epoch.
-        """
-        ...
-
-    async def aclose(self) -> None:
-        """Release this handle's resources (the log's contents stay)."""
-        ...
 
 
 def check_batch(batch: Sequence[EventRecord], last: int) -> None:

@@ -31,6 +31,8 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
+from .errors import ConfigError, CrushError, ProviderError, SessionGone, StoreError
+
 __all__ = [
     "CONTENT_TYPE",
     "METRICS",
@@ -339,15 +341,13 @@ def run_reason(error: BaseException | None, *, cancelled: bool, closing: bool) -
         return "shutdown" if closing else "cancel"
     if error is None:
         return "ok"
-    from .errors import ConfigError, CrushError, ProviderError, StoreError
-
     if isinstance(error, ProviderError):
         return "provider"
     if isinstance(error, StoreError):
         return "store"
     if isinstance(error, ConfigError):
         return "config"
-    if type(error).__name__ == "SessionGone":
+    if isinstance(error, SessionGone):
         return "session_deleted"
     if isinstance(error, CrushError):
         return type(error).__name__.lower()

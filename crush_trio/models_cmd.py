@@ -22,7 +22,7 @@ import orjson
 import trio
 
 from . import wire
-from .client import AuthError, Client, CrushError, Unreachable, connect, embedded
+from .client import AuthError, Client, CrushError, Unreachable, connect
 from .client import parse_server_url as _parse_server_url
 from .run_cmd import ENV_SERVER, ENV_TOKEN, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
 from .wire import CatalogModel, CatalogProvider
@@ -77,6 +77,7 @@ async def _client(server: str | None, token: str | None) -> AsyncIterator[Client
         async with connect(server, token) as client:
             yield client
     else:
+        from .embedded import embedded
         from .server.serve import ServeOptions
 
         async with embedded(ServeOptions(access_log=False)) as client:

@@ -52,7 +52,6 @@ from .client import (
     Unreachable,
     WorkspaceClient,
     connect,
-    embedded,
     parse_server_url,
 )
 from .client.errors import BadRequest
@@ -107,12 +106,10 @@ class RunOptions:
 
 def add_run_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``run`` command to the ``crush-trio`` argument parser."""
-    from .cli import HelpFormatter
-
     p = sub.add_parser(
         "run",
         help="send one prompt and print the reply",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "Send one prompt and print the reply. Without --server (or CRUSH_TRIO_SERVER) an\n"
             "embedded server is started for the one run.\n\n"
@@ -190,12 +187,10 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
 
 def add_sessions_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``sessions`` command to the ``crush-trio`` argument parser."""
-    from .cli import HelpFormatter
-
     p = sub.add_parser(
         "sessions",
         help="list the workspace's sessions",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
             "List the sessions of a workspace, most recently updated first: id, last update,\n"
             "message count and title. Continue one with `crush-trio run -s ID` (a unique prefix\n"
@@ -292,6 +287,8 @@ async def open_client(
         async with connect(server, token) as client:
             yield client
         return
+    # Imported here: a client of a remote server does not need the server's code.
+    from .embedded import embedded
     from .logs import configure_logging
     from .server.serve import ServeOptions
 
@@ -540,7 +537,7 @@ class Runner:
                     self.err(f"crush-trio run: could not cancel run {handle.run_id}: {exc}")
         await self._finish_output(handle)
         if opts.diff:
-            await self._print_diff(handle)
+            await self._print_diff(ws, handle)
         if waiting.cancelled_caught:
             if self.interrupted:
                 self.err("crush-trio run: interrupted; the run was cancelled")
@@ -604,12 +601,12 @@ class Runner:
             self.stdout.write("\n")
             self.stdout.flush()
 
-    async def _print_diff(self, handle: RunHandle) -> None:
+    async def _print_diff(self, ws: WorkspaceClient, handle: RunHandle) -> None:
         """``--diff``: the files the run changed (stderr) and its unified diff (stdout); in JSON
         mode one ``{"type": "diff", ...}`` line."""
         try:
             with trio.fail_after(RECORD_TIMEOUT):
-                diff = await handle.workspace.run_diff(handle.run_id)
+                diff = await ws.run_diff(handle.run_id)
         except (CrushError, trio.TooSlowError) as exc:
             self.err(f"crush-trio run: no diff for run {handle.run_id}: {exc}")
             return

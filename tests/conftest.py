@@ -5,7 +5,7 @@ events, answer permissions) use the project's own client, :mod:`crush_trio.clien
 pytest plugin, :mod:`crush_trio.testing` (``crush_server``, ``crush_client``,
 ``crush_workspace``, ``scripted_model``). When a test needs a server the plugin cannot give (a
 real provider configuration, a provider factory that fails), it starts one with
-``crush_trio.client.embedded(serve_options(tmp_path, ...))``.
+``crush_trio.embedded.embedded(serve_options(tmp_path, ...))``.
 
 What else is here exists for tests that check the wire itself, which a client library
 deliberately hides: exact frames and their seq numbers, gap frames, close codes, refusals,

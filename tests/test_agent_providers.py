@@ -18,7 +18,8 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.client import RunStatus, WorkspaceClient, embedded
+from crush_trio.client import RunStatus, WorkspaceClient
+from crush_trio.embedded import embedded
 from crush_trio.wire import Attachment, Role, ToolResultPart
 
 from .conftest import WAIT, completes_run, payloads, serve_options

@@ -46,12 +46,12 @@ from crush_trio.client import (
     Unreachable,
     WorkspaceClient,
     connect,
-    embedded,
     latest_session,
     parse_server_url,
     resolve_session_prefix,
 )
 from crush_trio.client.events import Mailbox
+from crush_trio.embedded import embedded
 from crush_trio.errors import Conflict as ServerConflict
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step

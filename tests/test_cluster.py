@@ -550,13 +550,10 @@ async def test_a_cluster_without_redis_is_refused_with_the_flag_to_use(tmp_path:
 
 
 def test_a_stale_owner_is_answered_503_with_retry_after_a_live_one_307() -> None:
-    from crush_trio.cluster.placement import (
-        Moved,
-        OwnerUnavailable,
-        Placement,
-        response_headers,
-    )
+    from crush_trio.cluster.placement import ClusterPlacement as Placement
     from crush_trio.config import ClusterOptions
+    from crush_trio.errors import Moved, OwnerUnavailable
+    from crush_trio.server.security import response_headers
 
     node = Placement(
         ClusterOptions(database_url="postgresql:///x", redis_url="redis://r/0", lease_ttl=9),
@@ -578,7 +575,7 @@ def test_a_stale_owner_is_answered_503_with_retry_after_a_live_one_307() -> None
 def test_a_redirect_target_is_ascii_whatever_the_request_held() -> None:
     """A decoded path with non-ASCII text or an escaped CR LF, and raw query bytes outside the URL
     alphabet, are percent-encoded for ``Location``; escapes the query already had are kept."""
-    from crush_trio.cluster.placement import request_target
+    from crush_trio.server.security import request_target
 
     assert (
         request_target("/v1/workspaces/w/agent", b"x=1&y=%20") == "/v1/workspaces/w/agent?x=1&y=%20"

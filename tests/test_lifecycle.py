@@ -24,9 +24,10 @@ import trio
 import trio.testing
 
 from crush_trio.backend.registry import Backend
-from crush_trio.client import Event, connect, embedded
+from crush_trio.client import Event, connect
 from crush_trio.config import ServerOptions
 from crush_trio.core.holds import Holds, HoldState
+from crush_trio.embedded import embedded
 from crush_trio.store import Store
 from crush_trio.wire import FinishReason, Message, Role, Run, RunStatus, Session, TextPart
 

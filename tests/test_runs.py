@@ -24,8 +24,8 @@ from crush_trio.client import (
     RunFailed,
     RunStatus,
     WorkspaceClient,
-    embedded,
 )
+from crush_trio.embedded import embedded
 from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.testing import CrushServer

@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 from trio_websocket import ConnectionClosed, open_websocket_url
 
 from crush_trio import wire
-from crush_trio.client import RunComplete, RunHandle, embedded
+from crush_trio.client import RunComplete, RunHandle
+from crush_trio.embedded import embedded
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.store import Store

@@ -41,7 +41,7 @@ from .context_files import ContextFileCache, ContextFiles, settings_for
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..providers.base import ToolSpec
+    from ..core.model import ToolSpec
     from ..wire import SandboxInfo
 
 #: Longest ``git status`` run for the environment block, in seconds.

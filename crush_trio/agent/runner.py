@@ -63,8 +63,8 @@ from .turns import ChangeHooks, SessionGone, Terminals, TurnLoop
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
+    from ..core.ports import WorkspaceStore
     from ..store import MessageService
-    from ..store.protocol import WorkspaceStore
 
 __all__ = [
     "CANCELED_MESSAGE",

@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Final
 import attrs
 import trio
 
-from ..errors import StoreError
-from ..eventlog import Fenced
+from ..errors import Fenced, StoreError
 from ..wire import Run, RunStatus, check_run_transition, now
 
 if TYPE_CHECKING:
-    from ..store.protocol import WorkspaceStore
+    from ..core.ports import WorkspaceStore
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import trio
 
+from ..core import model as pb
 from ..core.agent_state import Prompt, Turn
 from ..errors import CrushError, unwrap_group
-from ..providers import base as pb
 from ..tools.base import ToolError
 from ..wire import EventKind, FinishReason, Session, new_id
 from .steps import TurnProgress

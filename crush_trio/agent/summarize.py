@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Final
 
 import attrs
 
-from ..providers import base as pb
+from ..core import model as pb
 from ..wire import Message, Role, TextPart, new_id
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def summary_request(
         messages=[*history, ask],
         tools=[],
         max_tokens=max_tokens,
+        purpose=pb.RequestPurpose.SUMMARY,
     )
 
 

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Final
 
 import trio
 
-from ..providers import base as pb
+from ..core import model as pb
 from ..wire import EventKind, Message, Role, TextPart, new_id
 
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..config import Config
-    from ..store.protocol import WorkspaceStore
+    from ..core.ports import WorkspaceStore
     from .provider_cache import ProviderCache
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class Titles:
                 system=TITLE_PROMPT,
                 messages=[Message(new_id(), session_id, Role.USER, [TextPart(prompt)])],
                 max_tokens=TITLE_MAX_TOKENS,
+                purpose=pb.RequestPurpose.TITLE,
             )
             stream = provider.stream(request)
             async with contextlib.aclosing(stream):  # type: ignore[type-var]

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from .. import wire
-from ..cluster.placement import ended_without_record
 from ..core.assembler import repair_tool_calls
 from ..errors import Conflict
 from ..wire import (
@@ -156,7 +155,7 @@ class Recovery:
                     await self._append_terminal(complete)
             await store.mark_logged([run_id for run_id, _ in unlogged])
         ended = []
-        for run_id in await ended_without_record(store):
+        for run_id in await store.ended_without_record():
             run = await store.get_run(run_id)
             if run is None:
                 continue

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -28,24 +28,22 @@ from ..config import (
     set_workspace_trust,
     user_config_file,
 )
+from ..core.placement import LocalPlacement, Placement, Seat
 from ..errors import (
     BadRequest,
     ConfigError,
     Conflict,
     CrushError,
+    Fenced,
     NotFound,
     ShuttingDown,
     TooManyRequests,
 )
-from ..eventlog import Fenced
 from ..metrics import METRICS
 from ..providers.body import read_watch
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import PermissionRequest, RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
-
-if TYPE_CHECKING:
-    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +60,8 @@ class Backend:
             end of every workspace's runs (docs/webhooks.md).
         outbox: the webhook outbox to use (default: one in ``data_dir``, else in
             :func:`~crush_trio.webhooks.default_outbox_dir`).
+        placement: which node serves each workspace (default: :class:`LocalPlacement`, every
+            workspace here; a cluster node's in cluster mode, docs/cluster.md).
         secret_paths: more paths the server was started with that no sandboxed command may
             see: the ``--token-file`` and the Unix socket it listens on.
     """
@@ -102,8 +102,9 @@ class Backend:
     ) -> None:
         self.server = server
         self.secret_paths = tuple(secret_paths)
-        #: The node's placement in a cluster (docs/cluster.md); None for a single server.
-        self.placement = placement
+        #: Which node serves each workspace: this one (a single server), or a cluster node's
+        #: placement (docs/cluster.md).
+        self.placement: Placement = placement or LocalPlacement()
         self.config_file = config_file
         self.data_dir = data_dir
         self.version = version
@@ -166,7 +167,7 @@ class Backend:
         """Open (or join) the workspace of a directory and give ``client_id`` a hold on it.
 
         In a cluster the node takes the workspace's lease first; when another node owns it,
-        :class:`~crush_trio.cluster.placement.Moved` (307) or ``OwnerUnavailable`` (503).
+        :class:`~crush_trio.errors.Moved` (307) or ``OwnerUnavailable`` (503).
         """
         validate_client_id(client_id)
         if self.is_retired(client_id):
@@ -176,15 +177,15 @@ class Backend:
     async def locate(
         self, workspace_id: str, target: str, client_id: str | None, *, adopt: bool = True
     ) -> Workspace | None:
-        """In a cluster: the workspace ``workspace_id`` when this node has it open, else open it
+        """The workspace ``workspace_id`` when this node has it open; else, in a cluster, open it
         here when no live node holds its lease (for ``client_id``'s hold, or a hold of the
-        create grace; with ``adopt`` False: None), else raise ``Moved`` / ``OwnerUnavailable``
-        / ``NotFound``."""
+        create grace; with ``adopt`` False: None), or raise ``Moved`` / ``OwnerUnavailable``
+        / ``NotFound``; on a single server, None (nothing is open elsewhere)."""
         ws = self.workspaces.get(workspace_id)
-        if ws is not None or self.placement is None:
-            return self.get(workspace_id)
+        if ws is not None:
+            return ws
         path = await self.placement.locate(workspace_id, target)
-        if not adopt:
+        if path is None or not adopt:
             return None
         holder = client_id if client_id and not self.is_retired(client_id) else None
         # Without a client of its own, the request's hold is the node's: it lasts the create
@@ -219,11 +220,9 @@ class Backend:
                 "client holds it) or raise server.max_workspaces in the server's config"
             )
         done = self._opening[path] = trio.Event()
-        lease: Any = None
+        seat: Seat | None = None  # claimed and not yet handed to a serving workspace
         try:
-            cluster: dict[str, Any] = {}
-            if self.placement is not None:
-                lease, cluster = await self._claim(path)
+            seat = await self.placement.claim(str(path))
             loaded = await self._load_config(path)
             data_dir = data_dir_for(path, loaded.config, self.data_dir)
             if self.data_dir is None and not loaded.trusted:
@@ -234,7 +233,7 @@ class Backend:
             # be found by whichever node owns it next: they live in the project's own data
             # directory, on the file system the nodes share.
             changes_dir = None
-            if self.placement is not None:
+            if seat.shared_snapshots:
                 changes_dir = data_dir_for(path, loaded.config, None)
                 if not loaded.trusted:
                     await trio.to_thread.run_sync(
@@ -258,15 +257,16 @@ class Backend:
                 on_run_complete=self._run_completed,
                 on_permission_request=self._permission_requested,
                 user_context_dir=user_config_file(user_config_dir=self.user_config_dir).parent,
-                **cluster,
+                workspace_id=seat.workspace_id,
+                store_factory=seat.store_factory,
+                event_log=seat.event_log,
             )
             if self.shutting_down:
                 raise ShuttingDown("server shutting down: retry against a new server")
             if client_id is not None:
                 ws.open_hold(client_id)  # before it serves, so the hold watcher sees it
-            if lease is not None and self.placement is not None:
-                self.placement.hold(ws.id, lease, ws.lose_lease)
-                ws.lease_lost_hook = partial(self.placement.lose, ws.id)
+            self.placement.hold(seat, ws.lose_lease)
+            ws.lease_lost_hook = partial(self.placement.lose, ws.id)
             try:
                 await self._nursery.start(self._serve_workspace, ws)
             except CrushError:
@@ -277,35 +277,13 @@ class Backend:
                     "check its permissions or set options.data_directory"
                 ) from exc
             self._register(ws)
-            lease = None
+            seat = None
             return ws
         finally:
             del self._opening[path]
             done.set()
-            if lease is not None and self.placement is not None:
-                await self.placement.release(lease.workspace_id)
-
-    async def _claim(self, path: Path) -> tuple[Any, dict[str, Any]]:
-        """Take the workspace's lease; the Workspace arguments that bind it to the cluster's
-        store and event log at the lease's epoch."""
-        assert self.placement is not None
-        placement = self.placement
-        lease = await placement.claim(str(path))
-        placement.hold(lease.workspace_id, lease, lambda reason: None)
-        try:
-            event_log = await placement.open_log(lease)
-        except BaseException:
-            await placement.release(lease.workspace_id)
-            raise
-
-        async def open_store(data_dir: Path) -> Any:
-            return await placement.open_store(lease)
-
-        return lease, {
-            "workspace_id": lease.workspace_id,
-            "store_factory": open_store,
-            "event_log": event_log,
-        }
+            if seat is not None:
+                await self.placement.release(seat.workspace_id)
 
     async def _load_config(self, path: Path) -> LoadedConfig:
         """The workspace's configuration, read in a worker thread (files may be slow or odd)."""
@@ -437,8 +415,7 @@ class Backend:
                 del self.workspaces[ws.id]
             if self._by_path.get(ws.path) is ws:
                 del self._by_path[ws.path]
-            if self.placement is not None:
-                await self.placement.release(ws.id)
+            await self.placement.release(ws.id)
 
     def _register(self, ws: Workspace) -> None:
         self.workspaces[ws.id] = ws
@@ -508,8 +485,7 @@ class Backend:
     async def shutdown(self) -> None:
         """Refuse new workspaces (503), shut every workspace down, and wait for them."""
         self.shutting_down = True
-        if self.placement is not None:
-            self.placement.stopping = True
+        self.placement.stopping = True
         workspaces = list(self.workspaces.values())
         for ws in workspaces:
             ws.request_shutdown()

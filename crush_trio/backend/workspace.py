@@ -558,7 +558,7 @@ class Workspace:
 
 
 class LoggedTerminals:
-    """A cluster's once-only terminal records for the agent (``agent.runner.Terminals``): a
+    """A cluster's once-only terminal records for the agent (``core.ports.Terminals``): a
     run's ``run_complete`` is recorded with its final status before it is published, and marked
     logged once the event log holds it, so a node that takes the workspace over publishes
     exactly the ones that never reached the log."""

@@ -2,7 +2,9 @@
 
 Layers, from the socket up:
 
-* :mod:`.connection`: :func:`connect` / :func:`embedded` and :class:`Client` (HTTP, errors).
+* :mod:`.connection`: :func:`connect` and :class:`Client` (HTTP, errors). A server started in
+  this process and a client of it: :func:`crush_trio.embedded.embedded` (the client library
+  never imports the server).
 * :mod:`.transport`: opening one websocket to a workspace's event stream, up to its ``hello``.
 * :mod:`.stream`: :class:`~.stream.EventStream`, a workspace's one event stream: the reader task,
   reconnect with ``since``, websocket commands, refetch after a ``gap``.
@@ -42,7 +44,6 @@ from .connection import (
     DEFAULT_REQUEST_TIMEOUT,
     Client,
     connect,
-    embedded,
     parse_server_url,
 )
 from .errors import (
@@ -101,7 +102,6 @@ __all__ = [
     "Workspace",
     "WorkspaceClient",
     "connect",
-    "embedded",
     "is_own_agent_event",
     "latest_session",
     "open_event_socket",

@@ -1,4 +1,5 @@
-"""Connecting to a server: :func:`connect`, :func:`embedded` and :class:`Client`.
+"""Connecting to a server: :func:`connect` and :class:`Client` (a server started in this process
+is :func:`crush_trio.embedded.embedded`, which connects with :func:`connect`).
 
 A :class:`Client` is one HTTP connection pool (httpx) plus one ``client_id`` (a UUID the server
 uses to count this client's holds on workspaces). Every request is bounded by the client's
@@ -10,15 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from functools import partial
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
-import attrs
 import httpx
 import orjson
 import trio
@@ -37,9 +35,6 @@ from .events import DEFAULT_MAILBOX_SIZE
 from .stream import DEFAULT_RECONNECT_TIMEOUT
 from .transport import MAX_REDIRECTS, bearer_headers, websocket_base
 from .workspace import WorkspaceClient, open_workspace
-
-if TYPE_CHECKING:
-    from ..server.serve import ServeOptions, ServerHandle
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +104,15 @@ def redirect_refusal(base_url: str, target: str, nodes: frozenset[str]) -> str |
 
 
 class Client:
-    """A connection to one server. Get it from :func:`connect` or :func:`embedded`.
+    """A connection to one server. Get it from :func:`connect` or
+    :func:`crush_trio.embedded.embedded`.
 
     Attributes:
         url: the server's base URL (``http://host:port``, or ``unix:/path``).
         token: the token sent with every request (``None`` when the server needs none).
         client_id: this client's UUID (its holds on workspaces are counted under it).
-        server: the in-process server, for a client from :func:`embedded`.
+        server: the in-process server's handle (``crush_trio.server.serve.ServerHandle``), for
+            a client from :func:`crush_trio.embedded.embedded`; None otherwise.
     """
 
     def __init__(
@@ -143,7 +140,7 @@ class Client:
         self.reconnect_timeout = reconnect_timeout
         self.mailbox_size = mailbox_size
         self.deltas = deltas
-        self.server: ServerHandle | None = None
+        self.server: Any = None
         #: Workspace id → the base URL of the cluster node that owns it (learnt from 307s).
         self.owners: dict[str, str] = {}
         #: Base URLs of the cluster's nodes a redirect may lead to besides those with the base
@@ -433,35 +430,3 @@ async def connect(
                     f"the server at {client.url} refused the token: {exc.message}"
                 ) from None
             yield client
-
-
-@asynccontextmanager
-async def embedded(
-    options: ServeOptions | None = None, **connect_options: Any
-) -> AsyncIterator[Client]:
-    """Start a server inside this process on an ephemeral loopback port and connect to it.
-
-    The server runs in this block's nursery; leaving the block stops it gracefully (runs are
-    cancelled, final state is saved) and waits for it to finish.
-
-    Args:
-        options: server options; ``host`` and ``port`` are replaced by ``127.0.0.1`` and ``0``,
-            and a random token is used when none is given.
-        connect_options: passed to :func:`connect`.
-    """
-    # Imported here: a client of a remote server does not need the server's code.
-    from ..server.serve import ServeOptions, serve
-
-    opts = attrs.evolve(options) if options is not None else ServeOptions(access_log=False)
-    opts.host, opts.port = "127.0.0.1", 0
-    if opts.token is None:
-        opts.token = secrets.token_urlsafe(24)
-    with single_errors():
-        async with trio.open_nursery() as nursery:
-            handle: ServerHandle = await nursery.start(partial(serve, opts))
-            try:
-                async with connect(handle.url, handle.token, **connect_options) as client:
-                    client.server = handle
-                    yield client
-            finally:
-                handle.stop()

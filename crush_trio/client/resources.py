@@ -19,7 +19,7 @@ from .errors import BadRequest, NotFound
 from .runs import GrantAction
 
 if TYPE_CHECKING:
-    from .connection import Client
+    from .link import ServerLink
 
 
 def resolve_session_prefix(sessions: list[Session], prefix: str) -> Session:
@@ -58,7 +58,7 @@ class WorkspaceRequests:
     """What every group of a workspace's requests shares: the client and the workspace."""
 
     #: The client the requests go through.
-    client: Client
+    client: ServerLink
     #: The server's Workspace object (``id``, ``path``, ``data_dir``).
     info: Workspace
 

@@ -33,7 +33,7 @@ import collections
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import trio
 
@@ -52,13 +52,23 @@ from ..wire import (
 from .errors import CrushError, RunFailed, Timeout
 from .events import DEFAULT_MAILBOX_SIZE, MESSAGE_DELTA, Event, Mailbox
 
-if TYPE_CHECKING:
-    from .workspace import WorkspaceClient
-
 #: Default bound on waiting for a run's end or its next event (seconds).
 DEFAULT_RUN_TIMEOUT: Final = 600.0
 
 GrantAction = Literal["allow", "allow_session", "deny"]
+
+
+class RunRecords(Protocol):
+    """What a run handle asks of its workspace over HTTP
+    (:class:`~crush_trio.client.WorkspaceClient` keeps it)."""
+
+    async def get_run(self, run_id: str) -> Run:
+        """The run's record."""
+        ...
+
+    async def cancel_run(self, run_id: str) -> bool:
+        """Cancel the run; False when it had ended already."""
+        ...
 
 
 class RunFeed(Protocol):
@@ -142,7 +152,7 @@ class RunHandle:
 
     def __init__(
         self,
-        workspace: WorkspaceClient,
+        workspace: RunRecords,
         session_id: str,
         run_id: str,
         prompt: str,

@@ -9,23 +9,35 @@ the stream is gone for good.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import CrushError, Unreachable
 from .events import Event, Mailbox
 from .runs import DEFAULT_RUN_TIMEOUT, deadline_after, deadline_scope
 
-if TYPE_CHECKING:
-    from .workspace import WorkspaceClient
-
 #: What :meth:`Subscription.until` and :meth:`Subscription.collect_until` test each event with.
 EventPredicate = Callable[[Event], object]
+
+
+class StreamState(Protocol):
+    """What a subscription reads of its workspace
+    (:class:`~crush_trio.client.WorkspaceClient` keeps it)."""
+
+    @property
+    def id(self) -> str:
+        """The workspace's id."""
+        ...
+
+    @property
+    def stream_error(self) -> CrushError | None:
+        """Why the workspace's event stream ended for good (None: it has not)."""
+        ...
 
 
 class Subscription:
     """The events of a workspace, from :meth:`WorkspaceClient.subscribe`."""
 
-    def __init__(self, workspace: WorkspaceClient, mailbox: Mailbox, timeout: float | None) -> None:
+    def __init__(self, workspace: StreamState, mailbox: Mailbox, timeout: float | None) -> None:
         self._workspace = workspace
         self._mailbox = mailbox
         self._timeout = timeout

@@ -22,7 +22,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import trio
 from trio_websocket import ConnectionRejected, HandshakeError, WebSocketConnection
@@ -32,6 +32,7 @@ from ..defaults import CLEANUP_TIMEOUT
 from ..wire import AcceptedPrompt, Run, RunStatus, Workspace
 from .errors import BadRequest, CrushError, NotFound, Unreachable, single_errors
 from .events import DEFAULT_MAILBOX_SIZE, Mailbox
+from .link import ServerLink
 from .resources import AgentRequests, SessionRequests, latest_session, resolve_session_prefix
 from .runs import DEFAULT_RUN_TIMEOUT, RunHandle
 from .stream import DEFAULT_RECONNECT_TIMEOUT, NOT_SENT, CommandLost, EventStream, StreamStats
@@ -43,9 +44,6 @@ from .transport import (
     stream_resource,
 )
 
-if TYPE_CHECKING:
-    from .connection import Client
-
 __all__ = ["WorkspaceClient", "latest_session", "open_workspace", "resolve_session_prefix"]
 
 log = logging.getLogger(__name__)
@@ -53,7 +51,7 @@ log = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def open_workspace(
-    client: Client, path: str | os.PathLike[str], *, events: bool = True
+    client: ServerLink, path: str | os.PathLike[str], *, events: bool = True
 ) -> AsyncIterator[WorkspaceClient]:
     """Create (or join) the workspace of ``path`` and hold it for the block's duration.
 
@@ -106,7 +104,7 @@ class WorkspaceClient(SessionRequests, AgentRequests):
 
     def __init__(
         self,
-        client: Client,
+        client: ServerLink,
         info: Workspace,
         *,
         mailbox_size: int = DEFAULT_MAILBOX_SIZE,

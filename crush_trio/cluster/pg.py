@@ -47,7 +47,7 @@ Leases and fencing:
     shared and then reads the epoch (the database function ``crush_check_epoch``: the read comes
     after the lock, with a fresh snapshot). A claim that takes a lease over takes the lock
     exclusively before it bumps the epoch. So either the claim committed first (the write sees
-    the new epoch, raises :class:`~crush_trio.eventlog.Fenced`, the class the event log raises
+    the new epoch, raises :class:`~crush_trio.errors.Fenced`, the class the event log raises
     too, and rolls back: nothing lands) or the claim waits until the writes in progress have
     committed. PostgreSQL queues lock requests fairly (a shared request waits behind a waiting
     exclusive one), so a stream of writes cannot starve a claim; and since writes take no lock on
@@ -69,8 +69,8 @@ import attrs
 import trio
 
 from ..defaults import CLEANUP_TIMEOUT, DEFAULT_DATABASE_POOL
+from ..errors import Fenced as Fenced  # one class for the store and the event log
 from ..errors import StoreError
-from ..eventlog import Fenced as Fenced  # one class for the store and the event log
 
 if TYPE_CHECKING:
     import psycopg
@@ -240,7 +240,7 @@ SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 
 def superseded(workspace_id: str, epoch: int, current: int | None) -> Fenced:
-    """The :class:`~crush_trio.eventlog.Fenced` of a write made at ``epoch`` after the
+    """The :class:`~crush_trio.errors.Fenced` of a write made at ``epoch`` after the
     workspace moved to ``current`` (None: the workspace is gone)."""
     now = "is gone" if current is None else f"is at epoch {current}"
     return Fenced(
@@ -272,6 +272,17 @@ class Held:
     #: The owner's advertised URL (None: the owner never registered).
     owner_url: str | None
     #: Seconds until the lease expires unless its owner renews it.
+    expires_in: float
+
+
+@attrs.frozen
+class Owner:
+    """Who holds a workspace's lease, as another node sees it."""
+
+    path: str
+    owner_node: str | None
+    owner_url: str | None
+    #: Seconds until the lease expires (negative: expired).
     expires_in: float
 
 
@@ -646,6 +657,23 @@ class PgCluster:
             return None if row is None else int(row[0])
 
         return await self.call(f"reading the epoch of workspace {workspace_id!r}", op)
+
+    async def workspace_owner(self, workspace_id: str) -> Owner | None:
+        """The lease of ``workspace_id`` (None: the cluster has no such workspace)."""
+
+        def op(conn: psycopg.Connection[Any]) -> Owner | None:
+            row = conn.execute(
+                "SELECT w.path, w.owner_node, n.url, "
+                "extract(epoch FROM w.lease_expires_at - clock_timestamp())::float8 "
+                "FROM cluster_workspaces w LEFT JOIN cluster_nodes n ON n.node_id = w.owner_node "
+                "WHERE w.workspace_id = %s",
+                (workspace_id,),
+            ).fetchone()
+            if row is None:
+                return None
+            return Owner(str(row[0]), row[1], row[2], float(row[3]))
+
+        return await self.call(f"locating workspace {workspace_id!r}", op)
 
     async def expired_with_work(self) -> list[tuple[str, str]]:
         """Workspaces whose lease has expired and that still have work: runs queued or running,

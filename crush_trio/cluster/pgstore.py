@@ -1,7 +1,7 @@
 """A workspace's sessions, messages and run records in the cluster's PostgreSQL database,
 every write fenced by the lease epoch.
 
-:class:`PgStore` keeps the contract of :class:`~crush_trio.store.protocol.WorkspaceStore` (the
+:class:`PgStore` keeps the contract of :class:`~crush_trio.core.ports.WorkspaceStore` (the
 same tests run against it and the SQLite store) for one workspace of a
 :class:`~crush_trio.cluster.pg.PgCluster`, at the epoch of the lease its node holds. The tables
 (see :mod:`crush_trio.cluster.pg`) are the SQLite store's with ``workspace_id`` in front of every
@@ -61,7 +61,7 @@ from .pg import Fenced, PgCluster, check_epoch
 if TYPE_CHECKING:
     import psycopg
 
-    from ..store.protocol import WorkspaceStore
+    from ..core.ports import WorkspaceStore
 
 T = TypeVar("T")
 
@@ -633,6 +633,23 @@ class PgStore:
             return [(str(r[0]), bytes(r[1])) for r in rows]
 
         return await self.calls.read("listing terminal events not in the log", op)
+
+    async def ended_without_record(self) -> list[str]:
+        """Runs with a terminal status but no terminal record, oldest first: their node stopped
+        between saving the status and recording the ``run_complete``."""
+        params = (self.workspace_id,)
+
+        def op(conn: psycopg.Connection[Any]) -> list[str]:
+            rows = conn.execute(
+                "SELECT r.run_id FROM runs r WHERE r.workspace_id = %s "
+                "AND r.status IN ('completed', 'failed', 'cancelled') AND NOT EXISTS ("
+                "SELECT 1 FROM run_terminals t WHERE t.workspace_id = r.workspace_id "
+                "AND t.run_id = r.run_id) ORDER BY r.seq",
+                params,
+            ).fetchall()
+            return [str(r[0]) for r in rows]
+
+        return await self.calls.read("listing runs ended without a record", op)
 
     async def mark_logged(self, run_ids: Iterable[str]) -> None:
         """Note that the event log holds these runs' terminal events (fenced)."""

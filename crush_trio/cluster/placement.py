@@ -1,15 +1,17 @@
 """Placement: which node of a cluster serves which workspace (docs/cluster.md).
 
-A node (:class:`Placement`) registers itself in PostgreSQL, owns the workspaces whose lease it
-holds, renews those leases every ``cluster.renew_interval`` seconds, and scans every
-``cluster.scan_interval`` seconds for expired leases of workspaces that still have queued or
-running runs, which it claims and recovers. A node that asks for a workspace another node owns
-gets :class:`Moved` (HTTP 307 to the owner); one whose owner stopped renewing but whose lease has
-not expired yet gets :class:`OwnerUnavailable` (HTTP 503 with ``Retry-After``).
+A node (:class:`ClusterPlacement`, which keeps the kernel's
+:class:`~crush_trio.core.placement.Placement` port) registers itself in PostgreSQL, owns the
+workspaces whose lease it holds, renews those leases every ``cluster.renew_interval`` seconds,
+and scans every ``cluster.scan_interval`` seconds for expired leases of workspaces that still
+have queued or running runs, which it claims and recovers. A node that asks for a workspace
+another node owns gets :class:`~crush_trio.errors.Moved` (HTTP 307 to the owner); one whose
+owner stopped renewing but whose lease has not expired yet gets
+:class:`~crush_trio.errors.OwnerUnavailable` (HTTP 503 with ``Retry-After``).
 
 Task ownership::
 
-    Placement.running (entered by serve around Backend.running)
+    ClusterPlacement.running (entered by serve around Backend.running)
       ├─ heartbeat + renew loop     one renewal per owned lease, every renew interval
       └─ scanner                    claims expired leases with work, opens those workspaces
 
@@ -21,74 +23,32 @@ log and database refuse whatever the old epoch still tries.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Final
-from urllib.parse import quote
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
 
 from ..config import ClusterOptions
-from ..errors import ConfigError, CrushError, NotFound
-
-if TYPE_CHECKING:
-    from ..backend.registry import Backend
+from ..core.placement import Placement, Seat, WorkspaceHost
+from ..core.ports import WorkspaceStore
+from ..errors import (
+    ConfigError,
+    CrushError,
+    Fenced,
+    Moved,
+    NotFound,
+    OwnerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
 #: Bound on the lease releases of a node that stops (seconds).
 RELEASE_TIMEOUT: Final = 5.0
-
-
-class Moved(CrushError):
-    """Another node owns the workspace: answered 307 with ``Location`` set to the same request
-    at the owner."""
-
-    status: ClassVar[int] = 307
-
-    def __init__(self, message: str, location: str) -> None:
-        super().__init__(message)
-        self.location = location
-
-
-class OwnerUnavailable(CrushError):
-    """The owner stopped renewing its lease, which has not expired yet (503 + ``Retry-After``)."""
-
-    status: ClassVar[int] = 503
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-def response_headers(exc: CrushError) -> dict[str, str]:
-    """The extra headers of an error answer: ``Location`` for a move, ``Retry-After`` for an
-    unavailable owner."""
-    if isinstance(exc, Moved):
-        return {"Location": exc.location}
-    if isinstance(exc, OwnerUnavailable):
-        return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
-    return {}
-
-
-#: What stays as it is in a redirect's path (RFC 3986 ``pchar`` and ``/``); the query also
-#: keeps ``?`` and existing ``%`` escapes.
-_PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
-_QUERY_SAFE: Final = _PATH_SAFE + "?%"
-
-
-def request_target(path: str, query: bytes) -> str:
-    """A request's target as ASCII for a ``Location`` header: the (decoded) path percent-encoded
-    again, and the raw query's bytes outside the URL alphabet percent-encoded, so neither a
-    non-ASCII character nor a CR or LF the client escaped can reach the header."""
-    target = quote(path, safe=_PATH_SAFE)
-    if query:
-        target += "?" + quote(query, safe=_QUERY_SAFE)
-    return target
 
 
 def default_node_id(url: str) -> str:
@@ -107,7 +67,7 @@ class Owned:
     lost: bool = False
 
 
-class Placement:
+class ClusterPlacement:
     """One node of a cluster.
 
     Args:
@@ -134,13 +94,13 @@ class Placement:
         self.logs: Any = None
         #: Workspace id → its lease and what to do when it is lost.
         self.owned: dict[str, Owned] = {}
-        self.backend: Backend | None = None
+        self.backend: WorkspaceHost | None = None
         self.stopping = False
 
     # -- lifetime ----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def running(self, backend: Backend) -> AsyncIterator[Placement]:
+    async def running(self, backend: WorkspaceHost) -> AsyncIterator[ClusterPlacement]:
         """Connect, register the node, renew and scan in the background for the block."""
         from .pg import PgCluster
         from .redislog import open_redis_logs
@@ -166,12 +126,34 @@ class Placement:
 
     # -- claims ------------------------------------------------------------------------------
 
-    async def claim(self, path: str, *, request_path: str = "/v1/workspaces") -> Any:
-        """Take the lease of the workspace at ``path`` (a real path).
+    async def claim(self, path: str) -> Seat:
+        """Take the lease of the workspace at ``path`` (a real path): the workspace opens with
+        the cluster's store and event log, both fenced at the lease's epoch, and keeps its
+        snapshots in the project's own data directory (on the file system the nodes share).
 
-        Returns the lease. Raises :class:`Moved` when a live node owns it, and
-        :class:`OwnerUnavailable` when its owner stopped renewing.
+        Raises :class:`Moved` when a live node owns it, and :class:`OwnerUnavailable` when its
+        owner stopped renewing.
         """
+        lease = await self._take_lease(path)
+        self.owned[lease.workspace_id] = Owned(lease, lambda reason: None)
+        try:
+            event_log = await self.open_log(lease)
+        except BaseException:
+            await self.release(lease.workspace_id)
+            raise
+
+        async def open_store(data_dir: Path) -> WorkspaceStore:
+            return await self.open_store(lease)
+
+        return Seat(
+            lease.workspace_id,
+            store_factory=open_store,
+            event_log=event_log,
+            shared_snapshots=True,
+            lease=lease,
+        )
+
+    async def _take_lease(self, path: str, request_path: str = "/v1/workspaces") -> Any:
         from .pg import Held
 
         got = await self.cluster.claim_workspace(path, self.node_id, self.options.lease_ttl)
@@ -203,7 +185,7 @@ class Placement:
         raises :class:`Moved`, :class:`OwnerUnavailable`, or :class:`NotFound` for an id the
         cluster does not know.
         """
-        row = await workspace_owner(self.cluster, workspace_id)
+        row = await self.cluster.workspace_owner(workspace_id)
         if row is None:
             raise NotFound(
                 f"workspace {workspace_id!r} not found in the cluster; open it with "
@@ -213,10 +195,17 @@ class Placement:
             raise self._elsewhere(row.owner_node, row.owner_url, row.expires_in, target)
         return str(row.path)
 
-    def hold(self, workspace_id: str, lease: Any, on_lost: Callable[[str], None]) -> None:
-        self.owned[workspace_id] = Owned(lease, on_lost)
+    def check_closing(self, workspace_id: str) -> None:
+        """A workspace closing on this node moves to another node once closed: ask again then."""
+        raise OwnerUnavailable(
+            f"workspace {workspace_id} is closing on this node; retry, another node takes it",
+            retry_after=self.options.retry_after,
+        )
 
-    async def open_store(self, lease: Any) -> Any:
+    def hold(self, seat: Seat, on_lost: Callable[[str], None]) -> None:
+        self.owned[seat.workspace_id] = Owned(seat.lease, on_lost)
+
+    async def open_store(self, lease: Any) -> WorkspaceStore:
         """The workspace's store: PostgreSQL, every write fenced by the lease's epoch."""
         from .pgstore import PgStore
 
@@ -265,12 +254,11 @@ class Placement:
                     continue
                 try:
                     kept = await self.cluster.renew(owned.lease)
-                except Exception as exc:
-                    if type(exc).__name__ == "Fenced":
-                        kept = False
-                    else:
-                        log.exception("renewing the lease of workspace %s failed", wid)
-                        continue
+                except Fenced:
+                    kept = False
+                except Exception:
+                    log.exception("renewing the lease of workspace %s failed", wid)
+                    continue
                 if not kept:
                     self.lose(wid, "another node owns the workspace now")
 
@@ -296,50 +284,7 @@ class Placement:
                 log.info("not recovering workspace %s (%s): %s", workspace_id, path, exc)
 
 
-@attrs.frozen
-class Owner:
-    """Who holds a workspace's lease, as another node sees it."""
+if TYPE_CHECKING:
 
-    path: str
-    owner_node: str | None
-    owner_url: str | None
-    #: Seconds until the lease expires (negative: expired).
-    expires_in: float
-
-
-async def workspace_owner(cluster: Any, workspace_id: str) -> Owner | None:
-    """The lease of ``workspace_id`` (None: the cluster has no such workspace)."""
-
-    def op(conn: Any) -> Owner | None:
-        row = conn.execute(
-            "SELECT w.path, w.owner_node, n.url, "
-            "extract(epoch FROM w.lease_expires_at - clock_timestamp())::float8 "
-            "FROM cluster_workspaces w LEFT JOIN cluster_nodes n ON n.node_id = w.owner_node "
-            "WHERE w.workspace_id = %s",
-            (workspace_id,),
-        ).fetchone()
-        if row is None:
-            return None
-        return Owner(str(row[0]), row[1], row[2], float(row[3]))
-
-    result: Owner | None = await cluster.call(f"locating workspace {workspace_id!r}", op)
-    return result
-
-
-async def ended_without_record(store: Any) -> list[str]:
-    """Runs of the store's workspace with a terminal status but no terminal record: their
-    node stopped between saving the status and recording the ``run_complete``."""
-    workspace_id = store.workspace_id
-
-    def op(conn: Any) -> list[str]:
-        rows = conn.execute(
-            "SELECT r.run_id FROM runs r WHERE r.workspace_id = %s "
-            "AND r.status IN ('completed', 'failed', 'cancelled') AND NOT EXISTS ("
-            "SELECT 1 FROM run_terminals t WHERE t.workspace_id = r.workspace_id "
-            "AND t.run_id = r.run_id) ORDER BY r.seq",
-            (workspace_id,),
-        ).fetchall()
-        return [str(r[0]) for r in rows]
-
-    result: list[str] = await store.cluster.call("listing runs ended without a record", op)
-    return result
+    def _cluster_placement_keeps_the_port(node: ClusterPlacement) -> Placement:
+        return node

@@ -29,14 +29,9 @@ import coredis
 import coredis.exceptions
 from coredis.retry import NoRetryPolicy
 
-from ..errors import unwrap_group
-from ..eventlog import (
-    DEFAULT_LOG_MAX_EVENTS,
-    EventLogError,
-    EventRecord,
-    Fenced,
-    check_batch,
-)
+from ..core.ports import EventRecord
+from ..errors import EventLogError, Fenced, unwrap_group
+from ..eventlog import DEFAULT_LOG_MAX_EVENTS, check_batch
 
 #: Bound on connecting to Redis (seconds).
 REDIS_CONNECT_TIMEOUT: Final = 5.0
@@ -154,7 +149,7 @@ async def open_redis_logs(
 
 
 class RedisEventLog:
-    """One workspace's :class:`~crush_trio.eventlog.EventLog` on a Redis stream."""
+    """One workspace's :class:`~crush_trio.core.ports.EventLog` on a Redis stream."""
 
     def __init__(self, logs: RedisEventLogs, workspace_id: str) -> None:
         self._logs = logs

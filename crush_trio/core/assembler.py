@@ -1,7 +1,7 @@
 """Folding a model step's provider events into its assistant message, as plain logic.
 
 No I/O and no event loop: :class:`StepAssembler` takes the events of one provider stream
-(:mod:`crush_trio.providers.base`) and changes the message in place; the shell
+(:mod:`crush_trio.core.model`) and changes the message in place; the shell
 (:mod:`crush_trio.agent.runner`) saves and publishes the message when :meth:`StepAssembler.feed`
 says it changed, and performs the side effects of the events that do not touch the message
 (usage is added to the session, a retry is announced).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import attrs
 import orjson
 
-from ..providers import base as pb
 from ..wire import (
     DeltaPartType,
     FinishPart,
@@ -38,6 +37,7 @@ from ..wire import (
     ToolCallPart,
     now,
 )
+from . import model as pb
 
 
 @attrs.define

@@ -21,7 +21,6 @@ import attrs
 import orjson
 import trio
 
-from ..agent.summarize import SUMMARY_SYSTEM_PROMPT
 from ..errors import ProviderError
 from ..wire import FinishReason, Role, TextPart
 from . import base as pb
@@ -105,13 +104,13 @@ class ScriptedModel:
         return _ScriptedProvider(self, name)
 
     async def stream(self, request: pb.ModelRequest) -> AsyncIterator[pb.StreamEvent]:
-        if request.tools == [] and request.max_tokens == 64 and "title" in request.system:
+        if request.purpose is pb.RequestPurpose.TITLE:
             self.title_requests.append(request)
             yield pb.TextDelta("Scripted title")
             yield pb.Finished(FinishReason.END_TURN)
             return
         self.requests.append(request)
-        if request.system == SUMMARY_SYSTEM_PROMPT:
+        if request.purpose is pb.RequestPurpose.SUMMARY:
             self.summary_requests.append(request)
         self.step_started.set()
         self.step_started = trio.Event()

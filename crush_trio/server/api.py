@@ -14,7 +14,6 @@ from ..attachments import check_attachments
 from ..backend import catalog
 from ..backend.registry import Backend
 from ..backend.workspace import Workspace
-from ..cluster.placement import OwnerUnavailable, request_target
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -40,6 +39,7 @@ from ..wire import (
     WorkspaceConfig,
     workspace_id_of,
 )
+from .security import request_target
 
 #: Crush's ``config.Scope`` numbers that ``POST .../config/model`` accepts (0 global,
 #: 1 workspace); both apply to the workspace in memory.
@@ -101,20 +101,19 @@ class Api:
         return self.backend.get(workspace_id)
 
     async def place(self, path: str, query: bytes, args: Any, method: str = "GET") -> None:
-        """In a cluster, a request for a workspace this node has not open: open it here when no
-        live node owns it, else raise ``Moved`` (307 to the owner, same path and query) or
-        ``OwnerUnavailable`` (503); nothing on a single server."""
-        backend = self.backend
+        """Send a request for a workspace to the node that serves it (the backend's
+        :class:`~crush_trio.core.placement.Placement`). In a cluster, a workspace this node has
+        not open is opened here when no live node owns it, else the request is answered
+        ``Moved`` (307 to the owner, same path and query) or ``OwnerUnavailable`` (503); a
+        single server serves every workspace itself, so the request goes on here."""
         wid = workspace_id_of(path)
-        if backend.placement is None or wid is None:
+        if wid is None:
             return
+        backend = self.backend
         ws = backend.workspaces.get(wid)
         if ws is not None:
-            if ws.closing:  # it moves to another node once closed: ask again then
-                raise OwnerUnavailable(
-                    f"workspace {wid} is closing on this node; retry, another node takes it",
-                    retry_after=backend.placement.options.retry_after,
-                )
+            if ws.closing:
+                backend.placement.check_closing(wid)
             return
         target = request_target(path, query)
         client_id = args.get("client_id")

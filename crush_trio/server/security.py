@@ -1,6 +1,7 @@
 """Request rules: the token, the ``Origin`` of event streams, the ``Host`` allow-list, cross-site
 checks of state-changing requests, the JSON content type, the per-port token cookie, token
-redaction in logs, and the ``since``/``Last-Event-ID`` seq.
+redaction in logs, the ``since``/``Last-Event-ID`` seq, and the headers of a cluster's answers
+that send a client elsewhere (``Location`` of a 307, ``Retry-After`` of a 503).
 
 Every function here is pure (headers in, verdict out) so that both HTTP paths (the quart app and
 the trio-websocket endpoint) apply the same rules. Tokens are compared in constant time.
@@ -10,15 +11,22 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import secrets
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Collection, Iterable
+from typing import Any, Final, Protocol
 from urllib.parse import parse_qsl, quote, urlencode
 
-from ..errors import BadRequest, Forbidden, MisdirectedRequest, Unauthorized, UnsupportedMediaType
-
-if TYPE_CHECKING:
-    from .settings import Settings
+from ..errors import (
+    BadRequest,
+    CrushError,
+    Forbidden,
+    MisdirectedRequest,
+    Moved,
+    OwnerUnavailable,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 
 #: Host names every server answers to (any port).
 LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -35,6 +43,10 @@ TOKEN_COOKIE_PREFIX: Final = "crush_trio_token_"
 WEB_PREFIX_BYTES: Final = 16
 #: Addresses that mean "every interface" when given to ``--host``.
 _WILDCARD_BINDS: Final = frozenset({"0.0.0.0", "::", ""})
+#: What stays as it is in a redirect's path (RFC 3986 ``pchar`` and ``/``); the query also
+#: keeps ``?`` and existing ``%`` escapes.
+_PATH_SAFE: Final = "/:@!$&'()*+,;=-._~"
+_QUERY_SAFE: Final = _PATH_SAFE + "?%"
 
 
 def split_host(value: str) -> tuple[str, str]:
@@ -100,7 +112,32 @@ class HostPolicy:
         return verdict
 
 
-def check_request_host(settings: Settings, headers: Any) -> None:
+class RequestPolicy(Protocol):
+    """What the request rules read of how the server is served (the app's
+    :class:`~crush_trio.server.settings.Settings` is one)."""
+
+    @property
+    def token(self) -> str:
+        """The token every request must carry (``""``: none)."""
+        ...
+
+    @property
+    def unix(self) -> bool:
+        """Served on a Unix socket, which no web page can reach: no token or ``Host`` check."""
+        ...
+
+    @property
+    def allow_origins(self) -> Collection[str]:
+        """Origins besides the server's own whose pages may use it."""
+        ...
+
+    @property
+    def hosts(self) -> HostPolicy:
+        """The host names served."""
+        ...
+
+
+def check_request_host(settings: RequestPolicy, headers: Any) -> None:
     """Raise :class:`MisdirectedRequest` (421) unless the ``Host`` header names this server.
 
     Requests without ``Host`` pass (HTTP/1.0 tools; every browser sends it), and so does every
@@ -135,7 +172,7 @@ def presented_token(headers: Any, args: Any, cookies: Any) -> str | None:
     return str(cookie) if cookie is not None else None
 
 
-def check_request_token(settings: Settings, headers: Any, args: Any, cookies: Any) -> None:
+def check_request_token(settings: RequestPolicy, headers: Any, args: Any, cookies: Any) -> None:
     """Raise :class:`Unauthorized` unless the request carries the server's token."""
     if settings.unix or not settings.token:
         return
@@ -149,7 +186,7 @@ def check_request_token(settings: Settings, headers: Any, args: Any, cookies: An
         raise Unauthorized("wrong token: use the token printed by 'crush-trio serve'")
 
 
-def check_request_origin(settings: Settings, headers: Any, scheme: str) -> None:
+def check_request_origin(settings: RequestPolicy, headers: Any, scheme: str) -> None:
     """Raise :class:`Forbidden` for an ``Origin`` that is neither ours nor allowed (event
     streams: any method)."""
     origin = headers.get("Origin")
@@ -181,7 +218,7 @@ def parse_seq(value: str | None, name: str) -> int | None:
     return seq
 
 
-def check_state_change(settings: Settings, method: str, headers: Any, scheme: str) -> None:
+def check_state_change(settings: RequestPolicy, method: str, headers: Any, scheme: str) -> None:
     """For POST/PUT/PATCH/DELETE: refuse another site's page (403) and a non-JSON body (415).
 
     403 when ``Origin`` is present and neither ours nor allowed (``--allow-origin``), or when
@@ -271,3 +308,24 @@ def redact_target(path: str, query: bytes | str, token: str = "") -> str:
     if token:
         text = text.replace(token, "[redacted]").replace(quote(token, safe=""), "[redacted]")
     return text
+
+
+def response_headers(exc: CrushError) -> dict[str, str]:
+    """The extra headers of an error answer: ``Location`` for a workspace another node owns
+    (:class:`~crush_trio.errors.Moved`), ``Retry-After`` for an owner that stopped renewing
+    (:class:`~crush_trio.errors.OwnerUnavailable`)."""
+    if isinstance(exc, Moved):
+        return {"Location": exc.location}
+    if isinstance(exc, OwnerUnavailable):
+        return {"Retry-After": str(max(1, math.ceil(exc.retry_after)))}
+    return {}
+
+
+def request_target(path: str, query: bytes) -> str:
+    """A request's target as ASCII for a ``Location`` header: the (decoded) path percent-encoded
+    again, and the raw query's bytes outside the URL alphabet percent-encoded, so neither a
+    non-ASCII character nor a CR or LF the client escaped can reach the header."""
+    target = quote(path, safe=_PATH_SAFE)
+    if query:
+        target += "?" + quote(query, safe=_QUERY_SAFE)
+    return target

@@ -17,11 +17,9 @@ import os
 import secrets
 import socket
 import stat
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import attrs
 import trio
@@ -31,6 +29,7 @@ from .. import __version__
 from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
 from ..config import Config, load_config
+from ..core.placement import LocalPlacement, Placement
 from ..defaults import DEFAULT_HOST, DEFAULT_PORT
 from ..errors import ConfigError
 from ..providers.pool import warm_ssl_context
@@ -43,9 +42,6 @@ from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
 from .ws_trio import serve_event_websocket
-
-if TYPE_CHECKING:
-    from ..cluster.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +193,7 @@ async def serve(
     hconfig.include_server_header = False
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
-        async with _placed(placement, backend), backend.running(), trio.open_nursery() as nursery:
+        async with placement.running(backend), backend.running(), trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
@@ -246,9 +242,9 @@ async def serve(
                 pass
 
 
-def _placement(options: ServeOptions, config: Config, url: str) -> Placement | None:
+def _placement(options: ServeOptions, config: Config, url: str) -> Placement:
     """This node's placement when the cluster is on (``cluster`` with the ``--cluster-*`` flags
-    applied), else None.
+    applied), else the single server's :class:`LocalPlacement`.
 
     Raises:
         ConfigError: a ``--cluster-*`` flag names no field, or the cluster section is invalid.
@@ -260,15 +256,13 @@ def _placement(options: ServeOptions, config: Config, url: str) -> Placement | N
         except TypeError as exc:
             raise ConfigError(f"bad --cluster flag: {exc}") from None
     if not cluster_opts.enabled:
-        return None
-    from ..cluster.placement import Placement
+        return LocalPlacement()
+    from ..cluster.placement import ClusterPlacement
 
-    return Placement(cluster_opts, url)
+    return ClusterPlacement(cluster_opts, url)
 
 
-def _backend(
-    options: ServeOptions, config: Config, placement: Placement | None, url: str
-) -> Backend:
+def _backend(options: ServeOptions, config: Config, placement: Placement, url: str) -> Backend:
     """The backend serving the workspaces; the token file and the unix socket are secrets that
     sandboxed commands may not read."""
     unix = options.host.startswith("unix:")
@@ -301,16 +295,6 @@ def _settings(options: ServeOptions, config: Config, token: str) -> Settings:
         ws_ping_interval=server_opts.ws_ping_interval,
         hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
     )
-
-
-@asynccontextmanager
-async def _placed(placement: Placement | None, backend: Backend) -> AsyncIterator[None]:
-    """Run the node's placement (cluster mode) for the block; nothing on a single server."""
-    if placement is None:
-        yield
-        return
-    async with placement.running(backend):
-        yield
 
 
 def _close_sockets(*socks: socket.socket | None) -> None:

@@ -32,13 +32,12 @@ from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
 from ..broker import Event
-from ..cluster.placement import response_headers
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
 from .connection import PeerGone, check_upgrade, close_bound, serve_connection
 from .listener import PrefixedStream
-from .security import check_request_host, check_request_token
+from .security import check_request_host, check_request_token, response_headers
 
 if TYPE_CHECKING:
     from .api import Api
@@ -230,11 +229,10 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             if match:
                 req.headers["Host"] = match.group(1).decode("latin-1").strip()
         try:
-            if api.backend.placement is not None:
-                check_request_host(settings, req.headers)
-                check_request_token(settings, req.headers, req.args, req.cookies)
-                query = request.path.partition("?")[2].encode("latin-1")
-                await api.place(req.path, query, req.args)
+            check_request_host(settings, req.headers)
+            check_request_token(settings, req.headers, req.args, req.cookies)
+            query = request.path.partition("?")[2].encode("latin-1")
+            await api.place(req.path, query, req.args)
             ws, sub = check_upgrade(
                 settings, api, req.path.split("/")[3], req.headers, req.args, req.cookies, "http"
             )

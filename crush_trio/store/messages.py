@@ -52,10 +52,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from typing import Final, NamedTuple, Protocol
+from typing import Final, NamedTuple
 
 import trio
 
+from ..core.ports import MessageStore as MessageStore
 from ..defaults import DEFAULT_DEBOUNCE_MS, DEFAULT_MESSAGE_WRITE_MS
 from ..errors import StoreError
 from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart
@@ -74,14 +75,6 @@ WRITE_WINDOW_SECONDS: Final = DEFAULT_MESSAGE_WRITE_MS / 1000
 #: After a failed background write, the flusher waits this long (seconds) before trying again, so
 #: a broken disk produces a log line a second rather than thirty.
 WRITE_RETRY_SECONDS: Final = 1.0
-
-
-class MessageStore(Protocol):
-    """What the service needs from the database; :class:`~crush_trio.store.db.Store` is one."""
-
-    async def write_messages(self, messages: Iterable[Message]) -> set[str]:
-        """Upsert in one transaction; skip (and leave out of the result) deleted sessions."""
-        ...
 
 
 #: The publish callback: synchronous, never blocking (lossy delivery is the caller's business).

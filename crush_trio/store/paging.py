@@ -18,24 +18,12 @@ from typing import Any, Final
 
 import attrs
 
-from ..defaults import DEFAULT_PAGE
+from ..core.ports import PageQuery as PageQuery
+from ..defaults import DEFAULT_PAGE as DEFAULT_PAGE
+from ..errors import CursorNotFound as CursorNotFound
 
 #: The most items one page may ask for (``limit``).
 MAX_PAGE: Final = 1000
-
-
-class CursorNotFound(Exception):
-    """The ``before``/``after`` id names no item of the list."""
-
-
-@attrs.frozen
-class PageQuery:
-    limit: int = DEFAULT_PAGE
-    before: str | None = None
-    after: str | None = None
-    query: str = ""
-    statuses: tuple[str, ...] = ()
-    session_id: str | None = None
 
 
 def like_pattern(text: str) -> str:

@@ -139,7 +139,7 @@ TOOLS_BY_NAME: Final[Mapping[str, Tool]] = MappingProxyType(
 
 
 def tool_specs(tools: Iterable[Tool]) -> list[ToolSpec]:
-    """The specs of ``tools``, for a :class:`~crush_trio.providers.base.ModelRequest`."""
+    """The specs of ``tools``, for a :class:`~crush_trio.core.model.ModelRequest`."""
     return [tool.spec for tool in tools]
 
 

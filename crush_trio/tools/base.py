@@ -1,6 +1,6 @@
 """The tool interface: what a tool is, what it gets to run, and what it returns.
 
-A tool is an object with a :class:`~crush_trio.providers.base.ToolSpec` (name, description and
+A tool is an object with a :class:`~crush_trio.core.model.ToolSpec` (name, description and
 JSON-schema parameters, sent to the model) and an async ``run(params, ctx)`` that returns a
 :class:`ToolResult`. The agent loop calls tools through :func:`crush_trio.tools.call_tool`, which
 parses and checks the model's JSON input first.
@@ -27,18 +27,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import attrs
 import trio
 
 from ..config import FetchOptions
+from ..core.model import ToolSpec
 from ..defaults import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
-from ..errors import CrushError
-from ..providers.base import ToolSpec
 from ..wire import Session, Todo
 from .hidden import HiddenPaths
+from .result import PermissionDenied as PermissionDenied
+from .result import PermissionTimedOut as PermissionTimedOut
+from .result import ToolError as ToolError
+from .result import ToolResult as ToolResult
 from .sandbox import Sandbox
+from .threads import TOOL_THREAD_LIMIT as TOOL_THREAD_LIMIT
+from .threads import tool_thread_limiter as tool_thread_limiter
 from .tracker import FileTracker, Snapshot, refusal
 
 if TYPE_CHECKING:
@@ -63,44 +68,6 @@ __all__ = [
     "run_blocking",
     "tool_thread_limiter",
 ]
-
-#: Worker threads tool calls may use at once, in a limiter of their own: a call that times out
-#: leaves its thread behind until the blocking work ends, and those threads must never take the
-#: threads the rest of the server (the store) runs in, which use Trio's default limiter.
-TOOL_THREAD_LIMIT: Final = 16
-
-_tool_threads: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("tool_threads")
-
-
-def tool_thread_limiter() -> trio.CapacityLimiter:
-    """The limiter of the tools' worker threads (:data:`TOOL_THREAD_LIMIT`), one per Trio run."""
-    try:
-        return _tool_threads.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(TOOL_THREAD_LIMIT)
-        _tool_threads.set(limiter)
-        return limiter
-
-
-@attrs.define
-class ToolResult:
-    """What a tool call returns to the model.
-
-    Attributes:
-        content: the text the model reads.
-        is_error: the call failed; ``content`` says why and what to do instead.
-        stop_turn: the user denied a permission; the agent loop ends the turn after this result.
-        fail_run: with ``stop_turn``: nobody answered the permission request in time; the run
-            ends failed, with ``content`` as its error.
-        wrote_nothing: the call could not have changed the workspace (a prompt-free ``bash``
-            command ran with it mounted read-only), so no snapshot is taken after it.
-    """
-
-    content: str
-    is_error: bool = False
-    stop_turn: bool = False
-    fail_run: bool = False
-    wrote_nothing: bool = False
 
 
 class PermissionAsker(Protocol):
@@ -259,35 +226,6 @@ class Tool(Protocol):
             propagates.
         """
         ...
-
-
-class ToolError(CrushError):
-    """A tool call failed in a way the model can act on; the message says how."""
-
-    status = 400
-    stop_turn: bool = False
-    fail_run: bool = False
-
-    def result(self) -> ToolResult:
-        """The error result the model reads."""
-        return ToolResult(
-            content=self.message,
-            is_error=True,
-            stop_turn=self.stop_turn,
-            fail_run=self.fail_run,
-        )
-
-
-class PermissionDenied(ToolError):
-    """The user denied a permission: the call did nothing and the turn ends."""
-
-    stop_turn = True
-
-
-class PermissionTimedOut(PermissionDenied):
-    """Nobody answered a permission request in time: the call did nothing and the run fails."""
-
-    fail_run = True
 
 
 class ToolBase:

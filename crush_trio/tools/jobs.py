@@ -34,7 +34,7 @@ import trio
 from ..config import JobsOptions
 from ..defaults import DEFAULT_JOB_BUFFER_BYTES
 from ..wire import JobInfo, JobState, ToolOutput, now
-from .base import ToolError
+from .result import ToolError
 from .sandbox import Sandbox
 from .shell import (
     CLEANUP_MARGIN,

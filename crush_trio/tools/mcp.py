@@ -41,8 +41,8 @@ import orjson
 import trio
 
 from ..config import MCP_NAME_UNSAFE, McpServerConfig
+from ..core.model import ToolSpec
 from ..errors import IllegalTransition, unwrap_group
-from ..providers.base import ToolSpec
 from ..wire import McpServerInfo, McpState
 from .base import ToolContext, ToolResult, ask_permission
 

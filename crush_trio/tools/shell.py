@@ -19,9 +19,9 @@ from typing import Final
 import attrs
 import trio
 
-from .base import tool_thread_limiter
 from .sandbox import Sandbox, shell_env, spawn_args
 from .stream import OutputStreamer
+from .threads import tool_thread_limiter
 
 __all__ = [
     "CLEANUP_MARGIN",

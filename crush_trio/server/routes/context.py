@@ -9,7 +9,7 @@ import attrs
 from quart import Response, request
 
 from ... import wire
-from ...cluster.placement import response_headers
+from ..security import response_headers
 
 if TYPE_CHECKING:
     from ...errors import CrushError

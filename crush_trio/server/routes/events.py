@@ -50,10 +50,9 @@ def register(app: QuartTrio, ctx: RouteContext) -> None:
     @app.websocket("/v1/workspaces/<wid>/ws")
     async def ws_endpoint(wid: str) -> Response | None:
         try:
-            if api.backend.placement is not None:
-                check_request_host(settings, websocket.headers)
-                check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
-                await api.place(websocket.path, websocket.query_string, websocket.args)
+            check_request_host(settings, websocket.headers)
+            check_request_token(settings, websocket.headers, websocket.args, websocket.cookies)
+            await api.place(websocket.path, websocket.query_string, websocket.args)
             ws, sub = check_upgrade(
                 settings,
                 api,
