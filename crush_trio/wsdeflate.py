@@ -33,6 +33,7 @@ from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
 
 from ._compat.hypercorn import use_websocket_deflate
+from ._compat.trio_websocket import BoundedExtension
 
 if TYPE_CHECKING:
     from .broker import Event
@@ -96,7 +97,7 @@ class Inflater(Protocol):
     def decompress(self, data: bytes, /, max_length: int = ...) -> bytes: ...
 
 
-class BoundedDeflate(PerMessageDeflate):
+class BoundedDeflate(PerMessageDeflate, BoundedExtension):
     """permessage-deflate with a bound on what one received message inflates to, and the
     server's per-connection frame compression (:meth:`frame`).
 

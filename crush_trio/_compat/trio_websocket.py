@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import inspect
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import trio
 from trio_websocket import CloseReason, WebSocketConnection, WebSocketRequest
@@ -52,8 +52,20 @@ from wsproto.frame_protocol import FrameDecoder, FrameProtocol
 
 from . import CompatError
 
-if TYPE_CHECKING:
-    from ..wsdeflate import BoundedDeflate
+
+class BoundedExtension(Extension):
+    """A websocket extension that bounds inflation (:class:`crush_trio.wsdeflate.BoundedDeflate`
+    is one): it says when a message inflated past its bound and why, so the connection closes
+    with 1009."""
+
+    #: Set once a message inflated past the bound (wsproto then stops parsing).
+    overflowed: bool = False
+
+    @property
+    def too_big_reason(self) -> str:
+        """The close reason sent with 1009."""
+        raise NotImplementedError
+
 
 __all__ = [
     "CHECKED_AGAINST",
@@ -106,7 +118,7 @@ class DeflateConnection(WebSocketConnection):
         stream: trio.abc.Stream,
         ws_connection: WSConnection,
         *,
-        deflate: BoundedDeflate | None = None,
+        deflate: BoundedExtension | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(stream, ws_connection, **kwargs)
@@ -168,7 +180,7 @@ async def wrap_client_stream(
     extra_headers: list[tuple[bytes, bytes]],
     message_queue_size: int,
     max_message_size: int,
-    deflate: BoundedDeflate | None,
+    deflate: BoundedExtension | None,
 ) -> DeflateConnection:
     """trio-websocket's ``wrap_client_stream`` with a connection that offers ``deflate`` (None:
     no extension): the upgrade over ``stream``, its reader running in ``nursery``.
@@ -197,7 +209,7 @@ async def wrap_server_stream(
     *,
     message_queue_size: int,
     max_message_size: int,
-    deflate: BoundedDeflate | None,
+    deflate: BoundedExtension | None,
 ) -> WebSocketRequest:
     """trio-websocket's ``wrap_server_stream`` with a connection that accepts ``deflate`` when
     the client offers it: the upgrade request read from ``stream``, the reader running in

@@ -36,7 +36,9 @@ import trio
 
 from .. import wire
 from ..core.agent_state import AgentState
+from ..core.ports import ChangeHooks, Terminals
 from ..defaults import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
+from ..errors import SessionGone
 from ..logs import current_context
 from ..metrics import METRICS
 from ..providers import base as pb
@@ -58,7 +60,7 @@ from .runs import RunBook
 from .steps import CANCELED_MESSAGE, AgentSetup, StepIO, TurnProgress, TurnScopes, error_text
 from .terminals import LiveRuns, RunEnds
 from .titles import Titles
-from .turns import ChangeHooks, SessionGone, Terminals, TurnLoop
+from .turns import TurnLoop
 
 if TYPE_CHECKING:
     from ..broker import Broker

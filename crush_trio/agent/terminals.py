@@ -24,11 +24,11 @@ from .steps import error_text
 if TYPE_CHECKING:
     from ..broker import Broker
     from ..core.agent_state import AgentState
+    from ..core.ports import Terminals
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore
     from .runs import RunBook
     from .steps import StepIO, TurnProgress
-    from .turns import Terminals
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,23 @@ through the turn's ``finally`` block: its terminals are decided in memory
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..core import model as pb
 from ..core.agent_state import Prompt, Turn
-from ..errors import CrushError, PermissionTimeout, ProviderError, unwrap_group
-from ..eventlog import Fenced
+from ..core.ports import ChangeHooks
+from ..errors import (
+    CrushError,
+    Fenced,
+    PermissionTimeout,
+    ProviderError,
+    SessionGone,
+    unwrap_group,
+)
 from ..logs import log_context
-from ..providers import base as pb
-from ..wire import EventKind, FinishReason, Message, Role, Run, RunComplete, RunStatus, ToolCallPart
+from ..wire import EventKind, FinishReason, Message, Role, RunComplete, RunStatus, ToolCallPart
 from .context_files import ContextFiles
 from .prompt import render_system_prompt
 from .steps import TurnProgress
@@ -48,29 +55,6 @@ if TYPE_CHECKING:
     from .titles import Titles
 
 log = logging.getLogger(__name__)
-
-
-class SessionGone(CrushError):
-    status = 400
-
-
-class Terminals(Protocol):
-    """The once-only terminal record of a cluster's runs (see ``Workspace``): ``record`` stores
-    the run's terminal event with its final status (False: already recorded, do not publish);
-    ``logged`` notes that the event log holds the published event."""
-
-    async def record(self, run: Run, complete: RunComplete) -> bool: ...
-
-    async def logged(self, run_id: str, event: Any) -> None: ...
-
-
-class ChangeHooks(Protocol):
-    """The workspace's change log (:class:`crush_trio.changes.ChangeLog`): a snapshot before a
-    turn, and one after it that records what each of its runs changed."""
-
-    async def begin_run(self, session_id: str, run_ids: list[str]) -> None: ...
-
-    async def end_run(self, session_id: str, run_ids: list[str]) -> dict[str, Any]: ...
 
 
 class TurnLoop:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import trio
 
@@ -24,12 +24,26 @@ from ..metrics import METRICS
 from .framing import Event, Gap
 from .outbox import Outbox
 
-if TYPE_CHECKING:
-    from .fanout import Broker
-
 log = logging.getLogger("crush_trio.broker")
 
 TOO_SLOW_REASON: Final = "too slow"
+
+
+class Broker(Protocol):
+    """What a client's stream needs of its workspace's fan-out (:class:`.fanout.Broker`): the
+    shared counters, the must-deliver bound, the latest sequence number for a gap, and the calls
+    that report a full queue and a client that leaves."""
+
+    dropped: int
+    killed: int
+    must_deliver_timeout: float
+
+    @property
+    def latest_seq(self) -> int: ...
+
+    def client_full(self, client: ClientStream) -> None: ...
+
+    def unsubscribe(self, client: ClientStream) -> None: ...
 
 
 class ClientQueue:

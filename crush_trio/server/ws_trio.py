@@ -257,12 +257,14 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             nursery.cancel_scope.cancel()
             return  # the client left (or stalled) while the upgrade answer was written
         assert isinstance(conn, compat_ws.DeflateConnection)
+        deflate = conn.deflate if conn.compressing else None
+        assert deflate is None or isinstance(deflate, BoundedDeflate)
         sock = TrioEventSocket(
             conn,
             serialized,
             client_id=sub.client_id,
             ping_interval=settings.ws_ping_interval,
-            deflate=conn.deflate if conn.compressing else None,
+            deflate=deflate,
         )
         await serve_connection(sock, ws, sub, api)
         nursery.cancel_scope.cancel()
