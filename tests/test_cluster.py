@@ -87,7 +87,8 @@ class Cluster:
         for _id, fields in entries:
             values = dict(zip(fields[::2], fields[1::2], strict=True))
             (data,) = values.values()
-            events.append(orjson.loads(data))
+            # A record is the envelope, then for a delta the snapshot form on a second line.
+            events.append(orjson.loads(data.partition("\n")[0]))
         return events
 
     async def wait_for_event(
@@ -114,7 +115,7 @@ class Cluster:
                 entries = reply[key] if isinstance(reply, dict) else reply[0][1]
                 for entry_id, fields in entries:
                     last = entry_id
-                    event = orjson.loads(fields[1])
+                    event = orjson.loads(fields[1].partition("\n")[0])  # the envelope line
                     if event["type"] == event_type and body(event).get("run_id") == run_id:
                         return body(event)
 
