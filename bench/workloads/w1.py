@@ -19,6 +19,7 @@ from .common import (
     words,
 )
 from .rounds import STALL_AFTER, LevelResult, run_rounds
+from .sizes import Sizes
 
 # Targets (issue "Load benchmarks"): see docs/performance.md.
 W1_TARGET_LEVEL: Final = 50
@@ -81,6 +82,13 @@ async def w1(ctx: Ctx) -> WorkloadResult:
                     f"{ms(level.cpu_per_run)} CPU/run, peak RSS {mb(level.hwm)}"
                 )
     result.tables.append(table)
+    _report(result, levels, s)
+    result.chart = lambda path: charts.w1(path, result.raw)
+    return result
+
+
+def _report(result: WorkloadResult, levels: list[LevelResult], s: Sizes) -> None:
+    """W1's targets, notes and raw figures, from its levels."""
     fake_levels = [lv for lv in levels if lv.mode == s.w1_modes[0]]
     at = next((lv for lv in fake_levels if lv.n == W1_TARGET_LEVEL), fake_levels[-1])
     where = f"{at.mode} model, N={at.n}"
@@ -139,5 +147,3 @@ async def w1(ctx: Ctx) -> WorkloadResult:
             for lv in levels
         ]
     }
-    result.chart = lambda path: charts.w1(path, result.raw)
-    return result

@@ -297,27 +297,7 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     s = ctx.sizes
     n, tokens, delay = s.w3_paced_clients, s.w3_paced_tokens, s.w3_paced_delay_ms
     ctx.log(f"[W3] paced fan-out: {n} clients, {tokens} tokens at {delay:g} ms")
-    work = ctx.dir("w3-paced")
-    handles: list[Any] = []
-    fake = fake_model(ctx, "w3-paced-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
-    async with (
-        fake as fake_url,
-        server_process(fake_config(fake_url), work) as server,
-        hold_workspace(server, work / "project") as ws,
-    ):
-        session = await ws.create_session("bench")
-
-        async def start() -> None:
-            handles.append(await ws.prompt(session.id, "Stream your tokens."))
-
-        record = work / "frames.json"
-        fan = await watch_until_done(
-            ctx, "w3-paced-watch", server.url, ws.id, n, start, server.cpu, record
-        )
-        run = await ws.get_run(handles[0].run_id)
-    chars = len(run.text)
-    kinds = _frame_kinds(_read_frames(record))
-    ctx.log(f"  one client's frames by type (count, decoded bytes): {kinds}")
+    fan, chars, kinds = await _paced_fan_out(ctx, n, tokens, delay)
     per_char = fan.wire_bytes / n / chars if chars else float("nan")
     decoded_per_char = fan.bytes / n / chars if chars else float("nan")
     cpu_share = fan.cpu / fan.wall if fan.wall > 0 else float("nan")
@@ -407,6 +387,34 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         "run_complete": fan.complete,
         "frame_kinds": kinds,
     }
+
+
+async def _paced_fan_out(
+    ctx: Ctx, n: int, tokens: int, delay: float
+) -> tuple[FanOut, int, dict[str, list[int]]]:
+    """Run the paced fan-out: its figures, the reply's characters and one client's frames by
+    type (see :func:`w3_paced`)."""
+    work = ctx.dir("w3-paced")
+    handles: list[Any] = []
+    fake = fake_model(ctx, "w3-paced-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
+    async with (
+        fake as fake_url,
+        server_process(fake_config(fake_url), work) as server,
+        hold_workspace(server, work / "project") as ws,
+    ):
+        session = await ws.create_session("bench")
+
+        async def start() -> None:
+            handles.append(await ws.prompt(session.id, "Stream your tokens."))
+
+        record = work / "frames.json"
+        fan = await watch_until_done(
+            ctx, "w3-paced-watch", server.url, ws.id, n, start, server.cpu, record
+        )
+        run = await ws.get_run(handles[0].run_id)
+    kinds = _frame_kinds(_read_frames(record))
+    ctx.log(f"  one client's frames by type (count, decoded bytes): {kinds}")
+    return fan, len(run.text), kinds
 
 
 def _frame_kinds(frames: list[str]) -> dict[str, list[int]]:

@@ -19,97 +19,16 @@ from .common import (
     hold_workspace,
     workers,
 )
+from .sizes import Sizes
 
 
 async def w5(ctx: Ctx) -> WorkloadResult:
     s = ctx.sizes
     result = WorkloadResult("W5", "Chaos")
     ctx.log(f"[W5] chaos for {s.w5_seconds:g} s")
-    work = ctx.dir("w5")
-    args = ("--tokens", "30", "--delay-ms", "5", "--fail-rate", "0.15", "--drop-rate", "0.05")
-    config_kwargs: dict[str, Any] = {"provider": {"max_retries": 0}}
-    async with fake_model(ctx, "w5-fake", *args) as fake_url:
-        async with server_process(fake_config(fake_url, **config_kwargs), work) as server:
-            project = work / "project"
-            configs = [
-                {
-                    "url": server.url,
-                    "project": str(project),
-                    "seconds": s.w5_seconds,
-                    "seed": 1 + i,
-                    "sessions": s.w5_sessions,
-                    "actors": s.w5_actors,
-                    "think_max": 0.2,
-                    "reconnect_max": 0.3,
-                    "settle_timeout": 60,
-                }
-                for i in range(s.w5_workers)
-            ]
-            async with (
-                hold_workspace(server, project),
-                workers(ctx, "chaos", configs, "w5-chaos") as ws,
-            ):
-                await all_events(ws, "ready", 60)
-                cpu0 = server.cpu()
-                await broadcast(ws, {"cmd": "go"})
-                done = await all_events(ws, "done", s.w5_seconds + 180)
-                cpu = server.cpu() - cpu0
-        exit_code = server.child.process.returncode
-        errors = server.error_lines()
-    total = {
-        key: sum(d[key] for d in done)
-        for key in ("accepted", "exactly_once", "missing", "duplicated", "uncertain_found")
-    }
-    ops: dict[str, int] = {}
-    outcomes: dict[str, int] = {}
-    rejected: dict[str, int] = {}
-    wsstats: dict[str, int] = {}
-    library: dict[str, int] = {}
-    for d in done:
-        for target, src in (
-            (ops, d["ops"]),
-            (outcomes, d["outcomes"]),
-            (rejected, d["rejected"]),
-            (wsstats, d["ws"]),
-            (library, d["library"]),
-        ):
-            for k, v in src.items():
-                target[k] = target.get(k, 0) + v
-    table = Table(
-        f"{s.w5_seconds:g} s of random prompts, cancels, clears, disconnects and provider "
-        f"failures ({s.w5_workers} client processes x {s.w5_actors} actors, "
-        f"{s.w5_sessions} sessions each)",
-        [
-            "runs accepted",
-            "exactly one run_complete",
-            "none",
-            "more than one",
-            "completed / failed / cancelled",
-            "server errors logged",
-            "server exit code",
-        ],
-    )
-    table.add(
-        total["accepted"],
-        total["exactly_once"],
-        total["missing"],
-        total["duplicated"],
-        f"{outcomes.get('completed', 0)} / {outcomes.get('failed', 0)} / "
-        f"{outcomes.get('cancelled', 0)}",
-        len(errors),
-        exit_code,
-    )
-    result.tables.append(table)
-    op_table = Table("Operations", ["operation", "count"])
-    for k in sorted(ops):
-        op_table.add(k, ops[k])
-    for k in sorted(rejected):
-        op_table.add(f"refused: {k}", rejected[k])
-    for k in sorted(wsstats):
-        op_table.add(f"websocket: {k}", wsstats[k])
-    for k in sorted(library):
-        op_table.add(f"client library: {k}", library[k])
-    result.tables.append(op_table)
+    done, cpu, exit_code, errors = await _chaos(ctx)
+    total, ops, outcomes, rejected, wsstats, library = _sum_workers(done)
+    result.tables += _tables(s, total, outcomes, ops, rejected, wsstats, library, errors, exit_code)
     ok = total["missing"] == 0 and total["duplicated"] == 0
     result.targets += [
         Target(
@@ -154,3 +73,118 @@ async def w5(ctx: Ctx) -> WorkloadResult:
     }
     result.chart = lambda path: charts.w5(path, result.raw)
     return result
+
+
+async def _chaos(ctx: Ctx) -> tuple[list[dict[str, Any]], float, int | None, list[str]]:
+    """Run the chaos: each worker's ``done`` event, the server's CPU seconds over it, the
+    server's exit code and the errors it logged."""
+    s = ctx.sizes
+    work = ctx.dir("w5")
+    args = ("--tokens", "30", "--delay-ms", "5", "--fail-rate", "0.15", "--drop-rate", "0.05")
+    config_kwargs: dict[str, Any] = {"provider": {"max_retries": 0}}
+    async with fake_model(ctx, "w5-fake", *args) as fake_url:
+        async with server_process(fake_config(fake_url, **config_kwargs), work) as server:
+            project = work / "project"
+            configs = [
+                {
+                    "url": server.url,
+                    "project": str(project),
+                    "seconds": s.w5_seconds,
+                    "seed": 1 + i,
+                    "sessions": s.w5_sessions,
+                    "actors": s.w5_actors,
+                    "think_max": 0.2,
+                    "reconnect_max": 0.3,
+                    "settle_timeout": 60,
+                }
+                for i in range(s.w5_workers)
+            ]
+            async with (
+                hold_workspace(server, project),
+                workers(ctx, "chaos", configs, "w5-chaos") as ws,
+            ):
+                await all_events(ws, "ready", 60)
+                cpu0 = server.cpu()
+                await broadcast(ws, {"cmd": "go"})
+                done = await all_events(ws, "done", s.w5_seconds + 180)
+                cpu = server.cpu() - cpu0
+        exit_code = server.child.process.returncode
+        errors = server.error_lines()
+    return done, cpu, exit_code, errors
+
+
+def _sum_workers(
+    done: list[dict[str, Any]],
+) -> tuple[
+    dict[str, int], dict[str, int], dict[str, int], dict[str, int], dict[str, int], dict[str, int]
+]:
+    """The workers' figures added up: totals, operations, outcomes, refusals, websocket and
+    client library counts."""
+    total = {
+        key: sum(d[key] for d in done)
+        for key in ("accepted", "exactly_once", "missing", "duplicated", "uncertain_found")
+    }
+    ops: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    wsstats: dict[str, int] = {}
+    library: dict[str, int] = {}
+    for d in done:
+        for target, src in (
+            (ops, d["ops"]),
+            (outcomes, d["outcomes"]),
+            (rejected, d["rejected"]),
+            (wsstats, d["ws"]),
+            (library, d["library"]),
+        ):
+            for k, v in src.items():
+                target[k] = target.get(k, 0) + v
+    return total, ops, outcomes, rejected, wsstats, library
+
+
+def _tables(
+    s: Sizes,
+    total: dict[str, int],
+    outcomes: dict[str, int],
+    ops: dict[str, int],
+    rejected: dict[str, int],
+    wsstats: dict[str, int],
+    library: dict[str, int],
+    errors: list[str],
+    exit_code: int | None,
+) -> list[Table]:
+    """W5's tables: the runs and their ``run_complete`` events, and the operations."""
+    table = Table(
+        f"{s.w5_seconds:g} s of random prompts, cancels, clears, disconnects and provider "
+        f"failures ({s.w5_workers} client processes x {s.w5_actors} actors, "
+        f"{s.w5_sessions} sessions each)",
+        [
+            "runs accepted",
+            "exactly one run_complete",
+            "none",
+            "more than one",
+            "completed / failed / cancelled",
+            "server errors logged",
+            "server exit code",
+        ],
+    )
+    table.add(
+        total["accepted"],
+        total["exactly_once"],
+        total["missing"],
+        total["duplicated"],
+        f"{outcomes.get('completed', 0)} / {outcomes.get('failed', 0)} / "
+        f"{outcomes.get('cancelled', 0)}",
+        len(errors),
+        exit_code,
+    )
+    op_table = Table("Operations", ["operation", "count"])
+    for k in sorted(ops):
+        op_table.add(k, ops[k])
+    for k in sorted(rejected):
+        op_table.add(f"refused: {k}", rejected[k])
+    for k in sorted(wsstats):
+        op_table.add(f"websocket: {k}", wsstats[k])
+    for k in sorted(library):
+        op_table.add(f"client library: {k}", library[k])
+    return [table, op_table]

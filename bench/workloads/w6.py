@@ -464,55 +464,9 @@ async def w6(ctx: Ctx) -> WorkloadResult:
     ctx.log(f"[W6] soak for {p.seconds / 60:g} min (baseline snapshot at {p.baseline_at:.0f} s)")
     work = ctx.dir("w6")
     snaps = work / "snapshots"
-    projects = [work / f"project-{i}" for i in range(p.workspaces)]
-    for project in projects:
-        project.mkdir(parents=True, exist_ok=True)
-    samples: list[tuple[float, int, int]] = []
-    async with fake_model(p) as fake_url:
-        config = fake_config(fake_url, provider={"max_retries": 0}, server=p.server)
-        launcher = ("-m", "bench.traced_server", str(snaps))
-        async with server_process(config, work, launcher=launcher) as server:
-            load = Load(p, server.url, projects)
-            started = time.monotonic()
-            await load.setup()
-            base: tracemalloc.Snapshot | None = None
-            tracing = False
-            base_taken = p.baseline_at
-            async with trio.open_nursery() as nursery:
-                for i in range(p.prompters):
-                    nursery.start_soon(load.prompter, i)
-                for i in range(p.ws_watchers):
-                    nursery.start_soon(load.ws_watcher, i)
-                for i in range(p.sse_watchers):
-                    nursery.start_soon(load.sse_watcher, i)
-                nursery.start_soon(load.answer_permissions)
-                nursery.start_soon(load.churn)
-                while (elapsed := time.monotonic() - started) < p.seconds:
-                    rss = memory(server.pid).rss
-                    samples.append((elapsed, rss, _fds(server.pid)))
-                    ctx.log(
-                        f"[W6] {elapsed / 60:5.1f} min  RSS {rss / MB:6.1f} MiB  "
-                        f"fds {samples[-1][2]}  runs {load.counts['prompt http'] + load.counts['prompt ws']}"
-                    )
-                    if not tracing and elapsed >= p.baseline_at / 2:
-                        (snaps / "start.request").touch()  # see bench.traced_server
-                        tracing = True
-                        ctx.log(f"[W6] tracemalloc started at {elapsed:.0f} s")
-                    if base is None and elapsed >= p.baseline_at:
-                        base = await _snapshot(snaps, "base")
-                        base_taken = time.monotonic() - started
-                        ctx.log(f"[W6] baseline snapshot at {elapsed:.0f} s")
-                    await trio.sleep(min(p.interval, max(0.1, p.seconds - elapsed)))
-                # The last sample under load, before the snapshot (taking it costs memory).
-                samples.append(
-                    (time.monotonic() - started, memory(server.pid).rss, _fds(server.pid))
-                )
-                nursery.cancel_scope.cancel()
-            end = await _snapshot(snaps, "end")
-            if base is None:
-                base = end
-            await load.http.aclose()
-        errors = server.error_lines()
+    soak = await _soak(ctx, p, work, snaps)
+    samples, base, end, base_taken = soak.samples, soak.base, soak.end, soak.base_taken
+    load, errors = soak.load, soak.errors
     sites = growth_sites(base, end)
     traced = (
         sum(st.size for st in base.statistics("filename")),
@@ -594,3 +548,70 @@ async def w6(ctx: Ctx) -> WorkloadResult:
     }
     result.chart = lambda path: charts.w6(path, result.raw)
     return result
+
+
+@dataclass
+class Soaked:
+    """What the soak left: the server's memory samples ``(seconds, RSS, open fds)``, the
+    baseline and end snapshots, when the baseline was taken, the load and the server's errors."""
+
+    samples: list[tuple[float, int, int]]
+    base: tracemalloc.Snapshot
+    end: tracemalloc.Snapshot
+    base_taken: float
+    load: Load
+    errors: list[str]
+
+
+async def _soak(ctx: Ctx, p: SoakPlan, work: Path, snaps: Path) -> Soaked:
+    """Run the soak of plan ``p``, sampling the server's memory and taking its snapshots."""
+    projects = [work / f"project-{i}" for i in range(p.workspaces)]
+    for project in projects:
+        project.mkdir(parents=True, exist_ok=True)
+    samples: list[tuple[float, int, int]] = []
+    async with fake_model(p) as fake_url:
+        config = fake_config(fake_url, provider={"max_retries": 0}, server=p.server)
+        launcher = ("-m", "bench.traced_server", str(snaps))
+        async with server_process(config, work, launcher=launcher) as server:
+            load = Load(p, server.url, projects)
+            started = time.monotonic()
+            await load.setup()
+            base: tracemalloc.Snapshot | None = None
+            tracing = False
+            base_taken = p.baseline_at
+            async with trio.open_nursery() as nursery:
+                for i in range(p.prompters):
+                    nursery.start_soon(load.prompter, i)
+                for i in range(p.ws_watchers):
+                    nursery.start_soon(load.ws_watcher, i)
+                for i in range(p.sse_watchers):
+                    nursery.start_soon(load.sse_watcher, i)
+                nursery.start_soon(load.answer_permissions)
+                nursery.start_soon(load.churn)
+                while (elapsed := time.monotonic() - started) < p.seconds:
+                    rss = memory(server.pid).rss
+                    samples.append((elapsed, rss, _fds(server.pid)))
+                    ctx.log(
+                        f"[W6] {elapsed / 60:5.1f} min  RSS {rss / MB:6.1f} MiB  "
+                        f"fds {samples[-1][2]}  runs {load.counts['prompt http'] + load.counts['prompt ws']}"
+                    )
+                    if not tracing and elapsed >= p.baseline_at / 2:
+                        (snaps / "start.request").touch()  # see bench.traced_server
+                        tracing = True
+                        ctx.log(f"[W6] tracemalloc started at {elapsed:.0f} s")
+                    if base is None and elapsed >= p.baseline_at:
+                        base = await _snapshot(snaps, "base")
+                        base_taken = time.monotonic() - started
+                        ctx.log(f"[W6] baseline snapshot at {elapsed:.0f} s")
+                    await trio.sleep(min(p.interval, max(0.1, p.seconds - elapsed)))
+                # The last sample under load, before the snapshot (taking it costs memory).
+                samples.append(
+                    (time.monotonic() - started, memory(server.pid).rss, _fds(server.pid))
+                )
+                nursery.cancel_scope.cancel()
+            end = await _snapshot(snaps, "end")
+            if base is None:
+                base = end
+            await load.http.aclose()
+        errors = server.error_lines()
+    return Soaked(samples, base, end, base_taken, load, errors)

@@ -16,7 +16,7 @@ from typing import Final
 
 import trio
 
-from crush_trio.tools.sandbox import probe
+from crush_trio.tools.sandbox import SandboxStatus, probe
 
 from .. import charts
 from ..fake import TOOLS
@@ -41,6 +41,42 @@ def _project(root: Path) -> Path:
     return project
 
 
+def _targets_and_notes(
+    result: WorkloadResult, level: LevelResult, calls: int, seen: int, sandbox: SandboxStatus
+) -> None:
+    """W7's targets and notes (see :func:`w7`)."""
+    result.targets += [
+        Target(
+            "every run completed",
+            f"{level.completed}/{level.runs}",
+            "all",
+            level.runs > 0 and level.completed == level.runs,
+        ),
+        Target(
+            "every tool call seen with a result that is not an error",
+            f"{seen - level.tool_errors}/{calls}",
+            "all",
+            calls > 0 and seen == calls and level.tool_errors == 0,
+        ),
+    ]
+    result.notes += [
+        "tool calls = completed runs times tool calls per run; wall = first submit to last "
+        "`run_complete`; server CPU = user+system time of the server process (all threads) over "
+        "the same interval, from /proc/<pid>/stat, divided by the tool calls (so each call also "
+        "carries its share of the run's prompt and final reply).",
+        "commands' CPU = the children's time of the same file (cutime+cstime): the sandboxed "
+        "`bash` commands the server waited for, with their own children.",
+        "tool call latency = a client saw the assistant message with the call finished → it saw "
+        "the tool message with the call's result (both over the event stream).",
+        f"failed = runs refused or ended with an error, plus runs whose `run_complete` never "
+        f"arrived within {STALL_AFTER:g} s of the last run's end.",
+    ]
+    if not sandbox.available:
+        result.notes.append(f"no sandbox ({sandbox.reason}): bash was left out.")
+    if level.errors:
+        result.notes.append("errors: " + "; ".join(sorted(set(level.errors))[:5]))
+
+
 async def w7(ctx: Ctx) -> WorkloadResult:
     s = ctx.sizes
     result = WorkloadResult("W7", "Tool calls")
@@ -59,7 +95,8 @@ async def w7(ctx: Ctx) -> WorkloadResult:
         server_process(
             # Every tool call is a model step: the run needs more than that many steps.
             fake_config(fake_url, options={"max_steps": s.w7_tool_calls + W7_EXTRA_STEPS}),
-            root) as server,
+            root,
+        ) as server,
         hold_workspace(server, project),
     ):
         warm_up = None if s.smoke else PROMPT
@@ -114,36 +151,7 @@ async def w7(ctx: Ctx) -> WorkloadResult:
         f"  {calls} tool calls in {level.wall:.2f} s, {ms(cpu_per_call)} server CPU per call, "
         f"p50 {ms(percentile(every, 50))}"
     )
-    result.targets += [
-        Target(
-            "every run completed",
-            f"{level.completed}/{level.runs}",
-            "all",
-            level.runs > 0 and level.completed == level.runs,
-        ),
-        Target(
-            "every tool call seen with a result that is not an error",
-            f"{seen - level.tool_errors}/{calls}",
-            "all",
-            calls > 0 and seen == calls and level.tool_errors == 0,
-        ),
-    ]
-    result.notes += [
-        "tool calls = completed runs times tool calls per run; wall = first submit to last "
-        "`run_complete`; server CPU = user+system time of the server process (all threads) over "
-        "the same interval, from /proc/<pid>/stat, divided by the tool calls (so each call also "
-        "carries its share of the run's prompt and final reply).",
-        "commands' CPU = the children's time of the same file (cutime+cstime): the sandboxed "
-        "`bash` commands the server waited for, with their own children.",
-        "tool call latency = a client saw the assistant message with the call finished → it saw "
-        "the tool message with the call's result (both over the event stream).",
-        f"failed = runs refused or ended with an error, plus runs whose `run_complete` never "
-        f"arrived within {STALL_AFTER:g} s of the last run's end.",
-    ]
-    if not sandbox.available:
-        result.notes.append(f"no sandbox ({sandbox.reason}): bash was left out.")
-    if level.errors:
-        result.notes.append("errors: " + "; ".join(sorted(set(level.errors))[:5]))
+    _targets_and_notes(result, level, calls, seen, sandbox)
     result.raw = {
         "n": n,
         "rounds": s.w7_rounds,
