@@ -178,14 +178,21 @@ async def _grep_rg(
         assert proc.stdout is not None and proc.stderr is not None
         nursery.start_soon(_drain, proc.stderr, errors, GREP_MAX_STDERR_BYTES)
         pending = b""
+        # A file's matches come together (sorted by path): its path is built and checked once.
+        last_name: bytes | None = None
+        path: Path | None = None  # None: the file is not shown
         async with proc.stdout:
             async for chunk in proc.stdout:
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     name, _, rest = line.partition(b"\0")
                     number, _, text = rest.partition(b":")
-                    path = base / os.fsdecode(name).removeprefix("./")
-                    if in_data_dir(ctx, path) or is_hidden(path, hidden) or not number.isdigit():
+                    if name != last_name:
+                        last_name = name
+                        path = base / os.fsdecode(name).removeprefix("./")
+                        if in_data_dir(ctx, path) or is_hidden(path, hidden):
+                            path = None
+                    if path is None or not number.isdigit():
                         continue
                     if len(matches) == GREP_MAX_MATCHES:
                         more = True

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import attrs
 
-from .sandbox import DEFAULT_DENY_READ, Sandbox
+from .sandbox import DEFAULT_DENY_READ, Sandbox, is_within
 
 __all__ = ["HiddenPaths", "is_hidden"]
 
@@ -66,7 +66,7 @@ def resolve_hidden(patterns: Iterable[str], workspace: Path, data_dir: Path) -> 
             if not os.path.lexists(match):
                 continue
             real = Path(os.path.realpath(match))
-            if _within(workspace, real) or _within(real, data_dir):
+            if is_within(workspace, real) or is_within(real, data_dir):
                 continue
             found.add(real)
     return tuple(sorted(found))
@@ -74,8 +74,4 @@ def resolve_hidden(patterns: Iterable[str], workspace: Path, data_dir: Path) -> 
 
 def is_hidden(path: Path, hidden: Iterable[Path]) -> bool:
     """Whether the real ``path`` is a hidden path or below one."""
-    return any(_within(path, entry) for entry in hidden)
-
-
-def _within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+    return any(is_within(path, entry) for entry in hidden)

@@ -23,6 +23,7 @@ import attrs
 from .base import ToolContext, ToolError, ask_permission, run_blocking
 from .files import not_regular
 from .hidden import is_hidden, resolve_hidden
+from .sandbox import is_within
 
 __all__ = [
     "ResolvedPath",
@@ -49,11 +50,6 @@ class ResolvedPath:
 
     path: Path
     inside: bool
-
-
-def is_within(path: Path, root: Path) -> bool:
-    """Whether ``path`` is ``root`` or below it (both real paths)."""
-    return path == root or root in path.parents
 
 
 def resolve_path(ctx: ToolContext, raw: str) -> ResolvedPath:
