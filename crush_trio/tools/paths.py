@@ -15,8 +15,13 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 
@@ -25,9 +30,12 @@ from .files import not_regular
 from .hidden import is_hidden, resolve_hidden
 from .sandbox import is_within
 
+T = TypeVar("T")
+
 __all__ = [
     "ResolvedPath",
     "check_not_hidden",
+    "check_not_hidden_then",
     "check_read",
     "check_writable",
     "display_path",
@@ -102,15 +110,52 @@ async def check_not_hidden(ctx: ToolContext, tool_name: str, path: Path) -> tupl
     Raises:
         ToolError: ``path`` (a real path) is hidden or below a hidden path.
     """
-    hidden = await hidden_paths(ctx, tool_name)
-    if is_hidden(path, hidden):
+    hidden, _ = await check_not_hidden_then(ctx, tool_name, path, _nothing)
+    return hidden
+
+
+async def check_not_hidden_then(
+    ctx: ToolContext, tool_name: str, path: Path, then: Callable[[], T]
+) -> tuple[tuple[Path, ...], T]:
+    """:func:`check_not_hidden`, then the blocking ``then()`` in the same worker thread when
+    ``path`` is not hidden: one thread hop for both (each costs the server CPU).
+
+    Returns:
+        The hidden paths and what ``then`` returned.
+
+    Raises:
+        ToolError: ``path`` is hidden (``then`` did not run), or raised by ``then``.
+    """
+    patterns = ctx.hidden.patterns()
+    workspace, data_dir = ctx.workspace, ctx.data_dir
+
+    def work() -> tuple[tuple[Path, ...], T] | None:
+        hidden = resolve_hidden(patterns, workspace, data_dir)
+        return None if is_hidden(path, hidden) else (hidden, then())
+
+    found: tuple[tuple[Path, ...], T] | None = await run_blocking(ctx, tool_name, work)
+    if found is None:
         raise ToolError(
             f"{tool_name} refused: {path} is hidden from the agent's tools, as from its shell "
             "commands (a secret store such as ~/.ssh or ~/.aws, options.sandbox.deny_read, or "
             "the server's own files); no permission opens it. If the task needs something from "
             "it, ask the user to provide it"
         )
-    return hidden
+    return found
+
+
+def _nothing() -> None:
+    return None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """``path.stat()``, or None where ``path.exists()`` is false (the errors it ignores)."""
+    try:
+        return path.stat()
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            return None
+        raise
 
 
 async def check_read(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> None:
@@ -164,17 +209,19 @@ async def resolve_search_root(
             f"{tool_name} refused: {resolved.path} is inside the server's data directory "
             f"{ctx.data_dir}, which tools do not list or search"
         )
-    hidden = await check_not_hidden(ctx, tool_name, resolved.path)
-    if not resolved.path.exists():
+    # The root's stat is taken in the hidden check's thread, not on the event loop.
+    hidden, st = await check_not_hidden_then(
+        ctx, tool_name, resolved.path, partial(_stat, resolved.path)
+    )
+    if st is None:
         raise ToolError(
             f"path not found: {display_path(ctx, resolved.path)}; use ls to see what exists"
         )
-    if want_dir and not resolved.path.is_dir():
+    if want_dir and not stat.S_ISDIR(st.st_mode):
         raise ToolError(
             f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
         )
-    if not resolved.path.is_dir() and not resolved.path.is_file():
-        mode = resolved.path.stat().st_mode
-        raise not_regular(display_path(ctx, resolved.path), mode, tool_name)
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+        raise not_regular(display_path(ctx, resolved.path), st.st_mode, tool_name)
     await check_read(ctx, tool_name, resolved)
     return resolved, hidden

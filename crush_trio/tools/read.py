@@ -34,12 +34,13 @@ from .globs import compile_glob, split_absolute_glob
 from .grep_worker import Chain, GitIgnore, walk_files
 from .paths import (
     check_not_hidden,
+    check_not_hidden_then,
     check_read,
     display_path,
     resolve_path,
     resolve_search_root,
 )
-from .tracker import stat_snapshot
+from .tracker import Snapshot, stat_snapshot
 
 __all__ = [
     "GLOB_MAX_RESULTS",
@@ -249,6 +250,14 @@ def _other_names(path: Path) -> int:
     return st.st_nlink - 1 if stat.S_ISREG(st.st_mode) else 0
 
 
+def _snapshot_and_read(path: Path, shown: str) -> tuple[Snapshot | None, str]:
+    """The file's read-before-edit snapshot, then its text. The snapshot is taken before the
+    read, so a change during it makes the record stale and the next edit is refused
+    (:mod:`.tracker`)."""
+    before = stat_snapshot(path)
+    return before, read_text_file(path, shown, VIEW_MAX_FILE_BYTES, "view")
+
+
 @attrs.define
 class ViewTool(ToolBase):
     """``view``: a text file's lines, numbered."""
@@ -293,10 +302,11 @@ class ViewTool(ToolBase):
         limit = _opt_int(params, "limit", VIEW_DEFAULT_LIMIT, VIEW_MAX_LIMIT)
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
-        await check_not_hidden(ctx, "view", resolved.path)
-        await check_read(ctx, "view", resolved)
         if resolved.inside:
-            links = await run_blocking(ctx, "view", _other_names, resolved.path)
+            # No prompt to wait for before the links are counted: one thread for both checks.
+            _, links = await check_not_hidden_then(
+                ctx, "view", resolved.path, partial(_other_names, resolved.path)
+            )
             if links:
                 # A hard link is the same file as its other names, which may be outside.
                 await ask_permission(
@@ -310,12 +320,10 @@ class ViewTool(ToolBase):
                     params={"path": str(resolved.path)},
                     path=resolved.path,
                 )
-        # Read-before-edit: the snapshot taken before the read, so a change during it makes
-        # the record stale and the next edit is refused (tracker.py).
-        before = await run_blocking(ctx, "view", stat_snapshot, resolved.path)
-        text = await run_blocking(
-            ctx, "view", read_text_file, resolved.path, shown, VIEW_MAX_FILE_BYTES, "view"
-        )
+        else:
+            await check_not_hidden(ctx, "view", resolved.path)
+            await check_read(ctx, "view", resolved)
+        before, text = await run_blocking(ctx, "view", _snapshot_and_read, resolved.path, shown)
         lines = split_lines(text)
         if lines and offset >= len(lines):
             raise ToolError(
