@@ -19,7 +19,6 @@ import errno
 import os
 import stat
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,6 +43,7 @@ __all__ = [
     "is_within",
     "resolve_path",
     "resolve_search_root",
+    "search_root_then",
 ]
 
 
@@ -115,10 +115,10 @@ async def check_not_hidden(ctx: ToolContext, tool_name: str, path: Path) -> tupl
 
 
 async def check_not_hidden_then(
-    ctx: ToolContext, tool_name: str, path: Path, then: Callable[[], T]
+    ctx: ToolContext, tool_name: str, path: Path, then: Callable[[tuple[Path, ...]], T]
 ) -> tuple[tuple[Path, ...], T]:
-    """:func:`check_not_hidden`, then the blocking ``then()`` in the same worker thread when
-    ``path`` is not hidden: one thread hop for both (each costs the server CPU).
+    """:func:`check_not_hidden`, then the blocking ``then(hidden)`` in the same worker thread
+    when ``path`` is not hidden: one thread hop for both (each costs the server CPU).
 
     Returns:
         The hidden paths and what ``then`` returned.
@@ -131,7 +131,7 @@ async def check_not_hidden_then(
 
     def work() -> tuple[tuple[Path, ...], T] | None:
         hidden = resolve_hidden(patterns, workspace, data_dir)
-        return None if is_hidden(path, hidden) else (hidden, then())
+        return None if is_hidden(path, hidden) else (hidden, then(hidden))
 
     found: tuple[tuple[Path, ...], T] | None = await run_blocking(ctx, tool_name, work)
     if found is None:
@@ -144,7 +144,7 @@ async def check_not_hidden_then(
     return found
 
 
-def _nothing() -> None:
+def _nothing(hidden: tuple[Path, ...]) -> None:
     return None
 
 
@@ -203,25 +203,54 @@ async def resolve_search_root(
     Returns:
         The root, and the hidden paths the walk below it skips.
     """
+    return await search_root_then(ctx, tool_name, raw, want_dir=want_dir, then=_hidden_only)
+
+
+async def search_root_then(
+    ctx: ToolContext,
+    tool_name: str,
+    raw: str,
+    *,
+    want_dir: bool,
+    then: Callable[[Path, tuple[Path, ...]], T],
+) -> tuple[ResolvedPath, T]:
+    """:func:`resolve_search_root`, then the blocking ``then(root, hidden)`` (the walk) in a
+    worker thread. A root inside the workspace needs no prompt, so its checks and ``then``
+    share one thread (each thread hop costs the server CPU); outside, the prompt comes between.
+
+    Returns:
+        The root, and what ``then`` returned.
+    """
     resolved = resolve_path(ctx, raw)
-    if in_data_dir(ctx, resolved.path):
+    root = resolved.path
+    if in_data_dir(ctx, root):
         raise ToolError(
-            f"{tool_name} refused: {resolved.path} is inside the server's data directory "
+            f"{tool_name} refused: {root} is inside the server's data directory "
             f"{ctx.data_dir}, which tools do not list or search"
         )
-    # The root's stat is taken in the hidden check's thread, not on the event loop.
-    hidden, st = await check_not_hidden_then(
-        ctx, tool_name, resolved.path, partial(_stat, resolved.path)
-    )
-    if st is None:
-        raise ToolError(
-            f"path not found: {display_path(ctx, resolved.path)}; use ls to see what exists"
+
+    def check(hidden: tuple[Path, ...]) -> tuple[Path, ...]:
+        st = _stat(root)
+        if st is None:
+            raise ToolError(f"path not found: {display_path(ctx, root)}; use ls to see what exists")
+        if want_dir and not stat.S_ISDIR(st.st_mode):
+            raise ToolError(
+                f"{display_path(ctx, root)} is a file, not a directory; use view to read it"
+            )
+        if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+            raise not_regular(display_path(ctx, root), st.st_mode, tool_name)
+        return hidden
+
+    if resolved.inside:  # check_read would ask nothing
+        _, walked = await check_not_hidden_then(
+            ctx, tool_name, root, lambda hidden: then(root, check(hidden))
         )
-    if want_dir and not stat.S_ISDIR(st.st_mode):
-        raise ToolError(
-            f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
-        )
-    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
-        raise not_regular(display_path(ctx, resolved.path), st.st_mode, tool_name)
+        return resolved, walked
+    hidden, _ = await check_not_hidden_then(ctx, tool_name, root, check)
     await check_read(ctx, tool_name, resolved)
-    return resolved, hidden
+    walked = await run_blocking(ctx, tool_name, then, root, hidden)
+    return resolved, walked
+
+
+def _hidden_only(root: Path, hidden: tuple[Path, ...]) -> tuple[Path, ...]:
+    return hidden

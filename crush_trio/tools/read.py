@@ -38,7 +38,7 @@ from .paths import (
     check_read,
     display_path,
     resolve_path,
-    resolve_search_root,
+    search_root_then,
 )
 from .tracker import Snapshot, stat_snapshot
 
@@ -82,8 +82,9 @@ def _opt_int(params: dict[str, Any], key: str, default: int, maximum: int) -> in
     return min(int(value), maximum)
 
 
-def _deadline(ctx: ToolContext) -> float:
-    return time.monotonic() + ctx.timeout
+def _deadline(seconds: float) -> float:
+    """The walk's deadline: taken when it starts (after any prompt)."""
+    return time.monotonic() + seconds
 
 
 def _check_deadline(deadline: float, tool_name: str) -> None:
@@ -225,9 +226,13 @@ class LsTool(ToolBase):
     async def execute(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
         depth = _opt_int(params, "depth", LS_DEFAULT_DEPTH, LS_MAX_DEPTH)
         limit = _opt_int(params, "limit", LS_DEFAULT_LIMIT, LS_MAX_LIMIT)
-        root, hidden = await resolve_search_root(ctx, "ls", params.get("path") or "", want_dir=True)
-        lines, truncated = await run_blocking(
-            ctx, "ls", _list_tree, root.path, ctx.data_dir, depth, limit, _deadline(ctx), hidden
+        data_dir, timeout = ctx.data_dir, ctx.timeout
+
+        def walk(root: Path, hidden: tuple[Path, ...]) -> tuple[list[str], bool]:
+            return _list_tree(root, data_dir, depth, limit, _deadline(timeout), hidden)
+
+        _, (lines, truncated) = await search_root_then(
+            ctx, "ls", params.get("path") or "", want_dir=True, then=walk
         )
         if truncated:
             lines.append(
@@ -305,7 +310,7 @@ class ViewTool(ToolBase):
         if resolved.inside:
             # No prompt to wait for before the links are counted: one thread for both checks.
             _, links = await check_not_hidden_then(
-                ctx, "view", resolved.path, partial(_other_names, resolved.path)
+                ctx, "view", resolved.path, lambda _: _other_names(resolved.path)
             )
             if links:
                 # A hard link is the same file as its other names, which may be outside.
@@ -409,10 +414,12 @@ class GlobTool(ToolBase):
         if not pattern:
             raise ToolError("parameter 'pattern' must not be empty; try '**/*'")
         match = compile_glob(pattern)
-        root, hidden = await resolve_search_root(ctx, "glob", raw_root, want_dir=True)
-        found = await run_blocking(
-            ctx, "glob", _glob, root.path, match, ctx.data_dir, _deadline(ctx), hidden
-        )
+        data_dir, timeout = ctx.data_dir, ctx.timeout
+
+        def walk(root: Path, hidden: tuple[Path, ...]) -> list[tuple[float, Path]]:
+            return _glob(root, match, data_dir, _deadline(timeout), hidden)
+
+        _, found = await search_root_then(ctx, "glob", raw_root, want_dir=True, then=walk)
         if not found:
             return ToolResult(content=f"No files found matching {pattern!r}")
         lines = [display_path(ctx, path) for _, path in found[:GLOB_MAX_RESULTS]]
