@@ -14,6 +14,7 @@ the workspace itself), and the workspace's own data directory stays visible.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Callable, Iterable
@@ -59,9 +60,10 @@ def resolve_hidden(patterns: Iterable[str], workspace: Path, data_dir: Path) -> 
     Blocking: call it in a worker thread.
     """
     found: set[Path] = set()
+    home = os.environ.get("HOME")
     for raw in patterns:
-        expanded = os.path.expanduser(raw)
-        matches = glob.glob(expanded) if glob.has_magic(expanded) else [expanded]
+        expanded, magic = _expand(raw, home)
+        matches = glob.glob(expanded) if magic else (expanded,)
         for match in matches:
             if not os.path.lexists(match):
                 continue
@@ -70,6 +72,14 @@ def resolve_hidden(patterns: Iterable[str], workspace: Path, data_dir: Path) -> 
                 continue
             found.add(real)
     return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=256)
+def _expand(raw: str, home: str | None) -> tuple[str, bool]:
+    """``raw`` with ``~`` expanded, and whether it is a glob. Text only (``home`` is ``$HOME``,
+    which ``~`` follows), so it is kept: every file tool call resolves the list again."""
+    expanded = os.path.expanduser(raw)
+    return expanded, glob.has_magic(expanded)
 
 
 def is_hidden(path: Path, hidden: Iterable[Path]) -> bool:
