@@ -22,7 +22,7 @@ from .base import ToolBase, ToolContext, ToolError, ToolResult, ToolSpec
 from .files import BINARY_SNIFF_BYTES, IGNORED_DIR_NAMES
 from .globs import compile_glob, glob_regex
 from .hidden import is_hidden
-from .paths import display_path, in_data_dir, resolve_search_root
+from .paths import display_path, in_data_dir, search_root_then
 
 __all__ = [
     "GREP_MAX_FILE_BYTES",
@@ -116,9 +116,14 @@ async def _drain(stream: trio.abc.ReceiveStream, into: bytearray, limit: int) ->
                 into += chunk[: limit - len(into)]
 
 
+def _hidden_and_is_dir(root: Path, hidden: tuple[Path, ...]) -> tuple[tuple[Path, ...], bool]:
+    return hidden, root.is_dir()
+
+
 async def _grep_rg(
     rg: str,
     root: Path,
+    is_dir: bool,
     pattern: str,
     include: str | None,
     ctx: ToolContext,
@@ -157,7 +162,6 @@ async def _grep_rg(
         command += ["--glob", include]
     # ripgrep anchors globs that contain '/' at its working directory, so it runs in the search
     # root (or the searched file's directory) and searches that by a relative name.
-    is_dir = await trio.Path(root).is_dir()
     base, target = (root, ".") if is_dir else (root.parent, root.name)
     command += ["--", target]
     matches: list[_Match] = []
@@ -178,14 +182,21 @@ async def _grep_rg(
         assert proc.stdout is not None and proc.stderr is not None
         nursery.start_soon(_drain, proc.stderr, errors, GREP_MAX_STDERR_BYTES)
         pending = b""
+        # A file's matches come together (sorted by path): its path is built and checked once.
+        last_name: bytes | None = None
+        path: Path | None = None  # None: the file is not shown
         async with proc.stdout:
             async for chunk in proc.stdout:
                 *lines, pending = (pending + chunk).split(b"\n")
                 for line in lines:
                     name, _, rest = line.partition(b"\0")
                     number, _, text = rest.partition(b":")
-                    path = base / os.fsdecode(name).removeprefix("./")
-                    if in_data_dir(ctx, path) or is_hidden(path, hidden) or not number.isdigit():
+                    if name != last_name:
+                        last_name = name
+                        path = base / os.fsdecode(name).removeprefix("./")
+                        if in_data_dir(ctx, path) or is_hidden(path, hidden):
+                            path = None
+                    if path is None or not number.isdigit():
                         continue
                     if len(matches) == GREP_MAX_MATCHES:
                         more = True
@@ -263,12 +274,13 @@ class GrepTool(ToolBase):
                 raise ToolError(f"invalid regular expression {pattern!r}: {exc}") from exc
         if include:
             compile_glob(include)  # a malformed include is an error before any search
-        root, hidden = await resolve_search_root(
-            ctx, "grep", params.get("path") or "", want_dir=False
+        # Whether the root is a directory is asked in the same thread as the root's checks.
+        root, (hidden, is_dir) = await search_root_then(
+            ctx, "grep", params.get("path") or "", want_dir=False, then=_hidden_and_is_dir
         )
         with trio.move_on_after(ctx.timeout):
             if rg is not None:
-                matches, more = await _grep_rg(rg, root.path, pattern, include, ctx, hidden)
+                matches, more = await _grep_rg(rg, root.path, is_dir, pattern, include, ctx, hidden)
             else:
                 matches, more = await _grep_python(root.path, pattern, include, ctx, hidden)
             return self._render(ctx, matches, more, pattern)

@@ -14,6 +14,7 @@ the workspace itself), and the workspace's own data directory stays visible.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from .sandbox import DEFAULT_DENY_READ, Sandbox
+from .sandbox import DEFAULT_DENY_READ, Sandbox, is_within
 
 __all__ = ["HiddenPaths", "is_hidden"]
 
@@ -59,23 +60,28 @@ def resolve_hidden(patterns: Iterable[str], workspace: Path, data_dir: Path) -> 
     Blocking: call it in a worker thread.
     """
     found: set[Path] = set()
+    home = os.environ.get("HOME")
     for raw in patterns:
-        expanded = os.path.expanduser(raw)
-        matches = glob.glob(expanded) if glob.has_magic(expanded) else [expanded]
+        expanded, magic = _expand(raw, home)
+        matches = glob.glob(expanded) if magic else (expanded,)
         for match in matches:
             if not os.path.lexists(match):
                 continue
             real = Path(os.path.realpath(match))
-            if _within(workspace, real) or _within(real, data_dir):
+            if is_within(workspace, real) or is_within(real, data_dir):
                 continue
             found.add(real)
     return tuple(sorted(found))
 
 
+@functools.lru_cache(maxsize=256)
+def _expand(raw: str, home: str | None) -> tuple[str, bool]:
+    """``raw`` with ``~`` expanded, and whether it is a glob. Text only (``home`` is ``$HOME``,
+    which ``~`` follows), so it is kept: every file tool call resolves the list again."""
+    expanded = os.path.expanduser(raw)
+    return expanded, glob.has_magic(expanded)
+
+
 def is_hidden(path: Path, hidden: Iterable[Path]) -> bool:
     """Whether the real ``path`` is a hidden path or below one."""
-    return any(_within(path, entry) for entry in hidden)
-
-
-def _within(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
+    return any(is_within(path, entry) for entry in hidden)

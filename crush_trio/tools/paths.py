@@ -15,18 +15,26 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import attrs
 
 from .base import ToolContext, ToolError, ask_permission, run_blocking
 from .files import not_regular
 from .hidden import is_hidden, resolve_hidden
+from .sandbox import is_within
+
+T = TypeVar("T")
 
 __all__ = [
     "ResolvedPath",
     "check_not_hidden",
+    "check_not_hidden_then",
     "check_read",
     "check_writable",
     "display_path",
@@ -35,6 +43,7 @@ __all__ = [
     "is_within",
     "resolve_path",
     "resolve_search_root",
+    "search_root_then",
 ]
 
 
@@ -49,11 +58,6 @@ class ResolvedPath:
 
     path: Path
     inside: bool
-
-
-def is_within(path: Path, root: Path) -> bool:
-    """Whether ``path`` is ``root`` or below it (both real paths)."""
-    return path == root or root in path.parents
 
 
 def resolve_path(ctx: ToolContext, raw: str) -> ResolvedPath:
@@ -106,15 +110,52 @@ async def check_not_hidden(ctx: ToolContext, tool_name: str, path: Path) -> tupl
     Raises:
         ToolError: ``path`` (a real path) is hidden or below a hidden path.
     """
-    hidden = await hidden_paths(ctx, tool_name)
-    if is_hidden(path, hidden):
+    hidden, _ = await check_not_hidden_then(ctx, tool_name, path, _nothing)
+    return hidden
+
+
+async def check_not_hidden_then(
+    ctx: ToolContext, tool_name: str, path: Path, then: Callable[[tuple[Path, ...]], T]
+) -> tuple[tuple[Path, ...], T]:
+    """:func:`check_not_hidden`, then the blocking ``then(hidden)`` in the same worker thread
+    when ``path`` is not hidden: one thread hop for both (each costs the server CPU).
+
+    Returns:
+        The hidden paths and what ``then`` returned.
+
+    Raises:
+        ToolError: ``path`` is hidden (``then`` did not run), or raised by ``then``.
+    """
+    patterns = ctx.hidden.patterns()
+    workspace, data_dir = ctx.workspace, ctx.data_dir
+
+    def work() -> tuple[tuple[Path, ...], T] | None:
+        hidden = resolve_hidden(patterns, workspace, data_dir)
+        return None if is_hidden(path, hidden) else (hidden, then(hidden))
+
+    found: tuple[tuple[Path, ...], T] | None = await run_blocking(ctx, tool_name, work)
+    if found is None:
         raise ToolError(
             f"{tool_name} refused: {path} is hidden from the agent's tools, as from its shell "
             "commands (a secret store such as ~/.ssh or ~/.aws, options.sandbox.deny_read, or "
             "the server's own files); no permission opens it. If the task needs something from "
             "it, ask the user to provide it"
         )
-    return hidden
+    return found
+
+
+def _nothing(hidden: tuple[Path, ...]) -> None:
+    return None
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """``path.stat()``, or None where ``path.exists()`` is false (the errors it ignores)."""
+    try:
+        return path.stat()
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):
+            return None
+        raise
 
 
 async def check_read(ctx: ToolContext, tool_name: str, resolved: ResolvedPath) -> None:
@@ -162,23 +203,54 @@ async def resolve_search_root(
     Returns:
         The root, and the hidden paths the walk below it skips.
     """
+    return await search_root_then(ctx, tool_name, raw, want_dir=want_dir, then=_hidden_only)
+
+
+async def search_root_then(
+    ctx: ToolContext,
+    tool_name: str,
+    raw: str,
+    *,
+    want_dir: bool,
+    then: Callable[[Path, tuple[Path, ...]], T],
+) -> tuple[ResolvedPath, T]:
+    """:func:`resolve_search_root`, then the blocking ``then(root, hidden)`` (the walk) in a
+    worker thread. A root inside the workspace needs no prompt, so its checks and ``then``
+    share one thread (each thread hop costs the server CPU); outside, the prompt comes between.
+
+    Returns:
+        The root, and what ``then`` returned.
+    """
     resolved = resolve_path(ctx, raw)
-    if in_data_dir(ctx, resolved.path):
+    root = resolved.path
+    if in_data_dir(ctx, root):
         raise ToolError(
-            f"{tool_name} refused: {resolved.path} is inside the server's data directory "
+            f"{tool_name} refused: {root} is inside the server's data directory "
             f"{ctx.data_dir}, which tools do not list or search"
         )
-    hidden = await check_not_hidden(ctx, tool_name, resolved.path)
-    if not resolved.path.exists():
-        raise ToolError(
-            f"path not found: {display_path(ctx, resolved.path)}; use ls to see what exists"
+
+    def check(hidden: tuple[Path, ...]) -> tuple[Path, ...]:
+        st = _stat(root)
+        if st is None:
+            raise ToolError(f"path not found: {display_path(ctx, root)}; use ls to see what exists")
+        if want_dir and not stat.S_ISDIR(st.st_mode):
+            raise ToolError(
+                f"{display_path(ctx, root)} is a file, not a directory; use view to read it"
+            )
+        if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+            raise not_regular(display_path(ctx, root), st.st_mode, tool_name)
+        return hidden
+
+    if resolved.inside:  # check_read would ask nothing
+        _, walked = await check_not_hidden_then(
+            ctx, tool_name, root, lambda hidden: then(root, check(hidden))
         )
-    if want_dir and not resolved.path.is_dir():
-        raise ToolError(
-            f"{display_path(ctx, resolved.path)} is a file, not a directory; use view to read it"
-        )
-    if not resolved.path.is_dir() and not resolved.path.is_file():
-        mode = resolved.path.stat().st_mode
-        raise not_regular(display_path(ctx, resolved.path), mode, tool_name)
+        return resolved, walked
+    hidden, _ = await check_not_hidden_then(ctx, tool_name, root, check)
     await check_read(ctx, tool_name, resolved)
-    return resolved, hidden
+    walked = await run_blocking(ctx, tool_name, then, root, hidden)
+    return resolved, walked
+
+
+def _hidden_only(root: Path, hidden: tuple[Path, ...]) -> tuple[Path, ...]:
+    return hidden

@@ -34,12 +34,13 @@ from .globs import compile_glob, split_absolute_glob
 from .grep_worker import Chain, GitIgnore, walk_files
 from .paths import (
     check_not_hidden,
+    check_not_hidden_then,
     check_read,
     display_path,
     resolve_path,
-    resolve_search_root,
+    search_root_then,
 )
-from .tracker import stat_snapshot
+from .tracker import Snapshot, stat_snapshot
 
 __all__ = [
     "GLOB_MAX_RESULTS",
@@ -81,8 +82,9 @@ def _opt_int(params: dict[str, Any], key: str, default: int, maximum: int) -> in
     return min(int(value), maximum)
 
 
-def _deadline(ctx: ToolContext) -> float:
-    return time.monotonic() + ctx.timeout
+def _deadline(seconds: float) -> float:
+    """The walk's deadline: taken when it starts (after any prompt)."""
+    return time.monotonic() + seconds
 
 
 def _check_deadline(deadline: float, tool_name: str) -> None:
@@ -224,9 +226,13 @@ class LsTool(ToolBase):
     async def execute(self, params: dict[str, Any], ctx: ToolContext) -> ToolResult:
         depth = _opt_int(params, "depth", LS_DEFAULT_DEPTH, LS_MAX_DEPTH)
         limit = _opt_int(params, "limit", LS_DEFAULT_LIMIT, LS_MAX_LIMIT)
-        root, hidden = await resolve_search_root(ctx, "ls", params.get("path") or "", want_dir=True)
-        lines, truncated = await run_blocking(
-            ctx, "ls", _list_tree, root.path, ctx.data_dir, depth, limit, _deadline(ctx), hidden
+        data_dir, timeout = ctx.data_dir, ctx.timeout
+
+        def walk(root: Path, hidden: tuple[Path, ...]) -> tuple[list[str], bool]:
+            return _list_tree(root, data_dir, depth, limit, _deadline(timeout), hidden)
+
+        _, (lines, truncated) = await search_root_then(
+            ctx, "ls", params.get("path") or "", want_dir=True, then=walk
         )
         if truncated:
             lines.append(
@@ -247,6 +253,14 @@ def _other_names(path: Path) -> int:
     except OSError:
         return 0
     return st.st_nlink - 1 if stat.S_ISREG(st.st_mode) else 0
+
+
+def _snapshot_and_read(path: Path, shown: str) -> tuple[Snapshot | None, str]:
+    """The file's read-before-edit snapshot, then its text. The snapshot is taken before the
+    read, so a change during it makes the record stale and the next edit is refused
+    (:mod:`.tracker`)."""
+    before = stat_snapshot(path)
+    return before, read_text_file(path, shown, VIEW_MAX_FILE_BYTES, "view")
 
 
 @attrs.define
@@ -293,10 +307,11 @@ class ViewTool(ToolBase):
         limit = _opt_int(params, "limit", VIEW_DEFAULT_LIMIT, VIEW_MAX_LIMIT)
         resolved = resolve_path(ctx, params["path"])
         shown = display_path(ctx, resolved.path)
-        await check_not_hidden(ctx, "view", resolved.path)
-        await check_read(ctx, "view", resolved)
         if resolved.inside:
-            links = await run_blocking(ctx, "view", _other_names, resolved.path)
+            # No prompt to wait for before the links are counted: one thread for both checks.
+            _, links = await check_not_hidden_then(
+                ctx, "view", resolved.path, lambda _: _other_names(resolved.path)
+            )
             if links:
                 # A hard link is the same file as its other names, which may be outside.
                 await ask_permission(
@@ -310,12 +325,10 @@ class ViewTool(ToolBase):
                     params={"path": str(resolved.path)},
                     path=resolved.path,
                 )
-        # Read-before-edit: the snapshot taken before the read, so a change during it makes
-        # the record stale and the next edit is refused (tracker.py).
-        before = await run_blocking(ctx, "view", stat_snapshot, resolved.path)
-        text = await run_blocking(
-            ctx, "view", read_text_file, resolved.path, shown, VIEW_MAX_FILE_BYTES, "view"
-        )
+        else:
+            await check_not_hidden(ctx, "view", resolved.path)
+            await check_read(ctx, "view", resolved)
+        before, text = await run_blocking(ctx, "view", _snapshot_and_read, resolved.path, shown)
         lines = split_lines(text)
         if lines and offset >= len(lines):
             raise ToolError(
@@ -401,10 +414,12 @@ class GlobTool(ToolBase):
         if not pattern:
             raise ToolError("parameter 'pattern' must not be empty; try '**/*'")
         match = compile_glob(pattern)
-        root, hidden = await resolve_search_root(ctx, "glob", raw_root, want_dir=True)
-        found = await run_blocking(
-            ctx, "glob", _glob, root.path, match, ctx.data_dir, _deadline(ctx), hidden
-        )
+        data_dir, timeout = ctx.data_dir, ctx.timeout
+
+        def walk(root: Path, hidden: tuple[Path, ...]) -> list[tuple[float, Path]]:
+            return _glob(root, match, data_dir, _deadline(timeout), hidden)
+
+        _, found = await search_root_then(ctx, "glob", raw_root, want_dir=True, then=walk)
         if not found:
             return ToolResult(content=f"No files found matching {pattern!r}")
         lines = [display_path(ctx, path) for _, path in found[:GLOB_MAX_RESULTS]]

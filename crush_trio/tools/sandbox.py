@@ -60,6 +60,7 @@ __all__ = [
     "Sandbox",
     "SandboxStatus",
     "find_bwrap",
+    "is_within",
     "probe",
     "shell_env",
     "spawn_args",
@@ -188,7 +189,18 @@ def _expand(patterns: Iterable[str]) -> list[Path]:
     return out
 
 
-def _within(path: Path, root: Path) -> bool:
+def is_within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or below it, part by part (no file-system access: ``..`` and
+    symlinks are taken as written, so pass real paths).
+
+    Two absolute paths are compared as text (their parts joined by ``/``), which gives the same
+    answer as ``path == root or root in path.parents`` at a fraction of its cost: ``grep``
+    checks every match it returns. Others (relative, or starting with pathlib's ``//``) go through
+    pathlib.
+    """
+    p, r = str(path), str(root)
+    if p[:1] == r[:1] == "/" and p[1:2] != "/" and r[1:2] != "/":
+        return p == r or p.startswith(r if r == "/" else r + "/")
     return path == root or root in path.parents
 
 
@@ -278,13 +290,13 @@ class Sandbox:
         own_data = Path(os.path.realpath(data_dir)) if data_dir is not None else None
         hidden_dirs: list[Path] = []
         for path in sorted(set(denied)):
-            if path == own_data or (own_data is not None and _within(path, own_data)):
+            if path == own_data or (own_data is not None and is_within(path, own_data)):
                 continue  # the workspace's own data directory is shown read-only below
-            if _within(workspace, path):
+            if is_within(workspace, path):
                 continue  # hiding it would hide the workspace itself
-            if not any(_within(path, root) for root in mounted):
+            if not any(is_within(path, root) for root in mounted):
                 continue  # not visible in the sandbox at all
-            if any(_within(path, hidden) for hidden in hidden_dirs):
+            if any(is_within(path, hidden) for hidden in hidden_dirs):
                 continue  # inside a directory already hidden (sorted: parents come first)
             if path.is_dir():
                 args += ["--tmpfs", str(path)]

@@ -112,8 +112,11 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 def _group_has_live_members(pgid: int) -> bool:
     """Whether a process group still has a member that is not a zombie.
 
-    An orphaned zombie stays a member until init reaps it, and some container inits never do;
-    where ``/proc`` exists, members are read from it so such zombies do not count.
+    An orphaned zombie stays a member until init reaps it, and some container inits never do
+    (or only later: the sandbox's first process is such a zombie after a command); where
+    ``/proc`` exists, members are read from it so such zombies do not count. Each process's
+    group is asked with ``getpgid`` (one system call) and only members' ``stat`` files are read:
+    reading every process's file cost about 10 ms per check with a hundred processes running.
     """
     try:
         os.killpg(pgid, 0)
@@ -124,11 +127,18 @@ def _group_has_live_members(pgid: int) -> bool:
     proc = Path("/proc")
     if not proc.is_dir():
         return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir(proc):
+        if not name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
+            if os.getpgid(int(name)) != pgid:
+                continue
+        except ProcessLookupError:
+            continue
+        except OSError:
+            pass  # not ours to ask: its stat file says
+        try:
+            stat = (proc / name / "stat").read_text()
         except OSError:
             continue
         # Format: "pid (comm) state ppid pgrp ..."; comm may contain spaces and parentheses.
@@ -138,15 +148,19 @@ def _group_has_live_members(pgid: int) -> bool:
     return False
 
 
-async def end_group(pgid: int) -> None:
+async def end_group(pgid: int) -> bool:
     """End every process of group ``pgid``: SIGTERM, then SIGKILL after :data:`KILL_GRACE`.
+
+    Returns:
+        True when the group was seen with no live member (none left to end); False when it
+        was sent SIGKILL, whose effect is not waited for.
 
     Cancellation:
         Call it under a shielded, bounded scope when cleaning up after a cancel.
     """
     limiter = tool_thread_limiter()
     if not await trio.to_thread.run_sync(_group_has_live_members, pgid, limiter=limiter):
-        return
+        return True
     _signal_group(pgid, signal.SIGTERM)
     with trio.move_on_after(KILL_GRACE):
         # Polling is the only way: the OS gives no event for the exit of a process that is not
@@ -155,8 +169,9 @@ async def end_group(pgid: int) -> None:
             _group_has_live_members, pgid, limiter=limiter
         ):
             await trio.sleep(GROUP_POLL_INTERVAL)
-        return
+        return True
     _signal_group(pgid, signal.SIGKILL)
+    return False
 
 
 async def deliver_cancel(process: trio.Process) -> None:
@@ -315,6 +330,11 @@ async def run_shell(
     output = _OutputBuffer(max(output_limit, 2))
     pgid: int | None = None
     exit_code: int | None = None
+    # Set when the group was seen with no live member after the command returned: nothing can
+    # fork into such a group, so the final clean-up would only find it empty again. (A process
+    # that moved to another group of the command's session could move back, but it escaped the
+    # clean-up when it moved away.)
+    ended = False
     try:
         with trio.move_on_after(time_limit):
             async with trio.open_nursery() as nursery:
@@ -336,14 +356,14 @@ async def run_shell(
                     nursery.start_soon(streamer.run)
                 exit_code = await process.wait()
                 # A background process still holds the output pipe; end it so the pipe closes.
-                await end_group(pgid)
+                ended = await end_group(pgid)
                 with trio.move_on_after(OUTPUT_DRAIN_TIMEOUT):
                     await drained.wait()
                 nursery.cancel_scope.cancel()
     finally:
         if streamer is not None:
             streamer.close()
-        if pgid is not None:
+        if pgid is not None and not ended:
             with trio.move_on_after(KILL_GRACE + CLEANUP_MARGIN, shield=True):
                 await end_group(pgid)
     text, cut = output.render()
