@@ -241,6 +241,13 @@ class Gap:
         )
 
 
+#: The items of every empty :class:`ClientQueue`: a shared deque that can hold nothing, so an
+#: idle client holds no deque of its own (760 bytes each; a queue allocates one when an item
+#: arrives and lets it go once drained). Only :meth:`ClientQueue.put_nowait` appends, and it
+#: replaces this first.
+_NO_ITEMS: Final[collections.deque[Event]] = collections.deque(maxlen=0)
+
+
 class ClientQueue:
     """The receiving side of a client's queue, bounded by events and by bytes.
 
@@ -261,7 +268,8 @@ class ClientQueue:
     )
 
     def __init__(self, size: int, max_bytes: int) -> None:
-        self._items: collections.deque[Event] = collections.deque()
+        # Allocated by the first put, released when drained (see :data:`_NO_ITEMS`).
+        self._items: collections.deque[Event] = _NO_ITEMS
         self.size = size
         self.max_bytes = max_bytes
         self.bytes = 0
@@ -269,7 +277,8 @@ class ClientQueue:
         #: When the queue became full, or last gave an item while full; None while not full.
         self.full_since: float | None = None
         self._readers = trio.lowlevel.ParkingLot()
-        self._room = trio.lowlevel.ParkingLot()
+        #: Producers waiting for room; made by the first that waits.
+        self._room: trio.lowlevel.ParkingLot | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -293,6 +302,8 @@ class ClientQueue:
     def put_nowait(self, event: Event) -> bool:
         if not self.fits(event.size):
             return False
+        if self._items is _NO_ITEMS:
+            self._items = collections.deque()
         self._items.append(event)
         self.bytes += event.size
         if self._readers:
@@ -302,20 +313,25 @@ class ClientQueue:
     async def wait_room(self, size: int) -> None:
         """Wait until an item of ``size`` bytes fits, or the queue closes."""
         while not self.closed and not self.fits(size):
+            if self._room is None:
+                self._room = trio.lowlevel.ParkingLot()
             await self._room.park()
 
     def clear(self) -> None:
-        self._items.clear()
+        self._items = _NO_ITEMS
         self.bytes = 0
 
     def close(self) -> None:
         self.closed = True
         self._readers.unpark_all()
-        self._room.unpark_all()
+        if self._room is not None:
+            self._room.unpark_all()
 
     def receive_nowait(self) -> Event:
         if self._items:
             event = self._items.popleft()
+            if not self._items:
+                self._items = _NO_ITEMS
             self.bytes -= event.size
             if self._room:
                 self._room.unpark_all()
@@ -386,7 +402,8 @@ class ClientStream:
         self.peak_depth = 0
         self.peak_bytes = 0
         self._gap: Gap | None = None
-        self._md_lock = trio.Lock()
+        #: Serializes must-deliver waits; made by the first (:meth:`_must_deliver_lock`).
+        self._md_lock: trio.Lock | None = None
         self._md_waiting = 0
         self.killed = trio.Event()
         self.kill_reason = ""
@@ -501,7 +518,7 @@ class ClientStream:
             self.reserve_delivery()
         started = trio.current_time()
         try:
-            async with self._md_lock:
+            async with self._must_deliver_lock():
                 if self._gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
                     gap, self._gap = self._gap, None
@@ -514,6 +531,11 @@ class ClientStream:
         if self._md_waiting == 0:
             self._flush_gap_nowait()  # lossy events dropped while it waited
 
+    def _must_deliver_lock(self) -> trio.Lock:
+        if self._md_lock is None:
+            self._md_lock = trio.Lock()
+        return self._md_lock
+
     async def send_reply(self, frame: Event) -> None:
         """Queue a command reply: waits for room (backpressure on the client's commands) for at
         most ``must_deliver_timeout``; a client that still has no room is killed (1013)."""
@@ -525,7 +547,7 @@ class ClientStream:
         self._md_waiting += 1
         try:
             with trio.move_on_after(self.broker.must_deliver_timeout) as waited:
-                async with self._md_lock:
+                async with self._must_deliver_lock():
                     await self._push_waiting(frame)
         finally:
             self._md_waiting -= 1

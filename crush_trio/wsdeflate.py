@@ -31,6 +31,8 @@ from wsproto.events import AcceptConnection, CloseConnection, Request
 from wsproto.extensions import Extension, PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
 
+from ._compat.wsproto import release_handshake
+
 if TYPE_CHECKING:
     from .broker import Event
 
@@ -257,6 +259,7 @@ class DeflateConnection(WebSocketConnection):
                 subprotocol=subprotocol, extra_headers=extra_headers, extensions=extensions
             )
         )
+        release_handshake(self._wsproto)  # an open connection keeps nothing of its upgrade
         self._open_handshake.set()
 
     async def _handle_close_connection_event(self, event: CloseConnection) -> None:
