@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
     p.add_argument("--w3-paced-clients", type=int, help="W3 paced fan-out: websocket clients")
     p.add_argument("--w3-paced-tokens", type=int, help="W3 paced fan-out: tokens of the run")
+    p.add_argument(
+        "--w3-paced-sse-clients", type=int, help="W3 paced fan-out over SSE: clients per mode"
+    )
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -102,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w3_updates": args.w3_updates,
         "w3_paced_clients": args.w3_paced_clients,
         "w3_paced_tokens": args.w3_paced_tokens,
+        "w3_paced_sse_clients": args.w3_paced_sse_clients,
         "w4_idle": args.w4_idle,
         "w4_updates": args.w4_updates,
         "soak_runs": args.soak_runs,

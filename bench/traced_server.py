@@ -24,11 +24,13 @@ import sys
 import threading
 import time
 import tracemalloc
+from os import environ
 from pathlib import Path
 from typing import Final
 
-#: Frames kept per traced allocation (enough to see who called a library's allocation).
-FRAMES: Final = 3
+#: Frames kept per traced allocation (enough to see who called a library's allocation);
+#: ``CRUSH_BENCH_TRACE_FRAMES`` sets another depth.
+FRAMES: Final = int(environ.get("CRUSH_BENCH_TRACE_FRAMES", "3"))
 #: How often the request thread looks for requests (seconds).
 POLL: Final = 0.2
 

@@ -27,6 +27,9 @@ class Sizes:
     w3_paced_clients: int
     w3_paced_tokens: int
     w3_paced_delay_ms: float
+    #: ... and watched over SSE, in snapshot mode, by this many clients that ask for gzip and as
+    #: many that do not (0: not measured).
+    w3_paced_sse_clients: int
     w4_idle: int
     w4_updates: int
     w4_delay_ms: float
@@ -69,6 +72,7 @@ FULL: Final = Sizes(
     w3_paced_clients=1000,
     w3_paced_tokens=1000,
     w3_paced_delay_ms=20.0,
+    w3_paced_sse_clients=20,
     w4_idle=1000,
     w4_updates=5000,
     w4_delay_ms=1.0,
@@ -101,6 +105,7 @@ SMOKE: Final = Sizes(
     w3_paced_clients=5,
     w3_paced_tokens=60,
     w3_paced_delay_ms=20.0,
+    w3_paced_sse_clients=2,
     w4_idle=10,
     w4_updates=100,
     w4_delay_ms=1.0,

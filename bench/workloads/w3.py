@@ -39,6 +39,7 @@ from .common import (
     split,
     workers,
 )
+from .w3_sse import w3_paced_sse
 
 # Targets: see docs/performance.md.
 W3_RATIO_TARGET: Final = 0.50
@@ -162,6 +163,7 @@ async def w3(ctx: Ctx) -> WorkloadResult:
             rows.append(await w3_level(ctx, n, fake_url, result, table))
     result.tables.append(table)
     paced = await w3_paced(ctx, result)
+    paced_sse = await w3_paced_sse(ctx, result) if s.w3_paced_sse_clients > 0 else None
     result.notes += [
         "Deliveries are websocket frames received by all clients from the prompt to the last "
         "client's `run_complete`; msgs/CPU-s divides them by the server process's CPU seconds "
@@ -178,7 +180,7 @@ async def w3(ctx: Ctx) -> WorkloadResult:
         "(the bare server negotiates none, so both push the same uncompressed frames); in the "
         "paced fan-out they do.",
     ]
-    result.raw = {"levels": rows, "paced": paced}
+    result.raw = {"levels": rows, "paced": paced, "paced_sse": paced_sse}
     result.chart = lambda path: charts.w3(path, result.raw)
     return result
 

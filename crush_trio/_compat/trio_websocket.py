@@ -51,6 +51,7 @@ from wsproto.frame_protocol import CloseReason as FrameCloseReason
 from wsproto.frame_protocol import FrameDecoder, FrameProtocol
 
 from . import CompatError
+from .wsproto import release_handshake
 
 
 class BoundedExtension(Extension):
@@ -151,6 +152,7 @@ class DeflateConnection(WebSocketConnection):
                 subprotocol=subprotocol, extra_headers=extra_headers, extensions=extensions
             )
         )
+        release_handshake(self._wsproto)  # an open connection keeps nothing of its upgrade
         self._open_handshake.set()
 
     async def _handle_close_connection_event(self, event: CloseConnection) -> None:

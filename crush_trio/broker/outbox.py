@@ -39,8 +39,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Final
 
 from .framing import GAP_FRAME_BYTES, Event, Gap
+
+#: The items of every empty :class:`Outbox`: a shared deque that can hold nothing, so an idle
+#: client holds no deque of its own (760 bytes each; an outbox allocates one when an item arrives
+#: and lets it go once drained). Only :meth:`Outbox.put_nowait` appends, and it replaces this
+#: first.
+NO_ITEMS: Final[collections.deque[Event]] = collections.deque(maxlen=0)
 
 
 class Outbox:
@@ -76,7 +83,8 @@ class Outbox:
         self, size: int, max_bytes: int, *, deltas: bool = False, clock: Callable[[], float]
     ) -> None:
         #: The queued frames, oldest first (the writer takes from the left).
-        self.items: collections.deque[Event] = collections.deque()
+        # Allocated by the first put, released when drained (see :data:`NO_ITEMS`).
+        self.items: collections.deque[Event] = NO_ITEMS
         self.size = size
         self.max_bytes = max_bytes
         #: Bytes of the queued frames.
@@ -146,6 +154,8 @@ class Outbox:
         if depth and (depth >= self.size or self.bytes + size > self.max_bytes):
             self._mark_full()
             return False
+        if items is NO_ITEMS:
+            items = self.items = collections.deque()
         items.append(item)
         depth += 1
         total = self.bytes = self.bytes + size
@@ -228,7 +238,7 @@ class Outbox:
 
     def clear(self) -> None:
         """Drop everything queued (a killed client gets none of it)."""
-        self.items.clear()
+        self.items = NO_ITEMS
         self.bytes = 0
 
     # -- the writer's side --------------------------------------------------------------------
@@ -240,6 +250,8 @@ class Outbox:
         if not items:
             return None
         item = items.popleft()
+        if not items:
+            self.items = NO_ITEMS
         self.bytes -= item.size
         if self.holding:
             self._room_made()

@@ -146,10 +146,12 @@ class ClientStream(Outbox):
         #: This transport's metrics (drops, gaps, kills, open streams).
         self.metrics = METRICS.transport(transport)
         self._readers = trio.lowlevel.ParkingLot()
-        self._room = trio.lowlevel.ParkingLot()
+        #: Producers waiting for room; made by the first that waits.
+        self._room: trio.lowlevel.ParkingLot | None = None
         #: The writer's end of the queue.
         self.receive = ClientQueue(self, self._readers)
-        self._md_lock = trio.Lock()
+        #: Serializes must-deliver waits; made by the first (:meth:`_must_deliver_lock`).
+        self._md_lock: trio.Lock | None = None
         self.killed = trio.Event()
         self.kill_reason = ""
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
@@ -164,7 +166,8 @@ class ClientStream(Outbox):
             readers.unpark()
 
     def _room_made(self) -> None:
-        self._room.unpark_all()
+        if self._room is not None:
+            self._room.unpark_all()
 
     # -- the outbox's other hooks -------------------------------------------------------------
 
@@ -186,9 +189,16 @@ class ClientStream(Outbox):
     async def _put_waiting(self, item: Event) -> None:
         """Wait for room (or the close), then queue ``item`` (the caller bounds the wait)."""
         while not self.closed and not self.fits(item.size):
+            if self._room is None:
+                self._room = trio.lowlevel.ParkingLot()
             await self._room.park()
         if not self.put_nowait(item):  # pragma: no cover - room was just checked
             raise AssertionError("no room after waiting for room")
+
+    def _must_deliver_lock(self) -> trio.Lock:
+        if self._md_lock is None:
+            self._md_lock = trio.Lock()
+        return self._md_lock
 
     async def deliver(self, event: Event, *, reserved: bool = False) -> None:
         """Wait for room for a must-deliver event (the caller bounds the wait).
@@ -202,7 +212,7 @@ class ClientStream(Outbox):
             self.reserve_delivery()
         started = trio.current_time()
         try:
-            async with self._md_lock:
+            async with self._must_deliver_lock():
                 gap = self.gap
                 if gap is not None:
                     # Detach the gap before waiting: drops during the wait start a new one.
@@ -227,7 +237,7 @@ class ClientStream(Outbox):
         self.reserve_delivery(must_deliver=False)
         try:
             with trio.move_on_after(self.broker.must_deliver_timeout) as waited:
-                async with self._md_lock:
+                async with self._must_deliver_lock():
                     await self._put_waiting(frame)
         finally:
             self.release_delivery()
@@ -269,5 +279,6 @@ class ClientStream(Outbox):
         if not self.closed:
             super().close()
             self._readers.unpark_all()
-            self._room.unpark_all()
+            if self._room is not None:
+                self._room.unpark_all()
             self.broker.unsubscribe(self)

@@ -26,8 +26,8 @@ client that reads again within the bound gets all that; otherwise the connection
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -155,10 +155,7 @@ def check_upgrade(
     return ws, sub
 
 
-@asynccontextmanager
-async def subscribed(
-    ws: Workspace, sub: Subscription, transport: str = "ws"
-) -> AsyncIterator[tuple[ClientStream, Event, list[Event]]]:
+def subscribed(ws: Workspace, sub: Subscription, transport: str = "ws") -> Subscribed:
     """Subscribe ``sub.client_id`` to the workspace's events and hold the workspace for it.
 
     Yields ``(stream, hello, first)``: the client's queue, the ``hello`` frame and the frames
@@ -166,16 +163,44 @@ async def subscribed(
     than the replay buffer). On the way out the stream is closed and the hold dropped.
     ``transport`` (``ws``, ``sse``) labels the stream's metrics.
     """
-    stream, first = await ws.broker.subscribe_resuming(
-        since=sub.since, client_id=sub.client_id, deltas=sub.deltas, transport=transport
-    )
-    hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
-    ws.attach(sub.client_id)
-    try:
-        yield stream, hello, first
-    finally:
-        stream.close()
-        ws.detach(sub.client_id)
+    return Subscribed(ws, sub, transport)
+
+
+class Subscribed:
+    """The async context manager of :func:`subscribed`.
+
+    A slotted class rather than an ``asynccontextmanager`` generator: every open event stream
+    holds one for its whole life, and this one is three references, not a suspended generator
+    with its frame and the wrapper's dictionary.
+    """
+
+    __slots__ = ("stream", "sub", "transport", "ws")
+
+    def __init__(self, ws: Workspace, sub: Subscription, transport: str) -> None:
+        self.ws = ws
+        self.sub = sub
+        self.transport = transport
+        self.stream: ClientStream | None = None
+
+    async def __aenter__(self) -> tuple[ClientStream, Event, list[Event]]:
+        ws, sub = self.ws, self.sub
+        stream, first = await ws.broker.subscribe_resuming(
+            since=sub.since, client_id=sub.client_id, deltas=sub.deltas, transport=self.transport
+        )
+        hello = ws.broker.hello(ws.id, __version__)  # same tick as subscribe: seq cannot move
+        ws.attach(sub.client_id)
+        self.stream = stream
+        return stream, hello, first
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self.stream is not None
+        self.stream.close()
+        self.ws.detach(self.sub.client_id)
 
 
 def close_bound(write_deadline: float) -> float:

@@ -25,10 +25,10 @@ import math
 import re
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from contextvars import ContextVar
 from functools import partial
+from types import TracebackType
 from typing import Any, Final
 
 import h11
@@ -145,13 +145,18 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         #: A write failed: the peer reset or closed the connection.
         self.broken = False
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    def receive_some(self, max_bytes: int | None = None) -> Coroutine[Any, Any, bytes]:
+        # Once the prefix is read, the socket stream's own coroutine: a connection idle in a
+        # read (every event websocket) holds one coroutine frame less.
         if self._prefix:
-            size = len(self._prefix) if max_bytes is None else max_bytes
-            data, self._prefix = self._prefix[:size], self._prefix[size:]
-            await trio.lowlevel.checkpoint()
-            return data
-        return await self.transport.receive_some(max_bytes)
+            return self._receive_prefix(max_bytes)
+        return self.transport.receive_some(max_bytes)
+
+    async def _receive_prefix(self, max_bytes: int | None) -> bytes:
+        size = len(self._prefix) if max_bytes is None else max_bytes
+        data, self._prefix = self._prefix[:size], self._prefix[size:]
+        await trio.lowlevel.checkpoint()
+        return data
 
     def limit_writes(self, deadline: float) -> None:
         """Every write from now on (the one in progress included) must end by ``deadline``
@@ -467,33 +472,60 @@ def _log_contained(what: str, peer: str, exc: BaseException) -> None:
     log.log(level, "%s from %s closed after an error: %s", what, peer, _describe(exc))
 
 
-@asynccontextmanager
-async def contained(
-    stream: trio.abc.AsyncResource, what: str = "connection"
-) -> AsyncIterator[None]:
+def contained(stream: trio.abc.AsyncResource, what: str = "connection") -> Contained:
     """Run one connection's handler: any exception it raises closes ``stream`` and is logged in
     one line (WARNING; DEBUG when it only says that the peer left or broke the protocol); only
     cancellation and interpreter exits propagate (they belong to the server's lifetime). The
     stream is always closed on the way out, then a DEBUG line ``<what> from <peer> closed`` says
     so (what a test waits for before it counts the server's descriptors)."""
-    peer = _peer(stream)
-    try:
-        yield
-    except Exception as exc:  # ExceptionGroup included
-        _log_contained(what, peer, exc)
-    except BaseExceptionGroup as group:
-        lifetime, rest = group.split(_LIFETIME)
-        if rest is not None:
-            _log_contained(what, peer, rest)
-        if lifetime is not None:
-            raise lifetime from None
-    finally:
-        with trio.move_on_after(CLOSE_BOUND, shield=True):
-            try:
-                await stream.aclose()
-            except Exception as exc:
-                log.debug("closing a connection failed: %s", exc)
-        log.debug("%s from %s closed", what, peer)
+    return Contained(stream, what)
+
+
+class Contained:
+    """The async context manager of :func:`contained`.
+
+    A class rather than an ``asynccontextmanager`` generator: every open connection holds one
+    (an event websocket two) for its whole life, and this one is a slotted object of three
+    references instead of a suspended generator, its frame and the wrapper's dictionary.
+    """
+
+    __slots__ = ("peer", "stream", "what")
+
+    def __init__(self, stream: trio.abc.AsyncResource, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        self.peer = _peer(stream)
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            if exc is None:
+                return False
+            if isinstance(exc, Exception):  # ExceptionGroup included
+                _log_contained(self.what, self.peer, exc)
+                return True
+            if isinstance(exc, BaseExceptionGroup):
+                lifetime, rest = exc.split(_LIFETIME)
+                if rest is not None:
+                    _log_contained(self.what, self.peer, rest)
+                if lifetime is not None:
+                    raise lifetime from None
+                return True
+            return False
+        finally:
+            with trio.move_on_after(CLOSE_BOUND, shield=True):
+                try:
+                    await self.stream.aclose()
+                except Exception as close_exc:
+                    log.debug("closing a connection failed: %s", close_exc)
+            log.debug("%s from %s closed", self.what, self.peer)
 
 
 class HttpConnection(HypercornConnection):
@@ -746,8 +778,10 @@ async def serve_dispatching(
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         return
                     wrapped = PrefixedStream(stream, head)
+                    event_websocket = ws_handler is not None and is_event_websocket(head)
+                    del head  # the stream holds it as long as it is needed
                     CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
-                    if ws_handler is not None and is_event_websocket(head):
+                    if ws_handler is not None and event_websocket:
                         clear_user_timeout(stream.socket)
                         async with contained(wrapped, "event websocket"):
                             await ws_handler(wrapped)

@@ -1,0 +1,167 @@
+"""``python -m bench.sse_watch``: SSE watchers of the paced fan-out (W3), in their own process.
+
+Speaks the line protocol of :mod:`bench.client` (the configuration as the first JSON line on
+stdin, then commands; events on stdout). It opens ``count`` SSE streams of workspace ``wid`` the
+way Crush's client does: no ``deltas`` (whole ``message`` snapshots) unless the configuration
+says ``"deltas": true``, and ``Accept-Encoding: gzip`` as Go's HTTP client sends it (``"gzip":
+false``: ``identity``). It reads each body raw, as it travelled (compressed when the server
+answered ``Content-Encoding: gzip``), inflates it here, and counts bytes on the wire, decoded
+bytes and SSE blocks until the stream's ``run_complete``.
+
+Events: ``ready`` (every stream got its ``hello``; ``connected``, ``failed``, ``gzip``: how many
+answered gzip) and ``done`` (``wire_bytes``, ``bytes``, ``frames``, ``gaps``, ``run_complete``,
+``last_end``), then it waits for ``quit``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import traceback
+import uuid
+import zlib
+from typing import Any, Final
+
+import httpx
+import trio
+
+from .client import GAP_MARK, RUN_COMPLETE_MARK, Io
+from .procs import TOKEN, raise_fd_limit
+
+#: Bound on connecting one stream and reading its ``hello`` (seconds).
+CONNECT_TIMEOUT: Final = 60.0
+#: Streams opened at once.
+CONNECT_CONCURRENCY: Final = 32
+_HELLO: Final = b'"type":"hello"'
+_RUN_COMPLETE: Final = RUN_COMPLETE_MARK.encode()
+_GAP: Final = GAP_MARK.encode()
+
+
+async def watch(io: Io, cfg: dict[str, Any]) -> None:
+    count = int(cfg["count"])
+    params = {"deltas": "1"} if cfg.get("deltas") else {}
+    encoding = "gzip" if cfg.get("gzip", True) else "identity"
+    stats: collections.Counter[str] = collections.Counter()
+    end_times: list[float] = []
+    ready, all_ended, finish = trio.Event(), trio.Event(), trio.Event()
+    opening = trio.Semaphore(CONNECT_CONCURRENCY)
+
+    def settled() -> None:
+        if stats["connected"] + stats["failed"] == count:
+            ready.set()
+        if stats["ended"] + stats["failed"] == count:
+            all_ended.set()
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        holding = True
+        await opening.acquire()
+        try:
+            async with client.stream(
+                "GET",
+                f"/v1/workspaces/{cfg['wid']}/events",
+                params={"client_id": str(uuid.uuid4()), **params},
+                headers={"Accept-Encoding": encoding},
+            ) as response:
+                response.raise_for_status()
+                gzipped = response.headers.get("content-encoding") == "gzip"
+                inflater = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzipped else None
+                buffer = b""
+                connected = False
+                async for chunk in response.aiter_raw():
+                    stats["wire_bytes"] += len(chunk)
+                    data = inflater.decompress(chunk) if inflater is not None else chunk
+                    stats["bytes"] += len(data)
+                    buffer += data
+                    *blocks, buffer = buffer.split(b"\n\n")
+                    stats["frames"] += len(blocks)
+                    if not connected and any(_HELLO in b for b in blocks):
+                        connected = True
+                        holding = False
+                        opening.release()
+                        stats["connected"] += 1
+                        stats["gzip"] += gzipped
+                        settled()
+                    stats["gaps"] += sum(_GAP in b for b in blocks)
+                    if any(_RUN_COMPLETE in b for b in blocks):
+                        stats["run_complete"] += 1
+                        end_times.append(time.time())
+                        break
+            stats["ended"] += 1
+            settled()
+        except (httpx.HTTPError, OSError):
+            if holding:
+                stats["failed"] += 1
+                settled()
+        finally:
+            if holding:
+                opening.release()
+
+    async def commands() -> None:
+        while (command := await io.recv()) is not None:
+            if command["cmd"] == "quit":
+                break
+        finish.set()
+
+    limits = httpx.Limits(max_connections=count + 1, max_keepalive_connections=0)
+    timeout = httpx.Timeout(CONNECT_TIMEOUT, read=None)
+    async with (
+        httpx.AsyncClient(
+            base_url=cfg["url"],
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            limits=limits,
+            timeout=timeout,
+        ) as client,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(commands)
+        async with trio.open_nursery() as streams:
+            for _ in range(count):
+                streams.start_soon(stream, client)
+            await ready.wait()
+            await io.send(
+                "ready", connected=stats["connected"], failed=stats["failed"], gzip=stats["gzip"]
+            )
+            async with trio.open_nursery() as waiter:
+
+                async def wait_for(event: trio.Event) -> None:
+                    await event.wait()
+                    waiter.cancel_scope.cancel()
+
+                waiter.start_soon(wait_for, all_ended)
+                waiter.start_soon(wait_for, finish)
+            await io.send(
+                "done",
+                wire_bytes=stats["wire_bytes"],
+                bytes=stats["bytes"],
+                frames=stats["frames"],
+                gaps=stats["gaps"],
+                run_complete=stats["run_complete"],
+                last_end=max(end_times, default=0.0),
+            )
+            streams.cancel_scope.cancel()
+        await finish.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def _main() -> None:
+    io = Io()
+    cfg = await io.recv()
+    if cfg is None:
+        return
+    try:
+        await watch(io, cfg)
+    except Exception:
+        await io.send("error", message=traceback.format_exc()[-4000:])
+        raise
+
+
+def main() -> None:
+    raise_fd_limit()
+    try:
+        trio.run(_main)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
