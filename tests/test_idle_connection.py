@@ -48,7 +48,7 @@ async def test_a_cleared_queue_takes_events_again() -> None:
     stream, _ = broker.subscribe()
     broker.publish(lossy(1))
     broker.publish(lossy(2))
-    stream.receive.clear()
+    stream.clear()
     assert len(stream.receive) == 0 and stream.receive.bytes == 0
     with pytest.raises(trio.WouldBlock):
         stream.receive.receive_nowait()
