@@ -121,23 +121,8 @@ async def watch(io: Io, cfg: dict[str, Any]) -> None:
             await io.send(
                 "ready", connected=stats["connected"], failed=stats["failed"], gzip=stats["gzip"]
             )
-            async with trio.open_nursery() as waiter:
-
-                async def wait_for(event: trio.Event) -> None:
-                    await event.wait()
-                    waiter.cancel_scope.cancel()
-
-                waiter.start_soon(wait_for, all_ended)
-                waiter.start_soon(wait_for, finish)
-            await io.send(
-                "done",
-                wire_bytes=stats["wire_bytes"],
-                bytes=stats["bytes"],
-                frames=stats["frames"],
-                gaps=stats["gaps"],
-                run_complete=stats["run_complete"],
-                last_end=max(end_times, default=0.0),
-            )
+            await _first_of(all_ended, finish)
+            await _send_done(io, stats, end_times)
             streams.cancel_scope.cancel()
         await finish.wait()
         nursery.cancel_scope.cancel()
@@ -165,3 +150,28 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+async def _first_of(*events: trio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    async with trio.open_nursery() as waiter:
+
+        async def wait_for(event: trio.Event) -> None:
+            await event.wait()
+            waiter.cancel_scope.cancel()
+
+        for event in events:
+            waiter.start_soon(wait_for, event)
+
+
+async def _send_done(io: Io, stats: collections.Counter[str], end_times: list[float]) -> None:
+    """Report what the streams read to the orchestrator."""
+    await io.send(
+        "done",
+        wire_bytes=stats["wire_bytes"],
+        bytes=stats["bytes"],
+        frames=stats["frames"],
+        gaps=stats["gaps"],
+        run_complete=stats["run_complete"],
+        last_end=max(end_times, default=0.0),
+    )

@@ -27,8 +27,10 @@ import trio.testing
 import trio_websocket
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from crush_trio.server import head as request_head
 from crush_trio.server import listener, ws_trio
-from crush_trio.server.listener import HEAD_LIMIT, contained
+from crush_trio.server.head import HEAD_LIMIT
+from crush_trio.server.listener import contained
 from crush_trio.server.routes import events as app_module
 
 from .conftest import TOKEN, WAIT, Server, running_server
@@ -242,7 +244,7 @@ async def test_a_head_longer_than_the_limit_is_431(server: Server) -> None:
 async def test_a_head_that_does_not_complete_in_time_is_408(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(listener, "HEAD_TIMEOUT", 0.2)
+    monkeypatch.setattr(request_head, "HEAD_TIMEOUT", 0.2)
     answer = await exchange(server, b"GET /v1/health HTTP/1.1\r\nHost: ")
     assert status_of(answer) == 408
     assert "HEAD_TIMEOUT" in body_of(answer)["message"]
@@ -526,7 +528,7 @@ async def test_idle_half_open_connections_leave_health_fast(
         if hard != resource.RLIM_INFINITY and hard < needed:
             pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {needed}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    monkeypatch.setattr(listener, "HEAD_TIMEOUT", 120.0)  # they stay for the whole measurement
+    monkeypatch.setattr(request_head, "HEAD_TIMEOUT", 120.0)  # they stay for the whole measurement
     port = port_of(server)
     partial_head = b"GET /v1/health HTTP/1.1\r\nHost: " + host(server) + b"\r\nX-Slow: "
     held: list[trio.SocketStream] = []
