@@ -19,7 +19,7 @@ tool call (shielded, bounded by the save timeout), as a turn's is.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
 import trio
@@ -34,9 +34,38 @@ from .summarize import step_cost
 from .tool_step import StopTurn, run_tools
 
 if TYPE_CHECKING:
-    from .runner import Agent
+    from ..broker import Broker
+    from ..config import Config
+    from ..core.ports import WorkspaceStore
+    from ..store import MessageService
+    from .provider_cache import ProviderCache
+    from .steps import StepIO
 
 log = logging.getLogger(__name__)
+
+
+class SubagentHost(Protocol):
+    """What a sub-agent needs of the agent whose tool call runs it
+    (:class:`crush_trio.agent.runner.Agent`)."""
+
+    store: WorkspaceStore
+    messages: MessageService
+    broker: Broker
+    providers: ProviderCache
+    steps: StepIO
+    save_timeout: float
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def tools(self) -> Any: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    def is_busy(self, session_id: str | None = None) -> bool: ...
+
 
 SUBAGENT_SYSTEM_PROMPT: Final = (
     "You are a sub-agent of a coding agent, working in the user's project directory with "
@@ -70,7 +99,12 @@ def _title(prompt: str) -> str:
 
 
 async def run_subagent(
-    agent: Agent, *, parent_session_id: str, run_id: str | None, tool_call_id: str, prompt: str
+    agent: SubagentHost,
+    *,
+    parent_session_id: str,
+    run_id: str | None,
+    tool_call_id: str,
+    prompt: str,
 ) -> str:
     """Run ``prompt`` in a new child session of ``parent_session_id``; return its final text.
 
@@ -120,7 +154,7 @@ async def run_subagent(
                 log.exception("saving the end of sub-agent session %s failed", child.id)
 
 
-async def _steps(agent: Agent, run: _Child, provider: pb.Provider) -> str:
+async def _steps(agent: SubagentHost, run: _Child, provider: pb.Provider) -> str:
     """The child's model and tool steps, from its task to its answer."""
     progress, tools = run.progress, run.tools
     turn, entry = progress.turn, progress.model_entry
@@ -169,7 +203,7 @@ async def _steps(agent: Agent, run: _Child, provider: pb.Provider) -> str:
     )
 
 
-async def _roll_up(agent: Agent, parent_id: str, child_id: str, cost: float) -> None:
+async def _roll_up(agent: SubagentHost, parent_id: str, child_id: str, cost: float) -> None:
     """Add the child's cost to the parent session and publish both sessions."""
     store = agent.store
     child = await store.get_session(child_id)
