@@ -25,8 +25,8 @@ from typing import Any, Final
 import httpx
 import trio
 
-from .client import GAP_MARK, RUN_COMPLETE_MARK, Io
 from .procs import TOKEN, raise_fd_limit
+from .roles.common import GAP_MARK, RUN_COMPLETE_MARK, Io
 
 #: Bound on connecting one stream and reading its ``hello`` (seconds).
 CONNECT_TIMEOUT: Final = 60.0
@@ -128,30 +128,6 @@ async def watch(io: Io, cfg: dict[str, Any]) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _main() -> None:
-    io = Io()
-    cfg = await io.recv()
-    if cfg is None:
-        return
-    try:
-        await watch(io, cfg)
-    except Exception:
-        await io.send("error", message=traceback.format_exc()[-4000:])
-        raise
-
-
-def main() -> None:
-    raise_fd_limit()
-    try:
-        trio.run(_main)
-    except KeyboardInterrupt:
-        pass
-
-
-if __name__ == "__main__":
-    main()
-
-
 async def _first_of(*events: trio.Event) -> None:
     """Wait until any of ``events`` is set."""
     async with trio.open_nursery() as waiter:
@@ -175,3 +151,27 @@ async def _send_done(io: Io, stats: collections.Counter[str], end_times: list[fl
         run_complete=stats["run_complete"],
         last_end=max(end_times, default=0.0),
     )
+
+
+async def _main() -> None:
+    io = Io()
+    cfg = await io.recv()
+    if cfg is None:
+        return
+    try:
+        await watch(io, cfg)
+    except Exception:
+        await io.send("error", message=traceback.format_exc()[-4000:])
+        raise
+
+
+def main() -> None:
+    raise_fd_limit()
+    try:
+        trio.run(_main)
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
