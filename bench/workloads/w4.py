@@ -38,7 +38,7 @@ from .common import (
 )
 
 # Targets (issue "Load benchmarks"): see docs/performance.md.
-W4_IDLE_TARGET: Final = 40 * MB  # added by 1,000 idle websocket clients
+W4_IDLE_TARGET: Final = 20 * MB  # added by 1,000 idle websocket clients (20 KB each)
 W4_STALL_RSS_TARGET: Final = 20 * MB
 W4_STALL_DURATION_TARGET: Final = 0.10
 W4_SOAK_GROWTH_TARGET: Final = 0.10
@@ -162,7 +162,7 @@ async def w4_idle(ctx: Ctx, result: WorkloadResult, raw: dict[str, Any]) -> None
         Target(
             "1,000 idle clients add" + (" (scaled)" if s.w4_idle != 1000 else ""),
             mb(scaled),
-            "≤ 40 MB",
+            f"≤ {W4_IDLE_TARGET / MB:g} MB",
             scaled <= W4_IDLE_TARGET,
         )
     )
