@@ -123,33 +123,51 @@ class Cohort:
     its own.
     """
 
-    __slots__ = ("__weakref__", "branches", "deflater", "takeover")
+    __slots__ = ("__weakref__", "branches", "deflater", "first", "members", "private", "takeover")
 
-    def __init__(self, deflater: Deflater, *, takeover: bool = True) -> None:
+    def __init__(self, deflater: Deflater, *, takeover: bool = True, first: bool = False) -> None:
         self.deflater = deflater
         #: False: every frame is compressed from this state (``server_no_context_takeover``),
         #: which then stays the state after it.
         self.takeover = takeover
+        #: A first state (:func:`first_state`): shared by every new connection, never private.
+        self.first = first
+        #: Connections at this state (:meth:`BoundedDeflate.frame` and ``release`` count them).
+        self.members = 0
+        #: Only one connection is here and no other can arrive: it compresses in place.
+        self.private = False
         #: Event -> (its frame after this state, the state after it); at most MAX_BRANCHES.
         self.branches: dict[Event, tuple[bytes, weakref.ref[Cohort]]] = {}
 
     def send(self, event: Event, payload: memoryview) -> tuple[bytes, Cohort]:
         """The compressed frame (RSV1 set) of ``event``, whose frame payload is ``payload``,
-        after this state; and the state after it."""
+        after this state; and the state after it (this one, changed in place, when it is
+        private)."""
+        if self.private:
+            return self._compress(self.deflater, payload), self
         branches = self.branches
         branch = branches.get(event)
         if branch is not None:
             after = branch[1]()
-            if after is not None:
+            if after is not None and not after.private:
                 return branch[0], after
+        if self.members == 1 and self.takeover and not self.first:
+            # Alone here: no copy; whoever was behind finds this state gone (private).
+            self.private = True
+            branches.clear()
+            return self._compress(self.deflater, payload), self
         deflater = self.deflater.copy()
-        data = deflater.compress(payload) + deflater.flush(zlib.Z_SYNC_FLUSH)
-        frame = frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
+        frame = self._compress(deflater, payload)
         after = Cohort(deflater) if self.takeover else self
         if len(branches) >= MAX_BRANCHES:
             del branches[next(iter(branches))]  # the oldest
         branches[event] = (frame, weakref.ref(after))
         return frame, after
+
+    @staticmethod
+    def _compress(deflater: Deflater, payload: memoryview) -> bytes:
+        data = deflater.compress(payload) + deflater.flush(zlib.Z_SYNC_FLUSH)
+        return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
 
 
 #: The state every connection's compression starts from, by window bits and context takeover.
@@ -162,7 +180,8 @@ def first_state(window_bits: int, *, takeover: bool = True) -> Cohort:
     state = _FIRST_STATES.get((window_bits, takeover))
     if state is None:
         deflater = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, -window_bits, SERVER_MEM_LEVEL)
-        state = _FIRST_STATES[window_bits, takeover] = Cohort(deflater, takeover=takeover)
+        state = Cohort(deflater, takeover=takeover, first=True)
+        _FIRST_STATES[window_bits, takeover] = state
     return state
 
 
@@ -322,12 +341,23 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
             return shared
         cohort = self._cohort
         if cohort is None:
-            cohort = first_state(
+            cohort = self._cohort = first_state(
                 min(self.server_max_window_bits, SERVER_WINDOW_BITS),
                 takeover=not self.server_no_context_takeover,
             )
-        frame, self._cohort = cohort.send(event, memoryview(shared)[_header_size(len(shared)) :])
+            cohort.members += 1
+        frame, after = cohort.send(event, memoryview(shared)[_header_size(len(shared)) :])
+        if after is not cohort:
+            cohort.members -= 1
+            after.members += 1
+            self._cohort = after
         return frame
+
+    def release(self) -> None:
+        """The connection is over: it leaves its compression state (:meth:`frame`)."""
+        cohort, self._cohort = self._cohort, None
+        if cohort is not None:
+            cohort.members -= 1
 
 
 class HypercornDeflate(BoundedDeflate):

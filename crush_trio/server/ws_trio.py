@@ -225,6 +225,8 @@ class TrioEventSocket:
         self._peer_closed = self.conn.closed is not None
         with trio.move_on_after(close_bound(self.stream.stream.write_deadline), shield=True):
             await self.conn.aclose(code, reason)
+        if self.deflate is not None:
+            self.deflate.release()
 
 
 async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Settings) -> None:
