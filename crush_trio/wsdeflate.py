@@ -23,10 +23,10 @@ the others that took the same turn. Compressing each
 event once with ``server_no_context_takeover`` and sharing the compressed bytes keeps the
 encode-once property but saves little on small events (measured on a recorded paced run: 22
 bytes per reply character against 33 uncompressed and 3.3 with context takeover, at about 5 µs
-per frame and client); docs/performance.md has the figures. The window and memory level are kept
-small (:data:`SERVER_WINDOW_BITS`, :data:`SERVER_MEM_LEVEL`: about 22 KB of zlib state per
-compressing connection) because a server holds one compressor per connection; connection frames
-go out uncompressed, so an idle client holds none.
+per frame and client); docs/performance.md has the figures. The memory level is kept small
+(:data:`SERVER_MEM_LEVEL`; with the 32 KiB window of :data:`SERVER_WINDOW_BITS`, about 140 KB of
+zlib state per compression state: shared by a cohort, or one connection's own once it has left
+it); connection frames go out uncompressed, so an idle client holds none.
 """
 
 from __future__ import annotations
@@ -45,8 +45,10 @@ if TYPE_CHECKING:
     from .broker import Event
 
 #: LZ77 window of a connection's compressor (bits; the window is ``2**bits`` bytes). A client's
-#: ``server_max_window_bits`` lowers it further.
-SERVER_WINDOW_BITS: Final = 11
+#: ``server_max_window_bits`` lowers it further. 32 KiB: a snapshot of a message (or a
+#: ``run_complete``) then points back at the previous one; connections that keep up share one
+#: compressor (:class:`Cohort`), so the window costs per cohort, not per client.
+SERVER_WINDOW_BITS: Final = 15
 #: zlib memory level of a connection's compressor (1 to 9; its hash has ``2**(level+7)`` slots).
 SERVER_MEM_LEVEL: Final = 4
 #: zlib compression level of every compressor.
@@ -388,6 +390,5 @@ def bound_hypercorn_deflate(max_message_size: int) -> None:
 
 def client_deflate(max_message_size: int) -> BoundedDeflate:
     """A client's offer: the server's window no larger than :data:`SERVER_WINDOW_BITS` (what this
-    server uses anyway; it keeps the client's inflater at 2 KiB of window, not 32), received
-    messages bounded by ``max_message_size``."""
+    server uses anyway), received messages bounded by ``max_message_size``."""
     return BoundedDeflate(max_message_size, server_max_window_bits=SERVER_WINDOW_BITS)

@@ -68,6 +68,7 @@ class EventSocket(Protocol):
     max_batch: int
     #: Idle time after which the writer pings the client (0: the transport pings by itself).
     ping_interval: float
+
     @property
     def send_now(self) -> Callable[[Event], int] | None:
         """Writes one frame at once without waiting, for the broker's direct write while the
