@@ -404,3 +404,35 @@ async def test_a_close_during_a_write_that_does_not_end_aborts(
         assert stream.aborted
         data, reset = await read_all(client)
     assert reset and len(data) < BIG
+
+
+async def test_a_frame_written_at_once_in_part_is_finished_before_the_next_frame() -> None:
+    async with stream_pair() as (stream, client):
+        assert stream.writable_now
+        assert stream.write_nowait(b"x" * 10)  # room: written whole at once
+        assert not stream.write_nowait(b"a" * BIG)  # more than the socket takes: the rest waits
+        assert not stream.writable_now  # nothing more is written at once before the rest
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_frames, b"b" * 100 + b"c" * 100, [100, 200])
+            data, reset = await read_all_until(client, 10 + BIG + 200)
+        assert not reset and data == b"x" * 10 + b"a" * BIG + b"b" * 100 + b"c" * 100
+        assert stream.writable_now
+
+
+async def test_a_close_with_part_of_a_frame_pending_resets_the_connection() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        with trio.fail_after(WAIT):
+            await stream.aclose()
+        assert stream.aborted  # never a FIN after a frame cut short
+        data, reset = await read_all(client)
+    assert reset and len(data) < BIG
+
+
+async def test_an_eof_sends_the_rest_of_a_frame_begun_at_once_first() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_eof)
+            data, reset = await read_all(client)
+        assert not reset and data == b"a" * BIG

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import re
 import socket
 import struct
@@ -127,6 +128,8 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self.aborted = False
         #: A write failed: the peer reset or closed the connection.
         self.broken = False
+        #: The rest of a frame that :meth:`write_nowait` began: the next write sends it first.
+        self._pending: bytes | None = None
 
     def receive_some(self, max_bytes: int | None = None) -> Coroutine[Any, Any, bytes]:
         # Once the prefix is read, the socket stream's own coroutine: a connection idle in a
@@ -165,6 +168,36 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         """Write ``data`` as one frame: whole, or the connection is aborted (see the class)."""
         await self.send_frames(data, None)
 
+    @property
+    def writable_now(self) -> bool:
+        """:meth:`write_nowait` may be called: no write in progress, none pending, no deadline on
+        the writes, the connection neither aborted, broken nor half-closed."""
+        return (
+            self._writing is None
+            and self._pending is None
+            and not self.aborted
+            and not self.broken
+            and self.write_deadline == math.inf
+            and not self.socket.did_shutdown_SHUT_WR
+        )
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write the frame ``data`` without waiting, as far as the socket takes it now (only when
+        :attr:`writable_now`; the caller serializes it with the other writes).
+
+        Returns True when all of it was written. Else the rest is pending: the next write
+        (:meth:`send_frames`, :meth:`send_all`, :meth:`send_eof`) sends it first, so frames stay
+        whole and in order; an error of the socket is left for that write to report.
+        """
+        try:
+            sent = os.write(self.socket.fileno(), data)
+        except OSError:  # would block (EAGAIN), or the peer is gone: the next write finds out
+            sent = 0
+        if sent == len(data):
+            return True
+        self._pending = data[sent:]
+        return False
+
     async def send_frames(
         self, data: bytes | bytearray | memoryview, ends: Sequence[int] | None
     ) -> None:
@@ -185,6 +218,15 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         if self.socket.did_shutdown_SHUT_WR:
             raise trio.ClosedResourceError("can't send data after sending EOF")
         self._writing = writing = trio.Event()
+        pending = self._pending
+        if pending is not None:  # the rest of a frame begun by write_nowait goes first
+            self._pending = None
+            head = len(pending)
+            if ends is None:
+                ends = (head, head + len(data)) if data else (head,)
+            else:
+                ends = (head, *(head + end for end in ends))
+            data = pending + bytes(data)
         view = memoryview(data)
         sent = 0
         try:
@@ -262,6 +304,8 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
+        if self._pending is not None:
+            await self.send_frames(b"", None)
         await self._write_done()
         self._writing = writing = trio.Event()
         try:
@@ -273,7 +317,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     async def aclose(self) -> None:
         with trio.move_on_after(SEND_TIMEOUT, shield=True):
             await self._write_done()
-        if self._writing is not None:
+        if self._writing is not None or self._pending is not None:
             self.abort()  # a frame still going out: never end it cut short with a FIN
         await trio.aclose_forcefully(self.transport)
 
