@@ -141,12 +141,12 @@ class Cohort:
         #: Event -> (its frame after this state, the state after it); at most MAX_BRANCHES.
         self.branches: dict[Event, tuple[bytes, weakref.ref[Cohort]]] = {}
 
-    def send(self, event: Event, payload: memoryview) -> tuple[bytes, Cohort]:
-        """The compressed frame (RSV1 set) of ``event``, whose frame payload is ``payload``,
-        after this state; and the state after it (this one, changed in place, when it is
-        private)."""
+    def send(self, event: Event, shared: bytes) -> tuple[bytes, Cohort]:
+        """The compressed frame (RSV1 set) of ``event``, whose uncompressed frame is
+        ``shared``, after this state; and the state after it (this one, changed in place, when
+        it is private)."""
         if self.private:
-            return self._compress(self.deflater, payload), self
+            return self._compress(self.deflater, shared), self
         branches = self.branches
         branch = branches.get(event)
         if branch is not None:
@@ -157,9 +157,9 @@ class Cohort:
             # Alone here: no copy; whoever was behind finds this state gone (private).
             self.private = True
             branches.clear()
-            return self._compress(self.deflater, payload), self
+            return self._compress(self.deflater, shared), self
         deflater = self.deflater.copy()
-        frame = self._compress(deflater, payload)
+        frame = self._compress(deflater, shared)
         after = Cohort(deflater) if self.takeover else self
         if len(branches) >= MAX_BRANCHES:
             del branches[next(iter(branches))]  # the oldest
@@ -167,8 +167,9 @@ class Cohort:
         return frame, after
 
     @staticmethod
-    def _compress(deflater: Deflater, payload: memoryview) -> bytes:
-        data = deflater.compress(payload) + deflater.flush(zlib.Z_SYNC_FLUSH)
+    def _compress(deflater: Deflater, shared: bytes) -> bytes:
+        data = deflater.compress(memoryview(shared)[_header_size(len(shared)) :])
+        data += deflater.flush(zlib.Z_SYNC_FLUSH)
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
 
 
@@ -348,7 +349,7 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
                 takeover=not self.server_no_context_takeover,
             )
             cohort.members += 1
-        frame, after = cohort.send(event, memoryview(shared)[_header_size(len(shared)) :])
+        frame, after = cohort.send(event, shared)
         if after is not cohort:
             cohort.members -= 1
             after.members += 1

@@ -130,6 +130,9 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self.broken = False
         #: The rest of a frame that :meth:`write_nowait` began: the next write sends it first.
         self._pending: bytes | None = None
+        #: Neither aborted, broken, half-closed nor given a write deadline: what
+        #: :attr:`writable_now` needs besides no write in progress or pending.
+        self._open = True
 
     def receive_some(self, max_bytes: int | None = None) -> Coroutine[Any, Any, bytes]:
         # Once the prefix is read, the socket stream's own coroutine: a connection idle in a
@@ -148,6 +151,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         """Every write from now on (the one in progress included) must end by ``deadline``
         (trio clock); one that has not then aborts the connection. Only ever moves earlier."""
         self.write_deadline = min(self.write_deadline, deadline)
+        self._open = False
         if self._write_scope is not None:
             self._write_scope.deadline = min(self._write_scope.deadline, self.write_deadline)
 
@@ -158,6 +162,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         if self.aborted:
             return
         self.aborted = True
+        self._open = False
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
         except OSError as exc:  # not a TCP socket, or a closed one: a plain close then
@@ -172,14 +177,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     def writable_now(self) -> bool:
         """:meth:`write_nowait` may be called: no write in progress, none pending, no deadline on
         the writes, the connection neither aborted, broken nor half-closed."""
-        return (
-            self._writing is None
-            and self._pending is None
-            and not self.aborted
-            and not self.broken
-            and self.write_deadline == math.inf
-            and not self.socket.did_shutdown_SHUT_WR
-        )
+        return self._open and self._writing is None and self._pending is None
 
     def write_nowait(self, data: bytes) -> bool:
         """Write the frame ``data`` without waiting, as far as the socket takes it now (only when
@@ -289,9 +287,11 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             return await self.socket.send(view)
         except trio.ClosedResourceError:
             self.broken = True
+            self._open = False
             raise
         except OSError as exc:
             self.broken = True
+            self._open = False
             if exc.errno == errno.EBADF:
                 raise trio.ClosedResourceError("the connection was closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
@@ -304,6 +304,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
+        self._open = False
         if self._pending is not None:
             await self.send_frames(b"", None)
         await self._write_done()
@@ -315,6 +316,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             writing.set()
 
     async def aclose(self) -> None:
+        self._open = False
         with trio.move_on_after(SEND_TIMEOUT, shield=True):
             await self._write_done()
         if self._writing is not None or self._pending is not None:

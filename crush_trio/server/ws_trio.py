@@ -156,9 +156,9 @@ class TrioEventSocket:
         """
         prefixed = self.stream.stream
         if (
-            self.conn.closed is not None
+            not prefixed.writable_now
             or self.stream.send_lock.locked()
-            or not prefixed.writable_now
+            or self.conn.closed is not None
         ):
             return NOT_SENT
         data = event.ws_frame if self.deflate is None else self.deflate.frame(event)
