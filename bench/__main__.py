@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--w3-paced-sse-clients", type=int, help="W3 paced fan-out over SSE: clients per mode"
     )
+    p.add_argument(
+        "--w3-sse-gzip-only",
+        action="store_true",
+        help="W3 paced fan-out over SSE: only clients that ask for gzip (no plain ones)",
+    )
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -115,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w7_tool_calls": args.w7_tool_calls,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
+    if args.w3_sse_gzip_only:
+        sizes = dataclasses.replace(sizes, w3_paced_sse_plain=False)
     default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)
     if args.soak_minutes is not None and "W6" not in default:
         default.append("W6")
