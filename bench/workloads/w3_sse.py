@@ -80,8 +80,8 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         )
     table = Table(
         f"Paced fan-out over SSE: one run of {tokens:,} tokens at {delay:g} ms per token watched "
-        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip, and {n} that "
-        "do not",
+        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip"
+        + (f", and {n} that do not" if len(modes) > 1 else ""),
         [
             "stream",
             "reply chars",
