@@ -56,7 +56,8 @@ from .errors import unwrap_group
 from .providers.scripted import Gate, ScriptedModel, Step
 
 if TYPE_CHECKING:
-    from .server.serve import ServerHandle
+    # Only annotates CrushServer (never structured): the server's code loads in crush_server.
+    from .server.serve import ServerHandle  # noqa: TC004
 
 __all__ = [
     "CrushServer",

@@ -37,12 +37,12 @@ import trio
 
 from ..tools.readonly import git_repository_state
 from ..tools.sandbox import shell_env
+from ..wire import SandboxInfo
 from .context_files import ContextFileCache, ContextFiles, settings_for
 
 if TYPE_CHECKING:
     from ..config import Config
     from ..core.model import ToolSpec
-    from ..wire import SandboxInfo
 
 #: Longest ``git status`` run for the environment block, in seconds.
 GIT_STATUS_TIMEOUT: Final = 5.0

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import trio
 
+from ..config import Config
 from ..core.agent_state import Prompt, Turn
 from ..core.assembler import StepAssembler, repair_tool_calls
 from ..errors import CrushError, bug_message
@@ -39,7 +40,6 @@ from .tool_step import missing_results
 
 if TYPE_CHECKING:
     from ..broker import Broker
-    from ..config import Config
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore
 
