@@ -28,7 +28,6 @@ import shutil
 import string
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -41,6 +40,8 @@ from ..wire import SandboxInfo
 from .context_files import ContextFileCache, ContextFiles, settings_for
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ..config import Config
     from ..core.model import ToolSpec
 

@@ -12,7 +12,6 @@ stop it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -39,6 +38,8 @@ from .summarize import history_from_summary, step_cost
 from .tool_step import missing_results
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     from ..broker import Broker
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore

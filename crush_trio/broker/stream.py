@@ -13,16 +13,19 @@ drains: the only code between a queued frame and the transport's writer task.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
 
 from ..defaults import DEFAULT_CLIENT_QUEUE_BYTES
 from ..errors import WS_CLOSE_TRY_AGAIN_LATER
 from ..metrics import METRICS
-from .framing import Event, Gap
 from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from .framing import Event, Gap
 
 log = logging.getLogger("crush_trio.broker")
 

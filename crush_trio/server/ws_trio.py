@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Coroutine, Sequence
 from http.cookies import CookieError, SimpleCookie
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl, urlsplit
@@ -31,16 +30,18 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
-from ..broker import Event
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
 from .connection import PeerGone, check_upgrade, close_bound, serve_connection
-from .listener import PrefixedStream
 from .security import check_request_host, check_request_token, response_headers
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine, Sequence
+
+    from ..broker import Event
     from .api import Api
+    from .listener import PrefixedStream
     from .settings import Settings
 
 log = logging.getLogger(__name__)
