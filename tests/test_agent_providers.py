@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import base64
 import collections
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -24,6 +23,9 @@ from crush_trio.wire import Attachment, Role, ToolResultPart
 
 from .conftest import WAIT, completes_run, payloads, serve_options
 from .fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ToolCall
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 class Router:

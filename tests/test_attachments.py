@@ -7,8 +7,7 @@ How each provider API receives them is in tests/test_providers.py.
 from __future__ import annotations
 
 import base64
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -19,6 +18,9 @@ from crush_trio.errors import BadRequest, TooLarge
 from crush_trio.wire import Attachment, BinaryPart
 
 from .conftest import Server, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 PNG_BYTES = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR fake image bytes"
 PNG = base64.b64encode(PNG_BYTES).decode()

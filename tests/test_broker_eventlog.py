@@ -4,8 +4,7 @@ closes the clients (1012) and tells the owner; a new owner continues the numberi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
 import pytest
@@ -22,6 +21,9 @@ from crush_trio.broker import (
 from crush_trio.errors import WS_CLOSE_SERVICE_RESTART, CrushError
 from crush_trio.eventlog import EventLog, EventLogError, EventRecord, Fenced, MemoryEventLog
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
 
 #: Bound on each test's waits (seconds).
 WAIT: Final = 10.0

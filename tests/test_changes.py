@@ -16,9 +16,8 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import httpx
 import orjson
@@ -29,8 +28,12 @@ from crush_trio.changes import ChangeLog
 from crush_trio.changes.shadow import MAX_FILE_BYTES
 from crush_trio.client import Conflict, WorkspaceClient
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import RunStatus
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from crush_trio.testing import CrushServer
 
 #: Bound on each test's waits (seconds).
 CAP: Final = 30.0

@@ -17,17 +17,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
 import trio
-from trio.testing import MockClock
-from trio_websocket import WebSocketConnection
 
 from crush_trio.client import (
     AuthError,
@@ -57,7 +54,6 @@ from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.api import Api
 from crush_trio.server.serve import ServeOptions
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     AgentEvent,
     EventKind,
@@ -69,6 +65,14 @@ from crush_trio.wire import (
 )
 
 from .conftest import completes_run
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from trio.testing import MockClock
+    from trio_websocket import WebSocketConnection
+
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
 
 from crush_trio.client import Event, RunComplete, RunHandle, StreamStats
-from crush_trio.client.runs import GrantAction
 from crush_trio.wire import PermissionRequest
+
+if TYPE_CHECKING:
+    from crush_trio.client.runs import GrantAction
 
 # (calls on a fresh StreamStats, expected (last_seq, connects, reconnects, events))
 HELLO_CASES: list[tuple[list[tuple[str, int]], tuple[int, int, int, int]]] = [

@@ -11,17 +11,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 
 from crush_trio.client import Event, RunHandle, Transcript, WorkspaceClient, connect
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import Message, ReasoningPart, Role, TextPart
 
 from .test_client import held_reconnect
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 30

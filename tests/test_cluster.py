@@ -14,10 +14,9 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import httpx
@@ -29,6 +28,9 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_
 from crush_trio.client import connect
 from crush_trio.cluster.redislog import stream_key
 from tests.services import PostgresServer, RedisServer
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
 
 TOKEN: Final = "cluster-token"
 #: The nodes' lease TTL (seconds): short, so that fail-over tests finish quickly.

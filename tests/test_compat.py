@@ -16,8 +16,7 @@ import re
 import tomllib
 from importlib import metadata
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpcore
 import pytest
@@ -30,6 +29,9 @@ from crush_trio._compat import CompatError
 from crush_trio._compat import httpcore as httpcore_compat
 from crush_trio._compat import hypercorn as hypercorn_compat
 from crush_trio._compat import trio_websocket as trio_websocket_compat
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "crush_trio"

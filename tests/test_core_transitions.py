@@ -4,8 +4,7 @@ every (from, to) pair of each table is either allowed or raises IllegalTransitio
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +12,9 @@ from crush_trio.core.holds import HOLD_TRANSITIONS, ClientHold, Holds, HoldState
 from crush_trio.core.lifecycle import WORKSPACE_TRANSITIONS, WorkspaceState, check_workspace_move
 from crush_trio.errors import IllegalTransition
 from crush_trio.wire import RUN_TRANSITIONS, RunStatus, check_run_transition
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 Q, R, C, F, X = (
     RunStatus.QUEUED,

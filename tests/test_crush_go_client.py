@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -28,6 +27,9 @@ from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
 from tests.conftest import WAIT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 #: The key of the configured provider: it must never appear in an answer.
 SECRET: Final = "sk-never-on-the-wire"

@@ -12,9 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import uuid
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -44,6 +42,10 @@ from crush_trio.wire import (
 )
 
 from .conftest import TOKEN, WAIT, event_socket, running_server, ws_url
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
 
 DEBOUNCE = 0.033
 

@@ -21,10 +21,9 @@ import subprocess
 import sys
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -34,12 +33,10 @@ import trio.testing
 
 from crush_trio.agent.runs import RECENT_RUNS_BYTES, RECENT_RUNS_KEPT
 from crush_trio.backend.workspace import STOPPED_RUN_ERROR, data_dir_for
-from crush_trio.client import WorkspaceClient
 from crush_trio.config import Config
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.store import Store
 from crush_trio.store.db import DB_FILENAME, MIGRATIONS
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     FinishPart,
     FinishReason,
@@ -55,6 +52,12 @@ from crush_trio.wire import (
 
 from .conftest import WAIT, completes_run, event_socket, ws_url
 from .fake_llm import FakeLLM, RecordedRequest, Reply, ToolCall
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from crush_trio.client import WorkspaceClient
+    from crush_trio.testing import CrushServer
 
 REPO: Final = Path(__file__).resolve().parent.parent
 

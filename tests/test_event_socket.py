@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from functools import partial
+from typing import TYPE_CHECKING
 
 import orjson
 import pytest
@@ -24,7 +25,9 @@ from crush_trio.client import (
     open_event_socket,
 )
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20

@@ -17,15 +17,13 @@ import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
 import pytest
 import trio
 
-from crush_trio.client import WorkspaceClient
 from crush_trio.config import (
     FETCH_MAX_BYTES_CEILING,
     FetchOptions,
@@ -39,6 +37,11 @@ from crush_trio.tools.fetch import AddressPolicy
 from crush_trio.wire import ToolResultPart
 
 from .test_tools import FakeAsker
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.client import WorkspaceClient
 
 WAIT = 10.0
 TEST_HOST = "127.0.0.2"

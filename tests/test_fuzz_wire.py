@@ -35,15 +35,17 @@ import struct
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import pytest
 import trio
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: ``CRUSH_TRIO_FUZZ_SHRINK=0`` reports the first failing batch as found, without shrinking it.
 PHASES: Final = (

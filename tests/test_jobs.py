@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -34,6 +32,10 @@ from crush_trio.tools.stream import TOOL_OUTPUT_INTERVAL, TOOL_OUTPUT_MAX_BYTES
 from crush_trio.wire import JobState, ToolOutput
 
 from .test_tools import FakeAsker, process_alive, wait_process_gone
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -19,9 +19,11 @@ import trio
 from crush_trio.client import RunFailed, WorkspaceClient, open_event_socket
 from crush_trio.logs import ContextFilter, JsonFormatter, configure_logging, log_context
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 TOKEN = "s3cret-log-token"
 

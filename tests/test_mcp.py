@@ -10,21 +10,23 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 import pytest
 import trio
 
 from crush_trio.client import Event, RunStatus, WorkspaceClient
-from crush_trio.client.subscription import Subscription
 from crush_trio.config import load_config_report
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.tools.mcp import MAX_TOOL_NAME, mcp_tool_name, render_result
 from crush_trio.wire import AgentInfo, McpState, ToolResultPart
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.client.subscription import Subscription
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 

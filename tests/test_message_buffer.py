@@ -8,8 +8,7 @@ debounce window long enough that the flusher never fires on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -30,6 +29,10 @@ from crush_trio.wire import (
     TextPart,
     ToolCallPart,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterable
+    from pathlib import Path
 
 #: Trio-clock cap for each test's waits.
 TEST_TIMEOUT = 10

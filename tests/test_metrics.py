@@ -14,7 +14,7 @@ import socket
 import struct
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -36,13 +36,15 @@ from crush_trio.server.metrics_http import (
 )
 from crush_trio.server.openapi import document
 from crush_trio.server.serve import serve
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
 from tests.fake_llm import FakeLLM, Reply
 from tests.test_bounds import _raw_websocket, big
 from tests.test_providers import collect, collect_until_error, request, serving, user
 
 from .conftest import TOKEN, WAIT, running_server, serve_options
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana-dashboard.json"
 

@@ -7,8 +7,7 @@ import io
 import os
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 import pytest
@@ -17,9 +16,13 @@ import trio
 from crush_trio.client import BadRequest, NotFound, WorkspaceClient
 from crush_trio.models_cmd import list_models
 from crush_trio.providers.scripted import ScriptedModel
-from crush_trio.testing import CrushServer
 from crush_trio.wire import CatalogModel, ModelChoice
 from tests.conftest import WAIT, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 SECRET: Final = "sk-models-secret"
 CONFIG: Final = {

@@ -8,8 +8,8 @@ handles (``RunHandle.next_permission_request``) or workspace subscriptions and a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import pytest
@@ -19,7 +19,6 @@ import trio.testing
 from crush_trio.client import Event, RunStatus, WorkspaceClient, connect
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.store import Store
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     FinishReason,
     PermissionNotification,
@@ -30,6 +29,11 @@ from crush_trio.wire import (
 )
 
 from .conftest import WAIT, completes_run, payloads
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from crush_trio.testing import CrushServer
 
 
 def is_type(event_type: str) -> Callable[[Event], bool]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import random
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import hypothesis
@@ -37,6 +36,9 @@ from crush_trio.providers.body import (
     take_over,
 )
 from crush_trio.providers.http import HttpStreamer, Settings, SSEEvent
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
 
 TEST_TIMEOUT = 10
 

@@ -4,18 +4,20 @@ of providers (and their connection pools) open."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 import trio.testing
 
 from crush_trio.agent.provider_cache import ProviderCache
-from crush_trio.client import WorkspaceClient
 from crush_trio.errors import ConfigError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from tests.conftest import WAIT
 from tests.test_models import CONFIG
+
+if TYPE_CHECKING:
+    from crush_trio.client import WorkspaceClient
 
 
 class FakeProvider:

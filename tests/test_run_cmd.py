@@ -14,10 +14,9 @@ import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
@@ -28,8 +27,12 @@ from crush_trio.client import Client, RunStatus, WorkspaceClient, connect
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.run_cmd import UsageError, add_run_parser, build_options
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, BinaryPart, EventKind
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 

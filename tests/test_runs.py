@@ -9,8 +9,7 @@ every event, so a test can check what no run handle would show: duplicates, orde
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -28,7 +27,6 @@ from crush_trio.client import (
 from crush_trio.embedded import embedded
 from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, Run, TextPart
 
 from .conftest import (
@@ -39,6 +37,11 @@ from .conftest import (
     serve_options,
     ws_url,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 
 def errors_of(events: list[Any]) -> list[AgentEvent]:

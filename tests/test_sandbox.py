@@ -26,15 +26,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 import trio
 
 from crush_trio import wire
-from crush_trio.client import Client, WorkspaceClient
-from crush_trio.testing import CrushServer
 from crush_trio.tools import (
     ToolContext,
     ToolError,
@@ -49,6 +47,10 @@ from crush_trio.tools import sandbox as sandbox_module
 from crush_trio.tools.base import TOOL_THREAD_LIMIT, run_blocking, tool_thread_limiter
 from crush_trio.tools.grep import GrepTool
 from crush_trio.tools.sandbox import SANDBOX_HOME, Sandbox, probe, shell_env
+
+if TYPE_CHECKING:
+    from crush_trio.client import Client, WorkspaceClient
+    from crush_trio.testing import CrushServer
 
 SECRET = "TOP-SECRET-7f3a9c"
 PROVIDER_KEY = "sk-provider-key-4b1d8e"

@@ -7,14 +7,16 @@ between them. Both orders are checked here.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 import trio
 
 from crush_trio.tools import ToolContext, ToolResult, call_tool, default_tools
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SEARCHES: list[tuple[str, dict[str, Any]]] = [
     ("ls", {}),

@@ -11,8 +11,7 @@ from __future__ import annotations
 import gc
 import socket
 import uuid
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -33,10 +32,14 @@ from crush_trio.client import (
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.listener import clear_user_timeout
 from crush_trio.server.serve import make_socket
-from crush_trio.testing import CrushServer
 from crush_trio.wire import FinishPart, FinishReason, TextPart
 
 from .conftest import TOKEN, WAIT, Server, completes_run, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 # trio-websocket leaves the socket of a connection the server closed to the garbage collector;
 # collect it inside the test that caused it, where the warning is expected.

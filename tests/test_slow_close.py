@@ -24,23 +24,26 @@ import random
 import socket
 import uuid
 import zlib
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
 import pytest
 import trio
 import trio.testing
 
-from crush_trio.broker import ClientStream
 from crush_trio.metrics import METRICS
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server import connection, listener
 from crush_trio.server.listener import PrefixedStream
 
 from .conftest import WAIT, Server, running_server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from crush_trio.broker import ClientStream
 
 #: Rounds per transport, mode and compression (each one a fresh slow client and run).
 ROUNDS: Final = 4

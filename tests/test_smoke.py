@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from crush_trio.client import Client, RunComplete, RunStatus
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AcceptedPrompt, Role
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 
 async def test_happy_path_through_the_client(

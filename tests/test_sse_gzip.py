@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import uuid
 import zlib
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 import orjson
@@ -16,6 +16,9 @@ import trio
 
 from crush_trio.server.sse import accepts_gzip
 from tests.conftest import TOKEN, WAIT, Server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 class Inflated:

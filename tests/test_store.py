@@ -8,9 +8,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -33,6 +31,10 @@ from crush_trio.wire import (
     ToolResultPart,
     parts_from_json,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from pathlib import Path
 
 #: Trio-clock cap for each test's waits.
 TEST_TIMEOUT = 10

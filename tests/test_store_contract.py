@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import psycopg
@@ -37,6 +36,9 @@ from crush_trio.wire import (
     ToolCallPart,
     ToolResultPart,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 #: Trio-clock cap of each test's waits (seconds).
 TEST_TIMEOUT = 30

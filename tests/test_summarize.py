@@ -7,8 +7,7 @@ steps report the usage a test gives them, which drives auto-compaction and cost.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -23,11 +22,15 @@ from crush_trio.providers.base import Usage
 from crush_trio.providers.http import SSEEvent
 from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import Role
 
 from .conftest import WAIT, completes_run, payloads, running_server
 from .test_run_cmd import run_cli
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 #: The configured model's window: compaction when at most 20% (200 tokens) remain.
 WINDOW = 1000

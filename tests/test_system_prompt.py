@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -24,8 +24,10 @@ from crush_trio.agent.context_files import (
 )
 from crush_trio.agent.prompt import git_snapshot
 from crush_trio.client import Client, RunStatus, WorkspaceClient
-from crush_trio.providers.scripted import ScriptedModel
-from crush_trio.testing import CrushServer
+
+if TYPE_CHECKING:
+    from crush_trio.providers.scripted import ScriptedModel
+    from crush_trio.testing import CrushServer
 
 #: Bound on each test's waits (seconds).
 CAP = 20

@@ -6,8 +6,7 @@ Every wait is bounded (``trio.fail_after`` / ``WAIT``).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -20,6 +19,9 @@ from crush_trio.wire import Session, Todo, TodoStatus
 
 from .conftest import WAIT, running_server
 from .test_tools import FakeAsker
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 PLAN = [
     {"content": "Find the bug", "status": "in_progress", "active_form": "Finding the bug"},

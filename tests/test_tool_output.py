@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -20,13 +20,15 @@ import trio
 
 from crush_trio.client import Event, RunStatus, WorkspaceClient
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.tools.stream import TOOL_OUTPUT_INTERVAL, TOOL_OUTPUT_MAX_BYTES
 from crush_trio.wire import JobState, ToolOutput, ToolResultPart
 
 from .conftest import WAIT
 from .test_jobs import wait_output
 from .test_tools import process_alive, wait_process_gone
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ Uses the harness of ``test_web_e2e`` (a server in its own thread, logged-in page
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from axe_playwright_python.sync_playwright import Axe
@@ -30,6 +30,9 @@ from .test_web_e2e import (  # noqa: F401 (browser, pages, project and server ar
     server,
     wait_for_run,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,9 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -33,6 +32,9 @@ from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_play
 
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,8 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import h11
@@ -26,7 +24,6 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.client import Client
 from crush_trio.config import (
     WEBHOOK_SECRET_FILE_MAX_BYTES,
     ServerOptions,
@@ -34,11 +31,17 @@ from crush_trio.config import (
 )
 from crush_trio.errors import ConfigError
 from crush_trio.metrics import METRICS
-from crush_trio.testing import CrushServer
 from crush_trio.webhooks import OUTBOX_FILENAME, Endpoint, OutboxFile, Webhooks, policy
 from crush_trio.wire import RunComplete
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from pathlib import Path
+
+    from crush_trio.client import Client
+    from crush_trio.testing import CrushServer
 
 SECRET = b"webhook-test-secret"
 

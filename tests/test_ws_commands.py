@@ -7,12 +7,15 @@ two once disagreed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
 from .conftest import WAIT, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.mark.parametrize("transport", ["trio-websocket", "asgi"])

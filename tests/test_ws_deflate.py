@@ -16,8 +16,7 @@ import contextlib
 import tracemalloc
 import uuid
 import zlib
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -38,9 +37,13 @@ from crush_trio.broker import Event as BrokerEvent
 from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wsdeflate import BoundedDeflate
 from tests.conftest import running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20
