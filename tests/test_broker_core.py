@@ -379,7 +379,9 @@ def test_counts_and_peaks() -> None:
 def test_clear_empties_the_queue_and_its_bytes() -> None:
     box = Player(5).play("L L L").box
     box.clear()
-    assert box.take() is None and box.bytes == 0 and len(box.items) == 0
+    assert box.take() is None
+    assert box.bytes == 0
+    assert len(box.items) == 0
 
 
 def test_a_gap_frame_carries_the_latest_seq_the_shell_stamps() -> None:

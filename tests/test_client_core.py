@@ -91,7 +91,9 @@ def test_run_handle_forgets_itself_when_its_run_completes_and_ignores_others() -
     feed = RecordingFeed()
     handle = handle_with(feed)
     handle.offer(Event("run_complete", RunComplete("s1", "other"), 4, "created"))
-    assert feed.calls == [] and not handle.done
+    assert feed.calls == []
+    assert not handle.done
     handle.offer(Event("run_complete", RunComplete("s1", "r1", text="done"), 5, "created"))
     assert feed.calls == [("forget", "r1")]
-    assert handle.done and handle.text == "done"
+    assert handle.done
+    assert handle.text == "done"

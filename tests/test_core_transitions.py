@@ -171,5 +171,8 @@ def test_holds_expire_returns_the_clients_it_dropped() -> None:
     holds.open("b", 10)
     holds.attach("c")
     holds.detach("c", 20)
-    assert holds.expire(30) == ["a", "c"] and list(holds.clients) == ["b"]
-    assert holds.release("a") is False and holds.release("b") is True and not holds.held
+    assert holds.expire(30) == ["a", "c"]
+    assert list(holds.clients) == ["b"]
+    assert holds.release("a") is False
+    assert holds.release("b") is True
+    assert not holds.held

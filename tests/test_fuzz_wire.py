@@ -181,7 +181,8 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def _read_line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
+        assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else b""
         if not line:
@@ -192,7 +193,8 @@ class ServerProcess:
         return dict(json.loads(line))
 
     def command(self, request: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None
+        assert self.proc is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read_line(STARTUP_BOUND)

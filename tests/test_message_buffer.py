@@ -316,7 +316,8 @@ async def test_flush_writes_pending_rows_in_creation_order(store: Store) -> None
     await service.flush("a")
     assert [m.id for m in await store.list_messages("s")] == ["b", "a"]
     a = await store.get_message("a")
-    assert a is not None and a.text() == "A"
+    assert a is not None
+    assert a.text() == "A"
     assert service.pending_count == 0
 
 

@@ -28,6 +28,7 @@ async def test_happy_path_through_the_client(
     assert [e.type for e in events][-1] == "run_complete"
     assert "message" in {e.type for e in events}
     assert handle.complete == RunComplete(session.id, "r1", run.message_id, "hello there world")
-    assert run.status is RunStatus.COMPLETED and run.text == "hello there world"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "hello there world"
     assert [m.role for m in msgs] == [Role.USER, Role.ASSISTANT]
     assert msgs[-1].id == run.message_id

@@ -377,13 +377,15 @@ async def test_used_run_ids_are_known_without_a_database_call_and_after_reopenin
     await store.create_session(Session(id="s"))
     await store.save_runs([Run(run_id="saved", session_id="s", status=RunStatus.RUNNING)])
     await store.save_runs([Run(run_id="batched", session_id="s", status=RunStatus.QUEUED)])
-    assert store.may_have_run("saved") and store.may_have_run("batched")
+    assert store.may_have_run("saved")
+    assert store.may_have_run("batched")
     assert not store.may_have_run(str(uuid.uuid4()))
 
     await store.aclose()
     reopened = await Store.open(tmp_path / "data")
     try:
-        assert reopened.may_have_run("saved") and reopened.may_have_run("batched")
+        assert reopened.may_have_run("saved")
+        assert reopened.may_have_run("batched")
         assert not reopened.may_have_run(str(uuid.uuid4()))
     finally:
         await reopened.aclose()

@@ -136,7 +136,8 @@ def test_a_hidden_tab_counts_what_needs_you_and_notifies_once_allowed(
         send(page, "touch a file")
         expect(page).to_have_title(re.compile(r"^\(1\) "))
         notes = page.evaluate("window.__notes")
-        assert len(notes) == 1 and "bash" in notes[0]
+        assert len(notes) == 1
+        assert "bash" in notes[0]
         set_hidden(page, False)
         expect(page).to_have_title(title)
         page.locator('.permission button[data-action="deny"]').click()
