@@ -409,7 +409,7 @@ async def test_a_resume_across_a_trimmed_log_skips_what_is_not_delivered_yet(
     await log.inner.append(events_of(broker, 11, 12))  # landed; the writer has not seen it yet
     client, first = await broker.subscribe_resuming(since=2)
     assert first[0].type == "gap"
-    assert seqs(first) == [7, 8, 9, 10]
+    assert seqs(first) == [7, 8, 9, 10]  # the log keeps 7..12
     log.gate.set()  # the writer's append: already there, reconciled by last_seq()
     with trio.fail_after(WAIT):
         delivered = await take(client, 2)

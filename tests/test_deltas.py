@@ -197,7 +197,7 @@ async def test_one_change_one_seq_two_forms_encoded_once() -> None:
     event = broker.publish_delta(MessageDelta("m", "s", 0, DeltaPartType.TEXT, 0, "hi"), msg)
     (a,), (b,), (c,) = (list(drain_events(s)) for s in (delta_a, delta_b, snap))
     assert a is b is event
-    assert c is event.snapshot
+    assert c is event.snapshot  # each form encoded once, shared
     assert a.seq == c.seq == broker.seq
     da, dc = orjson.loads(a.text), orjson.loads(c.text)
     assert da == {

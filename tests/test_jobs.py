@@ -238,7 +238,7 @@ async def test_a_job_outlives_its_call_job_output_reads_it_and_job_kill_ends_its
         await wait_output(manager, "job-1", b"started")
         shell_pid, child_pid = pids(ws, "shell.pid", "child.pid")
         assert process_alive(shell_pid)
-        assert process_alive(child_pid)
+        assert process_alive(child_pid)  # the call returned
 
         read = await call(ctx, "job_output", job_id="job-1")
         assert read.content == "started\njob job-1 is still running"

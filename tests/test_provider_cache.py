@@ -52,7 +52,7 @@ def test_a_name_is_set_up_once_and_shared_by_its_holders() -> None:
     for p in (a, b, c):
         providers.release(p)
     assert closing == []
-    assert len(providers) == 2
+    assert len(providers) == 2  # current providers stay open for reuse
 
 
 def test_a_replaced_provider_nobody_holds_is_closed_at_once() -> None:

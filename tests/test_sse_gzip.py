@@ -140,7 +140,7 @@ async def test_a_client_without_accept_encoding_gets_plain_text(server: Server) 
     assert head.startswith(b"HTTP/1.1 200")
     assert b"content-encoding" not in head.lower()
     assert b"\r\nid: " in body
-    assert b'\ndata: {"seq":' in body
+    assert b'\ndata: {"seq":' in body  # chunked, plain text
 
 
 @pytest.mark.parametrize(

@@ -374,7 +374,7 @@ def test_frames_of_one_connection_decode_in_order_compressed_or_not(no_takeover:
     frames = [server.frame(e) for e in events]
     assert [f[0] for f in frames] == [0x81, 0xC1, 0xC1, 0xC1, 0xC1, 0x81, 0xC1, 0x81, 0xC1]
     assert frames[5] is events[5].ws_frame
-    assert frames[0] is events[0].ws_frame
+    assert frames[0] is events[0].ws_frame  # shared bytes
     client_ext = PerMessageDeflate()
     client_ext.finalize(offer)
     client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
