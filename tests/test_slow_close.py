@@ -336,7 +336,7 @@ async def test_a_write_cancelled_part_way_finishes_its_frame_and_nothing_after_i
             data, reset = await read_all_until(client, BIG + 5)
         assert writing.cancelled_caught
         assert not reset
-        assert data == frames[0] + b"CLOSE"
+        assert data == frames[0] + b"CLOSE"  # the rest of frame 1, then the next
         assert not stream.aborted
 
 
@@ -414,3 +414,38 @@ async def test_a_close_during_a_write_that_does_not_end_aborts(
         data, reset = await read_all(client)
     assert reset
     assert len(data) < BIG
+
+
+async def test_a_frame_written_at_once_in_part_is_finished_before_the_next_frame() -> None:
+    async with stream_pair() as (stream, client):
+        assert stream.writable_now
+        assert stream.write_nowait(b"x" * 10)  # room: written whole at once
+        assert not stream.write_nowait(b"a" * BIG)  # more than the socket takes: the rest waits
+        assert not stream.writable_now  # nothing more is written at once before the rest
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_frames, b"b" * 100 + b"c" * 100, [100, 200])
+            data, reset = await read_all_until(client, 10 + BIG + 200)
+        assert not reset
+        assert data == b"x" * 10 + b"a" * BIG + b"b" * 100 + b"c" * 100
+        assert stream.writable_now
+
+
+async def test_a_close_with_part_of_a_frame_pending_resets_the_connection() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        with trio.fail_after(WAIT):
+            await stream.aclose()
+        assert stream.aborted  # never a FIN after a frame cut short
+        data, reset = await read_all(client)
+    assert reset
+    assert len(data) < BIG
+
+
+async def test_an_eof_sends_the_rest_of_a_frame_begun_at_once_first() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_eof)
+            data, reset = await read_all(client)
+        assert not reset
+        assert data == b"a" * BIG

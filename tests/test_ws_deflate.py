@@ -421,3 +421,70 @@ async def test_a_deflate_bomb_on_the_framework_websocket_ends_within_the_bound(
             assert peak < 3 * limit, f"inflating took {peak} bytes"
             await raw.stream.aclose()
             assert (await server.http.get("/v1/health")).status_code == 200
+
+
+def _delta(seq: int, text: str) -> BrokerEvent:
+    body = orjson.dumps({"seq": seq, "type": "message_delta", "payload": {"text": text}}).decode()
+    return BrokerEvent(seq, "message_delta", body, False)
+
+
+def _decoded(offer: str, frames: list[bytes]) -> list[str]:
+    """What a standard client that negotiated ``offer`` reads from ``frames``."""
+    client_ext = PerMessageDeflate()
+    client_ext.finalize(offer)
+    client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
+    client.receive_data(b"".join(frames))
+    got = []
+    for event in client.events():
+        assert isinstance(event, TextMessage)
+        assert event.message_finished
+        got.append(event.data)
+    return got
+
+
+@pytest.mark.parametrize("no_takeover", [False, True])
+def test_connections_that_got_the_same_frames_share_their_compression(no_takeover: bool) -> None:
+    """Connections that were sent the same events in the same order share one compressor state
+    (:class:`~crush_trio.wsdeflate.Cohort`): one compression per event, the same bytes for all.
+    One that gets another event (its ``gap``), or falls behind until the others' state is
+    gone, goes on from its own copy; every connection still reads exactly its own events."""
+    offer = "permessage-deflate" + ("; server_no_context_takeover" if no_takeover else "")
+    conns = []
+    for _ in range(4):
+        conn = BoundedDeflate(1 << 20)
+        assert conn.accept(offer) is not None
+        conns.append(conn)
+    events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 41)]
+    own = _delta(0, "a reply to this connection's command")
+    sent: list[list[bytes]] = [[] for _ in conns]
+    texts: list[list[str]] = [[] for _ in conns]
+
+    def send(i: int, event: BrokerEvent) -> bytes:
+        frame = conns[i].frame(event)
+        sent[i].append(frame)
+        texts[i].append(event.text)
+        return frame
+
+    lagging: list[BrokerEvent] = []
+    for n, event in enumerate(events):
+        together = [send(i, event) for i in (0, 1)]
+        assert together[0] is together[1]  # compressed once, the bytes shared
+        if n == 10:
+            send(2, own)  # connection 2 takes another turn here ...
+        send(2, event)  # ... and stays in step with 0 and 1 from its own state
+        if n < 5 or n >= 35:
+            send(3, event)  # connection 3 keeps up, then falls behind for 30 events ...
+        else:
+            lagging.append(event)
+        if n == 34:
+            for late in lagging:  # ... and catches up after the others' states are gone
+                send(3, late)
+    assert all(texts[3].count(e.text) == 1 for e in events)
+    for i in range(4):
+        assert _decoded(offer, sent[i]) == texts[i]
+    if no_takeover:  # every frame compressed from the first state: shared whatever the order
+        assert sent[2][12] is sent[0][11]
+    else:
+        assert sent[2][12] is not sent[0][11]  # after its own turn: its own compression
+        # With context takeover each frame points back at the ones before it.
+        assert sum(len(f) for f in sent[0]) < sum(len(e.ws_frame) for e in events) / 2

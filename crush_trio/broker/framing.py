@@ -180,6 +180,12 @@ def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:
     return Event(seq, type, text, must_deliver=False)
 
 
+#: A queue item that carries no event: the client's transport wrote the start of a frame at once
+#: (see :meth:`~crush_trio.broker.stream.ClientStream.send_now`) and holds the rest, which its
+#: writer sends, for this item, before anything else. A writer that gets it sends no frame of it.
+FLUSH: Final = Event(0, "flush", "", False, 0)
+
+
 @attrs.define
 class Gap:
     """Events a client missed: ``dropped`` of them between ``from_seq`` and ``to_seq``."""

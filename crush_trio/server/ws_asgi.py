@@ -35,6 +35,7 @@ class AsgiEventSocket:
 
     max_batch = 1
     ping_interval = 0.0  # hypercorn's websocket_ping_interval
+    send_now = None  # hypercorn encodes and writes every frame itself
 
     def __init__(self) -> None:
         #: The connection's stream under hypercorn (None: served without the dispatcher).
