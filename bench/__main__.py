@@ -28,8 +28,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -38,6 +38,9 @@ from .client import COMPRESSION_ENV, DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import DEFAULT_FULL, FULL, SMOKE, WORKLOADS, Ctx
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 

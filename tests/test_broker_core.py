@@ -389,7 +389,9 @@ def test_the_shell_is_told_only_on_transitions(size: int, moves: str, hooks: lis
 
 DIRECT = [
     # size, moves, verdicts, frames (got, then queued), shell hooks
-    pytest.param(2, "I L L L", "+++", ["1", "2", "3"], ["sent"] * 3, id="sent-at-once-never-queued"),
+    pytest.param(
+        2, "I L L L", "+++", ["1", "2", "3"], ["sent"] * 3, id="sent-at-once-never-queued"
+    ),
     pytest.param(
         3,
         "L I L T L T T L",
@@ -441,7 +443,9 @@ def test_counts_and_peaks() -> None:
 def test_clear_empties_the_queue_and_its_bytes() -> None:
     box = Player(5).play("L L L").box
     box.clear()
-    assert box.take() is None and box.bytes == 0 and len(box.items) == 0
+    assert box.take() is None
+    assert box.bytes == 0
+    assert len(box.items) == 0
 
 
 def test_a_gap_frame_carries_the_latest_seq_the_shell_stamps() -> None:

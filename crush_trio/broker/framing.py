@@ -10,13 +10,15 @@ does I/O or knows about clients.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
 
 from .. import wire
-from ..wire import EventKind
+
+if TYPE_CHECKING:
+    from ..wire import EventKind
 
 #: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
 GAP_FRAME_BYTES: Final = 160

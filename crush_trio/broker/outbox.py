@@ -41,10 +41,12 @@ transition that needs them.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .framing import GAP_FRAME_BYTES, Event, Gap
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: The items of every empty :class:`Outbox`: a shared deque that can hold nothing, so an idle
 #: client holds no deque of its own (760 bytes each; an outbox allocates one when an item arrives

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
 
@@ -30,6 +29,9 @@ from ..errors import WS_CLOSE_TRY_AGAIN_LATER
 from ..metrics import METRICS
 from .framing import FLUSH, Event, Gap
 from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 log = logging.getLogger("crush_trio.broker")
 

@@ -22,9 +22,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 import trio
@@ -41,6 +39,10 @@ from .revert import (
     write_json_atomic,
 )
 from .shadow import EMPTY_TREE, MAX_FILE_BYTES, Entry, GitError, RawChange, ShadowRepo
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,6 @@ client that reads again within the bound gets all that; otherwise the connection
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -45,6 +43,9 @@ from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import TracebackType
+
     from ..backend.workspace import Workspace
     from .api import Api
     from .settings import Settings

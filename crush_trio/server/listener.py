@@ -29,13 +29,11 @@ import struct
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
 from functools import partial
-from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import h11
 import orjson
 import trio
-from hypercorn.config import Config as HypercornConfig
 from trio_websocket import ConnectionClosed
 
 from .._compat.hypercorn import (
@@ -50,6 +48,11 @@ from .._compat.hypercorn import (
 from .head import HeadError, check_head, check_headers, read_head
 from .peers import sandboxed_peer
 from .security import strip_web_prefix
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from hypercorn.config import Config as HypercornConfig
 
 log = logging.getLogger(__name__)
 
@@ -733,7 +736,7 @@ async def serve_dispatching(
                             config,
                             context,
                             ConnectionState(lifespan_state.copy()),
-                            wrapped,  # type: ignore[arg-type]
+                            wrapped,
                         )
 
             task_status.started()

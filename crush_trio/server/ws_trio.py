@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Coroutine, Sequence
 from http.cookies import CookieError, SimpleCookie
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl, urlsplit
@@ -36,11 +35,13 @@ from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
 from .connection import PeerGone, check_upgrade, close_bound, serve_connection
-from .listener import PrefixedStream
 from .security import check_request_host, check_request_token, response_headers
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine, Sequence
+
     from .api import Api
+    from .listener import PrefixedStream
     from .settings import Settings
 
 log = logging.getLogger(__name__)
