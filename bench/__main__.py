@@ -28,8 +28,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -38,6 +38,9 @@ from .client import COMPRESSION_ENV, DELTAS_ENV
 from .procs import PROFILING, REPO_ROOT, raise_fd_limit
 from .report import WorkloadResult, machine, machine_line, targets_table, write_results
 from .workloads import DEFAULT_FULL, FULL, SMOKE, WORKLOADS, Ctx
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 
@@ -83,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--w3-paced-sse-clients", type=int, help="W3 paced fan-out over SSE: clients per mode"
     )
+    p.add_argument(
+        "--w3-sse-gzip-only",
+        action="store_true",
+        help="W3 paced fan-out over SSE: only clients that ask for gzip (no plain ones)",
+    )
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -115,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w7_tool_calls": args.w7_tool_calls,
     }
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
+    if args.w3_sse_gzip_only:
+        sizes = dataclasses.replace(sizes, w3_paced_sse_plain=False)
     default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)
     if args.soak_minutes is not None and "W6" not in default:
         default.append("W6")

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
 import trio
 from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
 
 from .procs import LineReader, raise_fd_limit
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: Largest frame accepted from a client (they send none).
 MAX_MESSAGE: Final = 16 * 1024 * 1024

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -57,6 +56,9 @@ from .roles.common import (
 )
 from .roles.runs import role_runs
 from .roles.watch import role_stall, role_watch
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 __all__ = [
     "COMPRESSION_ENV",

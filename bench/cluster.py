@@ -30,10 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -41,7 +40,11 @@ import trio
 from bench.procs import cpu_seconds
 from crush_trio.client import Client, connect
 from crush_trio.client.runs import RunHandle
-from crush_trio.client.workspace import WorkspaceClient
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+    from crush_trio.client.workspace import WorkspaceClient
 
 REPO: Final = Path(__file__).resolve().parent.parent
 TOKEN: Final = "bench-cluster"

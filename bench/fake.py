@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
@@ -39,6 +38,9 @@ from tests.fake_llm import (
     ToolCall,
     run_standalone,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: The tools of ``--tool-calls``, in the order they are called.
 TOOLS: Final = ("view", "grep", "ls", "bash")

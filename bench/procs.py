@@ -19,14 +19,16 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
 
 import orjson
 import trio
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
 
 #: Kernel clock ticks per second (the unit of utime/stime in /proc/<pid>/stat).
 CLK_TCK: Final = os.sysconf("SC_CLK_TCK")

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: Layers of the server, matched against a frame's file, most specific first.
 LAYERS: Final = (

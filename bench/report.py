@@ -12,14 +12,16 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .procs import REPO_ROOT
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 MB = 1024 * 1024
 

@@ -23,10 +23,13 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crush_trio.changes.shadow import ShadowRepo
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 PER_DIR = 100
 BODY = ("x" * 63 + "\n") * 16  # 1 KiB

@@ -18,15 +18,18 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from crush_trio.cluster.pg import Lease, PgCluster
 from crush_trio.cluster.pgstore import PgStore
 from crush_trio.store.db import Store
-from crush_trio.store.protocol import WorkspaceStore
 from crush_trio.wire import Message, Role, Session, TextPart
 from tests.services import running_postgres
+
+if TYPE_CHECKING:
+    from crush_trio.store.protocol import WorkspaceStore
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 45  # about 2 KiB
 

@@ -12,7 +12,6 @@ import argparse
 import re
 import signal
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,8 @@ from .defaults import DEFAULT_HOST, DEFAULT_PORT
 from .errors import ConfigError, CrushError, unwrap_group
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .server.serve import ServeOptions, ServerHandle
 
 EXIT_USAGE = 2

@@ -9,10 +9,9 @@ plugin's fixtures and tests use it.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -20,6 +19,9 @@ import trio
 from .client.connection import Client, connect
 from .client.errors import single_errors
 from .server.serve import ServeOptions, ServerHandle, serve
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 __all__ = ["embedded"]
 

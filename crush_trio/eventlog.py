@@ -25,15 +25,17 @@ current one raises :class:`Fenced` too. A new owner fences first, then continues
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from .core.ports import EventLog as EventLog
-from .core.ports import EventRecord as EventRecord
+from .core.ports import EventRecord as EventRecord  # noqa: TC001 (a re-export)
 from .errors import EventLogError as EventLogError
 from .errors import Fenced as Fenced
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: Default number of events an event log keeps for resume.
 DEFAULT_LOG_MAX_EVENTS: Final = 100_000

@@ -14,10 +14,12 @@ import contextvars
 import datetime
 import logging
 import sys
-from collections.abc import Iterator
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: The id fields a JSON line may carry, in this order.
 CONTEXT_FIELDS: Final = ("workspace_id", "session_id", "run_id")

@@ -18,8 +18,7 @@ counter and histogram: Prometheus does not need them, and they double the output
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -29,9 +28,13 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
 
 from .errors import ConfigError, CrushError, ProviderError, SessionGone, StoreError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator, Sequence
+
+    from prometheus_client.metrics_core import Metric
 
 __all__ = [
     "CONTENT_TYPE",
@@ -381,7 +384,7 @@ class _WithoutCreated:
 
 def render(metrics: Metrics = METRICS) -> bytes:
     """The Prometheus text exposition of `metrics`."""
-    return generate_latest(_WithoutCreated(metrics.registry))  # type: ignore[arg-type]
+    return generate_latest(_WithoutCreated(metrics.registry))
 
 
 def sample_names(text: str) -> Iterator[str]:

@@ -10,13 +10,11 @@ sends it. Keys are never part of the answer.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import orjson
 import trio
@@ -25,7 +23,12 @@ from . import wire
 from .client import AuthError, Client, CrushError, Unreachable, connect
 from .client import parse_server_url as _parse_server_url
 from .run_cmd import ENV_SERVER, ENV_TOKEN, EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE
-from .wire import CatalogModel, CatalogProvider
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import AsyncIterator, Sequence
+
+    from .wire import CatalogModel, CatalogProvider
 
 
 def add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -23,15 +23,18 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Callable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
 
-from .broker import Broker
 from .metrics import METRICS
 from .wire import EventKind, PermissionNotification, PermissionRequest, new_id
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .broker import Broker
 
 log = logging.getLogger(__name__)
 

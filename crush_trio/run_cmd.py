@@ -28,10 +28,9 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import attrs
 import orjson
@@ -56,6 +55,9 @@ from .client import (
 )
 from .client.errors import BadRequest
 from .wire import AgentEvent, Attachment, RunComplete, Session
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1

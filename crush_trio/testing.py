@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import math
 import uuid
-from collections.abc import AsyncIterator, Iterable
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -56,7 +55,10 @@ from .errors import unwrap_group
 from .providers.scripted import Gate, ScriptedModel, Step
 
 if TYPE_CHECKING:
-    from .server.serve import ServerHandle
+    # Only annotates CrushServer (never structured): the server's code loads in crush_server.
+    from collections.abc import AsyncIterator, Iterable
+
+    from .server.serve import ServerHandle  # noqa: TC004
 
 __all__ = [
     "CrushServer",

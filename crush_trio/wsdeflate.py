@@ -14,18 +14,24 @@ job; making hypercorn's websocket (the ``"asgi"`` transport) use it is
 The server compresses every frame per connection, with context takeover: an event is encoded once
 for all clients (:attr:`crush_trio.broker.Event.ws_frame`), then deflated into each negotiating
 client's own LZ77 window, where the envelope of the previous events (the keys, the message and
-session ids) makes a ``message_delta`` cost about 20 bytes instead of about 230. Compressing each
+session ids) makes a ``message_delta`` cost about 20 bytes instead of about 230. Connections
+whose compressed frames so far were the same events in the same order have the same compressor
+state, so they share it (a :class:`Cohort` state): the first of them to send an event compresses
+it once, and the others send the same bytes; a connection that gets another event (a ``gap``,
+a command's reply, an event dropped for it) goes on from a copy of the state, alone or with
+the others that took the same turn. Compressing each
 event once with ``server_no_context_takeover`` and sharing the compressed bytes keeps the
 encode-once property but saves little on small events (measured on a recorded paced run: 22
 bytes per reply character against 33 uncompressed and 3.3 with context takeover, at about 5 µs
-per frame and client); docs/performance.md has the figures. The window and memory level are kept
-small (:data:`SERVER_WINDOW_BITS`, :data:`SERVER_MEM_LEVEL`: about 22 KB of zlib state per
-compressing connection) because a server holds one compressor per connection; connection frames
-go out uncompressed, so an idle client holds none.
+per frame and client); docs/performance.md has the figures. The memory level is kept small
+(:data:`SERVER_MEM_LEVEL`; with the 32 KiB window of :data:`SERVER_WINDOW_BITS`, about 140 KB of
+zlib state per compression state: shared by a cohort, or one connection's own once it has left
+it); connection frames go out uncompressed, so an idle client holds none.
 """
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -39,8 +45,10 @@ if TYPE_CHECKING:
     from .broker import Event
 
 #: LZ77 window of a connection's compressor (bits; the window is ``2**bits`` bytes). A client's
-#: ``server_max_window_bits`` lowers it further.
-SERVER_WINDOW_BITS: Final = 11
+#: ``server_max_window_bits`` lowers it further. 32 KiB: a snapshot of a message (or a
+#: ``run_complete``) then points back at the previous one; connections that keep up share one
+#: compressor (:class:`Cohort`), so the window costs per cohort, not per client.
+SERVER_WINDOW_BITS: Final = 15
 #: zlib memory level of a connection's compressor (1 to 9; its hash has ``2**(level+7)`` slots).
 SERVER_MEM_LEVEL: Final = 4
 #: zlib compression level of every compressor.
@@ -56,6 +64,10 @@ UNCOMPRESSED_TYPES: Final = frozenset({"hello", "gap"})
 
 #: Close reason of a compressed message that inflates past the connection's bound (1009).
 TOO_BIG_REASON: Final = "Exceeded maximum message size: {} bytes (inflated)"
+
+#: Most branches one shared compressor state remembers (connections that got different events
+#: after it); a connection whose event is not among them compresses it from a copy of its own.
+MAX_BRANCHES: Final = 4
 
 _SYNC_TAIL: Final = b"\x00\x00\xff\xff"
 #: The opcodes whose frames carry message data (compressible; RFC 7692 §6).
@@ -87,6 +99,8 @@ class Deflater(Protocol):
 
     def flush(self, mode: int = ..., /) -> bytes: ...
 
+    def copy(self) -> Deflater: ...
+
 
 class Inflater(Protocol):
     """A zlib decompressor (what :func:`zlib.decompressobj` returns)."""
@@ -95,6 +109,83 @@ class Inflater(Protocol):
     def unconsumed_tail(self) -> bytes: ...
 
     def decompress(self, data: bytes, /, max_length: int = ...) -> bytes: ...
+
+
+class Cohort:
+    """One compressor state shared by every connection that got the same compressed frames, in
+    the same order, since it began (with the same window).
+
+    :meth:`send` is the frame of an event after this state and the state after it: computed once
+    (from a copy of this state's compressor, which stays as it is for the connections still
+    here) and remembered as a branch, so that the other connections here get the same bytes and
+    the same next state. A branch holds its next state weakly: a state lives as long as some
+    connection is at it, and a connection that arrives at a branch whose state has gone (every
+    connection there moved on) computes its own. So connections that keep up move together and
+    cost one compression per event; one that falls behind ends up alone, as with a compressor of
+    its own.
+    """
+
+    __slots__ = ("__weakref__", "branches", "deflater", "first", "members", "private", "takeover")
+
+    def __init__(self, deflater: Deflater, *, takeover: bool = True, first: bool = False) -> None:
+        self.deflater = deflater
+        #: False: every frame is compressed from this state (``server_no_context_takeover``),
+        #: which then stays the state after it.
+        self.takeover = takeover
+        #: A first state (:func:`first_state`): shared by every new connection, never private.
+        self.first = first
+        #: Connections at this state (:meth:`BoundedDeflate.frame` and ``release`` count them).
+        self.members = 0
+        #: Only one connection is here and no other can arrive: it compresses in place.
+        self.private = False
+        #: Event -> (its frame after this state, the state after it); at most MAX_BRANCHES.
+        self.branches: dict[Event, tuple[bytes, weakref.ref[Cohort]]] = {}
+
+    def send(self, event: Event, shared: bytes) -> tuple[bytes, Cohort]:
+        """The compressed frame (RSV1 set) of ``event``, whose uncompressed frame is
+        ``shared``, after this state; and the state after it (this one, changed in place, when
+        it is private)."""
+        if self.private:
+            return self._compress(self.deflater, shared), self
+        branches = self.branches
+        branch = branches.get(event)
+        if branch is not None:
+            after = branch[1]()
+            if after is not None and not after.private:
+                return branch[0], after
+        if self.members == 1 and self.takeover and not self.first:
+            # Alone here: no copy; whoever was behind finds this state gone (private).
+            self.private = True
+            branches.clear()
+            return self._compress(self.deflater, shared), self
+        deflater = self.deflater.copy()
+        frame = self._compress(deflater, shared)
+        after = Cohort(deflater) if self.takeover else self
+        if len(branches) >= MAX_BRANCHES:
+            del branches[next(iter(branches))]  # the oldest
+        branches[event] = (frame, weakref.ref(after))
+        return frame, after
+
+    @staticmethod
+    def _compress(deflater: Deflater, shared: bytes) -> bytes:
+        data = deflater.compress(memoryview(shared)[_header_size(len(shared)) :])
+        data += deflater.flush(zlib.Z_SYNC_FLUSH)
+        return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
+
+
+#: The state every connection's compression starts from, by window bits and context takeover.
+_FIRST_STATES: dict[tuple[int, bool], Cohort] = {}
+
+
+def first_state(window_bits: int, *, takeover: bool = True) -> Cohort:
+    """The shared initial compressor state of a connection whose window is ``window_bits``
+    (``takeover`` False: ``server_no_context_takeover``, every frame starts from it)."""
+    state = _FIRST_STATES.get((window_bits, takeover))
+    if state is None:
+        deflater = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, -window_bits, SERVER_MEM_LEVEL)
+        state = Cohort(deflater, takeover=takeover, first=True)
+        _FIRST_STATES[window_bits, takeover] = state
+    return state
 
 
 class BoundedDeflate(PerMessageDeflate, BoundedExtension):
@@ -120,8 +211,12 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
         #: 1009 and :attr:`too_big_reason`).
         self.overflowed = False
         self._inflated = 0
-        #: The connection's zlib compressor, created with its first compressed frame.
+        #: The connection's zlib compressor of wsproto's path (:meth:`frame_outbound`), created
+        #: with its first compressed frame.
         self._deflater: Deflater | None = None
+        #: Where the server's compression of this connection is (:meth:`frame`): a state shared
+        #: with the connections that got the same frames; None before the first.
+        self._cohort: Cohort | None = None
         #: The connection's zlib decompressor, created with its first compressed message.
         self._inflater: Inflater | None = None
         #: Whether the frame being received carries message data.
@@ -242,19 +337,30 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
     def frame(self, event: Event) -> bytes:
         """The server's frame of ``event`` on this connection: compressed into the connection's
         window (RSV1 set), or the shared uncompressed frame when it is larger than
-        :data:`MAX_COMPRESSED_EVENT` or one of :data:`UNCOMPRESSED_TYPES`. The compressor is
-        created on the first compressed frame."""
+        :data:`MAX_COMPRESSED_EVENT` or one of :data:`UNCOMPRESSED_TYPES`. The compression
+        state is shared with the connections that got the same frames (:class:`Cohort`)."""
         shared = event.ws_frame
         if len(shared) > MAX_COMPRESSED_EVENT or event.type in UNCOMPRESSED_TYPES:
             return shared
-        deflater = self._deflater
-        if deflater is None:
-            deflater = self._deflater = self._new_compressor(False)
-        payload = memoryview(shared)[_header_size(len(shared)) :]
-        data = deflater.compress(payload) + deflater.flush(zlib.Z_SYNC_FLUSH)
-        if self.server_no_context_takeover:
-            self._deflater = None
-        return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
+        cohort = self._cohort
+        if cohort is None:
+            cohort = self._cohort = first_state(
+                min(self.server_max_window_bits, SERVER_WINDOW_BITS),
+                takeover=not self.server_no_context_takeover,
+            )
+            cohort.members += 1
+        frame, after = cohort.send(event, shared)
+        if after is not cohort:
+            cohort.members -= 1
+            after.members += 1
+            self._cohort = after
+        return frame
+
+    def release(self) -> None:
+        """The connection is over: it leaves its compression state (:meth:`frame`)."""
+        cohort, self._cohort = self._cohort, None
+        if cohort is not None:
+            cohort.members -= 1
 
 
 class HypercornDeflate(BoundedDeflate):
@@ -285,6 +391,5 @@ def bound_hypercorn_deflate(max_message_size: int) -> None:
 
 def client_deflate(max_message_size: int) -> BoundedDeflate:
     """A client's offer: the server's window no larger than :data:`SERVER_WINDOW_BITS` (what this
-    server uses anyway; it keeps the client's inflater at 2 KiB of window, not 32), received
-    messages bounded by ``max_message_size``."""
+    server uses anyway), received messages bounded by ``max_message_size``."""
     return BoundedDeflate(max_message_size, server_max_window_bits=SERVER_WINDOW_BITS)

@@ -17,11 +17,9 @@ assert the status code; :class:`EventSocket` is a raw websocket that keeps every
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import httpx
@@ -30,9 +28,14 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from crush_trio.client import Event
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
 from tests.services import pg_dsn, postgres_server, redis_server, redis_url  # noqa: F401 (fixtures)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
+
+    from crush_trio.client import Event
 
 TOKEN: Final = "test-token"
 #: Bound on each wait of a test on a run or an event (seconds).

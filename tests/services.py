@@ -23,11 +23,14 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: Bound on a server's start and stop.
 START_TIMEOUT = 60.0

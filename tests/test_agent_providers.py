@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import base64
 import collections
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -24,6 +23,9 @@ from crush_trio.wire import Attachment, Role, ToolResultPart
 
 from .conftest import WAIT, completes_run, payloads, serve_options
 from .fake_llm import FakeLLM, Fault, RecordedRequest, Reply, ToolCall
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 class Router:
@@ -102,7 +104,8 @@ async def test_multi_step_tool_loop_streams_and_stores(tmp_path: Path, api: str)
     ):
         sid = (await ws.create_session()).id
         run = await ws.run(sid, "write hello.txt", timeout=20)
-        assert run.text == "Done: the file says hi." and run.error is None
+        assert run.text == "Done: the file says hi."
+        assert run.error is None
         assert (Path(ws.path) / "hello.txt").read_text() == "hi"
         msgs = await ws.messages(sid)
         assert [m.role for m in msgs] == [
@@ -115,14 +118,16 @@ async def test_multi_step_tool_loop_streams_and_stores(tmp_path: Path, api: str)
         ]
         view_result = msgs[4].parts[0]
         assert isinstance(view_result, ToolResultPart)
-        assert view_result.name == "view" and "hi" in view_result.content
+        assert view_result.name == "view"
+        assert "hi" in view_result.content
         # The third request carried the whole history, tool results included.
         model_requests = [
             r for r in fake.requests if "short title" not in orjson.dumps(r.body).decode()
         ]
         assert len(model_requests) == 3
         sent = orjson.dumps(model_requests[2].body).decode()
-        assert "hello.txt" in sent and "Let me write it." in sent
+        assert "hello.txt" in sent
+        assert "Let me write it." in sent
         # Titles come from the small model as background work, announced as a session update.
         await feed.until(titled(sid, "Fixing the parser"), WAIT)
         assert (await ws.session(sid)).title == "Fixing the parser"
@@ -178,7 +183,8 @@ async def test_500_exhausting_retries_ends_in_one_errored_run_complete(tmp_path:
     ):
         sid = (await ws.create_session()).id
         failed = await ws.run(sid, "hi", timeout=WAIT, check=False)
-        assert failed.status is RunStatus.FAILED and failed.error is not None
+        assert failed.status is RunStatus.FAILED
+        assert failed.error is not None
         assert "500" in failed.error or "upstream down" in failed.error
         seen = await feed.collect_until(completes_run(failed.run_id), WAIT)
         retries = [e for e in payloads(seen, "agent_event") if e.type == "retry"]
@@ -193,7 +199,8 @@ async def test_401_fails_at_once_with_the_api_key_hint(tmp_path: Path) -> None:
     async with fake_provider_workspace(tmp_path, router, "openai") as (fake, ws):
         sid = (await ws.create_session()).id
         run = await ws.run(sid, "hi", timeout=WAIT, check=False)
-        assert run.status is RunStatus.FAILED and run.error is not None
+        assert run.status is RunStatus.FAILED
+        assert run.error is not None
         assert "check the api_key for provider 'fake'" in run.error
 
 
@@ -215,7 +222,8 @@ async def test_cancel_mid_stream_closes_the_upstream_connection_and_keeps_the_ti
             raise AssertionError("run cx ended before it streamed")
         await ws.cancel(sid)
         run = await handle.result(WAIT)
-        assert run.status is RunStatus.CANCELLED and run.text.startswith("tok")
+        assert run.status is RunStatus.CANCELLED
+        assert run.text.startswith("tok")
         with trio.fail_after(WAIT):
             await fake.wait_for_disconnects(1)
         await feed.until(titled(sid, "Fixing the parser"), WAIT)
@@ -227,7 +235,8 @@ async def test_malformed_chunk_ends_the_run_with_a_clear_error(tmp_path: Path) -
     async with fake_provider_workspace(tmp_path, router, "openai") as (fake, ws):
         sid = (await ws.create_session()).id
         run = await ws.run(sid, "hi", timeout=WAIT, check=False)
-        assert run.status is RunStatus.FAILED and run.error is not None
+        assert run.status is RunStatus.FAILED
+        assert run.error is not None
         assert "malformed" in run.error
 
 
@@ -290,7 +299,8 @@ async def test_anthropic_requests_cache_the_prompt_and_cached_tokens_are_counted
     assert after_tool.body["messages"][1]["content"][1]["type"] == "tool_use"
     assert cache_marks(second.body) == [(3, 0), (4, 0)]
     # The session's context is the last step's input, cached tokens included.
-    assert session.prompt_tokens == 20 + 1500 + 100 and session.completion_tokens == 4
+    assert session.prompt_tokens == 20 + 1500 + 100
+    assert session.completion_tokens == 4
     # Uncached input at cost_per_1m_in, writes at cost_per_1m_in_cached, reads at
     # cost_per_1m_out_cached, output at cost_per_1m_out.
     steps = [

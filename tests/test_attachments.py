@@ -7,8 +7,7 @@ How each provider API receives them is in tests/test_providers.py.
 from __future__ import annotations
 
 import base64
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -19,6 +18,9 @@ from crush_trio.errors import BadRequest, TooLarge
 from crush_trio.wire import Attachment, BinaryPart
 
 from .conftest import Server, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 PNG_BYTES = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR fake image bytes"
 PNG = base64.b64encode(PNG_BYTES).decode()
@@ -135,11 +137,13 @@ async def test_attachment_alone_is_a_prompt_and_bad_ones_are_400(server: Server)
     r = await post_prompt(
         server, wid, {"session_id": sid, "prompt": "x", "attachments": [image(content="@@")]}
     )
-    assert r.status_code == 400 and "base64" in r.json()["message"]
+    assert r.status_code == 400
+    assert "base64" in r.json()["message"]
     r = await post_prompt(
         server, wid, {"session_id": sid, "prompt": "x", "attachments": [{"content": 5}]}
     )
-    assert r.status_code == 400 and "$.attachments[0].content" in r.json()["message"]
+    assert r.status_code == 400
+    assert "$.attachments[0].content" in r.json()["message"]
 
 
 async def test_oversized_attachment_is_413_naming_the_limit(tmp_path: Path) -> None:
@@ -153,7 +157,8 @@ async def test_oversized_attachment_is_413_naming_the_limit(tmp_path: Path) -> N
         r = await post_prompt(server, wid, {"session_id": sid, "prompt": "x", "attachments": [big]})
         assert r.status_code == 413
         message = r.json()["message"]
-        assert "server.max_attachment_bytes" in message and "1000 bytes" in message
+        assert "server.max_attachment_bytes" in message
+        assert "1000 bytes" in message
         half = {"file_name": "half.txt", "content": b64(b"y" * 800)}
         r = await post_prompt(
             server, wid, {"session_id": sid, "prompt": "x", "attachments": [half, half]}
@@ -192,7 +197,8 @@ async def test_websocket_prompt_takes_attachments_and_bounds_them(tmp_path: Path
                     prompt="too big",
                     attachments=[{"file_name": "b.txt", "content": b64(b"z" * 2000)}],
                 )
-                assert reply["ok"] is False and reply["status"] == 413
+                assert reply["ok"] is False
+                assert reply["status"] == 413
                 assert "server.max_attachment_bytes" in reply["message"]
                 reply = await sock.command("messages.list", session_id=sid)
         user = reply["result"][0]

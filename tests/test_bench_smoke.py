@@ -48,29 +48,38 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
         assert (tmp_path / f"{key}.md").read_text().count("|---") >= 2
         assert (tmp_path / f"{key}.png").stat().st_size > 0
     assert "| workload | target | measured | limit | verdict |" in out
-    assert "## Snapshots" in out and "| files | first snapshot |" in out
+    assert "## Snapshots" in out
+    assert "| files | first snapshot |" in out
     raw = orjson.loads((tmp_path / "results.json").read_bytes())
     assert set(raw["workloads"]) == set(WORKLOADS)
-    assert raw["targets"] and all(isinstance(t["met"], bool) for t in raw["targets"])
+    assert raw["targets"]
+    assert all(isinstance(t["met"], bool) for t in raw["targets"])
     # The paced fan-out of W3: every watcher got its run_complete, and its figures were taken.
     paced = raw["workloads"]["W3"]["paced"]
     assert paced["run_complete"] == paced["clients"] > 0, paced
-    assert paced["reply_chars"] > 0 and paced["bytes_per_client_char"] > 0
+    assert paced["reply_chars"] > 0
+    assert paced["bytes_per_client_char"] > 0
     assert paced["frame_kinds"].get("message_delta", [0])[0] > 0, paced  # the clients asked
     # The watchers offered permessage-deflate: their sockets carried fewer bytes than the text.
-    assert paced["compressed"] and 0 < paced["wire_bytes"] < paced["bytes"], paced
+    assert paced["compressed"], paced
+    assert 0 < paced["wire_bytes"] < paced["bytes"], paced
     # The soak sampled the server's memory and compared two tracemalloc snapshots.
     soak = raw["workloads"]["W6"]
-    assert len(soak["samples"]) >= 3 and all(s["rss"] > 0 for s in soak["samples"]), soak
-    assert soak["sites"] and soak["traced"][1] > 0, soak
+    assert len(soak["samples"]) >= 3, soak
+    assert all(s["rss"] > 0 for s in soak["samples"]), soak
+    assert soak["sites"], soak
+    assert soak["traced"][1] > 0, soak
     assert soak["counts"].get("prompt http", 0) > 0, soak["counts"]
     # The tool-heavy runs: every run made its tool calls, each seen with a result that is not an
     # error, and the server's CPU per call was taken.
     tools = raw["workloads"]["W7"]
     assert tools["completed"] == tools["runs"] > 0, tools
     assert tools["tool_calls"] == tools["runs"] * tools["tool_calls_per_run"] > 0, tools
-    assert tools["tool_calls_seen"] == tools["tool_calls"] and tools["tool_errors"] == 0, tools
-    assert set(tools["tool_latency"]) == set(tools["tools"]) and tools["cpu_per_tool_call"] > 0
+    assert tools["tool_calls_seen"] == tools["tool_calls"], tools
+    assert tools["tool_errors"] == 0, tools
+    assert set(tools["tool_latency"]) == set(tools["tools"])
+    assert tools["cpu_per_tool_call"] > 0
     chaos = raw["workloads"]["W5"]["totals"]
     assert chaos["accepted"] > 0
-    assert chaos["missing"] == 0 and chaos["duplicated"] == 0, chaos
+    assert chaos["missing"] == 0, chaos
+    assert chaos["duplicated"] == 0, chaos

@@ -60,12 +60,15 @@ async def test_client_queue_is_bounded_by_bytes_as_well_as_events() -> None:
     for n in range(20):
         broker.publish(big(n, 1000))
     queued = slow.receive.bytes
-    assert queued <= 10_000 and len(slow.receive) < 20  # far below the 1000-event bound
-    assert slow.dropped == 20 - len(slow.receive) and slow.peak_bytes <= 10_000
+    assert queued <= 10_000
+    assert len(slow.receive) < 20  # far below the 1000-event bound
+    assert slow.dropped == 20 - len(slow.receive)
+    assert slow.peak_bytes <= 10_000
     frames = drain(slow)
     assert [f.type for f in frames][-1] == "gap"  # the drops are reported once there is room
     gap = orjson.loads(frames[-1].text)["payload"]
-    assert gap["dropped"] == slow.dropped and gap["to_seq"] == 20
+    assert gap["dropped"] == slow.dropped
+    assert gap["to_seq"] == 20
     assert slow.receive.bytes == 0
 
 
@@ -88,11 +91,14 @@ async def test_replies_wait_for_room_then_a_client_that_does_not_read_is_disconn
             await stream.send_reply(reply(1000))
             if stream.killed.is_set():
                 break
-    assert stream.killed.is_set() and stream.kill_code == 1013
+    assert stream.killed.is_set()
+    assert stream.kill_code == 1013
     assert stream.kill_reason == "too slow"
     assert trio.current_time() - started == pytest.approx(2.0)
-    assert stream.peak_bytes <= 10_000 and broker.killed == 1
-    assert stream not in broker.clients and stream.receive.bytes == 0  # what was queued is freed
+    assert stream.peak_bytes <= 10_000
+    assert broker.killed == 1
+    assert stream not in broker.clients
+    assert stream.receive.bytes == 0  # what was queued is freed
 
 
 async def test_a_waiting_reply_is_queued_once_the_client_takes_something(
@@ -129,7 +135,8 @@ async def test_a_full_client_of_an_idle_workspace_is_disconnected_after_the_boun
         with trio.fail_after(WAIT):
             await stalled.killed.wait()
         assert trio.current_time() - started == pytest.approx(2.0)
-        assert stalled.kill_reason == "too slow" and broker.killed == 1
+        assert stalled.kill_reason == "too slow"
+        assert broker.killed == 1
         # "reading" took events 1.5 s in, which restarted its bound: it is full again, and is
         # disconnected 2 s after that unless it reads.
         await trio.sleep(1.0)
@@ -151,7 +158,8 @@ async def test_a_must_deliver_event_after_the_bytes_bound_waits_then_kills(
     started = trio.current_time()
     await broker.publish_must_deliver(RunComplete("s", "r" * 1500), EventKind.CREATED)
     assert trio.current_time() - started == pytest.approx(2.0)
-    assert slow.killed.is_set() and broker.killed == 1
+    assert slow.killed.is_set()
+    assert broker.killed == 1
 
 
 # -- replay bytes -------------------------------------------------------------------------------
@@ -207,7 +215,8 @@ async def test_retired_client_ids_are_capped_oldest_forgotten_first() -> None:
     for client in ids:
         backend.retire(client)
     assert len(backend._retired) == 100
-    assert not backend.is_retired(ids[0]) and backend.is_retired(ids[-1])
+    assert not backend.is_retired(ids[0])
+    assert backend.is_retired(ids[-1])
     assert all(backend.is_retired(c) for c in ids[-100:])
 
 
@@ -221,7 +230,8 @@ async def test_a_retired_client_is_refused_over_http_with_409(tmp_path: Path) ->
         r = await server.http.post(
             "/v1/workspaces", json={"path": str(project), "client_id": client}
         )
-        assert r.status_code == 409 and "retired" in r.json()["message"]
+        assert r.status_code == 409
+        assert "retired" in r.json()["message"]
 
 
 # -- holds: no scan of every client --------------------------------------------------------------
@@ -250,7 +260,8 @@ def test_hold_deadlines_do_not_scan_every_client() -> None:
     large = _churn(many, 1.0, 300)
     assert large < max(20 * small, 0.05), (small, large)
     # Every gone client still leaves when its grace ends.
-    assert len(many.expire(100.0)) == 20_300 and not many.held
+    assert len(many.expire(100.0)) == 20_300
+    assert not many.held
     assert many.next_deadline() is None
 
 
@@ -311,9 +322,11 @@ async def test_a_client_that_floods_commands_and_never_reads_is_disconnected(
                 await stream.killed.wait()
             nursery.cancel_scope.cancel()
         sock.close()
-        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        assert stream.kill_code == 1013
+        assert stream.kill_reason == "too slow"
         # Several replies were queued, never more bytes than the bound.
-        assert stream.peak_depth > 1 and stream.peak_bytes <= 1024 * 1024
+        assert stream.peak_depth > 1
+        assert stream.peak_bytes <= 1024 * 1024
         assert stream.receive.bytes == 0
         assert (await server.http.get("/v1/health")).status_code == 200
 
@@ -350,8 +363,10 @@ async def test_a_stalled_websocket_of_an_idle_workspace_is_disconnected(tmp_path
             with trio.fail_after(WAIT):
                 await stream.killed.wait()
             nursery.cancel_scope.cancel()
-        assert full_since and trio.current_time() - full_since[-1] >= 0.5
-        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        assert full_since
+        assert trio.current_time() - full_since[-1] >= 0.5
+        assert stream.kill_code == 1013
+        assert stream.kill_reason == "too slow"
         sock.close()
         assert not ws.closing  # the workspace itself is untouched
 
@@ -502,7 +517,8 @@ async def test_aborted_websockets_leave_rss_and_descriptors_at_their_baseline(
             )
         )
         try:
-            assert proc.stdout is not None and proc.stderr is not None
+            assert proc.stdout is not None
+            assert proc.stderr is not None
             nursery.start_soon(closes.read, proc.stderr)
             line = b""
             with trio.fail_after(20):
@@ -637,5 +653,6 @@ def test_provider_label_values_are_bounded() -> None:
         for s in metrics.provider_requests.collect()[0].samples
         if s.name.endswith("_total")
     }
-    assert len(labels) == MAX_PROVIDER_LABELS + 1 and "other" in labels
+    assert len(labels) == MAX_PROVIDER_LABELS + 1
+    assert "other" in labels
     assert metrics.provider("provider-0") is metrics._providers["provider-0"]  # kept names stay

@@ -64,7 +64,8 @@ async def test_full_client_drops_lossy_events_and_gets_a_gap_in_order() -> None:
     for n in range(5):
         broker.publish(lossy(n))
         drain(fast)
-    assert slow.dropped == 3 and broker.dropped == 3
+    assert slow.dropped == 3
+    assert broker.dropped == 3
     first = slow.receive.receive_nowait()
     slow.after_receive()  # room again: the gap is queued behind what was already there
     frames = [first, *drain(slow)]
@@ -86,8 +87,11 @@ async def test_must_deliver_waits_for_room_then_kills_the_slow_client(
     started = trio.current_time()
     await broker.publish_must_deliver(RunComplete("s", "r1"), EventKind.CREATED)
     assert trio.current_time() - started == pytest.approx(2.0)
-    assert slow.killed.is_set() and slow.kill_reason == "too slow" and slow.kill_code == 1013
-    assert slow not in broker.clients and broker.killed == 1
+    assert slow.killed.is_set()
+    assert slow.kill_reason == "too slow"
+    assert slow.kill_code == 1013
+    assert slow not in broker.clients
+    assert broker.killed == 1
     assert [e.type for e in drain(ok)] == ["run_complete"]
 
 
@@ -117,7 +121,8 @@ async def test_replay_is_bounded_by_count_and_by_bytes() -> None:
     for n in range(50):
         by_bytes.publish(AgentEvent("info", text="x" * 100 + str(n)))
     assert sum(len(e.text) for e in by_bytes.replay) <= 500
-    assert by_bytes.replay[-1].seq == 50 and len(by_bytes.replay) < 50
+    assert by_bytes.replay[-1].seq == 50
+    assert len(by_bytes.replay) < 50
 
 
 async def test_resume_frames() -> None:
@@ -130,7 +135,8 @@ async def test_resume_frames() -> None:
     assert frames == []
     _, frames = broker.subscribe(since=1)  # 2 and 3 are gone
     gap = orjson.loads(frames[0].text)
-    assert gap["type"] == "gap" and gap["payload"] == {"dropped": 2, "from_seq": 2, "to_seq": 3}
+    assert gap["type"] == "gap"
+    assert gap["payload"] == {"dropped": 2, "from_seq": 2, "to_seq": 3}
     assert [f.seq for f in frames[1:]] == [4, 5, 6]
     _, frames = broker.subscribe(since=99)  # a cursor from an earlier server process
     assert [f.type for f in frames] == ["gap"]

@@ -14,6 +14,8 @@ Moves (space separated):
 * ``T`` — the writer takes one item (and the pending gap goes out if there is room);
 * ``t`` — the writer takes one item, in the middle of a batch (the gap stays pending);
 * ``C`` — the stream closes;
+* ``I`` / ``i`` — the shell can (``I``) / cannot (``i``) send an item for the empty queue at once
+  (a direct write while the writer is idle); what it sends joins the frames the client got;
 * ``+N`` — N seconds pass.
 """
 
@@ -43,11 +45,22 @@ class Clock:
 class Recording(Outbox):
     """An outbox that records the hooks the shell would act on."""
 
-    __slots__ = ("hooks",)
+    __slots__ = ("direct", "hooks", "sent")
 
     def __init__(self, size: int, max_bytes: int, *, deltas: bool, clock: Clock) -> None:
         super().__init__(size, max_bytes, deltas=deltas, clock=clock)
         self.hooks: list[str] = []
+        #: The shell sends an item for the empty queue at once (``I``/``i``) ...
+        self.direct = False
+        #: ... into this list: what the client got, in order (the writer's takes too).
+        self.sent: list[str] = []
+
+    def _send_now(self, item: Event) -> bool:
+        if not self.direct:
+            return False
+        self.hooks.append("sent")
+        self.sent.append(label(item))
+        return True
 
     def _wake_writer(self) -> None:
         self.hooks.append("wake")
@@ -75,7 +88,6 @@ class Player:
         #: Must-deliver events waiting for room, oldest first.
         self.waiting: list[Event] = []
         self.verdicts = ""
-        self.taken: list[str] = []
 
     def event(self, *, size: int = EVENT_BYTES, must_deliver: bool = False) -> Event:
         self.seq += 1
@@ -120,11 +132,13 @@ class Player:
             elif move in ("T", "t"):
                 item = box.take()
                 assert item is not None, "nothing to take"
-                self.taken.append(label(item))
+                box.sent.append(label(item))
                 if move == "T":
                     box.after_receive()
             elif move == "C":
                 box.close()
+            elif move in ("I", "i"):
+                box.direct = move == "I"
             else:  # pragma: no cover - a typo in a table
                 raise ValueError(move)
         return self
@@ -132,6 +146,11 @@ class Player:
     @property
     def queue(self) -> list[str]:
         return [label(item) for item in self.box.items]
+
+    @property
+    def taken(self) -> list[str]:
+        """What the client got so far, in order: taken by its writer or sent at once."""
+        return self.box.sent
 
     @property
     def frames(self) -> list[str]:
@@ -368,6 +387,51 @@ def test_the_shell_is_told_only_on_transitions(size: int, moves: str, hooks: lis
     assert Player(size).play(moves).box.hooks == hooks
 
 
+DIRECT = [
+    # size, moves, verdicts, frames (got, then queued), shell hooks
+    pytest.param(
+        2, "I L L L", "+++", ["1", "2", "3"], ["sent"] * 3, id="sent-at-once-never-queued"
+    ),
+    pytest.param(
+        3,
+        "L I L T L T T L",
+        "++++",
+        ["1", "2", "3", "4"],
+        ["wake", "sent"],
+        id="only-into-the-empty-queue-so-order-is-kept",
+    ),
+    pytest.param(
+        2,
+        "L L L L T T I L",
+        "++xx+",
+        ["1", "2", "gap3-4", "5"],
+        ["wake", "stalled", "drop", "drop", "stalled", "gap", "stalled"],
+        id="queued-behind-a-gap-never-sent-past-it",
+    ),
+    pytest.param(
+        1,
+        "L L I T L",
+        "+x+",
+        ["1", "gap2-2", "3"],
+        ["wake", "stalled", "drop", "sent", "gap", "sent"],
+        id="a-gap-for-the-drained-queue-is-sent-then-the-next",
+    ),
+    pytest.param(1, "I M", "+", ["m1"], ["sent"], id="must-deliver-too"),
+    pytest.param(1, "I C L", "x", [], [], id="closed-sends-nothing"),
+]
+
+
+@pytest.mark.parametrize(("size", "moves", "verdicts", "frames", "hooks"), DIRECT)
+def test_an_item_for_the_empty_queue_may_be_sent_at_once(
+    size: int, moves: str, verdicts: str, frames: list[str], hooks: list[str]
+) -> None:
+    played = Player(size).play(moves)
+    assert played.verdicts == verdicts
+    assert played.frames == frames
+    assert played.box.hooks == hooks
+    assert played.box.bytes == sum(item.size for item in played.box.items)
+
+
 def test_counts_and_peaks() -> None:
     played = Player(3, 1000).play("L L L L L T T T L")
     box = played.box
@@ -379,7 +443,9 @@ def test_counts_and_peaks() -> None:
 def test_clear_empties_the_queue_and_its_bytes() -> None:
     box = Player(5).play("L L L").box
     box.clear()
-    assert box.take() is None and box.bytes == 0 and len(box.items) == 0
+    assert box.take() is None
+    assert box.bytes == 0
+    assert len(box.items) == 0
 
 
 def test_a_gap_frame_carries_the_latest_seq_the_shell_stamps() -> None:

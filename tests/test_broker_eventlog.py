@@ -4,8 +4,7 @@ closes the clients (1012) and tells the owner; a new owner continues the numberi
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
 import pytest
@@ -22,6 +21,9 @@ from crush_trio.broker import (
 from crush_trio.errors import WS_CLOSE_SERVICE_RESTART, CrushError
 from crush_trio.eventlog import EventLog, EventLogError, EventRecord, Fenced, MemoryEventLog
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
 
 #: Bound on each test's waits (seconds).
 WAIT: Final = 10.0
@@ -115,7 +117,8 @@ async def test_an_event_reaches_clients_only_after_the_log_accepted_it(
     log.gate = trio.Event()
     broker.publish(lossy(1))
     await trio.testing.wait_all_tasks_blocked()
-    assert drain(client) == [] and broker.durable_seq == 0
+    assert drain(client) == []
+    assert broker.durable_seq == 0
     assert broker.stats()["log_pending"] == 1
     assert broker.hello("w", "v").seq == 0  # clients are told only what they may have seen
     log.gate.set()
@@ -252,7 +255,8 @@ async def test_a_fenced_log_closes_the_clients_and_tells_the_owner(nursery: trio
         await broker.publish_must_deliver(RunComplete("s", "r"), EventKind.CREATED)
     assert client.kill_code == WS_CLOSE_SERVICE_RESTART
     assert client.kill_reason == LOG_FENCED_REASON
-    assert len(lost) == 1 and isinstance(lost[0], Fenced)
+    assert len(lost) == 1
+    assert isinstance(lost[0], Fenced)
     assert drain(client) == []
     assert await ring.last_seq() == 1  # nothing after the fence landed
     with pytest.raises(trio.ClosedResourceError):
@@ -273,7 +277,8 @@ async def test_an_unavailable_log_is_given_up_after_the_append_timeout(
     with trio.fail_after(WAIT):
         await client.killed.wait()
     assert 3.0 <= trio.current_time() - start < 3.5
-    assert isinstance(lost[0], EventLogError) and "log_append_timeout" in str(lost[0])
+    assert isinstance(lost[0], EventLogError)
+    assert "log_append_timeout" in str(lost[0])
     assert client.kill_reason == LOG_UNAVAILABLE_REASON
     assert drain(client) == []
 
@@ -291,7 +296,8 @@ async def test_an_append_whose_reply_was_lost_is_not_appended_twice(
     with trio.fail_after(WAIT):
         delivered = await take(client, 2)  # delivered once the log holds them
     assert log.batches == [2]
-    assert seqs(delivered) == [1, 2] and drain(client) == []
+    assert seqs(delivered) == [1, 2]
+    assert drain(client) == []
     assert broker.log_lost is None
 
 
@@ -402,11 +408,13 @@ async def test_a_resume_across_a_trimmed_log_skips_what_is_not_delivered_yet(
     await log.entered.wait()
     await log.inner.append(events_of(broker, 11, 12))  # landed; the writer has not seen it yet
     client, first = await broker.subscribe_resuming(since=2)
-    assert first[0].type == "gap" and seqs(first) == [7, 8, 9, 10]  # the log keeps 7..12
+    assert first[0].type == "gap"
+    assert seqs(first) == [7, 8, 9, 10]  # the log keeps 7..12
     log.gate.set()  # the writer's append: already there, reconciled by last_seq()
     with trio.fail_after(WAIT):
         delivered = await take(client, 2)
-    assert seqs(delivered) == [11, 12] and drain(client) == []
+    assert seqs(delivered) == [11, 12]
+    assert drain(client) == []
 
 
 def events_of(broker: Broker, first: int, last: int) -> list[EventRecord]:

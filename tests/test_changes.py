@@ -16,9 +16,8 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import httpx
 import orjson
@@ -29,8 +28,12 @@ from crush_trio.changes import ChangeLog
 from crush_trio.changes.shadow import MAX_FILE_BYTES
 from crush_trio.client import Conflict, WorkspaceClient
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import RunStatus
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from crush_trio.testing import CrushServer
 
 #: Bound on each test's waits (seconds).
 CAP: Final = 30.0
@@ -124,10 +127,14 @@ async def test_a_runs_diff_lists_every_change_and_revert_restores_the_tree_byte_
     assert (by_path["edit.txt"].added, by_path["edit.txt"].removed) == (2, 1)
     assert by_path["gone.txt"].status == "deleted"
     assert by_path["new/deep/made.txt"].status == "added"
-    assert by_path["new/blob.bin"].binary and by_path["lib/old.bin"].binary
-    assert "Binary files" in diff.diff and "\x00" not in diff.diff
-    assert "+TWO" in diff.diff and "-two" in diff.diff
-    assert "old mode 100755" in diff.diff and "new mode 100644" in diff.diff
+    assert by_path["new/blob.bin"].binary
+    assert by_path["lib/old.bin"].binary
+    assert "Binary files" in diff.diff
+    assert "\x00" not in diff.diff
+    assert "+TWO" in diff.diff
+    assert "-two" in diff.diff
+    assert "old mode 100755" in diff.diff
+    assert "new mode 100644" in diff.diff
     assert not diff.truncated
     assert {f.path for f in run.files} == set(by_path)  # the run record's summary
 
@@ -188,19 +195,23 @@ async def test_a_file_changed_after_the_run_is_a_409_naming_it_until_forced(
         refused = await http.post(url, json={})
     assert refused.status_code == 409, refused.text
     assert refused.json()["files"] == ["a.txt"]
-    assert "a.txt" in refused.json()["message"] and "force" in refused.json()["message"]
+    assert "a.txt" in refused.json()["message"]
+    assert "force" in refused.json()["message"]
     assert (root / "a.txt").read_text() == "the user's edit\n"  # nothing was touched
     assert (root / "b.txt").read_text() == "b1\n"
     with trio.fail_after(CAP), pytest.raises(Conflict, match=r"a\.txt"):
         await ws.revert_run(run_id)
     with trio.fail_after(CAP):
         forced = await ws.revert_run(run_id, force=True)
-    assert forced.state == "done" and forced.forced and forced.conflicts == ["a.txt"]
+    assert forced.state == "done"
+    assert forced.forced
+    assert forced.conflicts == ["a.txt"]
     assert (root / "a.txt").read_text() == "a0\n"
     assert (root / "b.txt").read_text() == "b0\n"
     with trio.fail_after(CAP):
         record = (await http.get(f"/v1/workspaces/{ws.id}/reverts/{forced.revert_id}")).json()
-    assert record["state"] == "done" and record["run_id"] == run_id
+    assert record["state"] == "done"
+    assert record["run_id"] == run_id
 
 
 async def test_revert_is_refused_while_a_run_is_active_in_the_session(
@@ -267,7 +278,9 @@ async def test_ignored_and_oversized_files_are_not_snapshotted_and_the_users_git
     changes = crush_server.backend.get(ws.id).changes
     record = await changes.record(run_id)
     listed = changes.repo.git("ls-tree", "-r", "--name-only", record.after).decode().split()
-    assert "huge.bin" not in listed and "run.log" not in listed and "build/o.txt" not in listed
+    assert "huge.bin" not in listed
+    assert "run.log" not in listed
+    assert "build/o.txt" not in listed
     assert not any(p.startswith(".git/") for p in listed)
     with trio.fail_after(CAP):
         await ws.revert_run(run_id)
@@ -317,7 +330,8 @@ async def test_fork_copies_the_history_up_to_the_message_and_can_revert_later_ru
     with trio.fail_after(CAP):
         reverted = await ws.fork_session(session.id, first_run.message_id, revert_files=True)
     assert [r.run_id for r in reverted.reverts] != []
-    assert (root / "one.txt").exists() and not (root / "two.txt").exists()
+    assert (root / "one.txt").exists()
+    assert not (root / "two.txt").exists()
     with trio.fail_after(CAP), pytest.raises(Exception, match="not in session"):
         await ws.fork_session(session.id, "no-such-message")
 
@@ -389,7 +403,8 @@ async def test_bad_paging_parameters_are_400_naming_them(
             assert answer.status_code == 400, (url, answer.text)
             assert words in answer.json()["message"]
         md = await http.get(f"{base}/sessions/{session.id}/export?format=markdown")
-    assert md.status_code == 200 and md.headers["content-type"].startswith("text/markdown")
+    assert md.status_code == 200
+    assert md.headers["content-type"].startswith("text/markdown")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,7 +543,8 @@ async def test_odd_names_and_ids_neither_break_a_record_nor_leave_the_data_direc
         assert len(session.files) == 2
         result = await log.revert(run_id)
     assert result.state == "done"
-    assert (root / odd).read_text() == "v1\n" and not (root / "link").is_symlink()
+    assert (root / odd).read_text() == "v1\n"
+    assert not (root / "link").is_symlink()
     assert not (tmp_path / "escape\nme.json").exists()
     assert {p.parent.name for p in data.rglob("*.json")} <= {"records", "reverts"}
 
@@ -551,7 +567,8 @@ async def test_a_revert_never_writes_through_a_directory_replaced_by_a_link(
     os.symlink(outside, root / "sub")  # the directory is now a link out of the workspace
     with trio.fail_after(CAP):
         result = await log.revert("r", force=True)
-    assert result.state == "failed" and "not a directory" in result.error
+    assert result.state == "failed"
+    assert "not a directory" in result.error
     assert [f.outcome for f in result.files] == ["old"]
     assert list(outside.iterdir()) == []
 

@@ -4,14 +4,12 @@ write, a run that makes none costs no git command, and kept trees are not kept a
 
 The change log and its shadow store are real (real git); the tool calls go through the real
 :class:`~crush_trio.changes.tracking.TrackedTools` around a toolbox of the test's own, except in
-the two tests at the end, which run real turns on a real server.
+the last test, which runs real turns on a real server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pytest
 import trio
@@ -19,11 +17,16 @@ import trio
 from crush_trio.changes import ChangeLog
 from crush_trio.changes.shadow import ShadowRepo
 from crush_trio.changes.tracking import TrackedTools
-from crush_trio.client import WorkspaceClient
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.tools import ToolResult
 from crush_trio.wire import RunStatus
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from crush_trio.client import WorkspaceClient
+    from crush_trio.testing import CrushServer
 
 #: Bound on each test's waits (seconds).
 CAP: Final = 30.0
@@ -88,8 +91,11 @@ async def test_a_run_with_no_tool_call_runs_no_git_and_records_no_files(
         diff = await log.run_diff("r1")
     assert git_calls.since(mark) == []
     assert files == {"r1": []}
-    assert record is not None and record.files == [] and record.before == record.after
-    assert diff.files == [] and diff.diff == ""
+    assert record is not None
+    assert record.files == []
+    assert record.before == record.after
+    assert diff.files == []
+    assert diff.diff == ""
 
 
 async def test_a_run_of_read_only_tools_runs_no_git(
@@ -105,7 +111,8 @@ async def test_a_run_of_read_only_tools_runs_no_git(
         await log.end_run("s", ["r1"])
         record = await log.record("r1")
     assert git_calls.since(mark) == []
-    assert record is not None and record.files == []
+    assert record is not None
+    assert record.files == []
 
 
 async def test_a_writing_tool_call_is_recorded_diffed_and_reverted_with_one_ref_command(
@@ -121,7 +128,8 @@ async def test_a_writing_tool_call_is_recorded_diffed_and_reverted_with_one_ref_
         diff = await log.run_diff("r1")
     assert [f.path for f in files["r1"]] == ["a.txt"]
     assert [(f.path, f.status) for f in diff.files] == [("a.txt", "modified")]
-    assert "-a0" in diff.diff and "+a1" in diff.diff
+    assert "-a0" in diff.diff
+    assert "+a1" in diff.diff
     # Both refs of the record in one command; the "before" tree was kept when it was warm.
     assert git_calls.since(mark).count("update-ref") == 1
     with trio.fail_after(CAP):
@@ -155,9 +163,11 @@ async def test_an_edit_by_hand_before_the_first_writing_call_is_not_the_runs(
         await log.end_run("s", ["r1"])
         record = await log.record("r1")
         await log.revert("r1")
-    assert record is not None and [f.path for f in record.files] == ["tool.txt"]
+    assert record is not None
+    assert [f.path for f in record.files] == ["tool.txt"]
     assert not (root / "tool.txt").exists()
-    assert (root / "hand.txt").exists() and (root / "a.txt").read_text() == "also by hand\n"
+    assert (root / "hand.txt").exists()
+    assert (root / "a.txt").read_text() == "also by hand\n"
 
 
 async def test_parallel_writing_calls_of_one_run_take_one_before_snapshot(
@@ -196,7 +206,8 @@ async def test_parallel_writing_calls_of_one_run_take_one_before_snapshot(
         await log.end_run("s", ["r1"])
         record = await log.record("r1")
     assert len(snapshots) == 1 + 2 + 1  # before, after each call, the end
-    assert record is not None and sorted(f.path for f in record.files) == ["w0.txt", "w1.txt"]
+    assert record is not None
+    assert sorted(f.path for f in record.files) == ["w0.txt", "w1.txt"]
 
 
 async def test_a_run_that_wrote_nothing_before_any_snapshot_takes_one(
@@ -215,7 +226,9 @@ async def test_a_run_that_wrote_nothing_before_any_snapshot_takes_one(
         record = await log.record("r1")
     assert "write-tree" in git_calls.since(mark)
     assert git_calls.since(mark).count("update-ref") == 1
-    assert record is not None and record.files == [] and record.before == record.after
+    assert record is not None
+    assert record.files == []
+    assert record.before == record.after
     listed = log.repo.git("ls-tree", "-r", "--name-only", record.after).decode().split()
     assert listed == ["a.txt"]
     refs = log.repo.git("for-each-ref", "--format=%(objectname)", "refs/crush/").decode()
@@ -243,7 +256,8 @@ async def test_a_turn_with_no_tool_call_runs_no_shadow_git(
         scripted_model.add(Step(tool_calls=[("ls", {})]), Step("looked"))
         looked = await ws.run(session.id, "look", timeout=CAP)
         diff = await ws.run_diff(run.run_id)
-    assert run.status is RunStatus.COMPLETED and looked.status is RunStatus.COMPLETED
+    assert run.status is RunStatus.COMPLETED
+    assert looked.status is RunStatus.COMPLETED
     assert git_calls.since(mark) == []
     assert diff.files == []
     assert (await ws.get_run(looked.run_id)).files == []

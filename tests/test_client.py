@@ -17,17 +17,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
 import trio
-from trio.testing import MockClock
-from trio_websocket import WebSocketConnection
 
 from crush_trio.client import (
     AuthError,
@@ -57,7 +54,6 @@ from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.api import Api
 from crush_trio.server.serve import ServeOptions
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     AgentEvent,
     EventKind,
@@ -69,6 +65,14 @@ from crush_trio.wire import (
 )
 
 from .conftest import completes_run
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from trio.testing import MockClock
+    from trio_websocket import WebSocketConnection
+
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20
@@ -110,7 +114,8 @@ async def test_full_run_events_result_and_history(crush_workspace: WorkspaceClie
     session = await ws.create_session("first")
     with trio.fail_after(CAP):
         handle = await ws.prompt(session.id, "hello there world")
-        assert handle.accepted is not None and handle.accepted.status == "running"
+        assert handle.accepted is not None
+        assert handle.accepted.status == "running"
         events = await collect(handle)
         run = await handle.result(CAP)
     assert events[-1].type == "run_complete"
@@ -127,8 +132,10 @@ async def test_full_run_events_result_and_history(crush_workspace: WorkspaceClie
     history = await ws.messages(session.id)
     assert [m.role for m in history] == [Role.USER, Role.ASSISTANT]
     assert run.message_id == history[1].id
-    assert handle.done and handle.text == "hello there world"
-    assert ws.stats.reconnects == 0 and ws.stats.gaps == 0
+    assert handle.done
+    assert handle.text == "hello there world"
+    assert ws.stats.reconnects == 0
+    assert ws.stats.gaps == 0
 
 
 async def test_run_convenience_and_sessions(crush_workspace: WorkspaceClient) -> None:
@@ -172,8 +179,10 @@ async def test_prompt_goes_over_the_connected_stream_else_over_http(
         with trio.fail_after(CAP):
             handle = await ws.prompt(sid, "over the stream")
             run = await handle.result(CAP)
-        assert run.status is RunStatus.COMPLETED and run.text == "over the stream"
-        assert handle.accepted is not None and handle.accepted.run_id == run.run_id
+        assert run.status is RunStatus.COMPLETED
+        assert run.text == "over the stream"
+        assert handle.accepted is not None
+        assert handle.accepted.run_id == run.run_id
         assert not [r for r in seen if r.startswith("POST")]  # one websocket frame instead
 
     async with crush_client.workspace(crush_server.project(), events=False) as quiet:
@@ -208,7 +217,8 @@ async def test_prompt_whose_reply_is_lost_is_settled_by_the_runs_record(
     assert accepted == [handle.run_id]  # sent once, not again
     assert f"GET /v1/workspaces/{ws.id}/runs/{handle.run_id}" in seen
     assert not [r for r in seen if r.startswith("POST")]
-    assert run.status is RunStatus.COMPLETED and run.text == "lost reply"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "lost reply"
 
 
 async def test_prompt_lost_before_the_server_took_it_is_posted_again(
@@ -235,7 +245,8 @@ async def test_prompt_lost_before_the_server_took_it_is_posted_again(
     assert lost == [handle.run_id]
     runs_url = f"/v1/workspaces/{ws.id}/runs/{handle.run_id}"
     assert seen[:2] == [f"GET {runs_url}", f"POST /v1/workspaces/{ws.id}/agent"]
-    assert run.status is RunStatus.COMPLETED and run.text == "sent twice, run once"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "sent twice, run once"
 
 
 async def test_queued_run_ignores_the_turn_before_it(
@@ -251,7 +262,8 @@ async def test_queued_run_ignores_the_turn_before_it(
         first = await ws.prompt(session.id, "first")
         await gate.reached.wait()
         ours = await ws.prompt(session.id, "second")
-        assert ours.accepted is not None and ours.accepted.status == "queued"
+        assert ours.accepted is not None
+        assert ours.accepted.status == "queued"
         gate.release()
         events = await collect(ours)
         assert (await first.result(CAP)).text == "words of the first run"
@@ -272,10 +284,12 @@ async def test_collect_until_keeps_every_event_before_the_match(
         second = await ws.prompt(session.id, "four five")
         seen = await feed.collect_until(completes_run(first.run_id), CAP)
         rest = await feed.collect_until(completes_run(second.run_id), CAP)
-    assert seen[-1].type == "run_complete" and seen[-1].payload.run_id == first.run_id
+    assert seen[-1].type == "run_complete"
+    assert seen[-1].payload.run_id == first.run_id
     assert [e.type for e in seen].count("run_complete") == 1
     assert "message" in {e.type for e in seen}
-    assert printed(seen) == "one two three" and printed(rest) == "four five"
+    assert printed(seen) == "one two three"
+    assert printed(rest) == "four five"
     seqs = [e.seq for e in seen + rest]
     assert None not in seqs
     first_seq = seqs[0]
@@ -395,11 +409,14 @@ async def test_replay_exhausted_state_is_refetched(
     assert ws.stats.gaps == 1
     assert ws.stats.refetches >= 1
     assert any(e.type == "gap" for e in events)
-    assert run.status is RunStatus.COMPLETED and run.text == reply
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == reply
     assert printed(events) == reply
     if ended_while_away:
-        assert events[-1].type == "run_complete" and events[-1].seq is None
-        assert handle.complete is not None and handle.complete.text == reply
+        assert events[-1].type == "run_complete"
+        assert events[-1].seq is None
+        assert handle.complete is not None
+        assert handle.complete.text == reply
 
 
 def refuse_streams(server: CrushServer, workspace_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -445,10 +462,13 @@ async def test_refused_reconnect_follows_pending_runs_by_their_records(
                 gate.release()
             events = await collect(handle)
             run = await handle.result(CAP)
-    assert run.status is RunStatus.COMPLETED and run.text == reply
-    assert events[-1].type == "run_complete" and events[-1].seq is None
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == reply
+    assert events[-1].type == "run_complete"
+    assert events[-1].seq is None
     assert printed(events) == reply
-    assert ws.stats.refetches >= 1 and ws.stats.reconnects == 0
+    assert ws.stats.refetches >= 1
+    assert ws.stats.reconnects == 0
 
 
 async def test_refused_reconnect_fails_runs_whose_record_is_gone(
@@ -494,7 +514,8 @@ async def test_cancelled_run_is_a_result(
         events = await collect(handle)
         run = await handle.result(CAP)
     assert run.status is RunStatus.CANCELLED
-    assert events[-1].type == "run_complete" and events[-1].payload.cancelled
+    assert events[-1].type == "run_complete"
+    assert events[-1].payload.cancelled
     assert handle.errors == []
 
 
@@ -514,7 +535,8 @@ async def test_cancelling_a_queued_run_leaves_the_running_one_alone(
         assert not running.done
         gate.release()
         run = await running.result(CAP)
-    assert run.status is RunStatus.COMPLETED and run.text == "the running run's words"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "the running run's words"
 
 
 async def test_failed_run_raises_run_failed(
@@ -529,7 +551,8 @@ async def test_failed_run_raises_run_failed(
             await handle.result(CAP)
         record = await handle.result(CAP, check=False)
     assert caught.value.run.status is RunStatus.FAILED
-    assert record.status is RunStatus.FAILED and record.error == "the model fell over"
+    assert record.status is RunStatus.FAILED
+    assert record.error == "the model fell over"
     assert [e.text for e in handle.errors] == ["the model fell over"]
 
 
@@ -622,7 +645,8 @@ async def test_auto_approve_answers_only_its_own_runs_requests(
         first = await ws.prompt(ours.id, "first run")  # not auto-approved
         await gate_first.reached.wait()
         handle = await ws.prompt(ours.id, "our run", auto_approve=True)
-        assert handle.accepted is not None and handle.accepted.status == "queued"
+        assert handle.accepted is not None
+        assert handle.accepted.status == "queued"
         # While our run waits, a request in our session belongs to the first run.
         await broker.publish_must_deliver(
             request("p-first", ours.id, "call-of-first"), EventKind.CREATED
@@ -660,9 +684,12 @@ async def test_next_permission_request_returns_only_its_own_runs_requests(
         asked_a = await a.next_permission_request(CAP)
         b = await ws.prompt(second.id, "write b")
         asked_b = await b.next_permission_request(CAP)
-        assert asked_a is not None and asked_b is not None
-        assert asked_a.session_id == first.id and asked_a.path.endswith("a.txt")
-        assert asked_b.session_id == second.id and asked_b.path.endswith("b.txt")
+        assert asked_a is not None
+        assert asked_b is not None
+        assert asked_a.session_id == first.id
+        assert asked_a.path.endswith("a.txt")
+        assert asked_b.session_id == second.id
+        assert asked_b.path.endswith("b.txt")
         assert await ws.grant(asked_a.id) is True
         assert (await a.result(CAP)).text == "a written"
         assert await a.next_permission_request(CAP) is None  # never b's request
@@ -813,7 +840,7 @@ def test_parse_server_url() -> None:
     assert parse_server_url("http://h:1/?token=abc") == ("http://h:1", "abc", None)
     assert parse_server_url("http://h:1/?token=abc", "given") == ("http://h:1", "given", None)
     assert parse_server_url("unix:/tmp/s.sock") == ("http://localhost", None, "/tmp/s.sock")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not an http"):
         parse_server_url("127.0.0.1:7433")
 
 
@@ -833,7 +860,8 @@ def test_session_prefix_resolution() -> None:
     with pytest.raises(NotFound):
         resolve_session_prefix(sessions, "")
     latest = latest_session(sessions)
-    assert latest is not None and latest.id == "aaaa-2222"
+    assert latest is not None
+    assert latest.id == "aaaa-2222"
     assert latest_session([]) is None
 
 
@@ -870,7 +898,9 @@ def test_mailbox_drops_lossy_events_and_reports_a_gap() -> None:
     assert [e.seq for e in taken if e is not None] == [1, 2, 5]
     box.put(Event("message", 9, seq=6))
     gap = box.get_nowait()
-    assert gap is not None and gap.type == "gap" and gap.payload == Gap(2)
+    assert gap is not None
+    assert gap.type == "gap"
+    assert gap.payload == Gap(2)
     assert box.dropped == 2
 
 

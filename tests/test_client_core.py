@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pytest
 
 from crush_trio.client import Event, RunComplete, RunHandle, StreamStats
-from crush_trio.client.runs import GrantAction
 from crush_trio.wire import PermissionRequest
+
+if TYPE_CHECKING:
+    from crush_trio.client.runs import GrantAction
 
 # (calls on a fresh StreamStats, expected (last_seq, connects, reconnects, events))
 HELLO_CASES: list[tuple[list[tuple[str, int]], tuple[int, int, int, int]]] = [
@@ -89,7 +91,9 @@ def test_run_handle_forgets_itself_when_its_run_completes_and_ignores_others() -
     feed = RecordingFeed()
     handle = handle_with(feed)
     handle.offer(Event("run_complete", RunComplete("s1", "other"), 4, "created"))
-    assert feed.calls == [] and not handle.done
+    assert feed.calls == []
+    assert not handle.done
     handle.offer(Event("run_complete", RunComplete("s1", "r1", text="done"), 5, "created"))
     assert feed.calls == [("forget", "r1")]
-    assert handle.done and handle.text == "done"
+    assert handle.done
+    assert handle.text == "done"

@@ -161,7 +161,8 @@ def test_a_dropped_delta_is_detected_and_a_reread_plus_held_deltas_converge(
     for delta in deltas[reread_at:]:
         assert asm.apply(delta) is not None
     assembled = asm.get(MID)
-    assert assembled is not None and assembled.parts == final.parts
+    assert assembled is not None
+    assert assembled.parts == final.parts
     assert not asm.missing
 
 
@@ -196,7 +197,8 @@ def test_a_snapshot_drops_the_deltas_held_before_it() -> None:
     asm.apply(MessageDelta(MID, SID, 0, TEXT, 0, "Old"))
     assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 10, "lost")) is None
     retry = attrs.evolve(empty(), parts=[TextPart("New")])
-    assert asm.snapshot(retry).text() == "New" and not asm.missing
+    assert asm.snapshot(retry).text() == "New"
+    assert not asm.missing
     assert asm.apply(MessageDelta(MID, SID, 0, TEXT, 3, " text")).text() == "New text"  # type: ignore[union-attr]
 
 
@@ -235,7 +237,9 @@ def test_finished_messages_are_forgotten_and_the_count_is_bounded() -> None:
     asm = Assembler(max_messages=3)
     for i in range(5):
         asm.snapshot(Message(f"m{i}", SID, Role.ASSISTANT, [TextPart("x")]))
-    assert len(asm) == 3 and asm.get("m0") is None and asm.get("m4") is not None
+    assert len(asm) == 3
+    assert asm.get("m0") is None
+    assert asm.get("m4") is not None
     finished = Message(
         "m4", SID, Role.ASSISTANT, [TextPart("x"), FinishPart(FinishReason.END_TURN)]
     )
@@ -267,7 +271,9 @@ def test_decode_delta_frames() -> None:
         },
     }
     event = decode_frame(frame)
-    assert event is not None and event.type == "message_delta" and event.seq == 7
+    assert event is not None
+    assert event.type == "message_delta"
+    assert event.seq == 7
     assert event.payload == MessageDelta(MID, SID, 0, TEXT, 12, "world")
     assert event.to_json() is frame
     for bad in ({"offset": "3"}, {"text": None}):

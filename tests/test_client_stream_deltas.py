@@ -11,17 +11,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 
 from crush_trio.client import Event, RunHandle, Transcript, WorkspaceClient, connect
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import Message, ReasoningPart, Role, TextPart
 
 from .test_client import held_reconnect
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 30
@@ -77,22 +79,28 @@ async def test_assembled_text_equals_the_stored_message(
     delta_events = [e for e in events if e.type == "message_delta"]
     if deltas:
         assert ws.stats.deltas == len(delta_events) > 0
-        assert ws.stats.deltas_missing == 0 and ws.stats.rereads == 0
+        assert ws.stats.deltas_missing == 0
+        assert ws.stats.rereads == 0
         # Every delta leads to a prefix of the stored message, field by field (the appends
         # still pending when the reply finished come with the final snapshot).
         for event in delta_events:
-            assert event.message is not None and event.message.id == final.id
+            assert event.message is not None
+            assert event.message.id == final.id
             for (kind, have), (kind_final, whole) in zip(
                 streamed(event.message), streamed(final), strict=False
             ):
-                assert kind == kind_final and whole.startswith(have)
+                assert kind == kind_final
+                assert whole.startswith(have)
         last = delta_events[-1].message
-        assert last is not None and len(last.text()) > len(final.text()) // 2
+        assert last is not None
+        assert len(last.text()) > len(final.text()) // 2
         # A delta event carries only the appended text, not the message.
         raw = delta_events[-1].raw
-        assert raw is not None and "parts" not in str(raw)
+        assert raw is not None
+        assert "parts" not in str(raw)
     else:
-        assert ws.stats.deltas == 0 and not delta_events
+        assert ws.stats.deltas == 0
+        assert not delta_events
     assert handle.messages[final.id] == final
     assert printed(events, finish=False) == reply
     assert printed(events) == reply == final.text()
@@ -146,8 +154,10 @@ async def test_away_for_ten_seconds_during_a_paced_reply_resumes_without_gap(
         run = await handle.result(CAP)
     assert trio.current_time() - away_from < PACED_TOKENS * PACED_DELAY  # away mid-reply
     assert ws.stats.reconnects == 1
-    assert ws.stats.gaps == 0 and not any(e.type == "gap" for e in events)
-    assert ws.stats.deltas_missing == 0 and ws.stats.rereads == 0
+    assert ws.stats.gaps == 0
+    assert not any(e.type == "gap" for e in events)
+    assert ws.stats.deltas_missing == 0
+    assert ws.stats.rereads == 0
     # The deltas published while away were replayed after `since`, then the reply went on live.
     assert ws.stats.deltas - deltas_before > AWAY / 0.033 / 2
     assert printed(events, finish=False) == reply == run.text
@@ -189,5 +199,6 @@ async def test_a_lost_delta_is_detected_and_the_message_re_read(
         gate.release()
         events = await collect(handle)
     assert lost
-    assert ws.stats.deltas_missing >= 1 and ws.stats.rereads >= 1
+    assert ws.stats.deltas_missing >= 1
+    assert ws.stats.rereads >= 1
     assert printed(events, finish=False) == reply

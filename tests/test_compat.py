@@ -16,8 +16,7 @@ import re
 import tomllib
 from importlib import metadata
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpcore
 import pytest
@@ -30,6 +29,9 @@ from crush_trio._compat import CompatError
 from crush_trio._compat import httpcore as httpcore_compat
 from crush_trio._compat import hypercorn as hypercorn_compat
 from crush_trio._compat import trio_websocket as trio_websocket_compat
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "crush_trio"
@@ -51,7 +53,8 @@ def load_fresh(module: ModuleType) -> None:
     """Import ``module``'s file again under another name (runs its import-time check)."""
     assert module.__file__ is not None
     spec = importlib.util.spec_from_file_location("crush_trio._compat.probe", module.__file__)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
@@ -157,8 +160,10 @@ def test_the_listener_overrides_the_hooks_not_the_private_methods() -> None:
     from crush_trio.server.listener import HttpConnection
 
     assert issubclass(HttpConnection, hypercorn_compat.HypercornConnection)
-    assert "read_data" in vars(HttpConnection) and "close_connection" in vars(HttpConnection)
-    assert "_read_data" not in vars(HttpConnection) and "_close" not in vars(HttpConnection)
+    assert "read_data" in vars(HttpConnection)
+    assert "close_connection" in vars(HttpConnection)
+    assert "_read_data" not in vars(HttpConnection)
+    assert "_close" not in vars(HttpConnection)
 
 
 def test_the_hypercorn_check_fails_loudly_when_the_websocket_extension_name_is_gone(
@@ -201,7 +206,9 @@ def test_hypercorn_negotiates_the_extension_class_it_is_given(
         "1.1",
     )
     status, headers, _ = handshake.accept(None, [])
-    assert status == 101 and len(built) == 1 and built[0].enabled()
+    assert status == 101
+    assert len(built) == 1
+    assert built[0].enabled()
     assert (b"sec-websocket-extensions", b"permessage-deflate") in headers
 
 
@@ -353,7 +360,8 @@ def test_the_scan_sees_private_imports() -> None:
         "import httpcore._async\nfrom httpx._client import X\nfrom mcp import _y\n"
         "from .db import _row\nfrom .._compat.httpcore import http11_exchange\n"
     )
-    assert len(dependency) == 3 and len(internal) == 1
+    assert len(dependency) == 3
+    assert len(internal) == 1
 
 
 #: Private names every class may define over its base (ABC and typing bookkeeping).
@@ -475,4 +483,5 @@ def test_every_adapter_says_which_versions_it_was_checked_against() -> None:
     assert {p.stem for p in adapters} >= {"httpcore", "hypercorn", "trio_websocket"}
     for path in adapters:
         text = path.read_text()
-        assert "CHECKED_AGAINST" in text and "def check()" in text, path.name
+        assert "CHECKED_AGAINST" in text, path.name
+        assert "def check()" in text, path.name

@@ -4,9 +4,8 @@ loudly at import instead of losing events."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from wsproto import ConnectionType, WSConnection
@@ -14,6 +13,9 @@ from wsproto.events import AcceptConnection, CloseConnection, Event, Request, Te
 
 from crush_trio._compat import CompatError
 from crush_trio._compat import wsproto as wsproto_compat
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 def open_pair() -> tuple[WSConnection, WSConnection]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -25,6 +24,9 @@ from crush_trio.config import (
     load_config,
 )
 from crush_trio.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 PROTOCOL_EXAMPLE: dict[str, Any] = {
     "providers": {

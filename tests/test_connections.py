@@ -16,9 +16,8 @@ import socket
 import statistics
 import struct
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -34,6 +33,9 @@ from crush_trio.server.listener import contained
 from crush_trio.server.routes import events as app_module
 
 from .conftest import TOKEN, WAIT, Server, running_server
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: Connections held open with a partial head in the slowloris test.
 SLOWLORIS_CONNECTIONS = 2000

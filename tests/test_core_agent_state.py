@@ -163,13 +163,16 @@ def test_accept_sequence_counts_every_prompt_of_every_session() -> None:
     seqs = [
         state.accept(sid, f"r{i}", "t", explicit=True)[0].accept_seq for i, sid in enumerate("aab")
     ]
-    assert seqs == [1, 2, 3] and state.accept_seq == 3
-    assert sorted(state.busy_sessions()) == ["a", "b"] and state.pending_count() == 3
+    assert seqs == [1, 2, 3]
+    assert state.accept_seq == 3
+    assert sorted(state.busy_sessions()) == ["a", "b"]
+    assert state.pending_count() == 3
 
 
 def test_queue_size_counts_prompts_and_bytes() -> None:
     state = AgentState()
-    assert not state.would_queue("s") and state.queue_size("s") == (0, 0)
+    assert not state.would_queue("s")
+    assert state.queue_size("s") == (0, 0)
     state.accept("s", "r1", "one", explicit=True, size=3)
     assert state.would_queue("s")
     state.accept("s", "r2", "two", explicit=True, size=5)

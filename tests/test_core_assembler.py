@@ -150,4 +150,5 @@ def test_repair_tool_calls(finished: bool, given: str, expected: str) -> None:
     call = ToolCallPart("c1", "view", given, finished=finished)
     msg = Message("m1", "s", Role.ASSISTANT, [call])
     repair_tool_calls(msg)
-    assert call.input == expected and call.finished
+    assert call.input == expected
+    assert call.finished

@@ -7,7 +7,7 @@ refused. The cluster node's answers are checked without a database.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,6 +16,9 @@ from crush_trio.config import ClusterOptions
 from crush_trio.core.placement import LOCAL_HOLD_ID, LocalPlacement, Seat
 from crush_trio.errors import OwnerUnavailable
 from crush_trio.server.security import response_headers
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 
 class NoWorkspaces:

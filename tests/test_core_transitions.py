@@ -4,8 +4,7 @@ every (from, to) pair of each table is either allowed or raises IllegalTransitio
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +12,9 @@ from crush_trio.core.holds import HOLD_TRANSITIONS, ClientHold, Holds, HoldState
 from crush_trio.core.lifecycle import WORKSPACE_TRANSITIONS, WorkspaceState, check_workspace_move
 from crush_trio.errors import IllegalTransition
 from crush_trio.wire import RUN_TRANSITIONS, RunStatus, check_run_transition
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 Q, R, C, F, X = (
     RunStatus.QUEUED,
@@ -169,5 +171,8 @@ def test_holds_expire_returns_the_clients_it_dropped() -> None:
     holds.open("b", 10)
     holds.attach("c")
     holds.detach("c", 20)
-    assert holds.expire(30) == ["a", "c"] and list(holds.clients) == ["b"]
-    assert holds.release("a") is False and holds.release("b") is True and not holds.held
+    assert holds.expire(30) == ["a", "c"]
+    assert list(holds.clients) == ["b"]
+    assert holds.release("a") is False
+    assert holds.release("b") is True
+    assert not holds.held

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -28,6 +27,9 @@ from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
 from tests.conftest import WAIT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 #: The key of the configured provider: it must never appear in an answer.
 SECRET: Final = "sk-never-on-the-wire"
@@ -387,7 +389,8 @@ async def open_workspace(c: GoClient, project: Path) -> dict[str, Any]:
     # connectToServer reads ws.Config.Options.DataDirectory; run.go checks IsConfigured (an
     # enabled provider), NewClientWorkspace calls Config.SetupAgents (reads Options).
     cfg = ws["config"]
-    assert cfg["options"]["data_directory"] and isinstance(cfg["options"]["tui"], dict)
+    assert cfg["options"]["data_directory"]
+    assert isinstance(cfg["options"]["tui"], dict)
     assert [p for p in cfg["providers"].values() if not p.get("disable")]
     return dict(ws)
 
@@ -430,7 +433,8 @@ async def test_crush_run_in_client_mode(tmp_path: Path) -> None:
                 SELECTED_MODEL,
                 query={"provider_id": "local"},
             )
-            assert small["provider"] == "local" and small["model"] in ("small-1", "big-1")
+            assert small["provider"] == "local"
+            assert small["model"] in ("small-1", "big-1")
             await c.ok(
                 "POST",
                 w + "/config/model",
@@ -441,7 +445,8 @@ async def test_crush_run_in_client_mode(tmp_path: Path) -> None:
             # is ready as soon as the workspace is open, so the first poll ends the wait.
             info = await c.ok("GET", w + "/agent", AGENT_INFO)
             assert info["is_ready"] is True
-            assert info["model"]["id"] == "big-1" and info["model"]["context_window"] == 200000
+            assert info["model"]["id"] == "big-1"
+            assert info["model"]["context_window"] == 200000
             assert info["model"]["cost_per_1m_in"] == 3.0
             assert info["model_cfg"] == {"provider": "local", "model": "big-1"}
             # "Force-update agent models": UpdateAgent, no body and no content type.
@@ -471,8 +476,10 @@ async def test_crush_run_in_client_mode(tmp_path: Path) -> None:
                 lambda k, p: k == "run_complete" and p.get("run_id") == run_id
             )
             done = seen[-1][1]
-            assert done["text"] == "the answer" and not done.get("error")
-            assert done["session_id"] == sid and done["message_id"]
+            assert done["text"] == "the answer"
+            assert not done.get("error")
+            assert done["session_id"] == sid
+            assert done["message_id"]
             assert any(k == "message" and p["role"] == "assistant" for k, p in seen)
             assert model.requests[0].model.id == "big-1"  # the override reached the model
             # A failed run: the agent_event error decodes (run_id is ours, error non-empty),
@@ -486,7 +493,9 @@ async def test_crush_run_in_client_mode(tmp_path: Path) -> None:
                 lambda k, p: k == "run_complete" and p.get("run_id") == failing
             )
             errors = [p for k, p in seen if k == "agent_event" and p["type"] == "error"]
-            assert errors and errors[0]["run_id"] == failing and errors[0]["error"] == "it broke"
+            assert errors
+            assert errors[0]["run_id"] == failing
+            assert errors[0]["error"] == "it broke"
             assert errors[0]["message"] is None  # null: Go leaves the Message as it is
             assert seen[-1][1]["error"] == "it broke"
             assert events.undecodable == []
@@ -526,8 +535,10 @@ async def test_crush_tui_start_session_busy_and_cancel(tmp_path: Path) -> None:
             needs = await c.ok("GET", w + "/project/needs-init", {"needs_init": BOOL})
             assert needs == {"needs_init": False}
             info = await c.ok("GET", w + "/agent", AGENT_INFO)
-            assert info["is_ready"] and not info["is_busy"]
-            assert info["model"]["id"] == "small-1" and info["model"]["name"] == "Small One"
+            assert info["is_ready"]
+            assert not info["is_busy"]
+            assert info["model"]["id"] == "small-1"
+            assert info["model"]["name"] == "Small One"
             assert info["model_cfg"]["provider"] == "local"
             assert await c.ok("GET", w + "/sessions", LIST(SESSION)) == []
             assert await c.ok("GET", w + "/messages/user", LIST(MESSAGE)) == []
@@ -541,7 +552,8 @@ async def test_crush_tui_start_session_busy_and_cancel(tmp_path: Path) -> None:
             renamed = await c.ok(
                 "PUT", f"{w}/sessions/{sid}", SESSION, body={**session, "title": "renamed"}
             )
-            assert renamed["title"] == "renamed" and renamed["id"] == sid
+            assert renamed["title"] == "renamed"
+            assert renamed["id"] == sid
             assert await c.ok("GET", f"{w}/sessions/{sid}/history", LIST(FILE)) == []
             assert await c.ok("GET", f"{w}/sessions/{sid}/filetracker/files", LIST(STR)) == []
             await c.ok(
@@ -579,7 +591,8 @@ async def test_crush_tui_start_session_busy_and_cancel(tmp_path: Path) -> None:
             assert r.status_code == 202
             await gate.reached.wait()
             busy = await c.ok("GET", f"{w}/agent/sessions/{sid}", SESSION)
-            assert busy["is_busy"] is True and busy["id"] == sid
+            assert busy["is_busy"] is True
+            assert busy["id"] == sid
             assert (await c.ok("GET", w + "/agent", AGENT_INFO))["is_busy"] is True
             queued = await c.ok("GET", f"{w}/agent/sessions/{sid}/prompts/queued", INT)
             assert queued == 0
@@ -619,4 +632,5 @@ async def test_crush_tui_start_session_busy_and_cancel(tmp_path: Path) -> None:
 def test_the_go_decoding_check_catches_what_crush_drops(event: Any, problem: str) -> None:
     """The check above is not vacuous: the shapes that made Crush drop an agent_event fail it."""
     errors = go_decode_errors(event, AGENT_EVENT)
-    assert errors and errors[0].startswith(problem)
+    assert errors
+    assert errors[0].startswith(problem)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import copy
 import itertools
 import uuid
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -44,6 +42,10 @@ from crush_trio.wire import (
 )
 
 from .conftest import TOKEN, WAIT, event_socket, running_server, ws_url
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
 
 DEBOUNCE = 0.033
 
@@ -150,7 +152,8 @@ def chunk(text: str, cuts: list[int]) -> list[str]:
 def test_apply_delta_skips_what_the_client_has_and_refuses_holes() -> None:
     msg = Message("m", "s", Role.ASSISTANT)
     d = MessageDelta("m", "s", 0, DeltaPartType.TEXT, 0, "héllo")
-    assert wire.apply_delta(msg, d) and fields(msg) == [("text", "héllo")]
+    assert wire.apply_delta(msg, d)
+    assert fields(msg) == [("text", "héllo")]
     # Overlapping (the client re-read past the delta's start): only the new tail is applied.
     assert wire.apply_delta(msg, MessageDelta("m", "s", 0, DeltaPartType.TEXT, 3, "lo🙂"))
     assert fields(msg) == [("text", "héllo🙂")]
@@ -168,7 +171,9 @@ def test_apply_delta_skips_what_the_client_has_and_refuses_holes() -> None:
 
 
 def test_the_deltas_query_is_parsed_in_one_place() -> None:
-    assert parse_deltas(None) is False and parse_deltas("0") is False and parse_deltas("1")
+    assert parse_deltas(None) is False
+    assert parse_deltas("0") is False
+    assert parse_deltas("1")
     with pytest.raises(BadRequest) as info:
         parse_deltas("yes")
     assert "deltas must be 1" in str(info.value)
@@ -191,7 +196,8 @@ async def test_one_change_one_seq_two_forms_encoded_once() -> None:
     msg = Message("m", "s", Role.ASSISTANT, [TextPart("hi")])
     event = broker.publish_delta(MessageDelta("m", "s", 0, DeltaPartType.TEXT, 0, "hi"), msg)
     (a,), (b,), (c,) = (list(drain_events(s)) for s in (delta_a, delta_b, snap))
-    assert a is b is event and c is event.snapshot  # each form encoded once, shared
+    assert a is b is event
+    assert c is event.snapshot  # each form encoded once, shared
     assert a.seq == c.seq == broker.seq
     da, dc = orjson.loads(a.text), orjson.loads(c.text)
     assert da == {
@@ -209,7 +215,8 @@ async def test_one_change_one_seq_two_forms_encoded_once() -> None:
             },
         },
     }
-    assert dc["type"] == "message" and dc["payload"]["type"] == "updated"
+    assert dc["type"] == "message"
+    assert dc["payload"]["type"] == "updated"
     assert dc["payload"]["payload"]["id"] == "m"
     assert dc["payload"]["payload"]["parts"] == [{"type": "text", "data": {"text": "hi"}}]
     # The replay buffer's byte bound counts both forms.
@@ -249,7 +256,8 @@ async def test_snapshot_form_is_encoded_only_while_a_snapshot_client_is_connecte
     deltas, _ = broker.subscribe(deltas=True)
     msg = Message("m", "s", Role.ASSISTANT, [TextPart("ab")])
     first = broker.publish_delta(MessageDelta("m", "s", 0, DeltaPartType.TEXT, 0, "a"), msg)
-    assert first.snapshot is None and broker.stats()["snapshots_skipped"] == 1
+    assert first.snapshot is None
+    assert broker.stats()["snapshots_skipped"] == 1
     snap, replay = broker.subscribe(since=0)
     # Its form was never encoded: a snapshot-mode client resuming across it gets a gap instead.
     assert [f["type"] for f in decode(replay)] == ["gap"]
@@ -272,7 +280,8 @@ async def test_snapshot_form_is_encoded_only_while_a_snapshot_client_is_connecte
     _, replay = broker.subscribe(since=0)
     got = decode(replay)
     assert [f["type"] for f in got] == ["gap", "message", "gap"]
-    assert got[1]["seq"] == 2 and got[2]["payload"]["from_seq"] == 3
+    assert got[1]["seq"] == 2
+    assert got[2]["payload"]["from_seq"] == 3
 
 
 async def test_deltas_are_lossy_and_bounded_by_bytes_in_the_replay_buffer() -> None:
@@ -281,9 +290,11 @@ async def test_deltas_are_lossy_and_bounded_by_bytes_in_the_replay_buffer() -> N
     msg = Message("m", "s", Role.ASSISTANT, [TextPart("")])
     for i in range(50):
         broker.publish_delta(MessageDelta("m", "s", 0, DeltaPartType.TEXT, i * 20, "é" * 20), msg)
-    assert stream.dropped == 46 and len(stream.receive) == 4
+    assert stream.dropped == 46
+    assert len(stream.receive) == 4
     used = sum(len(e.text.encode()) for e in broker.replay)
-    assert used <= 2000 and broker.stats()["replay_bytes"] == used
+    assert used <= 2000
+    assert broker.stats()["replay_bytes"] == used
     assert all(e.size == len(e.text.encode()) for e in broker.replay)  # bytes, not characters
 
 
@@ -432,7 +443,8 @@ def test_applying_every_delta_yields_the_stored_message(
             nursery.cancel_scope.cancel()
         assert client.messages["m1"] == h.rows["m1"]
         assert client.messages["m1"].text() == text
-        assert client.gaps == 0 and deltas.dropped == 0
+        assert client.gaps == 0
+        assert deltas.dropped == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -490,7 +502,8 @@ async def test_resume_by_since_inside_and_outside_the_ring() -> None:
     # Outside: a gap for what fell off the ring, then the ring.
     _, frames = broker.subscribe(since=2, deltas=True)
     got = decode(frames)
-    assert got[0]["type"] == "gap" and got[0]["payload"] == {
+    assert got[0]["type"] == "gap"
+    assert got[0]["payload"] == {
         "dropped": 4,
         "from_seq": 3,
         "to_seq": 6,
@@ -673,7 +686,8 @@ async def test_resume_from_outside_the_ring_in_delta_mode_starts_with_a_gap(
                 replayed = await again.until(_is_complete("r1"))
         stored = await server.messages(wid, sid)
     oldest = replayed[0]["seq"]
-    assert gap["type"] == "gap" and gap["payload"] == {
+    assert gap["type"] == "gap"
+    assert gap["payload"] == {
         "dropped": oldest - 1 - hello["seq"],
         "from_seq": hello["seq"] + 1,
         "to_seq": oldest - 1,

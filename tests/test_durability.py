@@ -21,10 +21,9 @@ import subprocess
 import sys
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -34,12 +33,10 @@ import trio.testing
 
 from crush_trio.agent.runs import RECENT_RUNS_BYTES, RECENT_RUNS_KEPT
 from crush_trio.backend.workspace import STOPPED_RUN_ERROR, data_dir_for
-from crush_trio.client import WorkspaceClient
 from crush_trio.config import Config
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.store import Store
 from crush_trio.store.db import DB_FILENAME, MIGRATIONS
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     FinishPart,
     FinishReason,
@@ -55,6 +52,12 @@ from crush_trio.wire import (
 
 from .conftest import WAIT, completes_run, event_socket, ws_url
 from .fake_llm import FakeLLM, RecordedRequest, Reply, ToolCall
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
+    from crush_trio.client import WorkspaceClient
+    from crush_trio.testing import CrushServer
 
 REPO: Final = Path(__file__).resolve().parent.parent
 
@@ -157,7 +160,8 @@ async def test_websocket_prompt_reply_waits_for_the_commit(
                 frame = {"id": request_id, "method": method, "params": body}
                 await sock.conn.send_message(orjson.dumps(frame).decode())
             seen = await sock.until(is_reply(2))
-            assert seen[-1]["ok"] and seen[-1]["result"]["status"] == "running"
+            assert seen[-1]["ok"]
+            assert seen[-1]["result"]["status"] == "running"
             await writer.reached.wait()
             assert not [f for f in seen if is_reply(1)(f)]
             assert _db_rows(workspace.store.path, ["held-ws"]) == {}
@@ -209,7 +213,8 @@ async def test_a_failed_commit_answers_an_error_and_accepts_nothing(
             json={"session_id": sid, "prompt": "lost?", "run_id": "unsaved"},
         )
     assert r.status_code == 500, r.text
-    assert "could not be saved" in r.json()["message"] and "send it again" in r.json()["message"]
+    assert "could not be saved" in r.json()["message"]
+    assert "send it again" in r.json()["message"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,14 +255,17 @@ async def test_recovery_fails_every_accepted_run_and_repairs_the_history(
         s1 = await ws.messages("s1")
         s2 = await ws.messages("s2")
     finish = s1[0].finish()
-    assert finish is not None and finish.reason is FinishReason.ERROR
-    assert s1[0].tool_calls()[0].input == "{}" and s1[0].tool_calls()[0].finished
+    assert finish is not None
+    assert finish.reason is FinishReason.ERROR
+    assert s1[0].tool_calls()[0].input == "{}"
+    assert s1[0].tool_calls()[0].finished
     # Both sessions' tool calls got an error result right after their message.
     for history, call_id in ((s1, "c1"), (s2, "c2")):
         assert [m.role for m in history] == [Role.ASSISTANT, Role.TOOL]
         result = history[1].parts[0]
         assert isinstance(result, ToolResultPart)
-        assert result.tool_call_id == call_id and result.is_error
+        assert result.tool_call_id == call_id
+        assert result.is_error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +308,8 @@ async def test_queue_bound_by_count_answers_429_naming_the_key(
         r = await http.post(url, json={"session_id": sid, "prompt": "one more", "run_id": "q3"})
         assert r.status_code == 429, r.text
         message = r.json()["message"]
-        assert "server.max_queued_prompts" in message and " 3" in message
+        assert "server.max_queued_prompts" in message
+        assert " 3" in message
         # Refused means no run: the id is free and nothing was queued.
         assert (await http.get(f"/v1/workspaces/{ws.id}/runs/q3")).status_code == 404
         listed = await http.get(f"/v1/workspaces/{ws.id}/agent/sessions/{sid}/prompts/list")
@@ -310,7 +319,8 @@ async def test_queue_bound_by_count_answers_429_naming_the_key(
         with trio.fail_after(WAIT):
             async with event_socket(sock_url) as sock:
                 reply = await sock.command("agent.prompt", session_id=sid, prompt="ws one more")
-        assert reply["ok"] is False and reply["status"] == 429
+        assert reply["ok"] is False
+        assert reply["status"] == 429
         assert "server.max_queued_prompts" in reply["message"]
         # A session's bound is its own: another idle session still takes prompts.
         other = (await ws.create_session()).id
@@ -329,7 +339,8 @@ async def test_queue_bound_by_bytes_answers_429_naming_the_key(
         r = await http.post(url, json={"session_id": sid, "prompt": "x" * 201})
         assert r.status_code == 429, r.text
         message = r.json()["message"]
-        assert "server.max_queued_prompt_bytes" in message and "1000" in message
+        assert "server.max_queued_prompt_bytes" in message
+        assert "1000" in message
         r = await http.post(url, json={"session_id": sid, "prompt": "x" * 200})
         assert r.status_code == 202, r.text
         listed = await http.get(f"/v1/workspaces/{ws.id}/agent/sessions/{sid}/prompts/list")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from functools import partial
+from typing import TYPE_CHECKING
 
 import orjson
 import pytest
@@ -24,7 +25,9 @@ from crush_trio.client import (
     open_event_socket,
 )
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20
@@ -54,7 +57,8 @@ async def test_raw_frames_of_a_run_and_resume_with_since(
             await handle.wait(CAP)
         assert sock.closed is False  # this side closed it, with a close handshake
         seqs = [f["seq"] for f in frames]
-        assert seqs == sorted(seqs) and seqs[0] > first_seq
+        assert seqs == sorted(seqs)
+        assert seqs[0] > first_seq
         assert frames[-1]["payload"]["payload"]["text"] == "raw frames please"
         # The frames are the server's own envelopes: the library's stream saw the same ones.
         assert ws.stats.last_seq >= seqs[-1]
@@ -80,7 +84,8 @@ async def test_raw_socket_reports_the_servers_close(
             (stream,) = [s for s in broker.clients if s.client_id == client_id]
             stream.kill("dropped by the test")
             assert [frame async for frame in sock] == []
-    assert sock.closed and sock.close_code == 1013
+    assert sock.closed
+    assert sock.close_code == 1013
     assert "dropped by the test" in sock.close_reason
 
 
@@ -111,7 +116,8 @@ async def test_workspace_without_events_holds_it_and_sends_work(
         async with crush_client.workspace(project, events=False) as quiet:
             server_ws = crush_server.backend.get(quiet.id)
             hold = server_ws.holds.clients[crush_client.client_id]
-            assert hold.streams == 0 and hold.deadline is not None
+            assert hold.streams == 0
+            assert hold.deadline is not None
             assert not server_ws.broker.clients
             session = await quiet.create_session("quiet")
             async with (

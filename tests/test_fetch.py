@@ -17,15 +17,13 @@ import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
 import pytest
 import trio
 
-from crush_trio.client import WorkspaceClient
 from crush_trio.config import (
     FETCH_MAX_BYTES_CEILING,
     FetchOptions,
@@ -39,6 +37,11 @@ from crush_trio.tools.fetch import AddressPolicy
 from crush_trio.wire import ToolResultPart
 
 from .test_tools import FakeAsker
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.client import WorkspaceClient
 
 WAIT = 10.0
 TEST_HOST = "127.0.0.2"
@@ -172,11 +175,14 @@ async def test_html_becomes_markdown_and_the_fetch_asks_first(tmp_path: Path) ->
     assert "# Tasks let you do multiple things at once" in text
     assert "[the post](https://example.org/post)" in text
     assert "| Parameter | Type |" in text.replace("  ", " ") or "| Parameter" in text
-    assert "```python" in text and "n.start_soon(child)" in text
+    assert "```python" in text
+    assert "n.start_soon(child)" in text
     assert "- one" in text
-    assert "gtag-secret" not in text and "color:red" not in text
+    assert "gtag-secret" not in text
+    assert "color:red" not in text
     [request] = asker.requests
-    assert request["tool_name"] == "fetch" and request["action"] == "fetch"
+    assert request["tool_name"] == "fetch"
+    assert request["action"] == "fetch"
     assert request["path"] == f"{server.base}/docs"
     assert request["params"] == {"url": f"{server.base}/docs", "format": "markdown"}
 
@@ -189,10 +195,12 @@ async def test_text_and_html_formats(tmp_path: Path) -> None:
         data = await fetch(ctx, url=f"{server.base}/data")
         bad = await fetch(ctx, url=f"{server.base}/docs", format="pdf")
     assert "Tasks let you do multiple things at once" in plain.content
-    assert "# Tasks" not in plain.content and "](https" not in plain.content
+    assert "# Tasks" not in plain.content
+    assert "](https" not in plain.content
     assert "<h1>Tasks let you do multiple things at once</h1>" in raw.content
     assert data.content.endswith('{"a": 1}')
-    assert bad.is_error and "must be one of markdown, text, html" in bad.content
+    assert bad.is_error
+    assert "must be one of markdown, text, html" in bad.content
 
 
 async def test_binary_and_error_statuses_are_error_results(tmp_path: Path) -> None:
@@ -200,8 +208,10 @@ async def test_binary_and_error_statuses_are_error_results(tmp_path: Path) -> No
     async with serving(img=page(b"\x89PNG\r\n\x00\x00", "image/png")) as server:
         img = await fetch(ctx, url=f"{server.base}/img")
         missing = await fetch(ctx, url=f"{server.base}/missing")
-    assert img.is_error and "is image/png, not text" in img.content
-    assert missing.is_error and "the server answered HTTP 404" in missing.content
+    assert img.is_error
+    assert "is image/png, not text" in img.content
+    assert missing.is_error
+    assert "the server answered HTTP 404" in missing.content
 
 
 async def test_the_host_header_is_the_urls_while_the_connection_goes_to_the_checked_address(
@@ -238,7 +248,8 @@ async def test_the_host_header_is_the_urls_while_the_connection_goes_to_the_chec
 async def test_refused_urls_are_refused_before_asking(tmp_path: Path, url: str, why: str) -> None:
     asker = FakeAsker()
     result = await fetch(make_ctx(tmp_path, asker, FetchOptions()), url=url)
-    assert result.is_error and not result.stop_turn
+    assert result.is_error
+    assert not result.stop_turn
     assert why in result.content, result.content
     assert asker.requests == []
 
@@ -294,9 +305,8 @@ async def test_a_name_with_one_private_address_among_public_ones_is_refused(
 ) -> None:
     tool = FetchTool(resolver=mapped({"mixed.test": ["93.184.216.34", "10.0.0.5"]}))
     result = await fetch(make_ctx(tmp_path, FakeAsker()), tool, url="http://mixed.test/")
-    assert result.is_error and "mixed.test resolves to 10.0.0.5, which is a private" in (
-        result.content
-    )
+    assert result.is_error
+    assert "mixed.test resolves to 10.0.0.5, which is a private" in result.content
 
 
 async def test_redirect_to_the_same_name_rebound_to_loopback_is_refused(tmp_path: Path) -> None:
@@ -328,7 +338,8 @@ def test_own_address_is_refused_even_when_public() -> None:
     assert AddressPolicy().refusal("224.0.0.1") == "a multicast address"
     assert AddressPolicy().refusal("64:ff9b::7f00:1") == "a loopback address (this machine)"
     allow = AddressPolicy.from_options(FetchOptions(allow_private=["10.0.0.0/8"]))
-    assert allow.refusal("10.9.9.9") is None and allow.refusal("127.0.0.1") is not None
+    assert allow.refusal("10.9.9.9") is None
+    assert allow.refusal("127.0.0.1") is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,7 +375,8 @@ async def test_a_denied_redirect_stops_the_fetch(tmp_path: Path) -> None:
     async with serving(docs=page(DOCS_HTML)) as server:
         server.routes["/a"] = redirect(f"http://other.test:{server.port}/docs")
         result = await fetch(make_ctx(tmp_path, asker), tool, url=f"{server.base}/a")
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert "permission denied" in result.content
     assert len(server.requests) == 1
 
@@ -488,14 +500,16 @@ async def test_a_denied_fetch_reaches_the_model_as_a_denied_result(
     async with ws.subscribe(timeout=WAIT) as feed:
         run = await ws.prompt(sid, "read the guide", run_id="f")
         asked = await feed.until(lambda e: e.type == "permission_request", WAIT)
-        assert asked.payload.tool_name == "fetch" and asked.payload.action == "fetch"
+        assert asked.payload.tool_name == "fetch"
+        assert asked.payload.action == "fetch"
         assert asked.payload.params == {"url": url, "format": "markdown"}
         assert asked.payload.path == url
         assert await ws.grant(asked.payload.id, "deny")
         await run.result(WAIT)
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
     [result] = results
-    assert result.name == "fetch" and result.is_error
+    assert result.name == "fetch"
+    assert result.is_error
     assert result.content.startswith("permission denied: the user did not allow fetch to fetch")
     assert len(scripted_model.requests) == 1  # the turn ended at the denial
 

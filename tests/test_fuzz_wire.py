@@ -35,15 +35,17 @@ import struct
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import pytest
 import trio
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: ``CRUSH_TRIO_FUZZ_SHRINK=0`` reports the first failing batch as found, without shrinking it.
 PHASES: Final = (
@@ -179,7 +181,8 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def _read_line(self, timeout: float) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
+        assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else b""
         if not line:
@@ -190,7 +193,8 @@ class ServerProcess:
         return dict(json.loads(line))
 
     def command(self, request: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin is not None
+        assert self.proc is not None
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         return self._read_line(STARTUP_BOUND)

@@ -32,14 +32,17 @@ def drain(stream: ClientStream) -> list[Event]:
 async def test_a_queue_that_drained_takes_events_again_in_order() -> None:
     broker = Broker(client_queue_size=3)
     stream, _ = broker.subscribe()
-    assert len(stream.receive) == 0 and stream.receive.bytes == 0
+    assert len(stream.receive) == 0
+    assert stream.receive.bytes == 0
     for round_ in range(3):
         for n in range(3):
             broker.publish(lossy(10 * round_ + n))
-        assert len(stream.receive) == 3 and stream.receive.full
+        assert len(stream.receive) == 3
+        assert stream.receive.full
         got = drain(stream)
         assert [e.seq for e in got] == [3 * round_ + n + 1 for n in range(3)]
-        assert len(stream.receive) == 0 and stream.receive.bytes == 0
+        assert len(stream.receive) == 0
+        assert stream.receive.bytes == 0
     assert stream.dropped == 0
 
 
@@ -49,7 +52,8 @@ async def test_a_cleared_queue_takes_events_again() -> None:
     broker.publish(lossy(1))
     broker.publish(lossy(2))
     stream.clear()
-    assert len(stream.receive) == 0 and stream.receive.bytes == 0
+    assert len(stream.receive) == 0
+    assert stream.receive.bytes == 0
     with pytest.raises(trio.WouldBlock):
         stream.receive.receive_nowait()
     broker.publish(lossy(3))
@@ -89,7 +93,8 @@ async def test_containment_logs_an_error_closes_the_stream_and_goes_on(
     with pytest.raises(trio.ClosedResourceError):
         await right.send_all(b"x")
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(messages) == 1 and "event websocket from" in messages[0]
+    assert len(messages) == 1
+    assert "event websocket from" in messages[0]
     assert "ValueError: bad frame" in messages[0]
 
 

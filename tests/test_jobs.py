@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -34,6 +32,10 @@ from crush_trio.tools.stream import TOOL_OUTPUT_INTERVAL, TOOL_OUTPUT_MAX_BYTES
 from crush_trio.wire import JobState, ToolOutput
 
 from .test_tools import FakeAsker, process_alive, wait_process_gone
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +156,8 @@ def test_the_streamer_holds_and_publishes_a_bounded_amount_of_a_flood() -> None:
         assert streamer.pending_bytes <= TOOL_OUTPUT_MAX_BYTES
     streamer.close()
     (piece,) = published
-    assert len(piece.text) == TOOL_OUTPUT_MAX_BYTES and piece.offset == 0
+    assert len(piece.text) == TOOL_OUTPUT_MAX_BYTES
+    assert piece.offset == 0
     assert piece.dropped == 1600 * 65536 - TOOL_OUTPUT_MAX_BYTES
     assert streamer.total == 1600 * 65536
 
@@ -230,10 +233,12 @@ async def test_a_job_outlives_its_call_job_output_reads_it_and_job_kill_ends_its
     async with job_manager(published) as manager:
         ctx = make_ctx(ws, FakeAsker(), jobs=manager, publish=published.append)
         result = await call(ctx, "bash", command=JOB, background=True)
-        assert not result.is_error and "started background job job-1" in result.content
+        assert not result.is_error
+        assert "started background job job-1" in result.content
         await wait_output(manager, "job-1", b"started")
         shell_pid, child_pid = pids(ws, "shell.pid", "child.pid")
-        assert process_alive(shell_pid) and process_alive(child_pid)  # the call returned
+        assert process_alive(shell_pid)
+        assert process_alive(child_pid)  # the call returned
 
         read = await call(ctx, "job_output", job_id="job-1")
         assert read.content == "started\njob job-1 is still running"
@@ -246,7 +251,8 @@ async def test_a_job_outlives_its_call_job_output_reads_it_and_job_kill_ends_its
             "r1",
             "s1",
         )
-        assert info.output_bytes == len("started\n") and info.unread_bytes == 0
+        assert info.output_bytes == len("started\n")
+        assert info.unread_bytes == 0
 
         killed = await call(ctx, "job_kill", job_id="job-1")
         assert killed.content == "killed job job-1"
@@ -258,7 +264,8 @@ async def test_a_job_outlives_its_call_job_output_reads_it_and_job_kill_ends_its
     # Streamed with the job's id, ending with a last piece marked done.
     assert {p.job_id for p in published} == {"job-1"}
     assert "".join(p.text for p in published) == "started\n"
-    assert published[-1].done and published[-1].exit_code is None
+    assert published[-1].done
+    assert published[-1].exit_code is None
 
 
 async def test_closing_the_manager_ends_every_job_tree(tmp_path: Path) -> None:
@@ -269,8 +276,10 @@ async def test_closing_the_manager_ends_every_job_tree(tmp_path: Path) -> None:
         await call(ctx, "bash", command=JOB, background=True)
         await wait_output(manager, "job-1", b"started")
         shell_pid, child_pid = pids(ws, "shell.pid", "child.pid")
-    assert manager.closed and manager.info()[0].state is JobState.KILLED
-    assert not process_alive(shell_pid) and not process_alive(child_pid)
+    assert manager.closed
+    assert manager.info()[0].state is JobState.KILLED
+    assert not process_alive(shell_pid)
+    assert not process_alive(child_pid)
 
 
 async def test_job_output_waits_for_the_end_and_reports_the_exit_code(tmp_path: Path) -> None:
@@ -292,7 +301,8 @@ async def test_unread_output_is_bounded_and_the_drop_is_reported(tmp_path: Path)
         result = await call(ctx, "job_output", job_id="job-1", wait=10)
     lines = result.content.split("\n")
     assert lines[0].startswith("[900 earlier bytes of output were dropped")
-    assert lines[1] == "x" * 100 and lines[2] == "job job-1 exited with code 0"
+    assert lines[1] == "x" * 100
+    assert lines[2] == "job job-1 exited with code 0"
 
 
 async def test_the_number_of_jobs_is_bounded(tmp_path: Path) -> None:
@@ -303,7 +313,8 @@ async def test_the_number_of_jobs_is_bounded(tmp_path: Path) -> None:
         for _ in range(2):
             assert not (await call(ctx, "bash", command="sleep 300", background=True)).is_error
         refused = await call(ctx, "bash", command="sleep 300", background=True)
-        assert refused.is_error and "options.jobs.max_jobs" in refused.content
+        assert refused.is_error
+        assert "options.jobs.max_jobs" in refused.content
         assert len(manager.info()) == 2
         await call(ctx, "job_kill", job_id="job-1")
         # An ended job makes room (it is evicted, oldest first).
@@ -321,7 +332,8 @@ async def test_jobs_of_other_sessions_are_not_reachable(tmp_path: Path) -> None:
         other = make_ctx(ws, FakeAsker(), jobs=manager)
         other.session_id = "s2"
         result = await call(other, "job_kill", job_id="job-1")
-        assert result.is_error and "no background job 'job-1'" in result.content
+        assert result.is_error
+        assert "no background job 'job-1'" in result.content
         assert manager.info()[0].state is JobState.RUNNING
 
 
@@ -334,7 +346,8 @@ async def test_a_background_command_asks_like_a_foreground_one_and_a_denial_star
     async with job_manager() as manager:
         ctx = make_ctx(ws, asker, jobs=manager)
         result = await call(ctx, "bash", command="touch made", background=True)
-        assert result.is_error and result.stop_turn
+        assert result.is_error
+        assert result.stop_turn
         (request,) = asker.requests
         assert request["params"]["background"] is True
         assert request["description"].startswith("Start a background job")
@@ -428,8 +441,10 @@ async def test_cancel_of_the_run_kills_its_jobs_only_when_configured(
             assert manager.info()[0].state is JobState.KILLED
         else:
             assert stopped == []
-            assert process_alive(shell_pid) and process_alive(child_pid)
-    assert not process_alive(shell_pid) and not process_alive(child_pid)
+            assert process_alive(shell_pid)
+            assert process_alive(child_pid)
+    assert not process_alive(shell_pid)
+    assert not process_alive(child_pid)
 
 
 def test_polling_a_job_is_not_a_repeated_call_loop() -> None:
@@ -442,6 +457,7 @@ def test_polling_a_job_is_not_a_repeated_call_loop() -> None:
     for _ in range(REPEATED_TOOL_CALL_LIMIT * 2):
         repeated.check(poll)
     same = [ToolCallPart("c", "bash", '{"command": "ls"}')]
-    with pytest.raises(ProviderError, match="repeated the same tool call"):
+    # The last of the calls raises; the loop stays inside (an earlier one must not).
+    with pytest.raises(ProviderError, match="repeated the same tool call"):  # noqa: PT012
         for _ in range(REPEATED_TOOL_CALL_LIMIT):
             repeated.check(same)

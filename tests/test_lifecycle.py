@@ -45,18 +45,24 @@ SIGNAL_WAIT = 20.0
 def test_holds_create_grace_detach_grace_and_release() -> None:
     holds = Holds(create_grace=30, detach_grace=10)
     holds.open("a", now=0)
-    assert holds.clients["a"].phase is HoldState.PENDING and holds.next_deadline() == 30
-    assert holds.expire(29.9) == [] and holds.held
+    assert holds.clients["a"].phase is HoldState.PENDING
+    assert holds.next_deadline() == 30
+    assert holds.expire(29.9) == []
+    assert holds.held
     holds.attach("a")
-    assert holds.clients["a"].phase is HoldState.ATTACHED and holds.next_deadline() is None
+    assert holds.clients["a"].phase is HoldState.ATTACHED
+    assert holds.next_deadline() is None
     holds.attach("a")
     holds.detach("a", now=40)
     assert holds.next_deadline() is None  # one stream is still open
     holds.detach("a", now=41)
-    assert holds.clients["a"].phase is HoldState.DETACHED and holds.next_deadline() == 51
+    assert holds.clients["a"].phase is HoldState.DETACHED
+    assert holds.next_deadline() == 51
     holds.attach("a")  # a quick reconnect keeps it
     holds.detach("a", now=60)
-    assert holds.expire(69) == [] and holds.expire(70) == ["a"] and not holds.held
+    assert holds.expire(69) == []
+    assert holds.expire(70) == ["a"]
+    assert not holds.held
     holds.open("b", now=0)
     holds.attach("b")
     holds.release("b")
@@ -84,7 +90,8 @@ async def test_create_and_detach_grace_expire(
         ws.attach(client)  # a second client streams
         mock_clock.jump(2)  # the creator's grace lapses; the streaming client holds it
         await trio.testing.wait_all_tasks_blocked()
-        assert not ws.closing and list(ws.holds.clients) == [client]
+        assert not ws.closing
+        assert list(ws.holds.clients) == [client]
         ws.detach(client)
         await trio.testing.wait_all_tasks_blocked()
         mock_clock.jump(9)
@@ -261,7 +268,8 @@ async def test_sigterm_during_run_exits_0_and_restart_finds_the_partial_reply(
                 assert await server.stop() == 0
             # The server told this client that the run was cancelled before it went away.
             await handle.wait(SIGNAL_WAIT)
-            assert handle.complete is not None and handle.complete.cancelled is True
+            assert handle.complete is not None
+            assert handle.complete.cancelled is True
         restarted = ServerProcess(tmp_path, config)
         await restarted.start(nursery)
         async with connect(restarted.url, "tok") as client, client.workspace(project) as ws:
@@ -269,10 +277,13 @@ async def test_sigterm_during_run_exits_0_and_restart_finds_the_partial_reply(
             assert run.status is RunStatus.CANCELLED
             assistant = (await ws.messages(sid))[-1]
             text = assistant.text()
-            assert len(text) > 30 and words.startswith(text) and text != words
+            assert len(text) > 30
+            assert words.startswith(text)
+            assert text != words
             assert run.text == text
             finish = assistant.finish()
-            assert finish is not None and finish.reason is FinishReason.CANCELED
+            assert finish is not None
+            assert finish.reason is FinishReason.CANCELED
             with trio.fail_after(SIGNAL_WAIT):
                 assert await restarted.stop() == 0
 
@@ -336,5 +347,6 @@ async def test_runs_left_running_by_a_killed_server_are_marked_failed(tmp_path: 
             assert run.error == "server stopped before the run finished"
         msgs = await ws.messages("s-crash")
     finish = msgs[-1].finish()
-    assert finish is not None and finish.reason is FinishReason.ERROR
+    assert finish is not None
+    assert finish.reason is FinishReason.ERROR
     assert msgs[-1].parts[0] == TextPart("half a rep")

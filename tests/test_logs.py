@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -19,9 +19,11 @@ import trio
 from crush_trio.client import RunFailed, WorkspaceClient, open_event_socket
 from crush_trio.logs import ContextFilter, JsonFormatter, configure_logging, log_context
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 TOKEN = "s3cret-log-token"
 
@@ -40,7 +42,8 @@ def test_a_record_is_one_json_line_with_its_fields() -> None:
     assert data["level"] == "WARNING"
     assert data["logger"] == "crush_trio.test"
     assert data["message"] == "run r1\nfailed"
-    assert data["run_id"] == "r1" and data["session_id"] == "s1"
+    assert data["run_id"] == "r1"
+    assert data["session_id"] == "s1"
     assert "workspace_id" not in data
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", data["time"])
 
@@ -69,7 +72,8 @@ def test_context_ids_apply_inside_the_block_and_in_child_tasks() -> None:
         "session_id": "s1",
         "run_id": "r9",
     }
-    assert seen[1]["workspace_id"] == "w1" and "run_id" not in seen[1]
+    assert seen[1]["workspace_id"] == "w1"
+    assert "run_id" not in seen[1]
     assert "workspace_id" not in seen[2]
 
 
@@ -89,7 +93,8 @@ def test_exceptions_stay_on_one_line() -> None:
     lines = stream.getvalue().splitlines()
     assert len(lines) == 1
     data = orjson.loads(lines[0])
-    assert data["message"] == "it broke" and "RuntimeError: boom" in data["exception"]
+    assert data["message"] == "it broke"
+    assert "RuntimeError: boom" in data["exception"]
 
 
 def test_unknown_format_is_refused() -> None:
@@ -129,11 +134,15 @@ def test_served_json_logs_carry_ids_and_never_the_token(tmp_path: Path) -> None:
     access = [r for r in records if r["logger"] == "crush_trio.access"]
     assert len(access) == 2
     first, second = access
-    assert first["workspace_id"] == "w-404" and first["session_id"] == "s-404"
-    assert first["status"] == 404 and first["method"] == "GET"
+    assert first["workspace_id"] == "w-404"
+    assert first["session_id"] == "s-404"
+    assert first["status"] == 404
+    assert first["method"] == "GET"
     assert first["target"] == "/v1/workspaces/w-404/sessions/s-404?token=[redacted]"
-    assert second["workspace_id"] == "w-2" and second["run_id"] == "r-2"
-    assert "[redacted]" in second["target"] and "x=1" in second["target"]
+    assert second["workspace_id"] == "w-2"
+    assert second["run_id"] == "r-2"
+    assert "[redacted]" in second["target"]
+    assert "x=1" in second["target"]
 
 
 async def test_a_turn_logs_with_its_workspace_session_and_run(
@@ -151,7 +160,8 @@ async def test_a_turn_logs_with_its_workspace_session_and_run(
     bugs = [r for r in caplog.records if "failed with a bug" in r.getMessage()]
     assert bugs, [r.getMessage() for r in caplog.records]
     data = orjson.loads(JsonFormatter().format(bugs[0]))
-    assert data["run_id"] == "bug-run" and data["session_id"] == sid
+    assert data["run_id"] == "bug-run"
+    assert data["session_id"] == sid
     assert data["workspace_id"] == ws.id
     assert "a bug in the model" in data["exception"]
 

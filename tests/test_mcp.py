@@ -10,21 +10,23 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 import pytest
 import trio
 
 from crush_trio.client import Event, RunStatus, WorkspaceClient
-from crush_trio.client.subscription import Subscription
 from crush_trio.config import load_config_report
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.tools.mcp import MAX_TOOL_NAME, mcp_tool_name, render_result
 from crush_trio.wire import AgentInfo, McpState, ToolResultPart
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.client.subscription import Subscription
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 
@@ -130,15 +132,18 @@ async def test_tools_of_an_mcp_server_ask_and_answer(
     handle = await ws.prompt(sid, "add them", run_id="m1")
     asked = await handle.next_permission_request(WAIT)
     assert asked is not None
-    assert asked.tool_name == "mcp_test_add" and asked.action == "execute"
+    assert asked.tool_name == "mcp_test_add"
+    assert asked.action == "execute"
     assert asked.params == {"a": 2, "b": 40}
     assert "'add' of MCP server 'test'" in asked.description
     assert await ws.grant(asked.id, "allow")
     asked = await handle.next_permission_request(WAIT)
-    assert asked is not None and asked.tool_name == "mcp_test_picture"
+    assert asked is not None
+    assert asked.tool_name == "mcp_test_picture"
     assert await ws.grant(asked.id, "allow")
     run = await handle.result(WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "done"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "done"
 
     # The model saw the tools with their JSON schemas (the disabled one left out).
     offered = {t.name: t for t in scripted_model.requests[0].tools}
@@ -148,10 +153,13 @@ async def test_tools_of_an_mcp_server_ask_and_answer(
     assert add.parameters["required"] == ["a", "b"]
     assert add.parameters["properties"]["a"]["type"] == "integer"
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
-    assert [r.content for r in results[:1]] == ["42"] and not results[0].is_error
+    assert [r.content for r in results[:1]] == ["42"]
+    assert not results[0].is_error
     assert results[1].content.startswith("[image result (image/png, about ")
-    assert "not shown to the model" in results[1].content and not results[1].is_error
-    assert results[2].is_error and "unknown tool 'mcp_test_fail'" in results[2].content
+    assert "not shown to the model" in results[1].content
+    assert not results[1].is_error
+    assert results[2].is_error
+    assert "unknown tool 'mcp_test_fail'" in results[2].content
 
     # Closing the workspace stops the server: its process is gone.
     test_pid = int((tmp_path / "test.pid").read_text())
@@ -195,7 +203,8 @@ async def test_a_server_that_dies_is_reported_and_the_workspace_goes_on(
         run = await handle.result(WAIT)
         # permissions.allowed_tools names it: no permission asked.
         assert handle.permission_requests == {}
-        assert run.status is RunStatus.COMPLETED and run.text == "after"
+        assert run.status is RunStatus.COMPLETED
+        assert run.text == "after"
         failed = await feed.until(
             lambda e: (
                 _is_mcp(e)
@@ -210,7 +219,8 @@ async def test_a_server_that_dies_is_reported_and_the_workspace_goes_on(
     assert failed.raw is not None
     assert failed.raw["payload"]["payload"]["mcp"]["state"] == "failed"
     info = {s.name: s for s in (await ws.agent_info()).mcp}
-    assert info["test"].state is McpState.FAILED and info["test"].tools == []
+    assert info["test"].state is McpState.FAILED
+    assert info["test"].tools == []
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
     assert [r.content for r in results] == ["grown", "exiting"]
     # The workspace goes on without it; its tools are no longer offered.
@@ -225,7 +235,8 @@ def test_tool_names_are_safe_for_the_model_apis() -> None:
     assert mcp_tool_name("my server", "a.b/c") == "mcp_my_server_a_b_c"
     long_a = mcp_tool_name("s", "x" * 100 + "a")
     long_b = mcp_tool_name("s", "x" * 100 + "b")
-    assert len(long_a) == MAX_TOOL_NAME and long_a != long_b
+    assert len(long_a) == MAX_TOOL_NAME
+    assert long_a != long_b
 
 
 def test_results_text_images_and_errors() -> None:
@@ -244,7 +255,8 @@ def test_results_text_images_and_errors() -> None:
     failed = render_result(
         "s", "t", CallToolResult(content=[TextContent(type="text", text="no")], is_error=True)
     )
-    assert failed.is_error and failed.content == "MCP tool t of server s failed: no"
+    assert failed.is_error
+    assert failed.content == "MCP tool t of server s failed: no"
     structured = render_result("s", "t", CallToolResult(content=[], structured_content={"n": 1}))
     assert structured.content == '{"n":1}'
 
@@ -355,7 +367,8 @@ async def test_an_http_server_with_headers() -> None:
                 assert server.state is McpState.CONNECTED, server.error
                 assert [t.spec.name for t in manager.tools()][:1] == ["mcp_web_add"]
                 result = await server.call("add", {"a": 1, "b": 2}, WAIT)
-                assert result.content == "3" and not result.is_error
+                assert result.content == "3"
+                assert not result.is_error
                 servers.cancel_scope.cancel()
             assert seen == [McpState.STARTING, McpState.CONNECTED, McpState.STOPPED]
             nursery.cancel_scope.cancel()
@@ -398,7 +411,8 @@ def test_a_servers_stderr_file_stays_bounded() -> None:
         errlog.seek(0)
         text = errlog.read()
     # The child's next write lands after the kept tail (the file offset is shared).
-    assert text.endswith("xLASTNEXT") and len(text) == mcp.STDERR_TAIL_BYTES + 4
+    assert text.endswith("xLASTNEXT")
+    assert len(text) == mcp.STDERR_TAIL_BYTES + 4
 
 
 def test_servers_whose_tool_names_could_meet_are_refused(tmp_path: Path) -> None:
@@ -413,7 +427,8 @@ def test_servers_whose_tool_names_could_meet_are_refused(tmp_path: Path) -> None
         with pytest.raises(ConfigError) as err:
             load_config_report(config_file=file, workspace=None, env={})
         assert f"$.mcp.{pair[1]}: the tools of MCP servers" in err.value.message
-        assert repr(pair[0]) in err.value.message and repr(pair[1]) in err.value.message
+        assert repr(pair[0]) in err.value.message
+        assert repr(pair[1]) in err.value.message
     file.write_bytes(orjson.dumps({"mcp": {"fs": {"command": "true"}, "fsx": {"command": "t"}}}))
     assert set(load_config_report(config_file=file, workspace=None, env={}).config.mcp) == {
         "fs",

@@ -8,8 +8,7 @@ debounce window long enough that the flusher never fires on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
@@ -30,6 +29,10 @@ from crush_trio.wire import (
     TextPart,
     ToolCallPart,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterable
+    from pathlib import Path
 
 #: Trio-clock cap for each test's waits.
 TEST_TIMEOUT = 10
@@ -313,7 +316,8 @@ async def test_flush_writes_pending_rows_in_creation_order(store: Store) -> None
     await service.flush("a")
     assert [m.id for m in await store.list_messages("s")] == ["b", "a"]
     a = await store.get_message("a")
-    assert a is not None and a.text() == "A"
+    assert a is not None
+    assert a.text() == "A"
     assert service.pending_count == 0
 
 

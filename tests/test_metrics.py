@@ -14,7 +14,7 @@ import socket
 import struct
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -36,13 +36,15 @@ from crush_trio.server.metrics_http import (
 )
 from crush_trio.server.openapi import document
 from crush_trio.server.serve import serve
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
 from tests.fake_llm import FakeLLM, Reply
 from tests.test_bounds import _raw_websocket, big
 from tests.test_providers import collect, collect_until_error, request, serving, user
 
 from .conftest import TOKEN, WAIT, running_server, serve_options
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 DASHBOARD = Path(__file__).parent.parent / "docs" / "grafana-dashboard.json"
 
@@ -107,7 +109,8 @@ async def test_a_run_moves_the_run_event_and_store_metrics(
     assert value("crush_trio_workspaces_open") >= 1
     sid = (await ws.create_session()).id
     run = await (await ws.prompt(sid, "hello metrics")).result(WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "hello metrics"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "hello metrics"
     assert snap.delta("crush_trio_runs_accepted_total") == 1
     assert snap.delta(*completed) == 1
     assert snap.delta("crush_trio_run_duration_seconds_count") == 1
@@ -190,7 +193,8 @@ async def test_tool_calls_count_by_tool_and_outcome(
     with trio.fail_after(WAIT):
         handle = await ws.prompt(sid, "look, then write")
         asked = await handle.next_permission_request(WAIT)
-        assert asked is not None and asked.tool_name == "write"
+        assert asked is not None
+        assert asked.tool_name == "write"
         assert value("crush_trio_permissions_pending") == pending_before + 1
         assert await ws.grant(asked.id, "deny") is True
         run = await handle.result(WAIT)
@@ -305,11 +309,14 @@ async def test_metrics_need_the_token_and_the_loopback_port_serves_them_without(
     async with running_server(tmp_path, metrics_port=0) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=WAIT) as anon:
             r = await anon.get("/metrics")
-            assert r.status_code == 401 and "token" in r.json()["message"]
+            assert r.status_code == 401
+            assert "token" in r.json()["message"]
             r = await anon.get("/metrics", params={"token": TOKEN})
-            assert r.status_code == 200 and "crush_trio_runs_accepted_total" in r.text
+            assert r.status_code == 200
+            assert "crush_trio_runs_accepted_total" in r.text
         url = server.handle.metrics_url
-        assert url is not None and url.startswith("http://127.0.0.1:")
+        assert url is not None
+        assert url.startswith("http://127.0.0.1:")
         async with httpx.AsyncClient(timeout=WAIT) as scraper:
             before = parse((await scraper.get(url)).text)
             # A run of the built-in echo model, followed on the event websocket.
@@ -335,7 +342,8 @@ async def test_metrics_need_the_token_and_the_loopback_port_serves_them_without(
             r = await scraper.get(url.replace("/metrics", "/v1/workspaces"))
             assert r.status_code == 404
             r = await scraper.post(url)
-            assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+            assert r.status_code == 405
+            assert r.headers["allow"] == "GET, HEAD"
         # A malformed request gets an answer, and the port keeps serving.
         host, port = url.removeprefix("http://").split("/")[0].split(":")
         with trio.fail_after(WAIT):

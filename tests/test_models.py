@@ -7,8 +7,7 @@ import io
 import os
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 import pytest
@@ -17,9 +16,13 @@ import trio
 from crush_trio.client import BadRequest, NotFound, WorkspaceClient
 from crush_trio.models_cmd import list_models
 from crush_trio.providers.scripted import ScriptedModel
-from crush_trio.testing import CrushServer
 from crush_trio.wire import CatalogModel, ModelChoice
 from tests.conftest import WAIT, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 SECRET: Final = "sk-models-secret"
 CONFIG: Final = {
@@ -74,7 +77,8 @@ async def test_providers_list_each_model_with_its_window_bounds_and_prices(
         CatalogModel("big-1", "Big One", 3.0, 15.0, 3.75, 0.3, 200000, 8192),
     ]
     # A provider that lists no models takes any id: none to show, no default.
-    assert providers["anything"].models == [] and providers["anything"].default_large_model_id == ""
+    assert providers["anything"].models == []
+    assert providers["anything"].default_large_model_id == ""
     # No context_window given: the server's options.default_context_window applies.
     assert [m.id for m in providers["echo"].models] == ["echo"]
     assert providers["echo"].models[0].context_window == 64000
@@ -111,7 +115,8 @@ async def test_a_chosen_model_is_used_from_the_next_turn_on(
         assert await ws.client.request("POST", url + "/config/model", json=body) == {}
         info = await ws.agent_info()
         assert info.model_cfg == ModelChoice("local", "small-1")
-        assert info.model["id"] == "small-1" and info.model["context_window"] == 32000
+        assert info.model["id"] == "small-1"
+        assert info.model["context_window"] == 32000
         await (await ws.prompt(session.id, "two")).result(WAIT)
         assert scripted_model.requests[-1].model.id == "small-1"
         # Any id goes for a provider that lists none; the workspace config shows it then.
@@ -182,7 +187,8 @@ async def test_models_command_lists_what_run_m_takes(
         "in", "$3", "out", "$15", "per", "1M", "large",
     ]  # fmt: skip
     small = next(line for line in lines if line.strip().startswith("local/small-1"))
-    assert small.split()[-1] == "small" and "max -" in small
+    assert small.split()[-1] == "small"
+    assert "max -" in small
     assert "anything (openai-compat) http://127.0.0.1:9/v1" in lines
     assert any(line.strip().startswith("echo/echo") for line in lines)
     assert SECRET not in out.getvalue()
@@ -195,7 +201,8 @@ async def test_models_command_lists_what_run_m_takes(
     assert listed[0]["models"][1]["cost_per_1m_out"] == 15.0
     out = io.StringIO()
     code = await list_models(crush_server.url, "wrong-token", project, "text", out, err)
-    assert code == 3 and out.getvalue() == ""
+    assert code == 3
+    assert out.getvalue() == ""
 
 
 @pytest.mark.slow
@@ -215,7 +222,8 @@ async def test_models_command_embedded(tmp_path: Path) -> None:
         )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().splitlines()[0] == "echo (echo)"
-    assert "echo/echo" in done.stdout.decode() and "large" in done.stdout.decode()
+    assert "echo/echo" in done.stdout.decode()
+    assert "large" in done.stdout.decode()
     with trio.fail_after(60):
         done = await trio.run_process(
             [sys.executable, "-m", "crush_trio", "models", "--token", "t"],
@@ -225,7 +233,8 @@ async def test_models_command_embedded(tmp_path: Path) -> None:
             env=env,
             stdin=subprocess.DEVNULL,
         )
-    assert done.returncode == 2 and b"--token needs --server" in done.stderr
+    assert done.returncode == 2
+    assert b"--token needs --server" in done.stderr
 
 
 async def test_a_chosen_model_outlives_a_reload_while_it_is_still_configured(

@@ -8,8 +8,8 @@ handles (``RunHandle.next_permission_request``) or workspace subscriptions and a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import pytest
@@ -19,7 +19,6 @@ import trio.testing
 from crush_trio.client import Event, RunStatus, WorkspaceClient, connect
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.store import Store
-from crush_trio.testing import CrushServer
 from crush_trio.wire import (
     FinishReason,
     PermissionNotification,
@@ -30,6 +29,11 @@ from crush_trio.wire import (
 )
 
 from .conftest import WAIT, completes_run, payloads
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from crush_trio.testing import CrushServer
 
 
 def is_type(event_type: str) -> Callable[[Event], bool]:
@@ -58,22 +62,28 @@ async def test_two_clients_first_answer_wins(
         handle = await ws.prompt(sid, "write it", run_id="w")
         asked = await first.until(is_type("permission_request"), WAIT)
         asked_second = await second.until(is_type("permission_request"), WAIT)
-        assert asked.raw is not None and asked_second.raw is not None
+        assert asked.raw is not None
+        assert asked_second.raw is not None
         assert asked.raw["payload"] == asked_second.raw["payload"]
         req: PermissionRequest = asked.payload
         # A tab opened later can still show it.
         pending = await ws.client.request("GET", f"/v1/workspaces/{ws.id}/permissions")
         assert pending == [asked.raw["payload"]["payload"]]
-        assert req.tool_name == "write" and req.session_id == sid and req.path.endswith("out.txt")
+        assert req.tool_name == "write"
+        assert req.session_id == sid
+        assert req.path.endswith("out.txt")
         assert await ws.grant(req.id, "allow") is True
         assert await other.grant(req.id, "deny") is False  # late answer
         run = await handle.result(WAIT)
         seen = await first.collect_until(completes_run("w"), WAIT)
         note = (await second.until(is_type("permission_notification"), WAIT)).payload
     assert list(handle.permission_requests) == [req.id]
-    assert run.text == "written" and run.error is None
+    assert run.text == "written"
+    assert run.error is None
     notes: list[PermissionNotification] = payloads(seen, "permission_notification")
-    assert len(notes) == 1 and notes[0].granted is True and notes[0].denied is False
+    assert len(notes) == 1
+    assert notes[0].granted is True
+    assert notes[0].denied is False
     assert note == notes[0]
     assert (tmp_path / "out.txt").exists() is False  # written inside the workspace, not tmp
     assert (Path(ws.path) / "out.txt").read_text() == "hello"
@@ -89,14 +99,17 @@ async def test_deny_ends_the_turn_with_a_clear_result(
     sid = (await ws.create_session()).id
     handle = await ws.prompt(sid, "run it", run_id="d")
     asked = await handle.next_permission_request(WAIT)
-    assert asked is not None and asked.tool_name == "bash"
+    assert asked is not None
+    assert asked.tool_name == "bash"
     assert await ws.grant(asked.id, "deny") is True
     assert await handle.next_permission_request(WAIT) is None  # asked once, then ended
     run = await handle.result(WAIT)
-    assert run.status is RunStatus.COMPLETED and run.error is None
+    assert run.status is RunStatus.COMPLETED
+    assert run.error is None
     assert len(scripted_model.requests) == 1  # the turn ended at the denial
     result = (await ws.messages(sid))[-1].parts[0]
-    assert isinstance(result, ToolResultPart) and result.is_error is True
+    assert isinstance(result, ToolResultPart)
+    assert result.is_error is True
     assert "denied" in result.content
     assert not (Path(ws.path) / "made-by-bash").exists()
 
@@ -115,18 +128,23 @@ async def test_unanswered_request_times_out_and_the_record_says_why(
     async with ws.subscribe(timeout=WAIT) as feed:
         handle = await ws.prompt(sid, "run it", run_id="t")
         asked = await handle.next_permission_request(WAIT)
-        assert asked is not None and asked.tool_name == "bash"
+        assert asked is not None
+        assert asked.tool_name == "bash"
         started = trio.current_time()
         notified = await feed.until(is_type("permission_notification"), WAIT * 10)
         assert trio.current_time() - started >= 30  # not before options.permission_timeout
-        assert notified.payload.id == asked.id and notified.payload.denied is True
+        assert notified.payload.id == asked.id
+        assert notified.payload.denied is True
         run = await handle.result(WAIT, check=False)
     assert run.status is RunStatus.FAILED
-    assert run.error is not None and "options.permission_timeout" in run.error, run.error
-    assert "30 s" in run.error and "bash" in run.error
+    assert run.error is not None, run.error
+    assert "options.permission_timeout" in run.error, run.error
+    assert "30 s" in run.error
+    assert "bash" in run.error
     assert len(scripted_model.requests) == 1  # the turn ended at the timeout
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
-    assert len(results) == 1 and "timed out" in results[0].content
+    assert len(results) == 1
+    assert "timed out" in results[0].content
     assert not (Path(ws.path) / "made-by-bash").exists()
 
 
@@ -192,7 +210,8 @@ async def test_cancel_while_a_permission_request_waits(
         req = (await feed.until(is_type("permission_request"), WAIT)).payload
         await ws.cancel(sid)
         run = await handle.result(WAIT)
-        assert run.status is RunStatus.CANCELLED and run.error is None
+        assert run.status is RunStatus.CANCELLED
+        assert run.error is None
         note = (await feed.until(is_type("permission_notification"), WAIT)).payload
     assert note.denied is True  # withdrawn, so every client can drop it
     assert not await ws.grant(req.id, "allow")
@@ -233,7 +252,8 @@ async def test_cancel_inside_a_tool_call_leaves_a_valid_history(
     ]
     assert [c.id for c in calls] == [r.tool_call_id for r in results]
     assert all(c.finished and orjson.loads(c.input) is not None for c in calls)
-    assert results[0].is_error and "cancelled" in results[0].content
+    assert results[0].is_error
+    assert "cancelled" in results[0].content
 
 
 async def test_workspace_shutdown_with_a_pending_permission_request(
@@ -248,16 +268,19 @@ async def test_workspace_shutdown_with_a_pending_permission_request(
     workspace.request_shutdown()
     await handle.wait(WAIT)
     assert handle.complete is not None
-    assert handle.complete.cancelled is True and handle.complete.error is None
+    assert handle.complete.cancelled is True
+    assert handle.complete.error is None
     with trio.fail_after(WAIT):
         await workspace.closed.wait()
     store = await Store.open(workspace.data_dir)
     try:
         run = await store.get_run("sd")
-        assert run is not None and run.status is RunStatus.CANCELLED
+        assert run is not None
+        assert run.status is RunStatus.CANCELLED
         msgs = await store.list_messages(sid)
         finish = msgs[-2].finish()
-        assert finish is not None and finish.reason is FinishReason.CANCELED
+        assert finish is not None
+        assert finish.reason is FinishReason.CANCELED
         assert msgs[-1].role is Role.TOOL
         result = msgs[-1].parts[0]
         assert isinstance(result, ToolResultPart)

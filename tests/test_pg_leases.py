@@ -4,8 +4,7 @@ PostgreSQL server (``pg_dsn``: a fresh database per test)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -22,6 +21,9 @@ from crush_trio.cluster.pg import (
 )
 from crush_trio.errors import StoreError
 from tests.services import free_port
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 #: Trio-clock cap of each test's waits (seconds).
 TEST_TIMEOUT = 30

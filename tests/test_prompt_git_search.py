@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-import pytest
 import trio
 
 from crush_trio.agent import prompt
 from crush_trio.agent.prompt import GitSnapshot, repository_search_key
-from crush_trio.client import WorkspaceClient
-from crush_trio.providers.scripted import ScriptedModel
+
+if TYPE_CHECKING:
+    import pytest
+
+    from crush_trio.client import WorkspaceClient
+    from crush_trio.providers.scripted import ScriptedModel
 
 #: Bound on each test's waits (seconds).
 CAP: Final = 20
@@ -52,7 +55,8 @@ def test_the_search_key_changes_with_every_place_git_looks(tmp_path: Path) -> No
     work.mkdir(parents=True)
     old = 1_000_000_000  # 2001: far from "recent"
     first = repository_search_key(work)
-    assert first is not None and first == repository_search_key(work)
+    assert first is not None
+    assert first == repository_search_key(work)
     for place in (work / ".git", tmp_path / "a" / "HEAD", tmp_path / "objects"):
         place.write_text("x")
         assert repository_search_key(work) is None  # changed just now: not trusted

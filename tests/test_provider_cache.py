@@ -4,18 +4,20 @@ of providers (and their connection pools) open."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
 import trio.testing
 
 from crush_trio.agent.provider_cache import ProviderCache
-from crush_trio.client import WorkspaceClient
 from crush_trio.errors import ConfigError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from tests.conftest import WAIT
 from tests.test_models import CONFIG
+
+if TYPE_CHECKING:
+    from crush_trio.client import WorkspaceClient
 
 
 class FakeProvider:
@@ -43,19 +45,25 @@ def test_a_name_is_set_up_once_and_shared_by_its_holders() -> None:
     a = providers.acquire("local", None)
     b = providers.acquire("local", None)
     c = providers.acquire("other", None)
-    assert a is b and a is not c and len(made) == 2 and len(providers) == 2
+    assert a is b
+    assert a is not c
+    assert len(made) == 2
+    assert len(providers) == 2
     for p in (a, b, c):
         providers.release(p)
-    assert closing == [] and len(providers) == 2  # current providers stay open for reuse
+    assert closing == []
+    assert len(providers) == 2  # current providers stay open for reuse
 
 
 def test_a_replaced_provider_nobody_holds_is_closed_at_once() -> None:
     providers, made, closing = cache()
     providers.release(providers.acquire("local", None))
     providers.retire()
-    assert closing == made and len(providers) == 0
+    assert closing == made
+    assert len(providers) == 0
     fresh = providers.acquire("local", None)
-    assert fresh is not made[0] and len(made) == 2
+    assert fresh is not made[0]
+    assert len(made) == 2
 
 
 def test_a_replaced_provider_is_closed_when_its_last_holder_releases_it() -> None:
@@ -63,11 +71,13 @@ def test_a_replaced_provider_is_closed_when_its_last_holder_releases_it() -> Non
     turn = providers.acquire("local", None)
     title = providers.acquire("local", None)
     providers.retire()
-    assert closing == [] and len(providers) == 1
+    assert closing == []
+    assert len(providers) == 1
     providers.release(turn)
     assert closing == []  # the title still uses it
     providers.release(title)
-    assert closing == [turn] and len(providers) == 0
+    assert closing == [turn]
+    assert len(providers) == 0
     providers.release(turn)  # a stray release changes nothing
     assert closing == [turn]
 
@@ -78,9 +88,12 @@ def test_many_replacements_keep_only_the_held_providers_open() -> None:
     for _ in range(100):
         providers.release(providers.acquire("local", None))
         providers.retire()
-    assert len(made) == 100 and len(closing) == 99 and len(providers) == 1
+    assert len(made) == 100
+    assert len(closing) == 99
+    assert len(providers) == 1
     providers.release(held)
-    assert len(closing) == 100 and len(providers) == 0
+    assert len(closing) == 100
+    assert len(providers) == 0
 
 
 def test_a_provider_that_cannot_be_set_up_is_a_config_error() -> None:
@@ -99,7 +112,8 @@ async def test_aclose_closes_current_and_held_replaced_providers() -> None:
     providers.retire()
     new = providers.acquire("local", None)
     await providers.aclose(1.0)
-    assert (old.closed, new.closed) == (1, 1) and len(providers) == 0
+    assert (old.closed, new.closed) == (1, 1)
+    assert len(providers) == 0
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -17,6 +16,9 @@ import trio
 
 from crush_trio.providers.pool import ShardedTransport, shared_ssl_context
 from tests.fake_llm import FakeLLM, Fault, Reply
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 #: Bound on every wait of these tests (seconds; real sockets on loopback).
 WAIT = 10.0

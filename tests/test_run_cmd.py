@@ -14,10 +14,9 @@ import sqlite3
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
@@ -28,8 +27,12 @@ from crush_trio.client import Client, RunStatus, WorkspaceClient, connect
 from crush_trio.errors import ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.run_cmd import UsageError, add_run_parser, build_options
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, BinaryPart, EventKind
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 
@@ -154,9 +157,11 @@ async def test_diff_prints_the_files_and_the_diff_of_the_run(
     )
     assert done.code == 0, done.err
     assert done.out.startswith("changed\n")
-    assert "-old\n+new\n" in done.out and "+++ b/b.txt" in done.out
+    assert "-old\n+new\n" in done.out
+    assert "+++ b/b.txt" in done.out
     assert "files changed: 2" in done.err
-    assert "modified a.txt (+1 -1)" in done.err and "added    b.txt (+1 -0)" in done.err
+    assert "modified a.txt (+1 -1)" in done.err
+    assert "added    b.txt (+1 -0)" in done.err
 
 
 async def test_attach_sends_files_with_the_prompt_to_the_model(
@@ -188,12 +193,14 @@ async def test_attach_sends_files_with_the_prompt_to_the_model(
     missing = await run_cli(
         "--attach", "nope.png", "x", tmp_path=tmp_path, server=crush_server, cwd=project
     )
-    assert missing.code == 2 and "--attach nope.png: cannot read it" in missing.err
+    assert missing.code == 2
+    assert "--attach nope.png: cannot read it" in missing.err
     (project / "big.txt").write_bytes(b"x" * (2 * 1024 * 1024 + 1))
     big = await run_cli(
         "--attach", "big.txt", "x", tmp_path=tmp_path, server=crush_server, cwd=project
     )
-    assert big.code == 1 and "server.max_attachment_bytes" in big.err, big.err
+    assert big.code == 1, big.err
+    assert "server.max_attachment_bytes" in big.err, big.err
 
 
 async def test_provider_failure_exits_1_with_the_message(
@@ -217,7 +224,8 @@ async def test_json_lines_end_with_the_run_record(
     assert done.code == 0, done.err
     lines = [orjson.loads(line) for line in done.out.splitlines()]
     record = lines[-1]
-    assert record["status"] == "completed" and record["text"] == reply
+    assert record["status"] == "completed"
+    assert record["text"] == reply
     events = lines[:-1]
     assert all({"seq", "type", "payload"} <= set(e) for e in events)
     assert events[-1]["type"] == "run_complete"
@@ -254,16 +262,19 @@ async def test_unreachable_server_or_bad_token_exits_3(
     done = await run_cli(
         "--server", f"http://127.0.0.1:{port}", "hi", tmp_path=tmp_path, server=None
     )
-    assert done.code == 3 and "cannot reach" in done.err
+    assert done.code == 3
+    assert "cannot reach" in done.err
     done = await run_cli(
         "--server", crush_server.url, "--token", "wrong", "hi", tmp_path=tmp_path, server=None
     )
-    assert done.code == 3 and "token" in done.err
+    assert done.code == 3
+    assert "token" in done.err
 
 
 async def test_usage_errors_exit_2(crush_server: CrushServer, tmp_path: Path) -> None:
     done = await run_cli(tmp_path=tmp_path, server=crush_server)
-    assert done.code == 2 and "no prompt" in done.err
+    assert done.code == 2
+    assert "no prompt" in done.err
     done = await run_cli(
         "-s",
         "no-such-session",
@@ -272,19 +283,22 @@ async def test_usage_errors_exit_2(crush_server: CrushServer, tmp_path: Path) ->
         server=crush_server,
         cwd=crush_server.project(),
     )
-    assert done.code == 2 and "no session id starts with" in done.err
+    assert done.code == 2
+    assert "no session id starts with" in done.err
     assert "crush-trio sessions" in done.err  # says how to list them
     project = crush_server.project()
     done = await run_cli(
         "-m", "nope/none", "hi", tmp_path=tmp_path, server=crush_server, cwd=project
     )
-    assert done.code == 2 and "names no configured model" in done.err
+    assert done.code == 2
+    assert "names no configured model" in done.err
     assert "model: model" not in done.err, done.err
     async with connect(crush_server.url, crush_server.token) as client:
         async with client.workspace(project) as ws:
             assert await ws.sessions() == [], "a refused --model leaves no empty session behind"
     done = await run_cli("--json", "hi", tmp_path=tmp_path, server=crush_server)
-    assert done.code == 2 and "unknown flag --json; did you mean --format json?" in done.err
+    assert done.code == 2
+    assert "unknown flag --json; did you mean --format json?" in done.err
     assert done.err.startswith("usage: crush-trio run"), done.err
 
 
@@ -293,7 +307,8 @@ async def test_failed_run_without_output_prints_nothing_to_stdout(
 ) -> None:
     scripted_model.add(Step(error=ProviderError("the provider is down")))
     done = await run_cli("x", tmp_path=tmp_path, server=crush_server, cwd=crush_server.project())
-    assert done.code == 1 and "the provider is down" in done.err
+    assert done.code == 1
+    assert "the provider is down" in done.err
     assert done.out == ""
 
 
@@ -350,7 +365,8 @@ def test_serve_help_names_its_defaults(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 127.0.0.1)" in text and "(default: 7433)" in text
+    assert "(default: 127.0.0.1)" in text
+    assert "(default: 7433)" in text
 
 
 def test_busy_port_names_the_port_and_the_flag(tmp_path: Path) -> None:
@@ -370,7 +386,8 @@ def test_busy_port_names_the_port_and_the_flag(tmp_path: Path) -> None:
             check=False,
         )
     assert done.returncode == 1
-    assert f"127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "--port" in done.stderr, done.stderr
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -393,7 +410,8 @@ class _Stdin:
 def test_build_options_validates_flags_and_assembles_the_prompt(tmp_path: Path) -> None:
     env: dict[str, str] = {}
     opts = build_options(_parse("fix", "it"), _Stdin("error log\n"), env)
-    assert opts.prompt == "error log\n\nfix it" and opts.server is None
+    assert opts.prompt == "error log\n\nfix it"
+    assert opts.server is None
     assert build_options(_parse("x"), _Stdin("ignored", tty=True), env).prompt == "x"
     assert build_options(_parse(), _Stdin("only stdin\n"), env).prompt == "only stdin"
     opts = build_options(
@@ -589,7 +607,8 @@ async def test_timeout_cancels_the_run_and_exits_1(
         server=crush_server,
         cwd=Path(ws.path),
     )
-    assert done.code == 1 and "--timeout 3" in done.err
+    assert done.code == 1
+    assert "--timeout 3" in done.err
     record = orjson.loads(done.out.splitlines()[-1])
     assert record["status"] == "cancelled"
 

@@ -9,8 +9,7 @@ every event, so a test can check what no run handle would show: duplicates, orde
 from __future__ import annotations
 
 import uuid
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -28,7 +27,6 @@ from crush_trio.client import (
 from crush_trio.embedded import embedded
 from crush_trio.errors import BadRequest, ConfigError, ProviderError
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AgentEvent, FinishPart, FinishReason, Role, Run, TextPart
 
 from .conftest import (
@@ -39,6 +37,11 @@ from .conftest import (
     serve_options,
     ws_url,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 
 def errors_of(events: list[Any]) -> list[AgentEvent]:
@@ -57,7 +60,8 @@ async def test_provider_error_carries_run_and_session(
             await handle.result(WAIT)
         seen = await feed.collect_until(completes_run("bad"), WAIT)
     assert handle.complete is not None
-    assert handle.complete.error == "upstream exploded" and handle.complete.cancelled is False
+    assert handle.complete.error == "upstream exploded"
+    assert handle.complete.cancelled is False
     assert handle.complete.text == "partial words"
     # The error event, exactly as it went over the wire, and the run's own view of it.
     wire_errors = [
@@ -77,9 +81,11 @@ async def test_provider_error_carries_run_and_session(
     ]
     assert handle.errors == errors_of(seen)
     run = await ws.get_run("bad")
-    assert run.status is RunStatus.FAILED and run.error == "upstream exploded"
+    assert run.status is RunStatus.FAILED
+    assert run.error == "upstream exploded"
     finish = (await ws.messages(sid))[-1].parts[-1]
-    assert isinstance(finish, FinishPart) and finish.reason is FinishReason.ERROR
+    assert isinstance(finish, FinishPart)
+    assert finish.reason is FinishReason.ERROR
 
 
 async def test_foreign_run_failure_does_not_touch_ours(
@@ -103,9 +109,11 @@ async def test_foreign_run_failure_does_not_touch_ours(
         gate.release()
         run = await ours.result(WAIT)
         seen = await feed.collect_until(completes_run("ours"), WAIT)
-    assert run.error is None and run.text == "ours continues"
+    assert run.error is None
+    assert run.text == "ours continues"
     assert [e.run_id for e in errors_of(seen)] == ["theirs"]
-    assert ours.errors == [] and [e.run_id for e in theirs.errors] == ["theirs"]
+    assert ours.errors == []
+    assert [e.run_id for e in theirs.errors] == ["theirs"]
 
 
 async def test_early_failure_gets_exactly_one_errored_terminal(tmp_path: Path) -> None:
@@ -155,7 +163,8 @@ async def test_session_deleted_before_queued_run_starts(
         assert (await handle.result(WAIT)).status is RunStatus.CANCELLED
         seen = await feed.collect_until(completes_run("d1"), WAIT)
     assert handle.complete is not None
-    assert handle.complete.cancelled is True and handle.complete.error is None
+    assert handle.complete.cancelled is True
+    assert handle.complete.error is None
     assert [c.run_id for c in payloads(seen, "run_complete")] == ["d1"]
 
 
@@ -193,7 +202,8 @@ async def test_cancel_mid_stream_saves_partial_reply(
         FinishReason.CANCELED, finish.time, "User canceled request", details=""
     )
     run = await ws.get_run("c1")
-    assert run.status is RunStatus.CANCELLED and run.text == "one two three"
+    assert run.status is RunStatus.CANCELLED
+    assert run.text == "one two three"
     assert scripted_model.streams_open == 0
     assert (await ws.session(sid)).is_busy is False
 
@@ -210,12 +220,15 @@ async def test_cancel_before_the_run_starts_streaming(
         await gate.reached.wait()
     await ws.cancel(sid)
     run = await handle.result(WAIT)
-    assert run.status is RunStatus.CANCELLED and run.text == ""
-    assert handle.complete is not None and handle.complete.cancelled is True
+    assert run.status is RunStatus.CANCELLED
+    assert run.text == ""
+    assert handle.complete is not None
+    assert handle.complete.cancelled is True
     msgs = await ws.messages(sid)
     assert [m.role for m in msgs] == [Role.USER, Role.ASSISTANT]
     finish = msgs[-1].finish()
-    assert finish is not None and finish.reason is FinishReason.CANCELED
+    assert finish is not None
+    assert finish.reason is FinishReason.CANCELED
 
 
 async def test_cancel_during_dispatch_over_websocket(
@@ -259,7 +272,8 @@ async def test_idle_cancel_does_not_affect_the_next_prompt(
     for _ in range(2):
         await ws.cancel(sid)
     run = await ws.run(sid, "after idle cancel", timeout=WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "after idle cancel"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "after idle cancel"
 
 
 async def test_queued_run_id_prompts_run_as_their_own_turns_in_order(
@@ -271,13 +285,16 @@ async def test_queued_run_id_prompts_run_as_their_own_turns_in_order(
     sid = (await ws.create_session()).id
     async with ws.subscribe(timeout=WAIT) as feed:
         q1 = await ws.prompt(sid, "first", run_id="q1")
-        assert q1.accepted is not None and q1.accepted.status == "running"
+        assert q1.accepted is not None
+        assert q1.accepted.status == "running"
         with trio.fail_after(WAIT):
             await gate.reached.wait()
         q2 = await ws.prompt(sid, "second", run_id="q2")
         q3 = await ws.prompt(sid, "third", run_id="q3")
-        assert q2.accepted is not None and q2.accepted.status == "queued"
-        assert q3.accepted is not None and q3.accepted.status == "queued"
+        assert q2.accepted is not None
+        assert q2.accepted.status == "queued"
+        assert q3.accepted is not None
+        assert q3.accepted.status == "queued"
         count = f"/v1/workspaces/{ws.id}/agent/sessions/{sid}/prompts/queued"
         assert await ws.client.request("GET", count) == 2
         assert await ws.queued(sid) == ["second", "third"]
@@ -311,11 +328,13 @@ async def test_prompt_without_run_id_is_folded_into_the_active_turn(
         )
         assert r.status_code == 202, r.text
         folded = r.json()
-        assert folded["status"] == "queued" and folded["run_id"]
+        assert folded["status"] == "queued"
+        assert folded["run_id"]
         gate.release()
         main_run = await main.result(WAIT)
         extra = (await feed.until(completes_run(folded["run_id"]), WAIT)).payload
-    assert extra.message_id == main_run.message_id and extra.text == main_run.text
+    assert extra.message_id == main_run.message_id
+    assert extra.text == main_run.text
     assert main_run.text == "folded answer"
     # The folded prompt is a user message inside the turn's next model request.
     second = scripted_model.requests[1]
@@ -338,16 +357,19 @@ async def test_cancel_and_clear_drop_queued_prompts_with_cancelled_terminals(
     b = await ws.prompt(sid, "to clear", run_id="b")
     await ws.clear_queue(sid)
     assert (await b.result(WAIT)).status is RunStatus.CANCELLED
-    assert b.complete is not None and b.complete.error is None
+    assert b.complete is not None
+    assert b.complete.error is None
     assert await ws.queued(sid) == []
     c = await ws.prompt(sid, "to cancel", run_id="c")
     await ws.cancel(sid)
     for handle in (a, c):
         await handle.wait(WAIT)
-        assert handle.complete is not None and handle.complete.cancelled is True
+        assert handle.complete is not None
+        assert handle.complete.cancelled is True
     # Prompts accepted after the cancel run normally.
     d = await ws.run(sid, "after cancel", timeout=WAIT)
-    assert d.status is RunStatus.COMPLETED and d.text == "after cancel"
+    assert d.status is RunStatus.COMPLETED
+    assert d.text == "after cancel"
     assert len(scripted_model.requests) == 2  # b and c never reached the model
     for run_id, status in [
         ("a", RunStatus.CANCELLED),
@@ -400,9 +422,11 @@ async def test_cancel_one_run_leaves_the_others(
         assert (await r2.result(WAIT)).status is RunStatus.CANCELLED
         assert await ws.cancel_run("r1") is True  # the running one
         first = await r1.result(WAIT)
-        assert first.status is RunStatus.CANCELLED and first.text == "first"
+        assert first.status is RunStatus.CANCELLED
+        assert first.text == "first"
         third = await r3.result(WAIT)  # the queue goes on
-        assert third.status is RunStatus.COMPLETED and third.text == "third"
+        assert third.status is RunStatus.COMPLETED
+        assert third.text == "third"
         assert await ws.cancel_run("r3") is False  # already finished: nothing to do
         with pytest.raises(NotFound):
             await ws.cancel_run("nope")
@@ -434,7 +458,8 @@ async def test_a_failing_store_cannot_lose_a_run_complete(
     workspace.store.save_runs = broken_save  # type: ignore[method-assign]
     handle = await ws.prompt(sid, "still ends", run_id="s1")
     run = await handle.result(WAIT)
-    assert run.status is RunStatus.COMPLETED and handle.complete is not None
+    assert run.status is RunStatus.COMPLETED
+    assert handle.complete is not None
     assert handle.complete.text == "still ends"
     assert failed == ["s1"]
     # The workspace survived and keeps serving.

@@ -26,15 +26,13 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 import trio
 
 from crush_trio import wire
-from crush_trio.client import Client, WorkspaceClient
-from crush_trio.testing import CrushServer
 from crush_trio.tools import (
     ToolContext,
     ToolError,
@@ -49,6 +47,10 @@ from crush_trio.tools import sandbox as sandbox_module
 from crush_trio.tools.base import TOOL_THREAD_LIMIT, run_blocking, tool_thread_limiter
 from crush_trio.tools.grep import GrepTool
 from crush_trio.tools.sandbox import SANDBOX_HOME, Sandbox, probe, shell_env
+
+if TYPE_CHECKING:
+    from crush_trio.client import Client, WorkspaceClient
+    from crush_trio.testing import CrushServer
 
 SECRET = "TOP-SECRET-7f3a9c"
 PROVIDER_KEY = "sk-provider-key-4b1d8e"
@@ -190,7 +192,8 @@ async def test_escape_denied_by_the_user_runs_nothing(
     asker = Asker(allow=False)
     result = await bash(make_ctx(ws, asker, sandbox()), tricks(home, outside)[trick])
     assert len(asker.requests) == 1, asker.requests
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert result.content.startswith("permission denied: ")
     assert_no_leak(result)
     assert_nothing_written(ws, home, outside)
@@ -229,13 +232,16 @@ async def test_escape_allowed_by_the_user_still_fails_in_the_sandbox(
 async def test_environment_is_an_allow_list(ws: Path, home: Path) -> None:
     result = await bash(make_ctx(ws, Asker(allow=True), sandbox()), "env")
     names = {line.split("=", 1)[0] for line in result.content.splitlines() if "=" in line}
-    assert "OPENAI_API_KEY" not in names and "CRUSH_TRIO_TOKEN" not in names
+    assert "OPENAI_API_KEY" not in names
+    assert "CRUSH_TRIO_TOKEN" not in names
     assert "BASH_ENV" not in names
     assert f"HOME={SANDBOX_HOME}\n" in result.content
     assert "PATH=" in result.content
     # The same allow-list applies without a sandbox.
     env = shell_env()
-    assert "OPENAI_API_KEY" not in env and "CRUSH_TRIO_TOKEN" not in env and "BASH_ENV" not in env
+    assert "OPENAI_API_KEY" not in env
+    assert "CRUSH_TRIO_TOKEN" not in env
+    assert "BASH_ENV" not in env
 
 
 @needs_sandbox
@@ -326,7 +332,8 @@ async def test_git_repository_config_cannot_run_programs(ws: Path) -> None:
         f.write(f'[core]\n\tfsmonitor = "touch {ws}/pwned; false"\n')
     asker = Asker(allow=False)
     result = await bash(make_ctx(ws, asker, sandbox()), "git status")
-    assert len(asker.requests) == 1 and result.stop_turn
+    assert len(asker.requests) == 1
+    assert result.stop_turn
     # Allowed, git still runs with the monitor turned off.
     result = await bash(make_ctx(ws, Asker(allow=True), sandbox()), "git status")
     assert not (ws / "pwned").exists(), result.content
@@ -417,7 +424,8 @@ async def test_network_is_off_until_the_user_grants_it(ws: Path) -> None:
         # Asking for the network asks even for a read-only command, and a denial runs nothing.
         denier = Asker(allow=False)
         result = await bash(make_ctx(ws, denier, sandbox()), "cat hello.txt", network=True)
-        assert len(denier.requests) == 1 and result.stop_turn
+        assert len(denier.requests) == 1
+        assert result.stop_turn
         # The workspace's config grants it for every command.
         result = await bash(make_ctx(ws, asker, sandbox(network=True)), command)
         assert result.content.startswith("connected\n"), result.content
@@ -441,8 +449,10 @@ def test_sandbox_layout_resolver_and_deny_entries_around_the_workspace(
     real_ws = Path(os.path.realpath(ws))
     offline = box.command(["true"], workspace=real_ws, data_dir=None, writable=True)
     online = box.command(["true"], workspace=real_ws, data_dir=None, writable=True, network=True)
-    assert str(target) not in offline and "--share-net" not in offline
-    assert online[online.index(str(target)) - 1] == "--ro-bind" and "--share-net" in online
+    assert str(target) not in offline
+    assert "--share-net" not in offline
+    assert online[online.index(str(target)) - 1] == "--ro-bind"
+    assert "--share-net" in online
     assert str(Path(os.path.realpath(tmp_path))) not in offline
 
 
@@ -466,7 +476,8 @@ async def test_without_a_sandbox_every_bash_call_asks(
     [request] = asker.requests
     assert request["params"]["sandboxed"] is False
     assert "with no sandbox" in request["description"]
-    assert result.stop_turn and result.content.startswith("permission denied: ")
+    assert result.stop_turn
+    assert result.content.startswith("permission denied: ")
     assert_nothing_written(ws, home, outside)
 
 
@@ -744,7 +755,8 @@ async def test_view_asks_before_reading_a_hard_linked_file(ws: Path, home: Path)
         plain = await call_tool(default_tools(), "view", '{"path": "hello.txt"}', ctx)
     [request] = asker.requests
     assert "1 other name(s) (hard links)" in request["description"]
-    assert result.stop_turn and SECRET not in result.content
+    assert result.stop_turn
+    assert SECRET not in result.content
     assert plain.content == "     1|hi there"
 
 
@@ -756,7 +768,8 @@ async def test_grep_refuses_a_fifo(tmp_path: Path, use_rg: bool) -> None:
         result = await call_tool(
             [GrepTool(use_rg=use_rg)], "grep", '{"pattern": "x", "path": "fifo"}', ctx
         )
-    assert result.is_error and "fifo is a FIFO, not a regular file; grep reads" in result.content
+    assert result.is_error
+    assert "fifo is a FIFO, not a regular file; grep reads" in result.content
 
 
 async def test_view_refuses_devices(tmp_path: Path) -> None:
@@ -764,7 +777,8 @@ async def test_view_refuses_devices(tmp_path: Path) -> None:
     params = orjson.dumps({"path": "/dev/zero"}).decode()
     with trio.fail_after(5):
         result = await call_tool(default_tools(), "view", params, ctx)
-    assert result.is_error and "is a device, not a regular file" in result.content
+    assert result.is_error
+    assert "is a device, not a regular file" in result.content
 
 
 @pytest.mark.slow
@@ -776,7 +790,8 @@ async def test_python_grep_with_a_catastrophic_regex_is_stopped(tmp_path: Path) 
     started = time.monotonic()
     with trio.fail_after(10):
         result = await call_tool([GrepTool(use_rg=False)], "grep", params, ctx)
-    assert result.is_error and "grep timed out after 1 s and was stopped" in result.content
+    assert result.is_error
+    assert "grep timed out after 1 s and was stopped" in result.content
     assert time.monotonic() - started < 8
     assert _host_processes_with("grep_worker.py") == []
 
@@ -804,7 +819,8 @@ async def test_bracket_globs_ask(command: str, ws: Path) -> None:
     (ws / "--pre=sh").write_text("")
     asker = Asker(allow=False)
     result = await bash(make_ctx(ws, asker, sandbox()), command)
-    assert len(asker.requests) == 1 and result.stop_turn
+    assert len(asker.requests) == 1
+    assert result.stop_turn
 
 
 #: What a program the repository names prints when git runs it.
@@ -890,7 +906,8 @@ async def test_git_config_that_git_reads_differently_runs_no_program(
     assert GIT_RAN in plain.stdout.decode(), plain
     asker = Asker(allow=False)
     result = await bash(make_ctx(ws, asker, sandbox()), command)
-    assert len(asker.requests) == 1 and result.stop_turn, result.content
+    assert len(asker.requests) == 1, result.content
+    assert result.stop_turn, result.content
     assert GIT_RAN not in result.content
 
 
@@ -954,7 +971,8 @@ async def test_git_signature_checks_and_submodules_ask(command: str, ws: Path) -
     git_init(ws)
     asker = Asker(allow=False)
     result = await bash(make_ctx(ws, asker, sandbox()), command)
-    assert len(asker.requests) == 1 and result.stop_turn
+    assert len(asker.requests) == 1
+    assert result.stop_turn
 
 
 #: Programs that stand in for the read-only ones in :func:`test_prompt_free_commands_reach_
@@ -1044,8 +1062,10 @@ async def test_proc_1_cmdline_shows_no_hidden_path(ws: Path, home: Path) -> None
     box = sandbox(hidden=(hidden,), deny_read=("~/private-4c1a",))
     (home / "private-4c1a").write_text("x\n")
     result = await bash(make_ctx(ws, Asker(allow=True), box), "cat /proc/1/cmdline; echo")
-    assert "bwrap" in result.content and "bash" in result.content, result.content
-    assert "hidden-dir-3b9f" not in result.content and "private-4c1a" not in result.content
+    assert "bwrap" in result.content, result.content
+    assert "bash" in result.content, result.content
+    assert "hidden-dir-3b9f" not in result.content
+    assert "private-4c1a" not in result.content
     assert ".ssh" not in result.content
 
 

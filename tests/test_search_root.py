@@ -7,14 +7,16 @@ between them. Both orders are checked here.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 import trio
 
 from crush_trio.tools import ToolContext, ToolResult, call_tool, default_tools
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 SEARCHES: list[tuple[str, dict[str, Any]]] = [
     ("ls", {}),
@@ -67,7 +69,8 @@ async def test_inside_the_root_is_walked_without_asking(
 ) -> None:
     asker = Asker(allow=False)
     result = await run(make_ctx(ws, asker), name, params)
-    assert not result.is_error and "inside.txt" in result.content
+    assert not result.is_error
+    assert "inside.txt" in result.content
     assert asker.paths == []
 
 
@@ -80,9 +83,11 @@ async def test_an_outside_root_is_walked_only_once_allowed(
     result = await run(make_ctx(ws, asker), name, {**params, "path": "../outside"})
     assert asker.paths == [str(ws.parent / "outside")]
     if allow:
-        assert not result.is_error and "out.txt" in result.content
+        assert not result.is_error
+        assert "out.txt" in result.content
     else:
-        assert result.is_error and result.content.startswith("permission denied: ")
+        assert result.is_error
+        assert result.content.startswith("permission denied: ")
         assert "out.txt" not in result.content
 
 
@@ -92,7 +97,8 @@ async def test_a_missing_outside_root_is_an_error_before_any_prompt(
 ) -> None:
     asker = Asker(allow=True)
     result = await run(make_ctx(ws, asker), name, {**params, "path": "../missing"})
-    assert result.is_error and "path not found" in result.content
+    assert result.is_error
+    assert "path not found" in result.content
     assert asker.paths == []
 
 
@@ -103,7 +109,8 @@ async def test_a_file_as_the_root_of_a_listing_is_an_error_before_any_prompt(
     asker = Asker(allow=True)
     params = {"pattern": "*"} if name == "glob" else {}
     result = await run(make_ctx(ws, asker), name, {**params, "path": "../outside/out.txt"})
-    assert result.is_error and "is a file, not a directory" in result.content
+    assert result.is_error
+    assert "is a file, not a directory" in result.content
     assert asker.paths == []
 
 

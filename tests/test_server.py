@@ -11,8 +11,7 @@ from __future__ import annotations
 import gc
 import socket
 import uuid
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -33,10 +32,14 @@ from crush_trio.client import (
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
 from crush_trio.server.listener import clear_user_timeout
 from crush_trio.server.serve import make_socket
-from crush_trio.testing import CrushServer
 from crush_trio.wire import FinishPart, FinishReason, TextPart
 
 from .conftest import TOKEN, WAIT, Server, completes_run, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 # trio-websocket leaves the socket of a connection the server closed to the garbage collector;
 # collect it inside the test that caused it, where the warning is expected.
@@ -104,18 +107,22 @@ async def _sse_frames(
 async def test_auth_none_wrong_header_query(server: Server) -> None:
     async with httpx.AsyncClient(base_url=server.url) as anon:
         r = await anon.get("/v1/workspaces")
-        assert r.status_code == 401 and "token" in r.json()["message"]
+        assert r.status_code == 401
+        assert "token" in r.json()["message"]
         r = await anon.get("/v1/workspaces", headers={"Authorization": "Bearer nope"})
-        assert r.status_code == 401 and "wrong token" in r.json()["message"]
+        assert r.status_code == 401
+        assert "wrong token" in r.json()["message"]
         r = await anon.get("/v1/workspaces", params={"token": "nope"})
         assert r.status_code == 401
         r = await anon.get("/v1/workspaces", headers={"Authorization": f"Bearer {TOKEN}"})
-        assert r.status_code == 200 and r.json() == []
+        assert r.status_code == 200
+        assert r.json() == []
         r = await anon.get("/v1/workspaces", params={"token": TOKEN})
         assert r.status_code == 200
         # health needs no token and reveals nothing else
         r = await anon.get("/v1/health")
-        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok"}
 
 
 async def test_websocket_upgrade_refused_without_token(server: Server) -> None:
@@ -133,7 +140,9 @@ async def test_browser_token_url_sets_cookie_and_redirects(server: Server) -> No
         prefix, _, query = r.headers["location"].partition("/?")
         assert query == "x=1"
         cookie = r.headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN in cookie
+        assert "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        assert TOKEN in cookie
         r = await browser.get(f"{prefix}/v1/workspaces")  # the cookie jar now authenticates
         assert r.status_code == 200
 
@@ -147,7 +156,8 @@ async def test_foreign_origin_refused(server: Server) -> None:
         params={"client_id": str(uuid.uuid4())},
         headers={"Origin": "http://evil.example"},
     )
-    assert r.status_code == 403 and "origin" in r.json()["message"]
+    assert r.status_code == 403
+    assert "origin" in r.json()["message"]
     # The server's own origin is accepted.
     host = server.url.removeprefix("http://")
     with trio.fail_after(5):
@@ -215,7 +225,8 @@ async def test_workspace_bad_paths(server: Server, tmp_path: Path) -> None:
         assert r.status_code == 400, r.text
         assert words in r.json()["message"]
     r = await server.http.post("/v1/workspaces", json={"path": str(tmp_path), "client_id": "x"})
-    assert r.status_code == 400 and "UUID" in r.json()["message"]
+    assert r.status_code == 400
+    assert "UUID" in r.json()["message"]
     r = await server.http.get("/v1/workspaces/unknown")
     assert r.status_code == 404
 
@@ -252,7 +263,8 @@ async def test_websocket_and_sse_see_identical_event_sequences(server: Server) -
     seqs = [f["seq"] for f in ws_events]
     assert seqs == list(range(hello["seq"] + 1, hello["seq"] + 1 + len(seqs)))
     types = [f["type"] for f in ws_events]
-    assert types[-1] == "run_complete" and "message" in types
+    assert types[-1] == "run_complete"
+    assert "message" in types
 
 
 async def test_run_record_and_messages(crush_workspace: WorkspaceClient) -> None:
@@ -263,28 +275,36 @@ async def test_run_record_and_messages(crush_workspace: WorkspaceClient) -> None
     complete = handle.complete
     assert complete is not None
     run = await ws.get_run("rec")
-    assert run.run_id == "rec" and run.session_id == session.id
-    assert run.status is RunStatus.COMPLETED and run.text == "stored reply"
-    assert run.message_id == complete.message_id and run.error is None
-    assert run.finished_at is not None and run.finished_at >= run.created_at
+    assert run.run_id == "rec"
+    assert run.session_id == session.id
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "stored reply"
+    assert run.message_id == complete.message_id
+    assert run.error is None
+    assert run.finished_at is not None
+    assert run.finished_at >= run.created_at
     msgs = await ws.messages(session.id)
     assistant = msgs[-1]
     assert assistant.id == complete.message_id
     assert assistant.parts[0] == TextPart("stored reply")
     finish = assistant.parts[-1]
-    assert isinstance(finish, FinishPart) and finish.reason is FinishReason.END_TURN
+    assert isinstance(finish, FinishPart)
+    assert finish.reason is FinishReason.END_TURN
     # The same answers as JSON: the shapes of PROTOCOL §4, which a shared converter would hide.
     raw_run = await ws.client.request("GET", f"/v1/workspaces/{ws.id}/runs/rec")
-    assert raw_run["status"] == "completed" and raw_run["message_id"] == complete.message_id
+    assert raw_run["status"] == "completed"
+    assert raw_run["message_id"] == complete.message_id
     raw_parts = (
         await ws.client.request("GET", f"/v1/workspaces/{ws.id}/sessions/{session.id}/messages")
     )[-1]["parts"]
     assert raw_parts[0] == {"type": "text", "data": {"text": "stored reply"}}
-    assert raw_parts[-1]["type"] == "finish" and raw_parts[-1]["data"]["reason"] == "end_turn"
+    assert raw_parts[-1]["type"] == "finish"
+    assert raw_parts[-1]["data"]["reason"] == "end_turn"
     with pytest.raises(NotFound):
         await ws.get_run("missing")
     stored = await ws.session(session.id)
-    assert stored.message_count == 2 and stored.is_busy is False
+    assert stored.message_count == 2
+    assert stored.is_busy is False
 
 
 async def test_prompt_completes_after_its_http_connection_closes(
@@ -311,9 +331,11 @@ async def test_prompt_completes_after_its_http_connection_closes(
         assert (await ws.get_run(run_id)).status is RunStatus.RUNNING
         gate.release()
         done = await feed.until(completes_run(run_id), WAIT)
-    assert done.payload.text == "detached run" and done.payload.error is None
+    assert done.payload.text == "detached run"
+    assert done.payload.error is None
     run = await ws.get_run(run_id)
-    assert run.status is RunStatus.COMPLETED and run.text == "detached run"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "detached run"
 
 
 async def test_two_clients_both_receive_run_complete(
@@ -327,7 +349,8 @@ async def test_two_clients_both_receive_run_complete(
         ws.subscribe(timeout=WAIT) as a,
         other.subscribe(timeout=WAIT) as b,
     ):
-        assert other.id == ws.id and second_client.client_id != ws.client.client_id
+        assert other.id == ws.id
+        assert second_client.client_id != ws.client.client_id
         handle = await ws.prompt(session.id, "for both", run_id="both")
         seen_a = await a.collect_until(completes_run("both"), WAIT)
         seen_b = await b.collect_until(completes_run("both"), WAIT)
@@ -349,7 +372,8 @@ async def test_websocket_commands(server: Server) -> None:
             reply = await sock.command(
                 "agent.prompt", session_id=sid, prompt="over the socket", run_id="wsr"
             )
-            assert reply["ok"] and reply["result"]["status"] == "running"
+            assert reply["ok"]
+            assert reply["result"]["status"] == "running"
             complete, _ = await sock.run_complete("wsr")
             assert complete["text"] == "over the socket"
             reply = await sock.command("runs.get", run_id="wsr")
@@ -360,20 +384,24 @@ async def test_websocket_commands(server: Server) -> None:
             assert [s["id"] for s in reply["result"]] == [sid]
             # errors: unknown method 404, unknown session in params 400, wrong type 400
             reply = await sock.command("no.such")
-            assert reply["ok"] is False and reply["status"] == 404
+            assert reply["ok"] is False
+            assert reply["status"] == 404
             reply = await sock.command("messages.list", session_id="nope")
             assert reply["status"] == 400
             reply = await sock.command("agent.prompt", session_id=sid, prompt=5)
-            assert reply["status"] == 400 and "$.prompt" in reply["message"]
+            assert reply["status"] == 400
+            assert "$.prompt" in reply["message"]
             reply = await sock.command("runs.get", run_id="nope")
             assert reply["status"] == 400
             # malformed and binary frames: error frames, socket stays open
             await sock.conn.send_message("{not json")
             frame = (await sock.until(lambda f: f["type"] == "error"))[-1]
-            assert frame["type"] == "error" and "JSON" in frame["message"]
+            assert frame["type"] == "error"
+            assert "JSON" in frame["message"]
             await sock.conn.send_message(b"\x00\x01")
             frame = (await sock.until(lambda f: f["type"] == "error"))[-1]
-            assert frame["type"] == "error" and "binary" in frame["message"]
+            assert frame["type"] == "error"
+            assert "binary" in frame["message"]
             reply = await sock.command("agent.cancel", session_id=sid)
             assert reply["ok"] is True
 
@@ -476,7 +504,8 @@ async def test_bad_input_gets_clear_errors_and_server_keeps_serving(server: Serv
         content=big,
         headers={"Content-Type": "application/json"},
     )
-    assert r.status_code == 413 and "too large" in r.json()["message"]
+    assert r.status_code == 413
+    assert "too large" in r.json()["message"]
     # Still serving, and the session is intact.
     with trio.fail_after(10):
         async with server.websocket(wid) as sock:
@@ -511,7 +540,8 @@ async def test_duplicate_run_id_is_refused(server: Server) -> None:
         f"/v1/workspaces/{ws['id']}/agent",
         json={"session_id": session["id"], "prompt": "again", "run_id": "dup"},
     )
-    assert r.status_code == 400 and "already used" in r.json()["message"]
+    assert r.status_code == 400
+    assert "already used" in r.json()["message"]
 
 
 async def test_version_and_agent_info(
@@ -519,7 +549,8 @@ async def test_version_and_agent_info(
 ) -> None:
     assert await crush_client.version() == crush_trio.__version__
     info = await crush_workspace.agent_info()
-    assert info.is_busy is False and info.is_ready is True
+    assert info.is_busy is False
+    assert info.is_ready is True
     assert info.model["provider"] == "echo"
 
 
@@ -529,7 +560,8 @@ async def test_control_shutdown_if_idle_and_retire(server: Server) -> None:
     r = await server.http.delete(f"/v1/clients/{cid}")
     assert r.status_code == 200
     r = await server.http.post("/v1/workspaces", json={"path": str(server.tmp), "client_id": cid})
-    assert r.status_code == 409 and "retired" in r.json()["message"]
+    assert r.status_code == 409
+    assert "retired" in r.json()["message"]
     with trio.fail_after(WAIT):  # the retired client's workspace closes: the server is idle
         await ws.closed.wait()
     r = await server.http.post("/v1/control", json={"command": "shutdown_if_idle"})
@@ -544,9 +576,12 @@ async def test_rename_session_publishes_an_update(crush_workspace: WorkspaceClie
     async with ws.subscribe(timeout=WAIT) as feed:
         renamed = await ws.rename_session(session.id, "new name")
         update = await feed.until(lambda e: e.type == "session", WAIT)
-    assert renamed.id == session.id and renamed.title == "new name" and renamed.is_busy is False
+    assert renamed.id == session.id
+    assert renamed.title == "new name"
+    assert renamed.is_busy is False
     assert update.kind == "updated"
-    assert update.payload.id == session.id and update.payload.title == "new name"
+    assert update.payload.id == session.id
+    assert update.payload.title == "new name"
     assert (await ws.session(session.id)).title == "new name"  # stored
     with pytest.raises(BadRequest, match="title"):
         await ws.rename_session(session.id, " ")
@@ -565,7 +600,8 @@ async def test_framework_websocket_route_still_serves_events(tmp_path: Path) -> 
             async with server.websocket(ws["id"]) as sock:
                 assert (await sock.recv())["type"] == "hello"
                 reply = await sock.command("sessions.list")
-                assert reply["ok"] and [s["id"] for s in reply["result"]] == [session["id"]]
+                assert reply["ok"]
+                assert [s["id"] for s in reply["result"]] == [session["id"]]
                 await server.prompt(ws["id"], session["id"], "via the framework", run_id="asgi")
                 complete, _ = await sock.run_complete("asgi")
         assert complete["text"] == "via the framework"

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
 from crush_trio.tools.shell import KILL_GRACE, end_group
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
 
 pytestmark = pytest.mark.slow
 

@@ -24,23 +24,26 @@ import random
 import socket
 import uuid
 import zlib
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import orjson
 import pytest
 import trio
 import trio.testing
 
-from crush_trio.broker import ClientStream
 from crush_trio.metrics import METRICS
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server import connection, listener
 from crush_trio.server.listener import PrefixedStream
 
 from .conftest import WAIT, Server, running_server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from crush_trio.broker import ClientStream
 
 #: Rounds per transport, mode and compression (each one a fresh slow client and run).
 ROUNDS: Final = 4
@@ -84,7 +87,8 @@ class Frames:
                 if first & 0x40:  # RSV1: permessage-deflate
                     payload = self.inflater.decompress(payload + b"\x00\x00\xff\xff")
                 frame_obj = orjson.loads(payload)  # a whole, valid JSON envelope
-                assert "seq" in frame_obj and "type" in frame_obj, frame_obj
+                assert "seq" in frame_obj, frame_obj
+                assert "type" in frame_obj, frame_obj
                 self.texts += 1
             else:
                 assert opcode in (0x9, 0xA), f"unexpected opcode {opcode:#x}"
@@ -191,7 +195,8 @@ async def _one_round(server: Server, wid: str, *, deltas: bool, compress: bool) 
         run = await server.prompt(wid, sid, "stream a long reply")
         with trio.fail_after(WAIT * 2):
             await stream.killed.wait()  # the client has not read a byte since the upgrade
-        assert stream.kill_code == 1013 and stream.kill_reason == "too slow"
+        assert stream.kill_code == 1013
+        assert stream.kill_reason == "too slow"
         await trio.sleep(RESUME_DELAY)  # the scenario: the client reads again a little later
         with trio.fail_after(WAIT * 2):
             while True:
@@ -330,7 +335,8 @@ async def test_a_write_cancelled_part_way_finishes_its_frame_and_nothing_after_i
             nursery.start_soon(stream.send_all, b"CLOSE")  # waits for the frame in flight
             data, reset = await read_all_until(client, BIG + 5)
         assert writing.cancelled_caught
-        assert not reset and data == frames[0] + b"CLOSE"  # the rest of frame 1, then the next
+        assert not reset
+        assert data == frames[0] + b"CLOSE"  # the rest of frame 1, then the next
         assert not stream.aborted
 
 
@@ -363,12 +369,14 @@ async def test_a_write_past_its_deadline_aborts_the_connection_and_writes_nothin
                 nursery.start_soon(write)
                 await trio.testing.wait_all_tasks_blocked()
                 stream.limit_writes(trio.current_time() + 0.2)
-        assert errors and stream.aborted
+        assert errors
+        assert stream.aborted
         with pytest.raises(trio.ClosedResourceError):
             await stream.send_all(b"CLOSE")
         data, reset = await read_all(client)
     assert reset  # a reset, never a FIN after a frame cut short
-    assert len(data) < BIG and b"CLOSE" not in data
+    assert len(data) < BIG
+    assert b"CLOSE" not in data
 
 
 async def test_a_cancelled_write_whose_frame_is_not_taken_in_time_aborts(
@@ -383,7 +391,8 @@ async def test_a_cancelled_write_whose_frame_is_not_taken_in_time_aborts(
                 writing.cancel()
         assert stream.aborted
         data, reset = await read_all(client)
-    assert reset and len(data) < BIG
+    assert reset
+    assert len(data) < BIG
 
 
 async def test_a_close_during_a_write_that_does_not_end_aborts(
@@ -403,4 +412,40 @@ async def test_a_close_during_a_write_that_does_not_end_aborts(
                 await stream.aclose()
         assert stream.aborted
         data, reset = await read_all(client)
-    assert reset and len(data) < BIG
+    assert reset
+    assert len(data) < BIG
+
+
+async def test_a_frame_written_at_once_in_part_is_finished_before_the_next_frame() -> None:
+    async with stream_pair() as (stream, client):
+        assert stream.writable_now
+        assert stream.write_nowait(b"x" * 10)  # room: written whole at once
+        assert not stream.write_nowait(b"a" * BIG)  # more than the socket takes: the rest waits
+        assert not stream.writable_now  # nothing more is written at once before the rest
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_frames, b"b" * 100 + b"c" * 100, [100, 200])
+            data, reset = await read_all_until(client, 10 + BIG + 200)
+        assert not reset
+        assert data == b"x" * 10 + b"a" * BIG + b"b" * 100 + b"c" * 100
+        assert stream.writable_now
+
+
+async def test_a_close_with_part_of_a_frame_pending_resets_the_connection() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        with trio.fail_after(WAIT):
+            await stream.aclose()
+        assert stream.aborted  # never a FIN after a frame cut short
+        data, reset = await read_all(client)
+    assert reset
+    assert len(data) < BIG
+
+
+async def test_an_eof_sends_the_rest_of_a_frame_begun_at_once_first() -> None:
+    async with stream_pair() as (stream, client):
+        assert not stream.write_nowait(b"a" * BIG)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream.send_eof)
+            data, reset = await read_all(client)
+        assert not reset
+        assert data == b"a" * BIG

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from crush_trio.client import Client, RunComplete, RunStatus
-from crush_trio.testing import CrushServer
 from crush_trio.wire import AcceptedPrompt, Role
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 
 async def test_happy_path_through_the_client(
@@ -24,6 +28,7 @@ async def test_happy_path_through_the_client(
     assert [e.type for e in events][-1] == "run_complete"
     assert "message" in {e.type for e in events}
     assert handle.complete == RunComplete(session.id, "r1", run.message_id, "hello there world")
-    assert run.status is RunStatus.COMPLETED and run.text == "hello there world"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "hello there world"
     assert [m.role for m in msgs] == [Role.USER, Role.ASSISTANT]
     assert msgs[-1].id == run.message_id

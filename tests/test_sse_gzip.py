@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import uuid
 import zlib
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 import orjson
@@ -16,6 +16,9 @@ import trio
 
 from crush_trio.server.sse import accepts_gzip
 from tests.conftest import TOKEN, WAIT, Server
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 class Inflated:
@@ -136,7 +139,8 @@ async def test_a_client_without_accept_encoding_gets_plain_text(server: Server) 
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert b"content-encoding" not in head.lower()
-    assert b"\r\nid: " in body and b'\ndata: {"seq":' in body  # chunked, plain text
+    assert b"\r\nid: " in body
+    assert b'\ndata: {"seq":' in body  # chunked, plain text
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -33,6 +31,10 @@ from crush_trio.wire import (
     ToolResultPart,
     parts_from_json,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from pathlib import Path
 
 #: Trio-clock cap for each test's waits.
 TEST_TIMEOUT = 10
@@ -375,13 +377,15 @@ async def test_used_run_ids_are_known_without_a_database_call_and_after_reopenin
     await store.create_session(Session(id="s"))
     await store.save_runs([Run(run_id="saved", session_id="s", status=RunStatus.RUNNING)])
     await store.save_runs([Run(run_id="batched", session_id="s", status=RunStatus.QUEUED)])
-    assert store.may_have_run("saved") and store.may_have_run("batched")
+    assert store.may_have_run("saved")
+    assert store.may_have_run("batched")
     assert not store.may_have_run(str(uuid.uuid4()))
 
     await store.aclose()
     reopened = await Store.open(tmp_path / "data")
     try:
-        assert reopened.may_have_run("saved") and reopened.may_have_run("batched")
+        assert reopened.may_have_run("saved")
+        assert reopened.may_have_run("batched")
         assert not reopened.may_have_run(str(uuid.uuid4()))
     finally:
         await reopened.aclose()

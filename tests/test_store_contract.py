@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import psycopg
@@ -37,6 +36,9 @@ from crush_trio.wire import (
     ToolCallPart,
     ToolResultPart,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 #: Trio-clock cap of each test's waits (seconds).
 TEST_TIMEOUT = 30
@@ -117,7 +119,8 @@ async def test_session_round_trip_update_usage_summary_and_list_order(backend: B
         c = Session(id="c", title="same time as b", created_at=200, updated_at=200)
         for s in (a, b, c):
             await store.create_session(s)
-        assert store.session_exists("a") and not store.session_exists("nope")
+        assert store.session_exists("a")
+        assert not store.session_exists("nope")
 
         assert await store.get_session("b") == Session(
             id="b", title="second", parent_session_id="a", created_at=200, updated_at=200
@@ -151,7 +154,8 @@ async def test_session_round_trip_update_usage_summary_and_list_order(backend: B
 
         # A title is set alone: the usage recorded before it stays (no lost update).
         kept = await store.set_title("a", "model title", keep_existing=True)
-        assert kept is not None and await store.get_session("a") == kept
+        assert kept is not None
+        assert await store.get_session("a") == kept
         # The client's title and the usage stay.
         assert attrs.evolve(kept, updated_at=after.updated_at) == after
         untitled = Session(id="u", created_at=400, updated_at=400)
@@ -166,7 +170,9 @@ async def test_session_round_trip_update_usage_summary_and_list_order(backend: B
             0.5,
         )
         renamed = await store.set_title("u", "the client's")
-        assert renamed is not None and renamed.title == "the client's" and renamed.cost == 0.5
+        assert renamed is not None
+        assert renamed.title == "the client's"
+        assert renamed.cost == 0.5
         assert await store.set_title("missing", "x") is None
         await store.delete_session("u")
 
@@ -190,17 +196,22 @@ async def test_todos_round_trip_replace_and_survive_a_reopen(backend: Backend) -
             id="a", title="t", created_at=100, updated_at=100
         )  # an empty list by default
         saved = await store.set_todos("a", todos)
-        assert saved is not None and saved.todos == todos and saved.title == "t"
+        assert saved is not None
+        assert saved.todos == todos
+        assert saved.title == "t"
         assert saved.updated_at >= 100
         # update_session (title, usage) leaves the list alone.
         saved.title = "renamed"
         assert await store.update_session(saved) is True
         again = await backend.reopen()
         got = await again.get_session("a")
-        assert got is not None and got.todos == todos and got.title == "renamed"
+        assert got is not None
+        assert got.todos == todos
+        assert got.title == "renamed"
         done = [Todo("Add tests", TodoStatus.COMPLETED, "Adding tests")]
         replaced = await again.set_todos("a", done)
-        assert replaced is not None and replaced.todos == done
+        assert replaced is not None
+        assert replaced.todos == done
         assert [s.todos for s in await again.list_sessions()] == [done]
         assert await again.set_todos("missing", done) is None
 
@@ -406,7 +417,8 @@ async def test_runs_round_trip_prompts_and_list_by_status(backend: Backend) -> N
         await store.save_runs([r1, r2], {"r1": "first prompt", "r2": "second"})
         await store.save_runs([r3])
         await store.save_runs([r0], {"r0": "zero"})
-        assert store.may_have_run("r1") and store.may_have_run("r0")
+        assert store.may_have_run("r1")
+        assert store.may_have_run("r0")
         assert await store.get_run("r2") == r2
         assert await store.get_run("nope") is None
         assert await store.get_run_prompt("r1") == "first prompt"
@@ -572,7 +584,8 @@ async def test_a_write_after_another_nodes_claim_is_fenced_and_lands_nothing(
         # The new owner writes.
         await taken_over.new.update_session(Session(id="s", title="after"))
         session = await taken_over.new.get_session("s")
-        assert session is not None and session.title == "after"
+        assert session is not None
+        assert session.title == "after"
 
 
 async def test_opening_at_an_old_epoch_is_fenced(taken_over: TwoOwners) -> None:
@@ -627,7 +640,8 @@ async def test_no_write_of_the_old_owner_lands_after_the_claim(
             assert len(fenced) == 4 * 5
             assert not stored & fenced
             session = await (await claim(other_node, "node-b")).get_session("s")
-            assert session is not None and session.message_count == len(landed_ok)
+            assert session is not None
+            assert session.message_count == len(landed_ok)
     finally:
         await other_node.aclose()
 

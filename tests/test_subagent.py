@@ -71,7 +71,8 @@ async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_th
         handle = await ws.prompt(sid, "what is the answer?", run_id="p1")
         run = await handle.result(WAIT)
         seen = await feed.collect_until(completes_run("p1"), WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "The sub-agent says 42."
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "The sub-agent says 42."
 
     # The child got only the read-only tools and never wrote.
     child_request = scripted_model.requests[1]
@@ -84,10 +85,14 @@ async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_th
     child_messages = await ws.messages(child.id)
     results = [p for m in child_messages for p in m.parts if isinstance(p, ToolResultPart)]
     by_name = {r.name: r for r in results}
-    assert by_name["write"].is_error and "unknown tool 'write'" in by_name["write"].content
-    assert by_name["bash"].is_error and "unknown tool 'bash'" in by_name["bash"].content
-    assert not by_name["view"].is_error and "the answer is 42" in by_name["view"].content
-    assert child_messages[0].role is Role.USER and child_messages[0].text() == "find the answer"
+    assert by_name["write"].is_error
+    assert "unknown tool 'write'" in by_name["write"].content
+    assert by_name["bash"].is_error
+    assert "unknown tool 'bash'" in by_name["bash"].content
+    assert not by_name["view"].is_error
+    assert "the answer is 42" in by_name["view"].content
+    assert child_messages[0].role is Role.USER
+    assert child_messages[0].text() == "find the answer"
 
     # The parent model got the child's final text as the tool result.
     parent_results = [
@@ -110,9 +115,11 @@ async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_th
     # Events say which session they belong to: the child's messages carry the child's id.
     messages = payloads(seen, "message") + payloads(seen, "message_delta")
     child_ids = {m.id for m in child_messages}
-    assert child_ids and {m.session_id for m in messages if m.id in child_ids} == {child.id}
+    assert child_ids
+    assert {m.session_id for m in messages if m.id in child_ids} == {child.id}
     created = [s for s in payloads(seen, "session") if s.id == child.id]
-    assert created and created[0].parent_session_id == sid
+    assert created
+    assert created[0].parent_session_id == sid
 
 
 async def test_cancelling_the_parent_run_cancels_the_child(
@@ -137,11 +144,13 @@ async def test_cancelling_the_parent_run_cancels_the_child(
     (child,) = [s for s in await ws.sessions() if s.parent_session_id == sid]
     last = (await ws.messages(child.id))[-1]
     finish = last.finish()
-    assert last.role is Role.ASSISTANT and finish is not None
+    assert last.role is Role.ASSISTANT
+    assert finish is not None
     assert finish.reason is FinishReason.CANCELED
     # The parent's agent call has a cancelled result, so the history stays valid.
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
-    assert [r.name for r in results] == ["agent"] and results[0].is_error
+    assert [r.name for r in results] == ["agent"]
+    assert results[0].is_error
 
 
 async def test_the_child_stops_at_its_own_step_bound(
@@ -154,11 +163,13 @@ async def test_the_child_stops_at_its_own_step_bound(
     )
     sid = (await ws.create_session()).id
     run = await (await ws.prompt(sid, "go", run_id="b1")).result(WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "gave up"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "gave up"
     (result,) = [
         p
         for m in await ws.messages(sid)
         for p in m.parts
         if isinstance(p, ToolResultPart) and p.name == "agent"
     ]
-    assert result.is_error and "options.agent_max_steps" in result.content
+    assert result.is_error
+    assert "options.agent_max_steps" in result.content

@@ -7,8 +7,7 @@ steps report the usage a test gives them, which drives auto-compaction and cost.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -23,11 +22,15 @@ from crush_trio.providers.base import Usage
 from crush_trio.providers.http import SSEEvent
 from crush_trio.providers.openai import ChatStreamParser
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wire import Role
 
 from .conftest import WAIT, completes_run, payloads, running_server
 from .test_run_cmd import run_cli
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 #: The configured model's window: compaction when at most 20% (200 tokens) remain.
 WINDOW = 1000
@@ -89,7 +92,8 @@ async def test_summarize_is_409_while_busy_then_stores_a_summary_the_next_reques
         "Generating summary...",
         "Summary complete",
     ]
-    assert session.summary_message_id is not None and not session.is_busy
+    assert session.summary_message_id is not None
+    assert not session.is_busy
     # The summary request saw the whole conversation, with no tools.
     (asked,) = scripted_model.summary_requests
     assert [m.text() for m in asked.messages][:4] == [
@@ -103,7 +107,8 @@ async def test_summarize_is_409_while_busy_then_stores_a_summary_the_next_reques
     messages = await ws.messages(sid)
     summary = messages[-1]
     assert summary.id == session.summary_message_id
-    assert summary.is_summary_message and summary.role is Role.ASSISTANT
+    assert summary.is_summary_message
+    assert summary.role is Role.ASSISTANT
     assert summary.text() == "SUMMARY: asked twice, answered twice"
     assert [m.text() for m in messages[:2]] == ["first prompt", "reply one"]
     assert not any(m.is_summary_message for m in messages[:-1])
@@ -144,14 +149,17 @@ async def test_auto_compaction_goes_on_under_the_same_run_with_one_run_complete(
         handle = await ws.prompt(sid, "list the files", run_id="compacted")
         run = await handle.result(WAIT)
         seen = await feed.collect_until(completes_run("compacted"), WAIT)
-    assert run.status is RunStatus.COMPLETED and run.text == "all done"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "all done"
     assert len(scripted_model.summary_requests) == 1
     assert [c.run_id for c in payloads(seen, "run_complete")] == ["compacted"]
     events = summary_events(seen)
-    assert {e.run_id for e in events} == {"compacted"} and events[-1].done
+    assert {e.run_id for e in events} == {"compacted"}
+    assert events[-1].done
     # The step after the summary starts from it and carries the request on.
     after = scripted_model.requests[-1].messages
-    assert len(after) == 1 and after[0].role is Role.USER
+    assert len(after) == 1
+    assert after[0].role is Role.USER
     assert after[0].text() == "the summary of the work so far" + CONTINUE_NOTE + "list the files"
     # The summary saw the tool's result.
     assert any(m.role is Role.TOOL for m in scripted_model.summary_requests[0].messages)
@@ -159,7 +167,8 @@ async def test_auto_compaction_goes_on_under_the_same_run_with_one_run_complete(
     messages = await ws.messages(sid)
     (summary,) = [m for m in messages if m.is_summary_message]
     assert session.summary_message_id == summary.id
-    assert messages[-1].text() == "all done" and messages[0].text() == "list the files"
+    assert messages[-1].text() == "all done"
+    assert messages[0].text() == "list the files"
 
 
 def test_no_compaction_below_the_threshold_or_when_turned_off() -> None:
@@ -190,7 +199,8 @@ async def test_cancel_during_the_summary_cancels_the_run_and_stores_no_summary(
         await ws.cancel(sid)
         await handle.wait(WAIT)
         seen = await feed.collect_until(completes_run("cut"), WAIT)
-    assert handle.complete is not None and handle.complete.cancelled
+    assert handle.complete is not None
+    assert handle.complete.cancelled
     assert [c.run_id for c in payloads(seen, "run_complete")] == ["cut"]
     assert summary_events(seen)[-1].progress == "Summary cancelled"
     assert (await ws.get_run("cut")).status is RunStatus.CANCELLED
@@ -370,7 +380,8 @@ async def test_run_m_selects_the_model_and_prints_no_summary(
     )
     done = await run_cli("-m", "m/main", "go", tmp_path=tmp_path, server=crush_server, cwd=project)
     assert done.code == 0, done.err
-    assert "SUMMARY" not in done.out and done.out.endswith("the answer\n")
+    assert "SUMMARY" not in done.out
+    assert done.out.endswith("the answer\n")
     assert len(scripted_model.summary_requests) == 1
     scripted_model.add(Step("other says hi"))
     done = await run_cli("-m", "m/other", "hi", tmp_path=tmp_path, server=crush_server, cwd=project)
@@ -402,7 +413,8 @@ async def test_a_version_2_database_gains_the_summary_columns(tmp_path: Path) ->
     store = await Store.open(tmp_path)
     try:
         session = await store.get_session("old")
-        assert session is not None and session.summary_message_id is None
+        assert session is not None
+        assert session.summary_message_id is None
         (message,) = await store.list_messages("old")
         assert message.is_summary_message is False
         updated = await store.set_summary("old", "m", 12, 0.5)
@@ -439,7 +451,8 @@ async def test_cancel_stops_a_requested_summary_and_stores_nothing(
             assert (await ws.session(sid)).is_busy
             await ws.cancel(sid)
     gate.release()
-    assert len(outcome) == 1 and "cancelled" in str(outcome[0])
+    assert len(outcome) == 1
+    assert "cancelled" in str(outcome[0])
     assert not any(m.is_summary_message for m in await ws.messages(sid))
     assert (await ws.session(sid)).summary_message_id is None
     # The session is usable again at once.

@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -24,8 +24,10 @@ from crush_trio.agent.context_files import (
 )
 from crush_trio.agent.prompt import git_snapshot
 from crush_trio.client import Client, RunStatus, WorkspaceClient
-from crush_trio.providers.scripted import ScriptedModel
-from crush_trio.testing import CrushServer
+
+if TYPE_CHECKING:
+    from crush_trio.providers.scripted import ScriptedModel
+    from crush_trio.testing import CrushServer
 
 #: Bound on each test's waits (seconds).
 CAP = 20
@@ -53,8 +55,10 @@ async def test_the_template_sections_and_the_environment_reach_the_model(
     assert system.startswith("You are a coding agent")
     for section in ("<rules>", "</rules>", "<tools>", "</tools>", "<env>", "</env>"):
         assert system.count(section) == 1
-    assert "Read before you edit" in system and "Search before you guess" in system
-    assert "Keep changes minimal" in system and "run the project's own tests" in system
+    assert "Read before you edit" in system
+    assert "Search before you guess" in system
+    assert "Keep changes minimal" in system
+    assert "run the project's own tests" in system
     # One line per tool on offer, generated from the tools the request carries.
     tools = system.split("<tools>")[1].split("</tools>")[0].strip().splitlines()
     assert [line.split("`")[1] for line in tools] == [spec.name for spec in request.tools]
@@ -65,9 +69,11 @@ async def test_the_template_sections_and_the_environment_reach_the_model(
     assert f"Today's date: {datetime.date.today().isoformat()}" in env
     assert "Git repository: no" in env
     if info.sandbox.active:
-        assert "Network: off" in env and "read-only for commands that ran without asking" in env
+        assert "Network: off" in env
+        assert "read-only for commands that ran without asking" in env
     else:
-        assert "Sandbox: none" in env and "asks the user for permission" in env
+        assert "Sandbox: none" in env
+        assert "asks the user for permission" in env
     assert "Model: echo/echo" in env
     assert "<project_context>" not in system  # no context file in an empty project
 
@@ -172,7 +178,8 @@ class TestContextPathsAndBounds:
         with trio.fail_after(CAP):
             system = await system_of(crush_workspace, scripted_model)
             info = await crush_workspace.agent_info()
-        assert "c" * 100 in system and "r" * 100 in system
+        assert "c" * 100 in system
+        assert "r" * 100 in system
         assert "a" * 50 + "\n[... AGENTS.md is 100 bytes; only its first 50 bytes" in system
         assert "(options.context_max_total_bytes)" in system
         assert "never shown" not in system
@@ -249,7 +256,8 @@ async def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
     with trio.fail_after(CAP):
         first = await cache.load(settings(tmp_path))
         again = await cache.load(settings(tmp_path))
-        assert cache.reads == 1 and again is first
+        assert cache.reads == 1
+        assert again is first
         (tmp_path / "CRUSH.md").write_text("two")  # a new file is a change
         third = await cache.load(settings(tmp_path))
     assert cache.reads == 2
@@ -275,14 +283,17 @@ async def test_git_status_is_summarized_and_a_repository_that_runs_programs_is_n
         (repo / "kept.py").write_text("a = 2\n")
         (repo / "new.py").write_text("")
         snapshot = await git_snapshot(repo)
-        assert snapshot.repository and snapshot.branch == "main"
+        assert snapshot.repository
+        assert snapshot.branch == "main"
         assert snapshot.status == (" M kept.py", "?? new.py")
         # A repository whose config names a program: git is not run at all.
         marker = tmp_path / "ran"
         with (repo / ".git" / "config").open("a") as config:
             config.write(f"[core]\n\tfsmonitor = touch {marker}\n")
         unsafe = await git_snapshot(repo)
-    assert unsafe.repository and unsafe.status == () and "status not read" in unsafe.note
+    assert unsafe.repository
+    assert unsafe.status == ()
+    assert "status not read" in unsafe.note
     assert not marker.exists()
 
 
@@ -324,7 +335,8 @@ async def test_a_git_status_that_hangs_is_stopped_at_its_bound(
     repo = fake_git(tmp_path, monkeypatch, f"echo $$ > {pid_file}\nexec sleep 100")
     with trio.fail_after(CAP):
         snapshot = await git_snapshot(repo, within=2)
-    assert snapshot.repository and snapshot.note == "status not read: git status took over 2 s"
+    assert snapshot.repository
+    assert snapshot.note == "status not read: git status took over 2 s"
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)  # stopped and reaped
 

@@ -6,8 +6,7 @@ Every wait is bounded (``trio.fail_after`` / ``WAIT``).
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -20,6 +19,9 @@ from crush_trio.wire import Session, Todo, TodoStatus
 
 from .conftest import WAIT, running_server
 from .test_tools import FakeAsker
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 PLAN = [
     {"content": "Find the bug", "status": "in_progress", "active_form": "Finding the bug"},
@@ -109,15 +111,18 @@ async def test_bad_lists_are_refused_and_nothing_is_saved(
 ) -> None:
     sink = RecordingSink()
     result = await todos(make_ctx(tmp_path, sink), items)
-    assert result.is_error and message in result.content, result.content
+    assert result.is_error, result.content
+    assert message in result.content, result.content
     assert sink.saved == []
 
 
 async def test_a_deleted_session_or_no_store_is_an_error_result(tmp_path: Path) -> None:
     gone = await todos(make_ctx(tmp_path, RecordingSink(), "gone"), PLAN)
-    assert gone.is_error and "session gone no longer exists" in gone.content
+    assert gone.is_error
+    assert "session gone no longer exists" in gone.content
     nowhere = await todos(make_ctx(tmp_path, None), PLAN)
-    assert nowhere.is_error and "not available" in nowhere.content
+    assert nowhere.is_error
+    assert "not available" in nowhere.content
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,10 +163,12 @@ async def test_two_clients_see_the_list_update_live_and_it_survives_a_restart(
                 _, seen_second = await second.run_complete("t1")
         for seen in (seen_first, seen_second):
             lists = session_updates(seen, sid)
-            assert as_wire(PLAN) in lists and as_wire(DONE) in lists, lists
+            assert as_wire(PLAN) in lists, lists
+            assert as_wire(DONE) in lists, lists
             assert lists.index(as_wire(PLAN)) < lists.index(as_wire(DONE))
         got = await server.http.get(f"/v1/workspaces/{wid}/sessions/{sid}")
-        assert got.status_code == 200 and got.json()["todos"] == as_wire(DONE)
+        assert got.status_code == 200
+        assert got.json()["todos"] == as_wire(DONE)
         listed = await server.http.get(f"/v1/workspaces/{wid}/sessions")
         assert [s["todos"] for s in listed.json() if s["id"] == sid] == [as_wire(DONE)]
 

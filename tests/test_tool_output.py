@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -20,13 +20,15 @@ import trio
 
 from crush_trio.client import Event, RunStatus, WorkspaceClient
 from crush_trio.providers.scripted import Gate, ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.tools.stream import TOOL_OUTPUT_INTERVAL, TOOL_OUTPUT_MAX_BYTES
 from crush_trio.wire import JobState, ToolOutput, ToolResultPart
 
 from .conftest import WAIT
 from .test_jobs import wait_output
 from .test_tools import process_alive, wait_process_gone
+
+if TYPE_CHECKING:
+    from crush_trio.testing import CrushServer
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +79,8 @@ async def test_a_client_sees_lines_before_the_command_ends(
             run = await handle.result(WAIT)
     finally:
         os.close(gate)
-    assert run.status is RunStatus.COMPLETED and run.text == "done"
+    assert run.status is RunStatus.COMPLETED
+    assert run.text == "done"
     # The model (and a client that missed pieces) reads the whole output in the tool result.
     (result,) = [
         p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)
@@ -120,7 +123,8 @@ async def test_a_flood_of_output_keeps_memory_bounded_and_health_fast(
         pieces += tool_outputs(events)
     run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED
-    assert latencies and max(latencies) < 1.0, f"health answered in up to {max(latencies):.3f} s"
+    assert latencies
+    assert max(latencies) < 1.0, f"health answered in up to {max(latencies):.3f} s"
     # Nothing holds the flood: the process grew by far less than the 100 MB it passed on.
     assert peak - before < 40_000_000, f"RSS grew by {(peak - before) / 1e6:.1f} MB"
     # The stream is bounded in rate and bytes: at most one piece per interval, each bounded.
@@ -158,14 +162,16 @@ async def test_jobs_are_listed_and_the_workspace_close_ends_their_tree(
         )
         run = await handle.result(WAIT)
     assert run.status is RunStatus.COMPLETED
-    assert piece.payload.job_id == "job-1" and piece.payload.session_id == sid
+    assert piece.payload.job_id == "job-1"
+    assert piece.payload.session_id == sid
     results = [p for m in await ws.messages(sid) for p in m.parts if isinstance(p, ToolResultPart)]
     assert "started background job job-1" in results[0].content
     shell_pid, child_pid = (
         int((Path(ws.path) / name).read_text()) for name in ("shell.pid", "child.pid")
     )
     # The job outlived its call and the run.
-    assert process_alive(shell_pid) and process_alive(child_pid)
+    assert process_alive(shell_pid)
+    assert process_alive(child_pid)
     (job,) = (await ws.agent_info()).jobs
     assert (job.id, job.state, job.session_id, job.run_id) == ("job-1", JobState.RUNNING, sid, "j1")
     assert job.command == JOB
@@ -210,7 +216,8 @@ async def test_cancelling_the_run_ends_its_jobs_when_configured(
     shell_pid, child_pid = (
         int((project / name).read_text()) for name in ("shell.pid", "child.pid")
     )
-    assert process_alive(shell_pid) and process_alive(child_pid)
+    assert process_alive(shell_pid)
+    assert process_alive(child_pid)
     assert await ws.cancel_run("k1")
     run = await handle.result(WAIT)
     assert run.status is RunStatus.CANCELLED
@@ -219,7 +226,8 @@ async def test_cancelling_the_run_ends_its_jobs_when_configured(
         await wait_process_gone(shell_pid)
         await wait_process_gone(child_pid)
     else:
-        assert process_alive(shell_pid) and process_alive(child_pid)
+        assert process_alive(shell_pid)
+        assert process_alive(child_pid)
         assert (await ws.agent_info()).jobs[0].state is JobState.RUNNING
 
 
@@ -252,7 +260,9 @@ async def test_server_shutdown_ends_every_job_tree(tmp_path: Path) -> None:
             shell_pid, child_pid = (
                 int((project / name).read_text()) for name in ("shell.pid", "child.pid")
             )
-            assert process_alive(shell_pid) and process_alive(child_pid)
+            assert process_alive(shell_pid)
+            assert process_alive(child_pid)
         # running_server stopped the server: every workspace closed, every job tree ended.
         assert workspace.closed.is_set()
-    assert not process_alive(shell_pid) and not process_alive(child_pid)
+    assert not process_alive(shell_pid)
+    assert not process_alive(child_pid)

@@ -255,7 +255,8 @@ async def test_view_outside_workspace_asks_to_read(
     assert request["action"] == "read"
     assert request["tool_name"] == "view"
     assert request["path"] == str(secret)
-    assert request["session_id"] == "s1" and request["tool_call_id"] == "c1"
+    assert request["session_id"] == "s1"
+    assert request["tool_call_id"] == "c1"
 
 
 async def test_denied_read_outside_stops_the_turn(
@@ -265,7 +266,8 @@ async def test_denied_read_outside_stops_the_turn(
     secret = tmp_path / "secret.txt"
     secret.write_text("outside text\n")
     result = await run(ctx, "view", path=str(secret))
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert result.content.startswith("permission denied: ")
     assert "outside text" not in result.content
 
@@ -310,7 +312,8 @@ async def test_data_dir_is_never_written_and_never_asks(
         ("edit", {"path": ".crush/new.txt", "old_string": "", "new_string": "s"}),
     ]:
         result = await run(ctx, name, **params)
-        assert result.is_error and not result.stop_turn
+        assert result.is_error
+        assert not result.stop_turn
         assert "data directory" in result.content
     assert asker.requests == []
     assert sorted(p.name for p in (ws / ".crush").iterdir()) == ["crush.db"]
@@ -326,7 +329,8 @@ async def test_data_dir_is_hidden_from_ls_glob_and_grep(ctx: ToolContext, ws: Pa
     grep = await run(ctx, "grep", pattern="secret-needle")
     assert grep.content == "visible.txt:1:secret-needle"
     refused = await run(ctx, "ls", path=".crush")
-    assert refused.is_error and "data directory" in refused.content
+    assert refused.is_error
+    assert "data directory" in refused.content
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,9 +370,11 @@ async def test_ls_notes_truncation(ctx: ToolContext, ws: Path) -> None:
 async def test_ls_errors(ctx: ToolContext, ws: Path) -> None:
     (ws / "file.txt").write_text("")
     missing = await run(ctx, "ls", path="nope")
-    assert missing.is_error and "path not found: nope" in missing.content
+    assert missing.is_error
+    assert "path not found: nope" in missing.content
     not_dir = await run(ctx, "ls", path="file.txt")
-    assert not_dir.is_error and "use view" in not_dir.content
+    assert not_dir.is_error
+    assert "use view" in not_dir.content
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +394,8 @@ async def test_view_numbers_lines_and_pages(ctx: ToolContext, ws: Path) -> None:
         "(showing lines 3-5 of 10; use offset=5 to read more)",
     ]
     past = await run(ctx, "view", path="a.txt", offset=10)
-    assert past.is_error and "past the end" in past.content
+    assert past.is_error
+    assert "past the end" in past.content
 
 
 async def test_view_cuts_long_lines(ctx: ToolContext, ws: Path) -> None:
@@ -402,16 +409,21 @@ async def test_view_refuses_binary_large_missing_and_directories(
 ) -> None:
     (ws / "img.bin").write_bytes(b"\x89PNG\r\n\x00\x00data")
     binary = await run(ctx, "view", path="img.bin")
-    assert binary.is_error and "binary" in binary.content
+    assert binary.is_error
+    assert "binary" in binary.content
     with (ws / "big.txt").open("wb") as f:
         f.truncate(VIEW_MAX_FILE_BYTES + 1)
     big = await run(ctx, "view", path="big.txt")
-    assert big.is_error and "over the" in big.content and "grep" in big.content
+    assert big.is_error
+    assert "over the" in big.content
+    assert "grep" in big.content
     missing = await run(ctx, "view", path="nope.txt")
-    assert missing.is_error and "file not found: nope.txt" in missing.content
+    assert missing.is_error
+    assert "file not found: nope.txt" in missing.content
     (ws / "d").mkdir()
     directory = await run(ctx, "view", path="d")
-    assert directory.is_error and "is a directory" in directory.content
+    assert directory.is_error
+    assert "is a directory" in directory.content
     (ws / "empty.txt").write_text("")
     assert (await run(ctx, "view", path="empty.txt")).content == "(empty.txt is empty)"
 
@@ -435,7 +447,8 @@ async def test_glob_sorts_newest_first(ctx: ToolContext, ws: Path) -> None:
     absolute = await run(ctx, "glob", pattern=f"{ws}/src/**/*.py")
     assert absolute.content == "src/mid.py"
     none = await run(ctx, "glob", pattern="*.rs")
-    assert not none.is_error and "No files found" in none.content
+    assert not none.is_error
+    assert "No files found" in none.content
 
 
 async def test_glob_caps_results_with_a_note(ctx: ToolContext, ws: Path) -> None:
@@ -575,7 +588,8 @@ async def test_grep_finds_lines_with_include_filter(
     one_file = await grep(ctx, use_rg, pattern="os", path="src/a.py")
     assert one_file.content == "src/a.py:1:import os"
     none = await grep(ctx, use_rg, pattern="zzz_absent")
-    assert not none.is_error and "No matches found" in none.content
+    assert not none.is_error
+    assert "No matches found" in none.content
 
 
 @pytest.mark.parametrize("use_rg", GREP_MODES)
@@ -621,7 +635,8 @@ async def test_write_creates_with_parents_after_asking(
     assert result.content == "Created new/dir/f.txt (12 bytes)"
     assert target.read_bytes() == b"hello\r\nworld"
     [request] = asker.requests
-    assert request["action"] == "write" and request["tool_name"] == "write"
+    assert request["action"] == "write"
+    assert request["tool_name"] == "write"
     assert request["params"] == {
         "path": str(target),
         "file_path": str(target),  # the key Crush's permission dialog reads
@@ -639,7 +654,8 @@ async def test_write_denied_writes_nothing_and_stops_the_turn(
 ) -> None:
     asker.allow = False
     result = await run(ctx, "write", path="f.txt", content="x")
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert result.content.startswith("permission denied: ")
     assert not (ws / "f.txt").exists()
 
@@ -659,7 +675,8 @@ async def test_write_to_a_directory_is_refused_before_asking(
 ) -> None:
     (ws / "d").mkdir()
     result = await run(ctx, "write", path="d", content="x")
-    assert result.is_error and "is a directory" in result.content
+    assert result.is_error
+    assert "is a directory" in result.content
     assert asker.requests == []
 
 
@@ -691,7 +708,8 @@ async def test_edit_replaces_a_unique_string(ctx: ToolContext, asker: FakeAsker,
     ]
     assert (ws / "a.py").read_text() == "def f():\n    return 2\n"
     [request] = asker.requests
-    assert request["action"] == "write" and request["tool_name"] == "edit"
+    assert request["action"] == "write"
+    assert request["tool_name"] == "edit"
     assert request["params"]["old_string"] == "return 1"
 
 
@@ -710,11 +728,14 @@ async def test_edit_errors_name_the_file_and_the_fix(
         "replace_all"
     )
     same = await run(ctx, "edit", path="a.txt", old_string="x", new_string="x")
-    assert same.is_error and "identical" in same.content
+    assert same.is_error
+    assert "identical" in same.content
     no_file = await run(ctx, "edit", path="nope.txt", old_string="a", new_string="b")
-    assert no_file.is_error and "file not found: nope.txt" in no_file.content
+    assert no_file.is_error
+    assert "file not found: nope.txt" in no_file.content
     exists = await run(ctx, "edit", path="a.txt", old_string="", new_string="b")
-    assert exists.is_error and "already exists" in exists.content
+    assert exists.is_error
+    assert "already exists" in exists.content
     assert asker.requests == []
     assert (ws / "a.txt").read_text() == "x = 1\nx = 1\n"
     replaced = await run(
@@ -747,7 +768,8 @@ async def test_edit_denied_leaves_the_file(ctx: ToolContext, asker: FakeAsker, w
     (ws / "a.txt").write_text("keep\n")
     await run(ctx, "view", path="a.txt")
     result = await run(ctx, "edit", path="a.txt", old_string="keep", new_string="lose")
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert (ws / "a.txt").read_text() == "keep\n"
 
 
@@ -848,7 +870,8 @@ async def test_bash_write_command_asks_before_running(
     assert result.content == "done\nexit code: 3"
     assert not result.is_error
     [request] = asker.requests
-    assert request["action"] == "execute" and request["tool_name"] == "bash"
+    assert request["action"] == "execute"
+    assert request["tool_name"] == "bash"
     assert request["params"]["command"] == "touch made && echo done; exit 3"
     assert request["path"] == str(ws)
     assert asker.existed_at_ask == [False]
@@ -861,7 +884,8 @@ async def test_bash_denied_runs_nothing_and_stops_the_turn(
 ) -> None:
     asker.allow = False
     result = await run(ctx, "bash", command="touch made")
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert result.content.startswith("permission denied: ")
     assert not (ws / "made").exists()
 
@@ -892,7 +916,8 @@ async def test_bash_timeout_kills_the_whole_group(ctx: ToolContext) -> None:
     # The tool timeout (1 s) caps the longer timeout the call asks for.
     ctx.timeout = 1.0
     result = await run(ctx, "bash", command="echo $$; sleep 100 & echo $!; wait", timeout=60)
-    assert result.is_error and not result.stop_turn
+    assert result.is_error
+    assert not result.stop_turn
     assert "command timed out after 1 s" in result.content
     shell_pid, sleep_pid = (int(word) for word in result.content.split()[:2])
     await wait_process_gone(shell_pid)
@@ -952,7 +977,8 @@ async def test_bash_group_ignoring_sigterm_gets_sigkill(
 @pytest.mark.slow
 async def test_bash_empty_command_is_an_error(ctx: ToolContext) -> None:
     result = await run(ctx, "bash", command="   ")
-    assert result.is_error and "must not be empty" in result.content
+    assert result.is_error
+    assert "must not be empty" in result.content
 
 
 def test_bash_tool_is_registered() -> None:
@@ -1002,7 +1028,8 @@ async def test_file_tools_apply_the_sandboxs_hidden_list(home_ws: Path, asker: F
         "server-files/token",
     ):
         result = await run(ctx, "view", path=path)
-        assert result.is_error and "hidden from the agent's tools" in result.content, path
+        assert result.is_error, path
+        assert "hidden from the agent's tools" in result.content, path
         assert "needle" not in result.content
     for name, params in [
         ("grep", {"pattern": "needle", "path": ".ssh"}),
@@ -1013,7 +1040,8 @@ async def test_file_tools_apply_the_sandboxs_hidden_list(home_ws: Path, asker: F
         ("edit", {"path": "vault/token.txt", "old_string": "vault", "new_string": "x"}),
     ]:
         result = await run(ctx, name, **params)
-        assert result.is_error and "hidden from the agent's tools" in result.content, name
+        assert result.is_error, name
+        assert "hidden from the agent's tools" in result.content, name
     assert asker.requests == []  # refused before any prompt: no answer can open them
     assert not (home_ws / ".ssh" / "authorized_keys").exists()
     # Walks from the workspace skip them.
@@ -1051,6 +1079,7 @@ async def test_a_workspace_holding_the_servers_config_cannot_view_it(
             await ws.set_skip(True)  # even with every prompt approved
             assert (await ws.run(sid, "read the config", timeout=10)).text == "done"
             result = (await ws.messages(sid))[-2].parts[0]
-    assert isinstance(result, ToolResultPart) and result.is_error
+    assert isinstance(result, ToolResultPart)
+    assert result.is_error
     assert "hidden from the agent's tools" in result.content
     assert "needle" not in result.content

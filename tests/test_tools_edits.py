@@ -85,7 +85,8 @@ async def test_change_without_view_is_refused_before_asking(
 ) -> None:
     (ws / "a.py").write_text("x = 1\n")
     result = await run(ctx, tool, path="a.py", **params)
-    assert result.is_error and not result.stop_turn
+    assert result.is_error
+    assert not result.stop_turn
     assert result.content == (
         f"{tool} refused: a.py exists and has not been read in this session; view it first "
         "(the view tool), then make the change"
@@ -126,7 +127,8 @@ async def test_same_size_change_is_seen_by_its_times(ctx: ToolContext, ws: Path)
     (ws / "a.py").write_text("x = 9\n")
     touch_later(ws / "a.py")
     result = await run(ctx, "edit", path="a.py", old_string="x = 9", new_string="x = 2")
-    assert result.is_error and "changed on disk" in result.content
+    assert result.is_error
+    assert "changed on disk" in result.content
 
 
 async def test_view_then_edit_works_and_a_second_edit_needs_no_view(
@@ -151,7 +153,8 @@ async def test_a_view_by_another_session_does_not_count(
     result = await run(
         make_ctx(ws, asker, files, "s1"), "edit", path="a.py", old_string="x", new_string="y"
     )
-    assert result.is_error and "has not been read in this session" in result.content
+    assert result.is_error
+    assert "has not been read in this session" in result.content
 
 
 @attrs.define
@@ -186,7 +189,8 @@ async def test_change_during_the_permission_wait_is_refused_on_the_opened_file(
     await run(ctx, "view", path="a.py")
     result = await run(ctx, tool, path="a.py", **params)
     assert asker.asked == 1
-    assert result.is_error and "changed on disk" in result.content
+    assert result.is_error
+    assert "changed on disk" in result.content
     assert target.read_text() == "x = 1\n# theirs\n"
 
 
@@ -205,7 +209,8 @@ def test_tracker_is_bounded_per_session_and_in_sessions() -> None:
     for i in range(5):
         tracker.record("s1", Path(f"/f{i}"), snap)
     assert len(tracker) == 3
-    assert tracker.seen("s1", Path("/f0")) is None and tracker.seen("s1", Path("/f4")) == snap
+    assert tracker.seen("s1", Path("/f0")) is None
+    assert tracker.seen("s1", Path("/f4")) == snap
     tracker.record("s2", Path("/a"), snap)
     tracker.record("s3", Path("/a"), snap)
     assert tracker.seen("s1", Path("/f4")) is None  # least recently used session forgotten
@@ -239,7 +244,8 @@ async def test_multiedit_applies_edits_in_order_with_one_permission(
     )
     assert (ws / "a.py").read_text() == "def f():\n    return 3\n\nname = 'new'\n"
     [request] = asker.requests
-    assert request["tool_name"] == "multiedit" and request["action"] == "write"
+    assert request["tool_name"] == "multiedit"
+    assert request["action"] == "write"
     assert len(request["params"]["edits"]) == 3
 
 
@@ -276,14 +282,16 @@ async def test_multiedit_ambiguous_edit_and_bad_items_are_named(ctx: ToolContext
     ambiguous = await run(
         ctx, "multiedit", path="a.py", edits=[{"old_string": "x", "new_string": "y"}]
     )
-    assert ambiguous.is_error and "appears 2 times" in ambiguous.content
+    assert ambiguous.is_error
+    assert "appears 2 times" in ambiguous.content
     every = await run(
         ctx,
         "multiedit",
         path="a.py",
         edits=[{"old_string": "x", "new_string": "y", "replace_all": True}],
     )
-    assert not every.is_error and (ws / "a.py").read_text() == "y\ny\n"
+    assert not every.is_error
+    assert (ws / "a.py").read_text() == "y\ny\n"
     for edits, message in [
         ([], "at least one edit"),
         (["x"], "edit 1 of multiedit must be an object"),
@@ -296,7 +304,8 @@ async def test_multiedit_ambiguous_edit_and_bad_items_are_named(ctx: ToolContext
         ),
     ]:
         result = await run(ctx, "multiedit", path="a.py", edits=edits)
-        assert result.is_error and message in result.content, (edits, result.content)
+        assert result.is_error, (edits, result.content)
+        assert message in result.content, (edits, result.content)
     assert (ws / "a.py").read_text() == "y\ny\n"
 
 
@@ -309,7 +318,8 @@ async def test_multiedit_denied_leaves_the_file(
     result = await run(
         ctx, "multiedit", path="a.py", edits=[{"old_string": "keep", "new_string": "lose"}]
     )
-    assert result.is_error and result.stop_turn
+    assert result.is_error
+    assert result.stop_turn
     assert (ws / "a.py").read_text() == "keep\n"
 
 
@@ -317,4 +327,5 @@ async def test_multiedit_of_a_missing_file_says_how_to_create_it(ctx: ToolContex
     result = await run(
         ctx, "multiedit", path="nope.py", edits=[{"old_string": "a", "new_string": "b"}]
     )
-    assert result.is_error and "file not found: nope.py" in result.content
+    assert result.is_error
+    assert "file not found: nope.py" in result.content

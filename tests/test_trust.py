@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import httpx
@@ -28,14 +28,16 @@ import pytest
 import trio
 
 from crush_trio.cli import main as cli_main
-from crush_trio.client import Event, WorkspaceClient
 from crush_trio.config import CONFIG_MAX_BYTES, Config, LoadedConfig, load_config_report
 from crush_trio.errors import ConfigError
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.tools import ToolContext, call_tool, default_tools
-from crush_trio.tools.base import ToolResult
 
 from .conftest import WAIT, running_server
+
+if TYPE_CHECKING:
+    from crush_trio.client import Event, WorkspaceClient
+    from crush_trio.tools.base import ToolResult
 
 #: A code path that blocks on a FIFO is unblocked after this long (seconds), so that it fails
 #: its assertions instead of hanging the test run.

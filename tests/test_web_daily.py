@@ -8,7 +8,7 @@ Uses the harness of ``test_web_e2e`` (a server in its own thread, logged-in page
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from axe_playwright_python.sync_playwright import Axe
@@ -30,6 +30,9 @@ from .test_web_e2e import (  # noqa: F401 (browser, pages, project and server ar
     server,
     wait_for_run,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +136,8 @@ def test_a_hidden_tab_counts_what_needs_you_and_notifies_once_allowed(
         send(page, "touch a file")
         expect(page).to_have_title(re.compile(r"^\(1\) "))
         notes = page.evaluate("window.__notes")
-        assert len(notes) == 1 and "bash" in notes[0]
+        assert len(notes) == 1
+        assert "bash" in notes[0]
         set_hidden(page, False)
         expect(page).to_have_title(title)
         page.locator('.permission button[data-action="deny"]').click()

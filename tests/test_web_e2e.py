@@ -20,10 +20,9 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -33,6 +32,9 @@ from playwright.sync_api import Browser, BrowserContext, Page, expect, sync_play
 
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server.serve import ServeOptions, ServerHandle, serve
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = pytest.mark.slow
 
@@ -293,7 +295,8 @@ def test_login_through_the_printed_token_url(browser: Browser, tmp_path: Path) -
         context = browser.new_context()
         page = context.new_page()
         denied = page.goto(base + "/")
-        assert denied is not None and denied.status == 401
+        assert denied is not None
+        assert denied.status == 401
 
         page.goto(f"{base}/?token={token}")
         # The token stays out of the address bar; the page lives below this start's prefix.
@@ -463,7 +466,8 @@ def test_cancel_a_long_run(server: ThreadServer, pages: Pages, project: Path) ->
     expect(finish).to_contain_text("Cancelled")
     expect(page.locator(".session[data-busy='false']")).to_have_count(1)
     (text,) = assistant_texts(page)
-    assert prompt.startswith(text) and 0 < len(text) < len(prompt)
+    assert prompt.startswith(text)
+    assert 0 < len(text) < len(prompt)
 
 
 def _reconnect_mid_run(server: ThreadServer, page: Page, project: Path, tag: str) -> str:
@@ -511,7 +515,8 @@ def test_reconnect_after_a_lost_replay_refetches(
         page = pages.open(server)
         _reconnect_mid_run(server, page, project, "g")
         stats = page.evaluate("window.crushTrio.stats")
-        assert stats["gaps"] >= 1 and stats["resyncs"] >= 2, stats
+        assert stats["gaps"] >= 1, stats
+        assert stats["resyncs"] >= 2, stats
     finally:
         server.stop()
 
@@ -972,7 +977,8 @@ def test_page_asks_for_deltas_and_applies_them_by_offset(
     sockets: list[str] = []
     page.on("websocket", lambda ws: sockets.append(ws.url))
     open_workspace(page, project)
-    assert sockets and all("deltas=1" in url for url in sockets), sockets
+    assert sockets, sockets
+    assert all("deltas=1" in url for url in sockets), sockets
     prompt = "stored reply " + words(8, "s")
     send(page, prompt)
     wait_for_run(page, "completed")

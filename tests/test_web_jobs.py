@@ -9,8 +9,7 @@ first line; every wait is bounded (``WAIT_MS``).
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from playwright.sync_api import expect
@@ -28,6 +27,9 @@ from .test_web_e2e import (  # noqa: F401 (browser and pages are fixtures)
     send,
     wait_for_run,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

@@ -96,7 +96,8 @@ async def test_token_cookie_is_not_sent_to_other_ports_of_the_host(
             assert (TOKEN in request.headers.get("cookie", "")) is sent, url
         # The page and its files are served below the prefix, with the cookie alone.
         page = await browser.get(f"{prefix}/")
-        assert page.status_code == 200 and 'src="static/app.js"' in page.text
+        assert page.status_code == 200
+        assert 'src="static/app.js"' in page.text
         assert (await browser.get(f"{prefix}/static/app.js")).status_code == 200
         assert (await browser.get("/v1/workspaces")).status_code == 401
     # A new start has a new prefix.
@@ -129,7 +130,8 @@ async def test_cross_site_post_is_refused_and_does_not_act(server: Server) -> No
         assert words in r.json()["message"], (extra, r.json())
     # A body without any content type is refused too (a browser's "simple" request).
     r = await server.http.post("/v1/control", content=body)
-    assert r.status_code == 415 and "Content-Type" in r.json()["message"]
+    assert r.status_code == 415
+    assert "Content-Type" in r.json()["message"]
     assert not server.backend.shutting_down
     r = await server.http.get("/v1/health")
     assert r.status_code == 200
@@ -231,7 +233,8 @@ def test_host_policy_bind_address_and_cache() -> None:
     assert not policy.allows("localhost:port")
     assert not policy.allows("[::1]junk")
     wildcard = HostPolicy(bind="0.0.0.0")
-    assert wildcard.allows("10.0.0.7:7433") and wildcard.allows("[fe80::1]:7433")
+    assert wildcard.allows("10.0.0.7:7433")
+    assert wildcard.allows("[fe80::1]:7433")
     assert not wildcard.allows("attacker.example:7433")
     for n in range(3 * HOST_CACHE_SIZE):
         assert not policy.allows(f"h{n}.example")
@@ -289,7 +292,8 @@ def test_redact_target_catches_every_spelling() -> None:
         "a=1&token=",
     ):
         text = redact_target("/v1/x", query.encode(), secret)
-        assert "abc" not in text and "s3cr" not in text, (query, text)
+        assert "abc" not in text, (query, text)
+        assert "s3cr" not in text, (query, text)
 
 
 # -- 6. --token-file --------------------------------------------------------------------------
@@ -303,7 +307,8 @@ def test_token_file_errors_are_usage_errors(
     for path, words in ((tmp_path / "missing", "cannot read"), (empty, "is empty")):
         assert cli_main(["serve", "--token-file", str(path)]) == 2
         err = capsys.readouterr().err
-        assert words in err and str(path) in err
+        assert words in err
+        assert str(path) in err
     with pytest.raises(SystemExit):  # --token and --token-file exclude each other
         cli_main(["serve", "--token", "a", "--token-file", str(empty)])
 
@@ -326,7 +331,8 @@ def test_token_file_keeps_the_token_out_of_the_process_list(tmp_path: Path) -> N
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
         match = re.fullmatch(r"crush-trio listening on (http://\S+)/\?token=(\S+)", line)
-        assert match and match.group(2) == secret, line
+        assert match, line
+        assert match.group(2) == secret, line
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         assert secret.encode() not in cmdline
         r = httpx.get(match.group(1) + "/v1/workspaces", headers={"Authorization": "Bearer x"})
@@ -397,7 +403,8 @@ async def test_shutdown_if_idle_refuses_while_a_workspace_is_open(server: Server
     cid = str(uuid.uuid4())
     ws = await server.open_workspace(client_id=cid)
     r = await server.http.post("/v1/control", json={"command": "shutdown_if_idle"})
-    assert r.status_code == 409 and "not idle" in r.json()["message"]
+    assert r.status_code == 409
+    assert "not idle" in r.json()["message"]
     assert not server.backend.shutting_down
     # A create in progress counts too.
     pending = server.tmp / "pending"

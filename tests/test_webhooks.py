@@ -15,10 +15,8 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import h11
@@ -26,7 +24,6 @@ import orjson
 import pytest
 import trio
 
-from crush_trio.client import Client
 from crush_trio.config import (
     WEBHOOK_SECRET_FILE_MAX_BYTES,
     ServerOptions,
@@ -34,11 +31,17 @@ from crush_trio.config import (
 )
 from crush_trio.errors import ConfigError
 from crush_trio.metrics import METRICS
-from crush_trio.testing import CrushServer
 from crush_trio.webhooks import OUTBOX_FILENAME, Endpoint, OutboxFile, Webhooks, policy
 from crush_trio.wire import RunComplete
 
 from .conftest import WAIT
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+    from pathlib import Path
+
+    from crush_trio.client import Client
+    from crush_trio.testing import CrushServer
 
 SECRET = b"webhook-test-secret"
 
@@ -253,7 +256,9 @@ async def test_failing_twice_with_503_then_200_takes_three_attempts_with_growing
     assert {r.body for r in requests} == {requests[0].body}
     # base 1 s doubling, jitter factor 1 - 0.25 * 0.5
     assert sleep.delays == [pytest.approx(0.875), pytest.approx(1.75)]
-    assert hooks.attempts == 3 and hooks.retried == 2 and hooks.failed == 0
+    assert hooks.attempts == 3
+    assert hooks.retried == 2
+    assert hooks.failed == 0
     assert metric("retry") - before["retry"] == 2
     assert metric("delivered") - before["delivered"] == 1
     assert latency_count() - posts == 3
@@ -279,7 +284,8 @@ async def test_a_400_is_a_permanent_failure_kept_for_inspection(outbox_file: Pat
         delivery_id = enqueue(hooks, receiver.url)
         await settle(hooks, lambda: hooks.failed == 1)
         nursery.cancel_scope.cancel()
-    assert len(receiver.requests) == 1 and hooks.attempts == 1
+    assert len(receiver.requests) == 1
+    assert hooks.attempts == 1
     assert metric("failed") - before == 1
     box = await OutboxFile.open(outbox_file)
     try:
@@ -287,7 +293,8 @@ async def test_a_400_is_a_permanent_failure_kept_for_inspection(outbox_file: Pat
         assert await box.pending() == []
     finally:
         await box.aclose()
-    assert failed.id == delivery_id and failed.last_error == "HTTP 400"
+    assert failed.id == delivery_id
+    assert failed.last_error == "HTTP 400"
     assert failed.attempts == 1
 
 
@@ -298,7 +305,8 @@ async def test_gives_up_after_max_attempts(outbox_file: Path) -> None:
         enqueue(hooks, receiver.url)
         await settle(hooks, lambda: hooks.failed == 1)
         nursery.cancel_scope.cancel()
-    assert len(receiver.requests) == 3 and hooks.pending == []
+    assert len(receiver.requests) == 3
+    assert hooks.pending == []
 
 
 async def test_failed_deliveries_kept_are_bounded(outbox_file: Path) -> None:
@@ -313,7 +321,8 @@ async def test_failed_deliveries_kept_are_bounded(outbox_file: Path) -> None:
         kept = await box.failed()
     finally:
         await box.aclose()
-    assert len(kept) == 2 and {d.id for d in kept} <= set(ids)
+    assert len(kept) == 2
+    assert {d.id for d in kept} <= set(ids)
 
 
 async def test_a_pending_delivery_survives_a_restart(outbox_file: Path) -> None:
@@ -325,14 +334,17 @@ async def test_a_pending_delivery_survives_a_restart(outbox_file: Path) -> None:
         delivery_id = enqueue(hooks, url)
         await settle(hooks, lambda: hooks.retried == 1)
         nursery.cancel_scope.cancel()
-    assert hooks.delivered == 0 and hooks.failed == 0
+    assert hooks.delivered == 0
+    assert hooks.failed == 0
     box = await OutboxFile.open(outbox_file)
     try:
         (stored,) = await box.pending()
     finally:
         await box.aclose()
-    assert stored.id == delivery_id and stored.attempts == 1
-    assert "ConnectError" in stored.last_error and stored.secret is None
+    assert stored.id == delivery_id
+    assert stored.attempts == 1
+    assert "ConnectError" in stored.last_error
+    assert stored.secret is None
 
     # Second server: the endpoint is up; the secret comes from the configuration again.
     asked: list[tuple[str, str]] = []
@@ -354,10 +366,12 @@ async def test_a_pending_delivery_survives_a_restart(outbox_file: Path) -> None:
     assert request.headers["x-crush-trio-attempt"] == "2"
     assert asked == [("", url)]
     # It waited out the rest of the backoff the first server had chosen (about 0.875 s).
-    assert len(sleep.delays) == 1 and 0 < sleep.delays[0] <= 0.875
+    assert len(sleep.delays) == 1
+    assert 0 < sleep.delays[0] <= 0.875
     box = await OutboxFile.open(outbox_file)
     try:
-        assert await box.pending() == [] and await box.failed() == []
+        assert await box.pending() == []
+        assert await box.failed() == []
     finally:
         await box.aclose()
 
@@ -369,14 +383,16 @@ async def test_a_post_in_flight_at_shutdown_stays_pending(outbox_file: Path) -> 
         delivery_id = enqueue(hooks, receiver.url)
         await receiver.wait_for(1)
         nursery.cancel_scope.cancel()
-    assert hooks.attempts == 0 and hooks.failed == 0
+    assert hooks.attempts == 0
+    assert hooks.failed == 0
     box = await OutboxFile.open(outbox_file)
     try:
         (stored,) = await box.pending()
     finally:
         await box.aclose()
     # The cut attempt is not counted: the next start sends attempt 1 again, same delivery id.
-    assert stored.id == delivery_id and stored.attempts == 0
+    assert stored.id == delivery_id
+    assert stored.attempts == 0
 
 
 async def test_a_delivery_whose_endpoint_is_gone_after_a_restart_fails(outbox_file: Path) -> None:
@@ -422,7 +438,8 @@ async def test_the_outbox_bound_drops_the_oldest_pending(outbox_file: Path) -> N
         )
         ids = [enqueue(hooks, url, f"r{i}") for i in range(5)]
         assert [d.id for d in hooks.pending] == ids[2:]
-        assert hooks.dropped == 2 and metric("dropped") - before == 2
+        assert hooks.dropped == 2
+        assert metric("dropped") - before == 2
         assert pending_gauge() - gauge == 3
         await settle(hooks, lambda: hooks.retried == 3)
         nursery.cancel_scope.cancel()
@@ -443,7 +460,8 @@ async def test_the_outbox_byte_bound_drops_the_oldest_pending(outbox_file: Path)
         ids = [enqueue(hooks, url, f"r{i}", text="x" * 1200) for i in range(5)]
         sizes = {len(d.body) for d in hooks.pending}
         assert max(sizes) * 3 <= 5000 < min(sizes) * 4  # three fit
-        assert [d.id for d in hooks.pending] == ids[2:] and hooks.dropped == 2
+        assert [d.id for d in hooks.pending] == ids[2:]
+        assert hooks.dropped == 2
         nursery.cancel_scope.cancel()
 
 
@@ -475,8 +493,10 @@ async def test_hostile_receivers(outbox_file: Path) -> None:
         redirect, silent = await box.failed()
     finally:
         await box.aclose()
-    assert "redirect" in redirect.last_error and redirect.attempts == 1
-    assert "server.webhook_timeout" in silent.last_error and silent.attempts == 2
+    assert "redirect" in redirect.last_error
+    assert redirect.attempts == 1
+    assert "server.webhook_timeout" in silent.last_error
+    assert silent.attempts == 2
 
 
 async def test_a_connection_closed_without_an_answer_is_retried(outbox_file: Path) -> None:
@@ -487,7 +507,9 @@ async def test_a_connection_closed_without_an_answer_is_retried(outbox_file: Pat
         enqueue(hooks, receiver.url)
         await settle(hooks, lambda: hooks.delivered == 1)
         nursery.cancel_scope.cancel()
-    assert len(receiver.requests) == 2 and hooks.retried == 1 and len(sleep.delays) == 1
+    assert len(receiver.requests) == 2
+    assert hooks.retried == 1
+    assert len(sleep.delays) == 1
 
 
 async def test_a_long_text_is_cut_to_the_body_bound(outbox_file: Path) -> None:
@@ -498,8 +520,10 @@ async def test_a_long_text_is_cut_to_the_body_bound(outbox_file: Path) -> None:
         (request,) = await receiver.wait_for(1)
         nursery.cancel_scope.cancel()
     body = request.json()
-    assert len(request.body) <= 2000 and body["text_truncated"] is True
-    assert body["text"] and set(body["text"]) == {"é"}
+    assert len(request.body) <= 2000
+    assert body["text_truncated"] is True
+    assert body["text"]
+    assert set(body["text"]) == {"é"}
 
 
 # -- the policy, as tables --------------------------------------------------------------------
@@ -536,8 +560,10 @@ def test_a_cut_body_fits_its_bound_and_stays_valid_json(char: str, max_bytes: in
         max_bytes=max_bytes,
     )
     body = orjson.loads(data)
-    assert len(data) <= max_bytes and body["text_truncated"] is True
-    assert body["text"] and set(body["text"]) == {char}
+    assert len(data) <= max_bytes
+    assert body["text_truncated"] is True
+    assert body["text"]
+    assert set(body["text"]) == {char}
     whole = policy.build_body(
         complete(text=char * 10),
         delivery_id="d",
@@ -600,7 +626,8 @@ def test_an_untrusted_workspace_cannot_add_endpoints(tmp_path: Path) -> None:
         config_file=None, workspace=project, user_config_dir=user, env={"HOME": "h0me"}
     )
     (endpoint_config,) = loaded.config.webhooks
-    assert endpoint_config.secret == "h0me" and "h0me" not in repr(loaded.config)
+    assert endpoint_config.secret == "h0me"
+    assert "h0me" not in repr(loaded.config)
 
 
 def test_secret_file_is_read_and_never_shown(tmp_path: Path) -> None:
@@ -662,7 +689,8 @@ def test_a_secret_file_that_is_not_a_small_text_file_is_a_clear_error(
     file.write_bytes(orjson.dumps({"webhooks": [hook]}))
     with pytest.raises(ConfigError) as caught:
         load_config_report(config_file=file, workspace=None)
-    assert "secret_file" in str(caught.value) and said in str(caught.value)
+    assert "secret_file" in str(caught.value)
+    assert said in str(caught.value)
 
 
 # -- through the server -----------------------------------------------------------------------
@@ -716,10 +744,14 @@ async def test_a_run_end_is_posted_once_with_a_valid_signature(
     assert abs(int(request.headers["x-crush-trio-timestamp"]) - time.time()) < WAIT
     body = request.json()
     assert body["delivery_id"] == request.headers["x-crush-trio-delivery"]
-    assert body["workspace_id"] == ws.id and body["workspace_path"] == str(project.resolve())
-    assert body["run_id"] == "run-1" and body["session_id"] == session.id
-    assert body["text"] == "hello hooks" and body["outcome"] == "completed"
-    assert body["event"] == "run_complete" and body["cancelled"] is False
+    assert body["workspace_id"] == ws.id
+    assert body["workspace_path"] == str(project.resolve())
+    assert body["run_id"] == "run-1"
+    assert body["session_id"] == session.id
+    assert body["text"] == "hello hooks"
+    assert body["outcome"] == "completed"
+    assert body["event"] == "run_complete"
+    assert body["cancelled"] is False
     assert metric("delivered") - before == 1
 
 
@@ -738,8 +770,10 @@ async def test_a_hanging_receiver_never_delays_run_complete(
         second = await ws.prompt(session.id, "second", run_id="run-b")
         with trio.fail_after(WAIT):
             run = await second.result(WAIT)
-        assert second.complete is not None and run.text == "second"
-        assert receiver.hanging == 1 and len(receiver.requests) == 1
+        assert second.complete is not None
+        assert run.text == "second"
+        assert receiver.hanging == 1
+        assert len(receiver.requests) == 1
         hooks: Webhooks = crush_server.handle.backend.webhooks
         assert [orjson.loads(d.body)["run_id"] for d in hooks.pending] == ["run-a", "run-b"]
 
@@ -805,11 +839,14 @@ async def test_a_permission_request_is_posted_to_endpoints_that_list_it(
     assert verify_like_the_docs(SECRET, request.headers, request.body)
     assert request.headers["x-crush-trio-event"] == "permission_request"
     body = request.json()
-    assert body["event"] == "permission_request" and body["workspace_id"] == ws.id
+    assert body["event"] == "permission_request"
+    assert body["workspace_id"] == ws.id
     assert body["delivery_id"] == request.headers["x-crush-trio-delivery"]
     permission = body["permission"]
-    assert permission["id"] == asked.id and permission["session_id"] == session.id
-    assert permission["tool_name"] == "bash" and permission["params"]["command"] == "touch hooked"
+    assert permission["id"] == asked.id
+    assert permission["session_id"] == session.id
+    assert permission["tool_name"] == "bash"
+    assert permission["params"]["command"] == "touch hooked"
     assert body["params_truncated"] is False
 
 
@@ -836,6 +873,7 @@ def test_a_large_permission_request_leaves_its_params_out() -> None:
     )
     assert len(body) <= 4096
     data = orjson.loads(body)
-    assert data["params_truncated"] is True and data["permission"]["params"] == {}
+    assert data["params_truncated"] is True
+    assert data["permission"]["params"] == {}
     assert data["permission"]["description"] == "d" * policy.PERMISSION_DESCRIPTION_CHARS
     assert policy.event_of(body) == "permission_request"

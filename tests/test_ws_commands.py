@@ -7,12 +7,15 @@ two once disagreed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
 from .conftest import WAIT, running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.mark.parametrize("transport", ["trio-websocket", "asgi"])
@@ -29,9 +32,11 @@ async def test_cancel_of_an_unknown_session_is_a_no_op_on_both_paths(
             async with server.websocket(wid) as sock:
                 await sock.recv()
                 reply = await sock.command("agent.cancel", session_id="nope")
-                assert reply["ok"] is True and reply["result"] == {}
+                assert reply["ok"] is True
+                assert reply["result"] == {}
                 # clear_queue checks the session on both paths (404 in the path, 400 in params)
                 reply = await sock.command("agent.clear_queue", session_id="nope")
-                assert reply["ok"] is False and reply["status"] == 400
+                assert reply["ok"] is False
+                assert reply["status"] == 400
         r = await server.http.post(f"/v1/workspaces/{wid}/agent/sessions/nope/prompts/clear")
         assert r.status_code == 404

@@ -16,8 +16,7 @@ import contextlib
 import tracemalloc
 import uuid
 import zlib
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
@@ -38,9 +37,13 @@ from crush_trio.broker import Event as BrokerEvent
 from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.testing import CrushServer
 from crush_trio.wsdeflate import BoundedDeflate
 from tests.conftest import running_server
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from crush_trio.testing import CrushServer
 
 #: Cap on every test's waits (seconds).
 CAP = 20
@@ -210,12 +213,13 @@ async def test_a_compressed_client_decodes_the_same_stream_as_an_uncompressed_on
         # Negotiated only with the client that offered it; every frame of that one but its hello
         # is compressed (RSV1, 0x40), none of the other's is.
         assert plain.response_extensions == []
-        assert (
-            deflated.response_extensions and "PerMessageDeflate" in deflated.response_extensions[0]
-        )
-        assert plain.first_bytes and all(b == 0x81 for b in plain.first_bytes)
+        assert deflated.response_extensions
+        assert "PerMessageDeflate" in deflated.response_extensions[0]
+        assert plain.first_bytes
+        assert all(b == 0x81 for b in plain.first_bytes)
         assert deflated.first_bytes[0] == 0x81  # the hello: a connection frame, uncompressed
-        assert len(deflated.first_bytes) > 3 and all(b == 0xC1 for b in deflated.first_bytes[1:])
+        assert len(deflated.first_bytes) > 3
+        assert all(b == 0xC1 for b in deflated.first_bytes[1:])
         # Several deltas, decoded identically: same seqs, same payloads.
         assert sum(f["type"] == "message_delta" for f in got_plain) >= 3
         assert comparable(got_deflated) == comparable(got_plain)
@@ -224,7 +228,8 @@ async def test_a_compressed_client_decodes_the_same_stream_as_an_uncompressed_on
         since = got_plain[0]["seq"]
         again = await open_raw(crush_server, ws.id, [PerMessageDeflate(**offer)], since=since)
         replayed = await again.messages_until(handle.run_id)
-        assert len(again.first_bytes) > 3 and all(b == 0xC1 for b in again.first_bytes[1:])
+        assert len(again.first_bytes) > 3
+        assert all(b == 0xC1 for b in again.first_bytes[1:])
         assert comparable(replayed[1:]) == comparable(got_plain[1:])  # after the hello
         for raw in (plain, deflated, again):
             await raw.stream.aclose()
@@ -244,7 +249,8 @@ async def test_the_client_library_offers_compression_and_moves_fewer_bytes(
                 crush_server.url, ws.id, crush_server.token, compression=False
             ) as plain,
         ):
-            assert packed.compressed and not plain.compressed
+            assert packed.compressed
+            assert not plain.compressed
             handle = await ws.prompt(session.id, "stream a reply")
             for sock, compressed in ((packed, True), (plain, False)):
                 async for text in sock:
@@ -280,7 +286,8 @@ async def test_a_deflate_bomb_command_is_closed_with_1009_and_the_server_stays_u
         await raw.stream.aclose()
         # The server goes on serving websockets.
         async with open_event_socket(crush_server.url, ws.id, crush_server.token) as sock:
-            assert sock.compressed and sock.hello["type"] == "hello"
+            assert sock.compressed
+            assert sock.hello["type"] == "hello"
 
 
 def test_inflating_a_bomb_stays_within_the_bound() -> None:
@@ -288,7 +295,8 @@ def test_inflating_a_bomb_stays_within_the_bound() -> None:
     permessage-deflate would inflate the whole 64 MiB first."""
     bound = 1 << 20
     ext = BoundedDeflate(bound)
-    assert ext.accept("permessage-deflate") is not None and ext.enabled()
+    assert ext.accept("permessage-deflate") is not None
+    assert ext.enabled()
     conn = Connection(ConnectionType.SERVER, extensions=[ext])
     frame = client_frame(deflate_bomb(64 * bound), 0xC1)
     tracemalloc.start()
@@ -305,7 +313,8 @@ def test_inflating_a_bomb_stays_within_the_bound() -> None:
 
 def test_a_compressed_command_within_the_bound_is_inflated() -> None:
     ext = BoundedDeflate(1 << 20)
-    assert ext.accept("permessage-deflate") is not None and ext.enabled()
+    assert ext.accept("permessage-deflate") is not None
+    assert ext.enabled()
     conn = Connection(ConnectionType.SERVER, extensions=[ext])
     comp = zlib.compressobj(6, zlib.DEFLATED, -15)
     text = orjson.dumps({"id": "1", "type": "ping", "payload": "x" * 5000})
@@ -335,7 +344,8 @@ async def test_an_offer_that_does_not_parse_is_declined(
         raw = await open_raw(crush_server, crush_workspace.id, [Verbatim()])
         (hello,) = await raw.messages_until(None)
         assert hello["type"] == "hello"
-        assert raw.response_extensions == [] and raw.first_bytes == [0x81]
+        assert raw.response_extensions == []
+        assert raw.first_bytes == [0x81]
         await raw.stream.aclose()
 
 
@@ -363,7 +373,8 @@ def test_frames_of_one_connection_decode_in_order_compressed_or_not(no_takeover:
     events = [BrokerEvent(orjson.loads(t)["seq"], orjson.loads(t)["type"], t, False) for t in texts]
     frames = [server.frame(e) for e in events]
     assert [f[0] for f in frames] == [0x81, 0xC1, 0xC1, 0xC1, 0xC1, 0x81, 0xC1, 0x81, 0xC1]
-    assert frames[5] is events[5].ws_frame and frames[0] is events[0].ws_frame  # shared bytes
+    assert frames[5] is events[5].ws_frame
+    assert frames[0] is events[0].ws_frame  # shared bytes
     client_ext = PerMessageDeflate()
     client_ext.finalize(offer)
     client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
@@ -410,3 +421,70 @@ async def test_a_deflate_bomb_on_the_framework_websocket_ends_within_the_bound(
             assert peak < 3 * limit, f"inflating took {peak} bytes"
             await raw.stream.aclose()
             assert (await server.http.get("/v1/health")).status_code == 200
+
+
+def _delta(seq: int, text: str) -> BrokerEvent:
+    body = orjson.dumps({"seq": seq, "type": "message_delta", "payload": {"text": text}}).decode()
+    return BrokerEvent(seq, "message_delta", body, False)
+
+
+def _decoded(offer: str, frames: list[bytes]) -> list[str]:
+    """What a standard client that negotiated ``offer`` reads from ``frames``."""
+    client_ext = PerMessageDeflate()
+    client_ext.finalize(offer)
+    client = Connection(ConnectionType.CLIENT, extensions=[client_ext])
+    client.receive_data(b"".join(frames))
+    got = []
+    for event in client.events():
+        assert isinstance(event, TextMessage)
+        assert event.message_finished
+        got.append(event.data)
+    return got
+
+
+@pytest.mark.parametrize("no_takeover", [False, True])
+def test_connections_that_got_the_same_frames_share_their_compression(no_takeover: bool) -> None:
+    """Connections that were sent the same events in the same order share one compressor state
+    (:class:`~crush_trio.wsdeflate.Cohort`): one compression per event, the same bytes for all.
+    One that gets another event (its ``gap``), or falls behind until the others' state is
+    gone, goes on from its own copy; every connection still reads exactly its own events."""
+    offer = "permessage-deflate" + ("; server_no_context_takeover" if no_takeover else "")
+    conns = []
+    for _ in range(4):
+        conn = BoundedDeflate(1 << 20)
+        assert conn.accept(offer) is not None
+        conns.append(conn)
+    events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 41)]
+    own = _delta(0, "a reply to this connection's command")
+    sent: list[list[bytes]] = [[] for _ in conns]
+    texts: list[list[str]] = [[] for _ in conns]
+
+    def send(i: int, event: BrokerEvent) -> bytes:
+        frame = conns[i].frame(event)
+        sent[i].append(frame)
+        texts[i].append(event.text)
+        return frame
+
+    lagging: list[BrokerEvent] = []
+    for n, event in enumerate(events):
+        together = [send(i, event) for i in (0, 1)]
+        assert together[0] is together[1]  # compressed once, the bytes shared
+        if n == 10:
+            send(2, own)  # connection 2 takes another turn here ...
+        send(2, event)  # ... and stays in step with 0 and 1 from its own state
+        if n < 5 or n >= 35:
+            send(3, event)  # connection 3 keeps up, then falls behind for 30 events ...
+        else:
+            lagging.append(event)
+        if n == 34:
+            for late in lagging:  # ... and catches up after the others' states are gone
+                send(3, late)
+    assert all(texts[3].count(e.text) == 1 for e in events)
+    for i in range(4):
+        assert _decoded(offer, sent[i]) == texts[i]
+    if no_takeover:  # every frame compressed from the first state: shared whatever the order
+        assert sent[2][12] is sent[0][11]
+    else:
+        assert sent[2][12] is not sent[0][11]  # after its own turn: its own compression
+        # With context takeover each frame points back at the ones before it.
+        assert sum(len(f) for f in sent[0]) < sum(len(e.ws_frame) for e in events) / 2

@@ -407,7 +407,8 @@ async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
             await chaos.connected.wait()
         await io.send("ready")
         command = await io.recv()
-        assert command is not None and command["cmd"] == "go"
+        assert command is not None
+        assert command["cmd"] == "go"
         until = trio.current_time() + float(cfg["seconds"])
         async with trio.open_nursery() as actors:
             for index in range(int(cfg["actors"])):

@@ -198,7 +198,8 @@ async def role_stall(io: Io, cfg: dict[str, Any]) -> None:
     ) as sock:
         await io.send("ready")
         command = await io.recv()
-        assert command is not None and command["cmd"] == "drain"
+        assert command is not None
+        assert command["cmd"] == "drain"
         frames = gaps = 0
         got_complete = False
         with trio.move_on_after(float(command["timeout"])):

@@ -15,10 +15,8 @@ targets and chart.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from ..report import WorkloadResult
 from .common import Ctx
 from .sizes import FULL, SMOKE, Sizes
 from .w1 import w1
@@ -28,6 +26,11 @@ from .w4 import w4
 from .w5 import w5
 from .w6 import w6
 from .w7 import w7
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from ..report import WorkloadResult
 
 __all__ = ["DEFAULT_FULL", "FULL", "SMOKE", "WORKLOADS", "Ctx", "Sizes"]
 

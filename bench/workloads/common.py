@@ -9,11 +9,9 @@ watching workers measure.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from crush_trio.client import WorkspaceClient, connect
 
@@ -24,7 +22,12 @@ from ..procs import (
     child_process,
     python,
 )
-from .sizes import Sizes
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Sequence
+    from pathlib import Path
+
+    from .sizes import Sizes
 
 #: Server bounds of every benchmarked server: the creating client's hold never lapses, so the
 #: workspace lives for the whole measurement whatever the clients do.

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from ..procs import (
-    ServerProcess,
-)
 from .common import (
     Ctx,
     all_events,
@@ -17,6 +13,13 @@ from .common import (
     split,
     workers,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..procs import (
+        ServerProcess,
+    )
 
 #: A phase of runs gives up when no run has ended for this long (seconds).
 STALL_AFTER: Final = 30.0

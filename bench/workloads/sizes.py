@@ -54,6 +54,8 @@ class Sizes:
     settle: float = 2.0
     #: W4: a warm-up run before the measured ones.
     w4_warmup: bool = True
+    #: W3's paced fan-out over SSE: also as many plain (uncompressed) clients as gzip ones.
+    w3_paced_sse_plain: bool = True
     smoke: bool = False
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .. import charts
 from ..procs import (
@@ -19,7 +19,9 @@ from .common import (
     words,
 )
 from .rounds import STALL_AFTER, LevelResult, run_rounds
-from .sizes import Sizes
+
+if TYPE_CHECKING:
+    from .sizes import Sizes
 
 # Targets (issue "Load benchmarks"): see docs/performance.md.
 W1_TARGET_LEVEL: Final = 50

@@ -6,11 +6,9 @@ reply and in server CPU."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
@@ -40,6 +38,10 @@ from .common import (
     workers,
 )
 from .w3_sse import w3_paced_sse
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 # Targets: see docs/performance.md.
 W3_RATIO_TARGET: Final = 0.50

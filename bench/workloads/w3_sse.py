@@ -4,11 +4,15 @@ snapshot mode, as Crush's client reads its events, with and without gzip.
 Go's HTTP client asks for gzip and inflates it on its own, so a Crush client gets the gzip stream
 (one compressor per stream, flushed per event): each ``message`` snapshot compresses against the
 previous one. Measured in bytes on the wire per client per character of the reply, like the
-websocket figure; it depends on the stream's content, not on the load, so a few clients do.
+websocket figure (it depends on the stream's content, not on the load, so a few clients do), and
+in the server's CPU over the run (``--w3-sse-gzip-only`` leaves the plain streams out, so that it
+is the gzip streams' alone).
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any, Final
 
 from ..procs import child_process, python, server_process
@@ -26,7 +30,11 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     ``w3_paced_sse_clients`` SSE clients asking for gzip and as many that do not."""
     s = ctx.sizes
     n, tokens, delay = s.w3_paced_sse_clients, s.w3_paced_tokens, s.w3_paced_delay_ms
-    ctx.log(f"[W3] paced fan-out over SSE: 2 x {n} clients, {tokens} tokens at {delay:g} ms")
+    modes = ("gzip", "plain") if s.w3_paced_sse_plain else ("gzip",)
+    ctx.log(
+        f"[W3] paced fan-out over SSE: {len(modes)} x {n} clients ({', '.join(modes)}), "
+        f"{tokens} tokens at {delay:g} ms"
+    )
     work = ctx.dir("w3-paced-sse")
     fake = fake_model(ctx, "w3-sse-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
     argv = python("-m", "bench.sse_watch")
@@ -34,23 +42,33 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         fake as fake_url,
         server_process(fake_config(fake_url), work) as server,
         hold_workspace(server, work / "project") as ws,
-        child_process("w3-sse-gzip", argv, work) as (zipped, _),
-        child_process("w3-sse-plain", argv, work) as (plain, _),
+        contextlib.AsyncExitStack() as stack,
     ):
+        children = {
+            mode: (await stack.enter_async_context(child_process(f"w3-sse-{mode}", argv, work)))[0]
+            for mode in modes
+        }
         session = await ws.create_session("bench")
-        for child, gzip in ((zipped, True), (plain, False)):
+        for mode, child in children.items():
+            gzip = mode == "gzip"
             await child.send({"url": server.url, "wid": ws.id, "count": n, "gzip": gzip})
             ready = await child.recv_event("ready", READY_TIMEOUT)
             if ready["failed"] or ready["gzip"] != (n if gzip else 0):
                 raise RuntimeError(f"SSE watchers (gzip={gzip}): {ready}")
+        cpu0, t0 = server.cpu(), time.monotonic()
         handle = await ws.prompt(session.id, "Stream your tokens.")
         done = {
             mode: await child.recv_event("done", s.phase_timeout)
-            for mode, child in (("gzip", zipped), ("plain", plain))
+            for mode, child in children.items()
         }
-        for child in (zipped, plain):
+        cpu, wall = server.cpu() - cpu0, time.monotonic() - t0
+        for child in children.values():
             await child.send({"cmd": "quit"})
         run = await ws.get_run(handle.run_id)
+    ctx.log(
+        f"  server CPU {cpu:.2f} s over {wall:.2f} s ({cpu / wall:.0%} of a core) for "
+        f"{len(modes)} x {n} SSE clients"
+    )
     chars = len(run.text)
     rows = {mode: _row(d, n, chars) for mode, d in done.items()}
     for mode, row in rows.items():
@@ -62,8 +80,8 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         )
     table = Table(
         f"Paced fan-out over SSE: one run of {tokens:,} tokens at {delay:g} ms per token watched "
-        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip, and {n} that "
-        "do not",
+        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip"
+        + (f", and {n} that do not" if len(modes) > 1 else ""),
         [
             "stream",
             "reply chars",
@@ -87,6 +105,10 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
             f"{row['run_complete']}/{n}",
         )
     result.tables.append(table)
+    result.notes.append(
+        f"Paced fan-out over SSE: server CPU {cpu:.2f} s over {wall:.2f} s "
+        f"({cpu / wall:.0%} of a core) for {' and '.join(modes)} streams, {n} each."
+    )
     gzip_per_char = rows["gzip"]["bytes_per_char"]
     result.targets.append(
         Target(
@@ -96,7 +118,16 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
             gzip_per_char <= SSE_GZIP_BYTES_PER_CHAR_TARGET,
         )
     )
-    return {"clients": n, "tokens": tokens, "delay_ms": delay, "reply_chars": chars, **rows}
+    return {
+        "clients": n,
+        "tokens": tokens,
+        "delay_ms": delay,
+        "reply_chars": chars,
+        "server_cpu": cpu,
+        "wall": wall,
+        "cpu_share": cpu / wall if wall > 0 else float("nan"),
+        **rows,
+    }
 
 
 def _row(done: dict[str, Any], n: int, chars: int) -> dict[str, Any]:

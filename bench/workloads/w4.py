@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import time
 from contextlib import AsyncExitStack
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
-
-from crush_trio.client import WorkspaceClient
 
 from .. import charts
 from ..procs import (
@@ -36,6 +34,9 @@ from .common import (
     words,
     workers,
 )
+
+if TYPE_CHECKING:
+    from crush_trio.client import WorkspaceClient
 
 # Targets (issue "Load benchmarks"): see docs/performance.md.
 W4_IDLE_TARGET: Final = 20 * MB  # added by 1,000 idle websocket clients (20 KB each)

@@ -3,7 +3,7 @@ run must end with exactly one ``run_complete``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import charts
 from ..procs import (
@@ -19,7 +19,9 @@ from .common import (
     hold_workspace,
     workers,
 )
-from .sizes import Sizes
+
+if TYPE_CHECKING:
+    from .sizes import Sizes
 
 
 async def w5(ctx: Ctx) -> WorkloadResult:

@@ -29,11 +29,9 @@ import random
 import time
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -46,6 +44,10 @@ from .. import charts
 from ..procs import TOKEN, memory, server_process
 from ..report import MB, Table, Target, WorkloadResult
 from .common import Ctx, fake_config
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
 
 #: RSS growth from the baseline to the end that still counts as a plateau (fraction).
 W6_GROWTH_TARGET: Final = 0.10

@@ -11,8 +11,7 @@ calls per second, and each tool's call latency as the clients see it.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -24,6 +23,9 @@ from ..procs import server_process
 from ..report import Table, Target, WorkloadResult, mb, ms, percentile
 from .common import Ctx, fake_config, fake_model, hold_workspace
 from .rounds import STALL_AFTER, LevelResult, run_rounds
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 #: The file ``view`` and ``cat`` read (workspace-relative) and its lines.
 #: Steps a W7 run may take beyond its tool calls (its final reply, and room to spare).

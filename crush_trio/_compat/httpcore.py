@@ -26,14 +26,16 @@ upgrade: re-read the named classes in the new versions, adjust this module, and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from importlib import metadata
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import h11
 import httpcore
 
 from . import CompatError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: The versions whose private names this module was checked against (pinned in pyproject.toml).
 CHECKED_AGAINST: Final = {"httpx": "0.28.1", "httpcore": "1.0.9", "h11": "0.16.0"}

@@ -19,15 +19,17 @@ an upgrade: re-read ``wsproto/__init__.py``, adjust this module, and update
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from importlib import metadata
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import AcceptConnection, Event, Request, TextMessage
 
 from . import CompatError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["CHECKED_AGAINST", "RELEASED", "check", "release_handshake"]
 

@@ -10,10 +10,7 @@ the terminals of dropped prompts in a nursery (:class:`~crush_trio.agent.termina
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
-
-import trio
 
 from .. import wire
 from ..defaults import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMPTS
@@ -21,6 +18,10 @@ from ..errors import BadRequest, ConfigError, Conflict, NotFound, StoreError, To
 from ..wire import Message, Run, RunStatus, new_id
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import trio
+
     from ..core.agent_state import AgentState, CancelOutcome
     from ..store.protocol import WorkspaceStore
     from .compaction import Compaction
@@ -136,7 +137,7 @@ class Admission:
         self.live.accept(prompt.run_id, model)
         if turn is not None:
             self.turns.start(turn)
-        return wire.AcceptedPrompt(prompt.run_id, session_id, admission.value)  # type: ignore[arg-type]
+        return wire.AcceptedPrompt(prompt.run_id, session_id, admission.value)
 
     def _check_queue_bound(self, session_id: str, size: int) -> None:
         count, queued_bytes = self.state.queue_size(session_id)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Final
 import attrs
 import trio
 
-from ..core.agent_state import Turn
 from ..errors import Conflict, CrushError, ProviderError, unwrap_group
 from ..providers import base as pb
 from ..wire import AgentEvent, EventKind, Message, Role, new_id
@@ -31,7 +30,7 @@ from .summarize import (
 
 if TYPE_CHECKING:
     from ..broker import Broker
-    from ..core.agent_state import AgentState
+    from ..core.agent_state import AgentState, Turn
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore
     from .provider_cache import ProviderCache

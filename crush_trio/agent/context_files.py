@@ -35,14 +35,16 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import trio
 
 from ..defaults import BINARY_SNIFF_BYTES
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 #: Files and directories Crush reads from a workspace (its ``defaultContextPaths``), with the
 #: ``.local`` variants of ``AGENTS.md`` and ``GEMINI.md`` added; a name ending in ``/`` is a

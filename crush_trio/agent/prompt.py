@@ -30,7 +30,6 @@ import string
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -39,12 +38,14 @@ import trio
 
 from ..tools.readonly import git_repository_state
 from ..tools.sandbox import shell_env
+from ..wire import SandboxInfo
 from .context_files import ContextFileCache, ContextFiles, settings_for
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ..config import Config
     from ..core.model import ToolSpec
-    from ..wire import SandboxInfo
 
 #: Longest ``git status`` run for the environment block, in seconds.
 GIT_STATUS_TIMEOUT: Final = 5.0

@@ -29,10 +29,7 @@ through the turn's ``finally`` block, whose saves run inside
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
-
-import trio
 
 from .. import wire
 from ..core.agent_state import AgentState
@@ -41,8 +38,6 @@ from ..defaults import DEFAULT_MAX_QUEUED_PROMPT_BYTES, DEFAULT_MAX_QUEUED_PROMP
 from ..errors import SessionGone
 from ..logs import current_context
 from ..metrics import METRICS
-from ..providers import base as pb
-from ..wire import Message, RunComplete
 from .admission import Admission
 from .compaction import (
     SUMMARY_CANCELLED,
@@ -54,19 +49,25 @@ from .compaction import (
     SummaryWaiter,
 )
 from .context_files import ContextFiles
-from .prompt import SystemPrompts
 from .provider_cache import ProviderCache, ProviderFactory, close_provider
-from .runs import RunBook
 from .steps import CANCELED_MESSAGE, AgentSetup, StepIO, TurnProgress, TurnScopes, error_text
 from .terminals import LiveRuns, RunEnds
 from .titles import Titles
 from .turns import TurnLoop
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import trio
+
     from ..broker import Broker
     from ..config import Config
     from ..core.ports import WorkspaceStore
+    from ..providers import base as pb
     from ..store import MessageService
+    from ..wire import Message, RunComplete
+    from .prompt import SystemPrompts
+    from .runs import RunBook
 
 __all__ = [
     "CANCELED_MESSAGE",

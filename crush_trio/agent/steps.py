@@ -12,12 +12,12 @@ stop it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
 
+from ..config import Config
 from ..core.agent_state import Prompt, Turn
 from ..core.assembler import StepAssembler, repair_tool_calls
 from ..errors import CrushError, bug_message
@@ -38,8 +38,9 @@ from .summarize import history_from_summary, step_cost
 from .tool_step import missing_results
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
     from ..broker import Broker
-    from ..config import Config
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore
 

@@ -11,19 +11,19 @@ cancel, a clear or shutdown end here too, cancelled.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
-from ..core.agent_state import Prompt
 from ..metrics import METRICS, run_reason
 from ..wire import AgentEvent, EventKind, Message, Role, RunComplete, RunStatus, new_id
 from .steps import error_text
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..broker import Broker
-    from ..core.agent_state import AgentState
+    from ..core.agent_state import AgentState, Prompt
     from ..core.ports import Terminals
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore

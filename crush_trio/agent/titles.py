@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 import trio
@@ -20,6 +19,8 @@ from ..core import model as pb
 from ..wire import EventKind, Message, Role, TextPart, new_id
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..broker import Broker
     from ..config import Config
     from ..core.ports import WorkspaceStore

@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..core import model as pb
-from ..core.agent_state import Prompt, Turn
-from ..core.ports import ChangeHooks
 from ..errors import (
     CrushError,
     Fenced,
@@ -43,7 +41,8 @@ from .tool_step import RepeatedCalls, StopTurn, run_tools
 
 if TYPE_CHECKING:
     from ..broker import Broker
-    from ..core.agent_state import AgentState
+    from ..core.agent_state import AgentState, Prompt, Turn
+    from ..core.ports import ChangeHooks
     from ..store import MessageService
     from ..store.protocol import WorkspaceStore
     from .compaction import Compaction

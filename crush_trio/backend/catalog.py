@@ -13,8 +13,7 @@ environment values are never part of any of it.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
 
@@ -37,6 +36,9 @@ from ..wire import (
     ModelChoice,
     WorkspaceConfig,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 Role = Literal["large", "small"]
 ROLES: Final[tuple[Role, ...]] = ("large", "small")

@@ -10,11 +10,10 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -44,6 +43,9 @@ from ..providers.body import read_watch
 from ..webhooks import Endpoint, Webhooks, outbox_path
 from ..wire import PermissionRequest, RunComplete, validate_client_id
 from .workspace import Workspace, data_dir_for
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 

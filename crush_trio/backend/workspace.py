@@ -23,10 +23,9 @@ import logging
 import math
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -37,7 +36,6 @@ from ..agent.runs import RunBook
 from ..broker import Broker
 from ..changes import ChangeLog
 from ..changes.tracking import TrackedTools
-from ..config import Config, ServerOptions
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
 from ..errors import WS_CLOSE_SERVICE_RESTART, BadRequest, Conflict
@@ -71,6 +69,11 @@ from .recovery import RECOVERY_SCAN_EVENTS as RECOVERY_SCAN_EVENTS  # re-exporte
 from .recovery import STOPPED_RUN_ERROR as STOPPED_RUN_ERROR  # re-exported
 from .recovery import STOPPED_TOOL_RESULT as STOPPED_TOOL_RESULT  # re-exported
 from .recovery import Recovery
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Iterable
+
+    from ..config import Config, ServerOptions
 
 log = logging.getLogger(__name__)
 

@@ -71,6 +71,7 @@ from .fanout import (
     Broker,
 )
 from .framing import (
+    FLUSH,
     GAP_FRAME_BYTES,
     Event,
     Gap,
@@ -86,6 +87,9 @@ from .framing import (
 )
 from .outbox import Outbox
 from .stream import (
+    NOT_SENT,
+    SENT,
+    SENT_IN_PART,
     TOO_SLOW_REASON,
     ClientQueue,
     ClientStream,
@@ -96,12 +100,16 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_LOG_APPEND_TIMEOUT",
+    "FLUSH",
     "GAP_FRAME_BYTES",
     "LOG_BATCH_MAX",
     "LOG_FENCED_REASON",
     "LOG_READ_PAGE",
     "LOG_RETRY_DELAY",
     "LOG_UNAVAILABLE_REASON",
+    "NOT_SENT",
+    "SENT",
+    "SENT_IN_PART",
     "TOO_SLOW_REASON",
     "Broker",
     "ClientQueue",

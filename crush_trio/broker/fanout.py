@@ -9,8 +9,7 @@ import collections
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import trio
 
@@ -38,6 +37,9 @@ from .framing import (
     widen_gap,
 )
 from .stream import TOO_SLOW_REASON, ClientStream
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 log = logging.getLogger("crush_trio.broker")
 

@@ -10,13 +10,15 @@ does I/O or knows about clients.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
 
 from .. import wire
-from ..wire import EventKind
+
+if TYPE_CHECKING:
+    from ..wire import EventKind
 
 #: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
 GAP_FRAME_BYTES: Final = 160
@@ -176,6 +178,12 @@ def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:
     """A frame of one connection (``hello``, ``gap``): it repeats the latest seq, takes none."""
     text = orjson.dumps({"seq": seq, "type": type, "payload": payload}).decode()
     return Event(seq, type, text, must_deliver=False)
+
+
+#: A queue item that carries no event: the client's transport wrote the start of a frame at once
+#: (see :meth:`~crush_trio.broker.stream.ClientStream.send_now`) and holds the rest, which its
+#: writer sends, for this item, before anything else. A writer that gets it sends no frame of it.
+FLUSH: Final = Event(0, "flush", "", False, 0)
 
 
 @attrs.define

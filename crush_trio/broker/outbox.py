@@ -28,20 +28,25 @@ Rules (PROTOCOL §5):
    outlasts the bound (that wait is the shell's).
 7. A **closed** outbox takes nothing more (offers are ignored, must-deliver counts as done);
    what is queued can still be taken, until a kill clears it.
+8. An item for an **empty** queue may be **sent at once** by the shell
+   (:meth:`Outbox._send_now`: the transport writes it without waiting, while the client's writer
+   is idle) and is then never queued; order is kept, since nothing is queued before it.
 
 Cost: :meth:`Outbox.offer` runs for every client on every published event, so its common path
-makes no call besides :meth:`Outbox.put_nowait`; the shell's hooks (``_wake_writer``,
-``_stalled``, ``_dropped_one``, ``_gap_sent``, ``_room_made``) run only on the transition that
-needs them.
+makes no call besides :meth:`Outbox.put_nowait`; the shell's hooks (``_send_now``,
+``_wake_writer``, ``_stalled``, ``_dropped_one``, ``_gap_sent``, ``_room_made``) run only on the
+transition that needs them.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from .framing import GAP_FRAME_BYTES, Event, Gap
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: The items of every empty :class:`Outbox`: a shared deque that can hold nothing, so an idle
 #: client holds no deque of its own (760 bytes each; an outbox allocates one when an item arrives
@@ -154,6 +159,8 @@ class Outbox:
         if depth and (depth >= self.size or self.bytes + size > self.max_bytes):
             self._mark_full()
             return False
+        if not depth and self._send_now(item):
+            return True
         if items is NO_ITEMS:
             items = self.items = collections.deque()
         items.append(item)
@@ -276,6 +283,11 @@ class Outbox:
     def _gap_frame(self, gap: Gap) -> Event:
         """The ``gap`` frame for ``gap`` (the shell stamps the broker's latest seq)."""
         return gap.frame(gap.to_seq)
+
+    def _send_now(self, item: Event) -> bool:
+        """The queue is empty: send ``item`` now, without queueing it, if the shell can (True);
+        False: queue it."""
+        return False
 
     def _wake_writer(self) -> None:
         """An item went into the empty queue: a waiting writer can take it."""

@@ -8,25 +8,42 @@ The **handoff** to the client's writer task is the outbox's deque (filled by
 :meth:`~.outbox.Outbox.put_nowait`, emptied by :meth:`~.outbox.Outbox.take`), the hook that wakes
 the writer (:meth:`ClientStream._wake_writer`) and :class:`ClientQueue`, the end the writer
 drains: the only code between a queued frame and the transport's writer task.
+
+The **direct write**: while a client's writer is idle (parked on an empty queue), a transport
+that can write without waiting (:attr:`ClientStream.send_now`) gets each new frame at once, in
+the publisher's task, so a client that keeps up costs no task switch per frame. What the socket
+does not take at once stays with the transport, and a :data:`~.framing.FLUSH` item wakes the
+writer to send it before anything else.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import trio
 
 from ..defaults import DEFAULT_CLIENT_QUEUE_BYTES
 from ..errors import WS_CLOSE_TRY_AGAIN_LATER
 from ..metrics import METRICS
-from .framing import Event, Gap
+from .framing import FLUSH, Event, Gap
 from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
 
 log = logging.getLogger("crush_trio.broker")
 
 TOO_SLOW_REASON: Final = "too slow"
+
+#: What :attr:`ClientStream.send_now` answers: it did not take the frame (queue it) ...
+NOT_SENT: Final = 0
+#: ... it wrote the whole frame ...
+SENT: Final = 1
+#: ... or it took the frame but wrote only part of it: the rest is held by the transport, and
+#: the writer must send it (a :data:`~.framing.FLUSH` item) before anything else.
+SENT_IN_PART: Final = 2
 
 
 class Broker(Protocol):
@@ -157,8 +174,26 @@ class ClientStream(Outbox):
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
         self.on_kill: Callable[[], object] | None = None
+        #: Set by a transport that can write a frame without waiting: called, while the writer is
+        #: idle, with each frame for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or
+        #: :data:`SENT_IN_PART` (never raises, never blocks).
+        self.send_now: Callable[[Event], int] | None = None
 
-    # -- the handoff: wake the writer ---------------------------------------------------------
+    # -- the handoff: write at once, or wake the writer --------------------------------------
+
+    def _send_now(self, item: Event) -> bool:
+        send_now = self.send_now
+        # Only while the writer is parked on the empty queue: it holds no frame taken from the
+        # queue and not yet written, which this one would overtake.
+        if send_now is None or not self._readers:
+            return False
+        done = send_now(item)
+        if done == NOT_SENT:
+            return False
+        if done == SENT_IN_PART:
+            self.items = collections.deque((FLUSH,))
+            self._wake_writer()
+        return True
 
     def _wake_writer(self) -> None:
         readers = self._readers

@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
 from .shadow import MODE_EXEC, MODE_LINK, Entry
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import Path
 
 #: Prefix of the temporary files a revert writes next to the files it restores.
 TEMP_PREFIX: Final = ".crush-revert-"

@@ -33,9 +33,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 import trio
@@ -52,6 +50,10 @@ from .revert import (
     write_json_atomic,
 )
 from .shadow import EMPTY_TREE, MAX_FILE_BYTES, Entry, GitError, RawChange, ShadowRepo
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 

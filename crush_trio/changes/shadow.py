@@ -29,11 +29,13 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from pathlib import Path
 
 #: Regular files larger than this (bytes) are not snapshotted (``changes.max_file_bytes``).
 MAX_FILE_BYTES: Final = 4 * 1024 * 1024
@@ -208,7 +210,8 @@ class ShadowRepo:
                 proc.communicate()
                 raise GitError(f"git {args[0]} ran past {self.timeout:.0f}s") from None
         else:
-            assert proc.stdout is not None and stdin is None
+            assert proc.stdout is not None
+            assert stdin is None
             out = proc.stdout.read(max_output + 1)
             proc.kill() if len(out) > max_output else None
             try:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .service import ChangeLog
+if TYPE_CHECKING:
+    from .service import ChangeLog
 
 
 class TrackedTools:

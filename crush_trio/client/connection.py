@@ -10,11 +10,9 @@ error answers the class of the server's status table with the server's message.
 from __future__ import annotations
 
 import logging
-import os
 import uuid
-from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -35,6 +33,10 @@ from .events import DEFAULT_MAILBOX_SIZE
 from .stream import DEFAULT_RECONNECT_TIMEOUT
 from .transport import MAX_REDIRECTS, bearer_headers, websocket_base
 from .workspace import WorkspaceClient, open_workspace
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import AsyncIterator, Iterable
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,8 @@ wait ran out of time, a run failed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import trio
 
@@ -25,7 +24,11 @@ from ..errors import (
     TooLarge,
     UnsupportedMediaType,
 )
-from ..wire import Run
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ..wire import Run
 
 __all__ = [
     "AuthError",

@@ -14,9 +14,8 @@ PROTOCOL §5 (``agent.prompt`` ...) over :attr:`EventSocket.connection`.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import trio
@@ -42,6 +41,9 @@ from .transport import (
     stream_resource,
     websocket_base,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 __all__ = ["EventSocket", "open_event_socket"]
 

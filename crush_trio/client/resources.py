@@ -9,17 +9,18 @@ cancels, queued prompts, permission answers). Each call is one request through t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from ..defaults import DEFAULT_PAGE
 from ..wire import AgentInfo, CatalogProvider, Message, Run, Session, Workspace
 from .errors import BadRequest, NotFound
-from .runs import GrantAction
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from .link import ServerLink
+    from .runs import GrantAction
 
 
 def resolve_session_prefix(sessions: list[Session], prefix: str) -> Session:

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Final, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
 import trio
 
@@ -51,6 +50,9 @@ from ..wire import (
 )
 from .errors import CrushError, RunFailed, Timeout
 from .events import DEFAULT_MAILBOX_SIZE, MESSAGE_DELTA, Event, Mailbox
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 #: Default bound on waiting for a run's end or its next event (seconds).
 DEFAULT_RUN_TIMEOUT: Final = 600.0

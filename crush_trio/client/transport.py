@@ -9,19 +9,22 @@ decodes events or reconnects.
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote, urlencode, urlsplit
 
 import orjson
 import trio
-from trio_websocket import ConnectionRejected, WebSocketConnection
 
 from .._compat import trio_websocket as compat_ws
 from ..defaults import CLEANUP_TIMEOUT
 from ..wsdeflate import client_deflate
 from .errors import AuthError, Conflict, CrushError, NotFound, Unreachable, single_errors
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from trio_websocket import ConnectionRejected, WebSocketConnection
 
 #: Bound on opening the websocket and receiving its ``hello`` frame (seconds).
 HELLO_TIMEOUT: Final = 10.0

@@ -20,9 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 from trio_websocket import ConnectionRejected, HandshakeError, WebSocketConnection
@@ -32,7 +31,6 @@ from ..defaults import CLEANUP_TIMEOUT
 from ..wire import AcceptedPrompt, Run, RunStatus, Workspace
 from .errors import BadRequest, CrushError, NotFound, Unreachable, single_errors
 from .events import DEFAULT_MAILBOX_SIZE, Mailbox
-from .link import ServerLink
 from .resources import AgentRequests, SessionRequests, latest_session, resolve_session_prefix
 from .runs import DEFAULT_RUN_TIMEOUT, RunHandle
 from .stream import DEFAULT_RECONNECT_TIMEOUT, NOT_SENT, CommandLost, EventStream, StreamStats
@@ -43,6 +41,11 @@ from .transport import (
     open_stream_socket,
     stream_resource,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+    from .link import ServerLink
 
 __all__ = ["WorkspaceClient", "latest_session", "open_workspace", "resolve_session_prefix"]
 

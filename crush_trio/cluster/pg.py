@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import select
 import uuid
-from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -73,6 +72,8 @@ from ..errors import Fenced as Fenced  # one class for the store and the event l
 from ..errors import StoreError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import psycopg
     from psycopg_pool import ConnectionPool
 

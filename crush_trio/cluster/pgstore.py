@@ -36,7 +36,6 @@ The terminal record:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import trio
@@ -59,6 +58,8 @@ from ..wire import Message, Role, Run, RunStatus, Session, Todo, now, todos_to_j
 from .pg import Fenced, PgCluster, check_epoch
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+
     import psycopg
 
     from ..core.ports import WorkspaceStore

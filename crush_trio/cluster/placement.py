@@ -27,15 +27,12 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
 
-from ..config import ClusterOptions
 from ..core.placement import Placement, Seat, WorkspaceHost
-from ..core.ports import WorkspaceStore
 from ..errors import (
     ConfigError,
     CrushError,
@@ -44,6 +41,12 @@ from ..errors import (
     NotFound,
     OwnerUnavailable,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..config import ClusterOptions
+    from ..core.ports import WorkspaceStore
 
 log = logging.getLogger(__name__)
 

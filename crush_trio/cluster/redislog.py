@@ -22,16 +22,19 @@ Only cluster mode imports this module (coredis is in the ``cluster`` extra).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import coredis
 import coredis.exceptions
 from coredis.retry import NoRetryPolicy
 
-from ..core.ports import EventRecord
 from ..errors import EventLogError, Fenced, unwrap_group
 from ..eventlog import DEFAULT_LOG_MAX_EVENTS, check_batch
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Sequence
+
+    from ..core.ports import EventRecord
 
 #: Bound on connecting to Redis (seconds).
 REDIS_CONNECT_TIMEOUT: Final = 5.0

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 #: File name looked up in the user config directory and in a workspace.
 CONFIG_FILE_NAME: Final = "crush.json"

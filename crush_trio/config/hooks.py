@@ -9,9 +9,7 @@ once, when the package is imported, before anything can structure a configuratio
 
 from __future__ import annotations
 
-from typing import Any, Final
-
-import cattrs
+from typing import TYPE_CHECKING, Any, Final
 
 from .schema import (
     MCP_TYPES,
@@ -21,6 +19,9 @@ from .schema import (
     ProviderType,
     WebhookEvent,
 )
+
+if TYPE_CHECKING:
+    import cattrs
 
 _PROVIDER_TYPE_HINT: Final[object] = ProviderType
 _MCP_TYPE_HINT: Final[object] = McpType

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -28,6 +27,9 @@ from .files import config_files, read_json
 from .problems import Origins, PathParts, format_path
 from .schema import Config
 from .trust import filter_project, is_trusted, trust_entries
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 #: The package's logger (``crush_trio.config``): one warning per key ignored.
 logger: Final = logging.getLogger("crush_trio.config")

@@ -15,9 +15,8 @@ import math
 import os
 import secrets
 import threading
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
@@ -27,6 +26,9 @@ from ..errors import ConfigError
 from .files import read_json, user_config_file
 from .problems import PathParts, format_path
 from .schema import LOOSENS_METADATA, Options, ProviderConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 # What an untrusted workspace's config file may set (an allow-list: every other key is ignored
 # with a warning, so keys added later are refused until someone decides they are harmless).

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import collections
 import enum
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ..errors import IllegalTransition
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 class Admission(enum.StrEnum):

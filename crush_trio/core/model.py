@@ -14,12 +14,14 @@ consumer closes the generator, which must close its HTTP response within one che
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from ..wire import FinishReason, Message
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 @attrs.define(frozen=True)

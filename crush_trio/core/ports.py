@@ -45,12 +45,14 @@ first, then continues numbering from :meth:`EventLog.last_seq`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import attrs
 
-from ..wire import Message, Run, RunComplete, RunStatus, Session, Todo
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from ..wire import Message, Run, RunComplete, RunStatus, Session, Todo
 
 #: Items in a page when a paging parameter is given without ``limit``.
 DEFAULT_PAGE: Final = 100

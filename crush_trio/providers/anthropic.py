@@ -12,8 +12,7 @@ events without doing any I/O. HTTP, retries and timeouts live in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
@@ -45,6 +44,9 @@ from .base import (
     Usage,
 )
 from .http import HttpStreamer, ProviderSettings, SSEEvent, parse_json_event, quote
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 #: Where the ``anthropic`` type points when ``base_url`` is not set.
 DEFAULT_ANTHROPIC_BASE_URL: Final = "https://api.anthropic.com/v1"

@@ -41,16 +41,19 @@ import contextlib
 import math
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import httpcore
-import httpx
 import trio
 
 from .._compat import CompatError
 from .._compat.httpcore import Http11Exchange, http11_exchange
 from .pool import ReleasingStream
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+
+    import httpx
 
 #: Bytes asked of the socket per read.
 READ_SIZE: Final = 64 * 1024

@@ -7,13 +7,15 @@ model configured and load benchmarks need no LLM. It never calls tools.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from ..wire import FinishReason, Message, Role
 from .base import Finished, ModelRequest, StreamEvent, TextDelta, Usage
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 #: A word with the whitespace around it; leading whitespace goes with the first word.
 _WORD: Final = re.compile(r"\s*\S+\s*")

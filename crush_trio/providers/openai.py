@@ -11,8 +11,7 @@ messages carry ``tool_calls``; each tool result is a ``tool`` message) by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import orjson
@@ -35,6 +34,9 @@ from .base import (
     Usage,
 )
 from .http import HttpStreamer, ProviderSettings, SSEEvent, parse_json_event, quote
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 #: Where the ``openai`` type points when ``base_url`` is not set.
 DEFAULT_OPENAI_BASE_URL: Final = "https://api.openai.com/v1"

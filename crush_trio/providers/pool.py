@@ -21,12 +21,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import ssl
-from collections.abc import AsyncIterator
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import httpx
+
+if TYPE_CHECKING:
+    import ssl
+    from collections.abc import AsyncIterator
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,7 @@ with ``gate_mid`` stops after the first half of its text, until the test calls
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
@@ -24,6 +23,9 @@ import trio
 from ..errors import ProviderError
 from ..wire import FinishReason, Role, TextPart
 from . import base as pb
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 
 class Gate:

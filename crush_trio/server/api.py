@@ -8,12 +8,10 @@ plain functions here; the rest are :class:`Api`'s.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..attachments import check_attachments
 from ..backend import catalog
-from ..backend.registry import Backend
-from ..backend.workspace import Workspace
 from ..errors import BadRequest, Conflict, NotFound
 from ..wire import (
     AcceptedPrompt,
@@ -40,6 +38,10 @@ from ..wire import (
     workspace_id_of,
 )
 from .security import request_target
+
+if TYPE_CHECKING:
+    from ..backend.registry import Backend
+    from ..backend.workspace import Workspace
 
 #: Crush's ``config.Scope`` numbers that ``POST .../config/model`` accepts (0 global,
 #: 1 workspace); both apply to the workspace in memory.

@@ -8,12 +8,10 @@ command and its route answer the same result and the same status.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
-import trio
 
 from .. import wire
 from ..broker import Event
@@ -29,6 +27,10 @@ from ..wire import (
 from .history import History
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    import trio
+
     from ..backend.workspace import Workspace
     from ..broker import ClientStream
     from .api import Api

@@ -5,9 +5,11 @@ answers it, and hands an :class:`EventSocket` to :func:`serve_connection`, which
 
 1. subscribes to the workspace's broker, takes the ``hello`` frame in the same tick (so its seq
    cannot move) and holds the workspace for the client (:func:`subscribed`; SSE does the same);
-2. runs the **writer** (the only task that writes events and replies to the socket: it drains the
+2. runs the **writer** (the task that writes events and replies to the socket: it drains the
    client's bounded queue, several frames per write where the transport allows, and pings an idle
-   client where the transport asks it to);
+   client where the transport asks it to). While it is idle, a transport that can write without
+   waiting (:attr:`EventSocket.send_now`) takes each new frame from the broker at once, in the
+   publisher's task, and leaves the writer only what the socket did not take;
 3. runs the **reader** in the handler's task: every text frame is a command
    (:func:`~.commands.run_command`) whose reply waits for room in the same queue, so a client that
    floods commands without reading is slowed, then disconnected;
@@ -26,8 +28,6 @@ client that reads again within the bound gets all that; otherwise the connection
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import attrs
@@ -43,6 +43,9 @@ from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import TracebackType
+
     from ..backend.workspace import Workspace
     from .api import Api
     from .settings import Settings
@@ -66,6 +69,12 @@ class EventSocket(Protocol):
     max_batch: int
     #: Idle time after which the writer pings the client (0: the transport pings by itself).
     ping_interval: float
+
+    @property
+    def send_now(self) -> Callable[[Event], int] | None:
+        """Writes one frame at once without waiting, for the broker's direct write while the
+        writer is idle (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer
+        sends every frame."""
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Send these frames, in order; raise :class:`PeerGone` when the client has left."""
@@ -239,6 +248,7 @@ async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, 
                 writer_scope.cancel()
 
             stream.on_kill = on_kill
+            stream.send_now = sock.send_now
 
             async def writer() -> None:
                 with writer_scope:

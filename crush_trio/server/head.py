@@ -5,10 +5,12 @@ choke on (each refusal is a :class:`HeadError` the dispatcher answers itself).""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 #: Longest request head read before dispatching (bytes); a longer head is answered 431.
 HEAD_LIMIT: Final = 16 * 1024

@@ -9,14 +9,12 @@ The operations are in :class:`History`; :mod:`.routes.changes` adds their routes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 from quart import Response
 
 from .. import wire
-from ..backend.workspace import Workspace
 from ..changes import RevertConflict
 from ..defaults import DEFAULT_PAGE
 from ..errors import BadRequest, Conflict, NotFound
@@ -37,7 +35,12 @@ from ..wire import (
     ToolResultPart,
     new_id,
 )
-from .api import Api
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ..backend.workspace import Workspace
+    from .api import Api
 
 #: Bound on the messages a fork copies and an export holds (a longer session: 413-like 400).
 MAX_EXPORT_MESSAGES: Final = 20_000

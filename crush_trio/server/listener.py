@@ -22,19 +22,18 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
 from functools import partial
-from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import h11
 import orjson
 import trio
-from hypercorn.config import Config as HypercornConfig
 from trio_websocket import ConnectionClosed
 
 from .._compat.hypercorn import (
@@ -49,6 +48,11 @@ from .._compat.hypercorn import (
 from .head import HeadError, check_head, check_headers, read_head
 from .peers import sandboxed_peer
 from .security import strip_web_prefix
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from hypercorn.config import Config as HypercornConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,11 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         self.aborted = False
         #: A write failed: the peer reset or closed the connection.
         self.broken = False
+        #: The rest of a frame that :meth:`write_nowait` began: the next write sends it first.
+        self._pending: bytes | None = None
+        #: Neither aborted, broken, half-closed nor given a write deadline: what
+        #: :attr:`writable_now` needs besides no write in progress or pending.
+        self._open = True
 
     def receive_some(self, max_bytes: int | None = None) -> Coroutine[Any, Any, bytes]:
         # Once the prefix is read, the socket stream's own coroutine: a connection idle in a
@@ -145,6 +154,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         """Every write from now on (the one in progress included) must end by ``deadline``
         (trio clock); one that has not then aborts the connection. Only ever moves earlier."""
         self.write_deadline = min(self.write_deadline, deadline)
+        self._open = False
         if self._write_scope is not None:
             self._write_scope.deadline = min(self._write_scope.deadline, self.write_deadline)
 
@@ -155,6 +165,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         if self.aborted:
             return
         self.aborted = True
+        self._open = False
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
         except OSError as exc:  # not a TCP socket, or a closed one: a plain close then
@@ -164,6 +175,29 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` as one frame: whole, or the connection is aborted (see the class)."""
         await self.send_frames(data, None)
+
+    @property
+    def writable_now(self) -> bool:
+        """:meth:`write_nowait` may be called: no write in progress, none pending, no deadline on
+        the writes, the connection neither aborted, broken nor half-closed."""
+        return self._open and self._writing is None and self._pending is None
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Write the frame ``data`` without waiting, as far as the socket takes it now (only when
+        :attr:`writable_now`; the caller serializes it with the other writes).
+
+        Returns True when all of it was written. Else the rest is pending: the next write
+        (:meth:`send_frames`, :meth:`send_all`, :meth:`send_eof`) sends it first, so frames stay
+        whole and in order; an error of the socket is left for that write to report.
+        """
+        try:
+            sent = os.write(self.socket.fileno(), data)
+        except OSError:  # would block (EAGAIN), or the peer is gone: the next write finds out
+            sent = 0
+        if sent == len(data):
+            return True
+        self._pending = data[sent:]
+        return False
 
     async def send_frames(
         self, data: bytes | bytearray | memoryview, ends: Sequence[int] | None
@@ -185,6 +219,15 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         if self.socket.did_shutdown_SHUT_WR:
             raise trio.ClosedResourceError("can't send data after sending EOF")
         self._writing = writing = trio.Event()
+        pending = self._pending
+        if pending is not None:  # the rest of a frame begun by write_nowait goes first
+            self._pending = None
+            head = len(pending)
+            if ends is None:
+                ends = (head, head + len(data)) if data else (head,)
+            else:
+                ends = (head, *(head + end for end in ends))
+            data = pending + bytes(data)
         view = memoryview(data)
         sent = 0
         try:
@@ -247,9 +290,11 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             return await self.socket.send(view)
         except trio.ClosedResourceError:
             self.broken = True
+            self._open = False
             raise
         except OSError as exc:
             self.broken = True
+            self._open = False
             if exc.errno == errno.EBADF:
                 raise trio.ClosedResourceError("the connection was closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
@@ -262,6 +307,9 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         await self.transport.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
+        self._open = False
+        if self._pending is not None:
+            await self.send_frames(b"", None)
         await self._write_done()
         self._writing = writing = trio.Event()
         try:
@@ -271,9 +319,10 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
             writing.set()
 
     async def aclose(self) -> None:
+        self._open = False
         with trio.move_on_after(SEND_TIMEOUT, shield=True):
             await self._write_done()
-        if self._writing is not None:
+        if self._writing is not None or self._pending is not None:
             self.abort()  # a frame still going out: never end it cut short with a FIN
         await trio.aclose_forcefully(self.transport)
 
@@ -687,7 +736,7 @@ async def serve_dispatching(
                             config,
                             context,
                             ConnectionState(lifespan_state.copy()),
-                            wrapped,  # type: ignore[arg-type]
+                            wrapped,
                         )
 
             task_status.started()

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Awaitable, Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import h11
@@ -31,6 +30,9 @@ import trio
 from ..errors import ConfigError
 from ..metrics import CONTENT_TYPE, render
 from .security import HostPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 

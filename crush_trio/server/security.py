@@ -13,8 +13,7 @@ import hmac
 import ipaddress
 import math
 import secrets
-from collections.abc import Collection, Iterable
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 from urllib.parse import parse_qsl, quote, urlencode
 
 from ..errors import (
@@ -27,6 +26,9 @@ from ..errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable
 
 #: Host names every server answers to (any port).
 LOOPBACK_HOSTS: Final = frozenset({"localhost", "127.0.0.1", "::1"})

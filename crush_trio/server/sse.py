@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Final
 
 import trio
 from quart import Response, request
 
-from ..broker import Event
 from .connection import Subscription, subscribed
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator
+
     from ..backend.workspace import Workspace
+    from ..broker import Event
     from .settings import Settings
 
 #: The keep-alive comment of an idle stream.

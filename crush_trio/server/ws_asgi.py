@@ -14,18 +14,19 @@ cancels the handler (quart-trio), which is why the reader never sees the client 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import trio
 from quart import websocket
 
-from ..broker import Event
 from .connection import Subscription, close_bound, serve_connection
 from .listener import CONNECTION_STREAM
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..backend.workspace import Workspace
+    from ..broker import Event
     from .api import Api
 
 
@@ -34,6 +35,7 @@ class AsgiEventSocket:
 
     max_batch = 1
     ping_interval = 0.0  # hypercorn's websocket_ping_interval
+    send_now = None  # hypercorn encodes and writes every frame itself
 
     def __init__(self) -> None:
         #: The connection's stream under hypercorn (None: served without the dispatcher).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from collections.abc import Coroutine, Sequence
 from http.cookies import CookieError, SimpleCookie
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qsl, urlsplit
@@ -31,16 +30,18 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
-from ..broker import Event
+from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, Event
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
 from .connection import PeerGone, check_upgrade, close_bound, serve_connection
-from .listener import PrefixedStream
 from .security import check_request_host, check_request_token, response_headers
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine, Sequence
+
     from .api import Api
+    from .listener import PrefixedStream
     from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,26 @@ class TrioEventSocket:
         self.deflate = deflate
         self._peer_closed = False
 
+    def send_now(self, event: Event) -> int:
+        """Write ``event``'s frame at once, without waiting (the broker's direct write: called
+        only while this connection's writer is idle, see
+        :attr:`~crush_trio.broker.ClientStream.send_now`).
+
+        Returns :data:`~crush_trio.broker.NOT_SENT` when a write is in progress or pending, the
+        connection is closing, or its writes have a deadline (the writer sends the frame then);
+        :data:`~crush_trio.broker.SENT` when the socket took the whole frame; else
+        :data:`~crush_trio.broker.SENT_IN_PART`: the rest waits in the stream for the writer.
+        """
+        prefixed = self.stream.stream
+        if (
+            not prefixed.writable_now
+            or self.stream.send_lock.locked()
+            or self.conn.closed is not None
+        ):
+            return NOT_SENT
+        data = event.ws_frame if self.deflate is None else self.deflate.frame(event)
+        return SENT if prefixed.write_nowait(data) else SENT_IN_PART
+
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Write pre-encoded text frames (each event's frame is built once and shared by every
         client) in one write. Without permessage-deflate the shared bytes are exactly what
@@ -157,11 +178,13 @@ class TrioEventSocket:
         deflate = self.deflate
         if deflate is not None:
             frame = deflate.frame
-            parts = [frame(f) for f in frames]
+            parts = [frame(f) for f in frames if f is not FLUSH]
         else:
-            parts = [f.ws_frame for f in frames]
+            parts = [f.ws_frame for f in frames if f is not FLUSH]
         try:
-            if len(parts) == 1:
+            if not parts:  # only the rest of a frame written in part by send_now
+                await self.stream.send_frames(b"", ())
+            elif len(parts) == 1:
                 await self.stream.send_frames(parts[0], (len(parts[0]),))
             else:
                 await self.stream.send_frames(
@@ -203,6 +226,8 @@ class TrioEventSocket:
         self._peer_closed = self.conn.closed is not None
         with trio.move_on_after(close_bound(self.stream.stream.write_deadline), shield=True):
             await self.conn.aclose(code, reason)
+        if self.deflate is not None:
+            self.deflate.release()
 
 
 async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Settings) -> None:

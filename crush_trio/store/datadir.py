@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,8 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import trio
 
@@ -57,6 +56,9 @@ from .rows import (
     session_from_row,
     session_row,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
 
 T = TypeVar("T")
 

@@ -56,7 +56,7 @@ from typing import Final, NamedTuple
 
 import trio
 
-from ..core.ports import MessageStore as MessageStore
+from ..core.ports import MessageStore as MessageStore  # noqa: TC001 (a re-export)
 from ..defaults import DEFAULT_DEBOUNCE_MS, DEFAULT_MESSAGE_WRITE_MS
 from ..errors import StoreError
 from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart

@@ -13,14 +13,16 @@ column, ``scope``: the workspace filter PostgreSQL adds in front of every query)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from ..core.ports import PageQuery as PageQuery
+from ..core.ports import PageQuery as PageQuery  # noqa: TC001 (a re-export)
 from ..defaults import DEFAULT_PAGE as DEFAULT_PAGE
 from ..errors import CursorNotFound as CursorNotFound
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: The most items one page may ask for (``limit``).
 MAX_PAGE: Final = 1000

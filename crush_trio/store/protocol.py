@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..core.ports import WorkspaceStore as WorkspaceStore
+from ..core.ports import WorkspaceStore as WorkspaceStore  # noqa: TC001 (a re-export)
 
 if TYPE_CHECKING:
     from .db import Store

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import trio
@@ -35,8 +35,9 @@ import trio
 from ..config import FetchOptions
 from ..core.model import ToolSpec
 from ..defaults import DEFAULT_BASH_OUTPUT_LIMIT, DEFAULT_TOOL_TIMEOUT
-from ..wire import Session, Todo
+from ..wire import Session, Todo, ToolOutput
 from .hidden import HiddenPaths
+from .jobs import JobManager
 from .result import PermissionDenied as PermissionDenied
 from .result import PermissionTimedOut as PermissionTimedOut
 from .result import ToolError as ToolError
@@ -45,10 +46,6 @@ from .sandbox import Sandbox
 from .threads import TOOL_THREAD_LIMIT as TOOL_THREAD_LIMIT
 from .threads import tool_thread_limiter as tool_thread_limiter
 from .tracker import FileTracker, Snapshot, refusal
-
-if TYPE_CHECKING:
-    from ..wire import ToolOutput
-    from .jobs import JobManager
 
 __all__ = [
     "DEFAULT_BASH_OUTPUT_LIMIT",

@@ -15,9 +15,7 @@ way ``write`` writes (:func:`~crush_trio.tools.write.open_for_write`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -42,6 +40,10 @@ from .write import (
     recheck_path,
     write_fd,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 __all__ = [
     "EDIT_MAX_FILE_BYTES",

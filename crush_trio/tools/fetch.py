@@ -30,7 +30,7 @@ import socket
 import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import html_to_markdown
@@ -39,7 +39,6 @@ import httpx
 import trio
 
 from .. import __version__
-from ..config import FetchOptions
 from ..defaults import BINARY_SNIFF_BYTES
 from .base import (
     ToolBase,
@@ -50,6 +49,9 @@ from .base import (
     ask_permission,
     run_blocking,
 )
+
+if TYPE_CHECKING:
+    from ..config import FetchOptions
 
 __all__ = [
     "FETCH_FORMATS",

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from ..defaults import BINARY_SNIFF_BYTES
 from .base import ToolError
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "BINARY_SNIFF_BYTES",

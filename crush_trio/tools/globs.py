@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .base import ToolError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["compile_glob", "glob_regex", "split_absolute_glob"]
 

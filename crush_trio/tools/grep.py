@@ -179,7 +179,8 @@ async def _grep_rg(
                 cwd=base,
             )
         )
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout is not None
+        assert proc.stderr is not None
         nursery.start_soon(_drain, proc.stderr, errors, GREP_MAX_STDERR_BYTES)
         pending = b""
         # A file's matches come together (sorted by path): its path is built and checked once.

@@ -29,9 +29,11 @@ import re
 import stat
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Iterator
 
 __all__ = ["GitIgnore", "open_regular", "walk_files"]
 

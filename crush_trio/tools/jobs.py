@@ -23,10 +23,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from collections.abc import Callable, Iterable
 from functools import partial
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import trio
@@ -35,7 +33,6 @@ from ..config import JobsOptions
 from ..defaults import DEFAULT_JOB_BUFFER_BYTES
 from ..wire import JobInfo, JobState, ToolOutput, now
 from .result import ToolError
-from .sandbox import Sandbox
 from .shell import (
     CLEANUP_MARGIN,
     KILL_GRACE,
@@ -44,6 +41,12 @@ from .shell import (
     start_shell,
 )
 from .stream import OutputStreamer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from pathlib import Path
+
+    from .sandbox import Sandbox
 
 __all__ = ["JOB_OUTPUT_MAX_WAIT", "Job", "JobManager"]
 

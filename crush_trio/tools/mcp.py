@@ -31,8 +31,6 @@ import hashlib
 import logging
 import math
 import tempfile
-from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, TextIO, cast
 
 import anyio
@@ -47,6 +45,9 @@ from ..wire import McpServerInfo, McpState
 from .base import ToolContext, ToolResult, ask_permission
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from pathlib import Path
+
     import httpx2
 
 __all__ = [
@@ -378,7 +379,7 @@ class McpServer:
             params = StdioServerParameters(
                 command=config.command, args=list(config.args), env=dict(config.env), cwd=self.cwd
             )
-            return stdio_client(params, errlog=cast(TextIO, errlog))
+            return stdio_client(params, errlog=cast("TextIO", errlog))
         if config.type == "sse":
             return sse_client(config.url, headers=dict(config.headers))
 

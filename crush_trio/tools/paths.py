@@ -18,9 +18,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
@@ -28,6 +27,9 @@ from .base import ToolContext, ToolError, ask_permission, run_blocking
 from .files import not_regular
 from .hidden import is_hidden, resolve_hidden
 from .sandbox import is_within
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 T = TypeVar("T")
 

@@ -13,10 +13,9 @@ import os
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -41,6 +40,9 @@ from .paths import (
     search_root_then,
 )
 from .tracker import Snapshot, stat_snapshot
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 __all__ = [
     "GLOB_MAX_RESULTS",

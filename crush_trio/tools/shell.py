@@ -14,14 +14,16 @@ import signal
 import subprocess
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import trio
 
 from .sandbox import Sandbox, shell_env, spawn_args
-from .stream import OutputStreamer
 from .threads import tool_thread_limiter
+
+if TYPE_CHECKING:
+    from .stream import OutputStreamer
 
 __all__ = [
     "CLEANUP_MARGIN",

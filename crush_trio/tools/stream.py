@@ -15,12 +15,14 @@ writes. CPU: one encode per event, at most ten events a second per command.
 from __future__ import annotations
 
 import codecs
-from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
 from ..wire import ToolOutput
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["TOOL_OUTPUT_INTERVAL", "TOOL_OUTPUT_MAX_BYTES", "OutputStreamer"]
 

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "TRACKER_MAX_FILES",

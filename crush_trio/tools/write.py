@@ -12,8 +12,7 @@ import contextlib
 import errno
 import os
 import stat
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -29,6 +28,9 @@ from .base import (
 )
 from .paths import ResolvedPath, check_not_hidden, check_writable, display_path, resolve_path
 from .tracker import Snapshot, stat_snapshot
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 __all__ = [
     "WriteTool",

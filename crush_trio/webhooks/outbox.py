@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import enum
 import sqlite3
-from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 import trio
@@ -25,6 +23,10 @@ import trio
 from ..defaults import SQLITE_BUSY_TIMEOUT_MS
 from ..errors import StoreError
 from ..store.datadir import create_private_file, ensure_data_dir
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from pathlib import Path
 
 T = TypeVar("T")
 

@@ -44,13 +44,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 import httpx
 import trio
 
-from ..config import ServerOptions
 from ..defaults import DEFAULT_SHUTDOWN_SAVE_TIMEOUT
 from ..errors import StoreError
 from ..metrics import METRICS
@@ -59,6 +58,9 @@ from ..wire import PermissionRequest, RunComplete, new_id, now
 from . import policy
 from .outbox import OUTBOX_FILENAME, Delivery, OutboxFile, Status
 from .policy import Verdict
+
+if TYPE_CHECKING:
+    from ..config import ServerOptions
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,7 @@ never a silent coercion.
 
 from __future__ import annotations
 
-import enum
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 import cattrs
@@ -20,6 +19,9 @@ from ..errors import BadRequest
 from .events import DeltaPartType, EventKind, MessageDelta, PayloadType, ToolOutput
 from .messages import PART_TAGS, PART_TYPES, FinishReason, Part, Role
 from .objects import AgentEvent, JobState, McpState, RunStatus, Todo, TodoStatus
+
+if TYPE_CHECKING:
+    import enum
 
 T = TypeVar("T")
 
@@ -120,10 +122,10 @@ def _make_converter() -> cattrs.Converter:
     )
     conv.register_unstructure_hook_func(
         lambda t: t is Part,
-        lambda part: unstructure_part(part),  # type: ignore[comparison-overlap]
+        lambda part: unstructure_part(part),
     )
     conv.register_structure_hook_func(
-        lambda t: t is Part,  # type: ignore[comparison-overlap]
+        lambda t: t is Part,
         structure_part,
     )
     return conv

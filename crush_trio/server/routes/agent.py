@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quart import Response
-
 from ...wire import AgentInitRequest, AgentMessage
 from .context import json_response, read_body
 
 if TYPE_CHECKING:
+    from quart import Response
     from quart_trio import QuartTrio
 
     from ...backend.workspace import Workspace

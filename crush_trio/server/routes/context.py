@@ -9,13 +9,13 @@ import attrs
 from quart import Response, request
 
 from ... import wire
+from ..api import Api
+from ..history import History
 from ..security import response_headers
+from ..settings import Settings
 
 if TYPE_CHECKING:
     from ...errors import CrushError
-    from ..api import Api
-    from ..history import History
-    from ..settings import Settings
 
 T = TypeVar("T")
 

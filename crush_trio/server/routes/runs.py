@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quart import Response
-
 from .context import json_response
 
 if TYPE_CHECKING:
+    from quart import Response
     from quart_trio import QuartTrio
 
     from .context import RouteContext
