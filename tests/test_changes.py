@@ -447,6 +447,7 @@ async def test_kill_9_during_a_revert_leaves_each_file_old_or_new_and_says_which
         with trio.fail_after(CAP):
             await log.open()
             await log.begin_run("s", ["run"])
+            await log.before_tool("s", "write")  # the run's writes come from a tool call
             for name, body in new.items():
                 (root / name).write_bytes(body)
             await log.end_run("s", ["run"])
@@ -531,6 +532,7 @@ async def test_odd_names_and_ids_neither_break_a_record_nor_leave_the_data_direc
     with trio.fail_after(CAP):
         await log.open()
         await log.begin_run("s/../x", [run_id])
+        await log.before_tool("s/../x", "bash")
         (root / odd).write_text("v2\n")
         os.symlink("target-elsewhere", root / "link")
         await log.end_run("s/../x", [run_id])
@@ -558,6 +560,7 @@ async def test_a_revert_never_writes_through_a_directory_replaced_by_a_link(
     with trio.fail_after(CAP):
         await log.open()
         await log.begin_run("s", ["r"])
+        await log.before_tool("s", "edit")
         (root / "sub" / "f.txt").write_text("v2\n")
         await log.end_run("s", ["r"])
     shutil.rmtree(root / "sub")
@@ -626,6 +629,9 @@ async def test_a_call_that_wrote_nothing_takes_no_snapshot() -> None:
             return ToolResult(content="ok", wrote_nothing=name == "read-only bash")
 
     class Log:
+        async def before_tool(self, session_id: str, tool_name: str) -> None:
+            pass
+
         async def after_tool(self, session_id: str, tool_call_id: str, tool_name: str) -> None:
             snapshots.append(tool_name)
 

@@ -14,7 +14,8 @@ and what varies is built here.
 
 The git snapshot is taken at a session's first turn (in this process) and kept for the session,
 so the prompt, and Anthropic's prompt cache, stay the same from turn to turn; the context files
-and the sandbox are read at each turn.
+and the sandbox are read at each turn. A workspace in which git found no repository is not asked
+again while nothing changed where git looks for one (:func:`repository_search_key`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import shutil
 import string
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -55,6 +57,11 @@ GIT_STATUS_MAX_LINES: Final = 40
 GIT_KILL_WAIT: Final = 2.0
 #: Sessions whose git snapshot is remembered (the oldest is forgotten first).
 GIT_SNAPSHOTS_KEPT: Final = 256
+#: What git looks at in each directory when it searches for a repository: a ``.git`` entry, and
+#: the markers of a bare repository.
+GIT_SEARCHED_NAMES: Final = (".git", "HEAD", "objects", "refs", "commondir")
+#: A stat changed this recently (seconds) may hide a later change in the same clock tick.
+GIT_SEARCH_RACY_SECONDS: Final = 2.0
 
 #: Environment forced on the ``git status`` run, over the scrubbed one ``bash`` gets: no system
 #: or global config (the repository's own config is checked first, see :func:`git_snapshot`),
@@ -189,6 +196,39 @@ async def git_snapshot(path: Path, *, within: float = GIT_STATUS_TIMEOUT) -> Git
     more = len(lines) > GIT_STATUS_MAX_LINES or cut
     status = tuple(lines[:GIT_STATUS_MAX_LINES])
     return GitSnapshot(True, branch, status, "more changes not shown" if more else "")
+
+
+def repository_search_key(path: Path) -> tuple[object, ...] | None:
+    """The stat of every place git looks for a repository from ``path``: each of
+    :data:`GIT_SEARCHED_NAMES` in ``path`` and in each of its parents (and, for a symbolic link,
+    its target). None when one changed within :data:`GIT_SEARCH_RACY_SECONDS` or cannot be
+    read: then it cannot say that nothing changed.
+
+    Blocking:
+        Stats files; call it in a thread.
+    """
+    key: list[object] = []
+    recent = time.time_ns() - int(GIT_SEARCH_RACY_SECONDS * 1e9)
+    real = Path(os.path.realpath(path))
+    for directory in (real, *real.parents):
+        for name in GIT_SEARCHED_NAMES:
+            place = directory / name
+            try:
+                found = [os.lstat(place)]
+                if os.path.islink(place):
+                    found.append(os.stat(place))
+            except (FileNotFoundError, NotADirectoryError):
+                key.append(None)
+                continue
+            except OSError:
+                return None
+            for st in found:
+                if max(st.st_mtime_ns, st.st_ctime_ns) > recent:
+                    return None
+                key.append(
+                    (st.st_ino, st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                )
+    return tuple(key)
 
 
 async def _run_git_status(path: Path, within: float) -> tuple[bytes, int | None, bool]:
@@ -363,6 +403,8 @@ class SystemPrompts:
         self.today = today
         self.context = ContextFileCache()
         self._git: collections.OrderedDict[str, GitSnapshot] = collections.OrderedDict()
+        #: :func:`repository_search_key` when git last found no repository (None: it did).
+        self._no_repository: tuple[object, ...] | None = None
 
     async def context_files(self) -> ContextFiles:
         """The context files as they are now (read again only after a change)."""
@@ -382,12 +424,23 @@ class SystemPrompts:
     async def _git_for(self, session_id: str) -> GitSnapshot:
         snapshot = self._git.get(session_id)
         if snapshot is None:
-            snapshot = await git_snapshot(self.source.path)
+            snapshot = await self._read_git()
             self._git[session_id] = snapshot
             while len(self._git) > GIT_SNAPSHOTS_KEPT:
                 self._git.popitem(last=False)
         else:
             self._git.move_to_end(session_id)
+        return snapshot
+
+    async def _read_git(self) -> GitSnapshot:
+        """:func:`git_snapshot`, except that where git found no repository it is not run again
+        while every place it looks is unchanged: a few stats instead of a git process."""
+        path = self.source.path
+        key = await trio.to_thread.run_sync(repository_search_key, path)
+        if key is not None and key == self._no_repository:
+            return GitSnapshot()
+        snapshot = await git_snapshot(path)
+        self._no_repository = None if snapshot.repository else key
         return snapshot
 
     async def build(self, session_id: str, tools: Sequence[ToolSpec], model: str) -> str:

@@ -64,7 +64,8 @@ class TurnLoop:
         state: the agent's run bookkeeping.
         store, messages, broker, runs: the workspace's services.
         providers, titles, prompts: the providers, session titles, system prompts.
-        changes: snapshots before and after each turn, or None.
+        changes: the change log (a run registered at its turn's start, recorded at its end), or
+            None.
         steps, scopes, live, ends, compaction: the agent's other parts.
         runs_nursery: where session drivers run (cancelled first at shutdown).
         background_nursery: titles and session updates.

@@ -1,10 +1,21 @@
 """The change log of one workspace: what each run changed, its diff, and undoing it.
 
-Snapshots (:mod:`.shadow`) are taken when a run starts (before its turn), after each tool call
-that may write (then a lossy ``files_changed`` event names the files that call changed), and when
-the run ends. Each run gets a *change record* (``<data>/snapshots/records/<run_id>.json``): its
+Snapshots (:mod:`.shadow`) are taken when the workspace opens (:meth:`ChangeLog.warm`), before
+a run's first tool call that may write (any tool not in :data:`READ_ONLY_TOOLS`: the run's
+"before"), after each such call (then a lossy ``files_changed`` event names the files that call
+changed), and when a run that made such a call ends (a background job it started may still have
+written). Each run gets a *change record* (``<data>/snapshots/records/<run_id>.json``): its
 session, the trees before and after it, and the per-file summary. A revert is recorded the same
 way under its own id, so it can be shown and reverted too.
+
+A run's record covers what changed from its first tool call that may write to its end: a file
+the user edited after the run began but before that call is not the run's change. A run that
+made no such call changed nothing: its record has no files, its before and after are both the
+latest tree the change log knows (the warm-up snapshot or any later one), and it costs no git
+command (a snapshot is taken only when no tree is known yet). Each tree a record names is kept by
+a ref (``refs/crush/...``, so that a garbage collection would keep its objects; nothing here runs
+one): the refs of one record are written by one git command, and a tree already kept since the
+process started is not kept again.
 
 A turn that folded several prompts runs them as one: every run of the turn gets the turn's
 record. Runs of different sessions running at the same time share the workspace: a record holds
@@ -56,10 +67,13 @@ MAX_DIFF_FILES: Final = 1000
 MAX_SESSION_RECORDS: Final = 10_000
 #: Bound on the paths named in a 409 conflict answer.
 MAX_CONFLICT_FILES: Final = 200
-#: Tools that never change files: no snapshot after them.
+#: Tools that never change files: no snapshot before or after them.
 READ_ONLY_TOOLS: Final = frozenset(
     {"view", "ls", "glob", "grep", "fetch", "sourcegraph", "diagnostics", "todos", "job_output"}
 )
+
+#: Bound on the tree ids remembered as kept by a ref (the oldest are forgotten: kept again).
+KEPT_TREES: Final = 1024
 
 _KEY: Final = re.compile(r"[0-9a-f]{40}")
 
@@ -99,9 +113,15 @@ class RevertConflict(Conflict):
 
 @attrs.define
 class _Active:
+    """A run (a turn) being tracked: ``before`` is None until its first tool call that may
+    write; ``failed``: that snapshot failed, the run is not recorded."""
+
     run_ids: list[str]
-    before: str
-    last: str
+    before: str | None = None
+    last: str | None = None
+    failed: bool = False
+    #: Held while the before snapshot is taken, so parallel tool calls take one.
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
 
 
 def display_path(path: str) -> str:
@@ -160,6 +180,10 @@ class ChangeLog:
         self._publish = publish
         self._lock = trio.Lock()
         self._active: dict[str, _Active] = {}
+        #: The tree of the latest snapshot (None: none taken yet).
+        self._latest: str | None = None
+        #: Tree ids a ref keeps (set in worker threads under the lock; bounded, oldest first).
+        self._kept: dict[str, None] = {}
         self._ready = False
         #: Set when the shadow database could not be made: changes are not tracked.
         self.error = ""
@@ -179,6 +203,23 @@ class ChangeLog:
             raise StoreError(
                 f"the snapshot store of {self.workspace} failed: {exc}; see the server log"
             ) from exc
+
+    def _snapshot_sync(self) -> str:
+        """A snapshot (:meth:`ShadowRepo.snapshot`), remembered as the latest tree."""
+        tree = self.repo.snapshot()
+        self._latest = tree
+        return tree
+
+    def _keep_sync(self, refs: Sequence[tuple[str, str]]) -> None:
+        """Keep the trees of ``refs`` (one git command), leaving out trees already kept."""
+        wanted = [(ref, tree) for ref, tree in refs if tree not in self._kept]
+        if not wanted:
+            return
+        self.repo.keep(wanted)
+        for _ref, tree in wanted:
+            self._kept[tree] = None
+        while len(self._kept) > KEPT_TREES:
+            del self._kept[next(iter(self._kept))]
 
     def _record_path(self, record_id: str) -> Path:
         return self.root / "records" / f"{_key(record_id)}.json"
@@ -221,7 +262,7 @@ class ChangeLog:
         revert_id = journal["revert_id"]
         for i, item in enumerate(journal["files"]):
             remove_temp(self.workspace, _real_path(item), temp_name(revert_id, i))
-        current = self.repo.snapshot()
+        current = self._snapshot_sync()
         now_entries = self.repo.entries(current, [_real_path(f) for f in journal["files"]])
         for item in journal["files"]:
             have = now_entries.get(_real_path(item))
@@ -249,14 +290,20 @@ class ChangeLog:
 
     async def warm(self) -> None:
         """Take a first snapshot when the workspace opens, so the first run does not wait for
-        every file to be hashed (the run's own snapshot then only stats them)."""
+        every file to be hashed (the run's own snapshot then only stats them), and keep its
+        tree: a run that writes nothing records it with no git command."""
         if not self._ready:
             return
+
+        def work() -> None:
+            tree = self._snapshot_sync()
+            self._keep_sync([(f"opened/{tree}", tree)])
+
         async with self._lock:
             try:
                 # Hashing a large tree can take long: a closing workspace does not wait for it
                 # but kills its git command (the next open clears the lock it may leave).
-                await trio.to_thread.run_sync(self.repo.snapshot, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(work, abandon_on_cancel=True)
             except trio.Cancelled:
                 self.repo.kill()
                 raise
@@ -270,25 +317,36 @@ class ChangeLog:
         return self._ready
 
     async def begin_run(self, session_id: str, run_ids: list[str]) -> None:
-        """Snapshot before a run's turn."""
-        if not self._ready:
+        """Register a run's turn as active; no snapshot yet (see :meth:`before_tool`)."""
+        if self._ready:
+            self._active[session_id] = _Active(list(run_ids))
+
+    async def before_tool(self, session_id: str, tool_name: str) -> None:
+        """Before a tool call: the run's "before" snapshot, if the tool may write and the run
+        has none yet. Parallel calls of one run take one; each waits for it."""
+        active = self._active.get(session_id)
+        if active is None or tool_name in READ_ONLY_TOOLS:
             return
-        try:
-            tree = await self._thread(self.repo.snapshot)
-        except (GitError, OSError) as exc:
-            log.warning("snapshot before run %s failed: %s", run_ids[0], exc)
-            return
-        self._active[session_id] = _Active(list(run_ids), tree, tree)
+        async with active.lock:
+            if active.before is not None or active.failed:
+                return
+            try:
+                tree = await self._thread(self._snapshot_sync)
+            except (GitError, OSError) as exc:
+                log.warning("snapshot before run %s failed: %s", active.run_ids[0], exc)
+                active.failed = True
+                return
+            active.before = active.last = tree
 
     async def after_tool(self, session_id: str, tool_call_id: str, tool_name: str) -> None:
         """Snapshot after a tool call that may write; publish ``files_changed`` if it did."""
         active = self._active.get(session_id)
-        if active is None or tool_name in READ_ONLY_TOOLS:
+        if active is None or tool_name in READ_ONLY_TOOLS or active.last is None:
             return
         last = active.last
 
         def work() -> tuple[str, list[FileChange], bool]:
-            tree = self.repo.snapshot()
+            tree = self._snapshot_sync()
             if tree == last:
                 return tree, [], False
             raw = self.repo.changes(last, tree)
@@ -310,23 +368,39 @@ class ChangeLog:
             )
 
     async def end_run(self, session_id: str, run_ids: list[str]) -> dict[str, list[FileChange]]:
-        """Snapshot after a run's turn and write its record (every run of the turn, ``run_ids``,
-        gets it); the files each run changed."""
+        """Write the record of a run's turn (every run of the turn, ``run_ids``, gets it); the
+        files each run changed. A run that made a tool call that may write is snapshotted now;
+        one that made none records the latest known tree as its before and after, with no git
+        command when that tree is already kept."""
         active = self._active.pop(session_id, None)
-        if active is None:
+        if active is None or active.failed:
             return {}
         active.run_ids.extend(r for r in run_ids if r not in active.run_ids)
+        before = active.before
+        latest = self._latest
 
-        def work() -> ChangeRecord:
-            after = self.repo.snapshot()
+        def write(tree_before: str, after: str, keep: bool) -> ChangeRecord:
             for run_id in active.run_ids[1:]:
-                self._write_record_sync(run_id, session_id, "run", active.before, after, None)
+                self._write_record_sync(
+                    run_id, session_id, "run", tree_before, after, None, keep=keep
+                )
             return self._write_record_sync(
-                active.run_ids[0], session_id, "run", active.before, after, None
+                active.run_ids[0], session_id, "run", tree_before, after, None, keep=keep
             )
 
+        def work() -> ChangeRecord:
+            if before is not None:
+                return write(before, self._snapshot_sync(), True)
+            # Read under the lock: a warm-up snapshot that was running has finished.
+            tree = self._latest if self._latest is not None else self._snapshot_sync()
+            return write(tree, tree, True)
+
         try:
-            record = await self._thread(work)
+            if before is None and latest is not None and latest in self._kept:
+                # Nothing to snapshot or keep: no git, so no need to wait for the lock.
+                record = await trio.to_thread.run_sync(write, latest, latest, False)
+            else:
+                record = await self._thread(work)
         except Exception as exc:  # a failed snapshot must not fail the run's end
             log.warning("snapshot after run %s failed: %s", active.run_ids[0], exc)
             return {}
@@ -340,7 +414,10 @@ class ChangeLog:
         before: str,
         after: str,
         reverts: str | None,
+        *,
+        keep: bool = True,
     ) -> ChangeRecord:
+        """Write a record (``keep``: keep its trees; False: they are known to be kept)."""
         raw = self.repo.changes(before, after) if before != after else []
         stats = self.repo.numstat(before, after) if raw else {}
         record = ChangeRecord(
@@ -354,8 +431,9 @@ class ChangeLog:
             truncated=len(raw) > MAX_DIFF_FILES,
             reverts=reverts,
         )
-        self.repo.keep(f"changes/{_key(record_id)}/before", before)
-        self.repo.keep(f"changes/{_key(record_id)}/after", after)
+        if keep:
+            key = _key(record_id)
+            self._keep_sync([(f"changes/{key}/before", before), (f"changes/{key}/after", after)])
         from ..wire import unstructure
 
         write_json_atomic(self._record_path(record_id), unstructure(record))
@@ -467,7 +545,7 @@ class ChangeLog:
         record = self._load_record(record_id)
         if record is None:
             raise NotFound(f"no changes recorded for run {record_id!r}; nothing to revert")
-        current = self.repo.snapshot()
+        current = self._snapshot_sync()
         changed = (
             self.repo.changes(record.before, record.after) if record.before != record.after else []
         )
@@ -527,7 +605,7 @@ class ChangeLog:
                 remove_temp(self.workspace, change.path, temp_name(revert_id, i))
                 item["outcome"] = "old"
                 errors.append(f"{display_path(change.path)}: {exc}")
-        after = self.repo.snapshot()
+        after = self._snapshot_sync()
         self._write_record_sync(revert_id, record.session_id, "revert", current, after, record_id)
         journal["state"] = "failed" if errors else "done"
         journal["error"] = "; ".join(errors)[:2000]

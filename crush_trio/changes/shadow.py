@@ -299,9 +299,12 @@ class ShadowRepo:
             self.git("update-index", "--force-remove", "-z", "--stdin", stdin=_z(drop))
         return self.git("write-tree").decode().strip()
 
-    def keep(self, ref: str, tree: str) -> None:
-        """Point ``refs/crush/<ref>`` at ``tree`` so its objects are kept."""
-        self.git("update-ref", f"refs/crush/{ref}", tree)
+    def keep(self, refs: Iterable[tuple[str, str]]) -> None:
+        """Point each ``refs/crush/<ref>`` at its tree so their objects are kept: one git
+        command for all of them (``ref`` names are plain: no spaces, no newlines)."""
+        lines = b"".join(f"update refs/crush/{ref} {tree}\n".encode() for ref, tree in refs)
+        if lines:
+            self.git("update-ref", "--stdin", stdin=lines)
 
     def has_object(self, sha: str) -> bool:
         try:

@@ -1,4 +1,4 @@
-"""The tool set as the agent sees it, with a snapshot after each tool call that may write."""
+"""The tool set as the agent sees it, with snapshots around each tool call that may write."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ if TYPE_CHECKING:
 
 
 class TrackedTools:
-    """Wraps a workspace's :class:`~crush_trio.tools.Toolbox`: :meth:`call` runs the tool, then
+    """Wraps a workspace's :class:`~crush_trio.tools.Toolbox`: :meth:`call` lets the change log
+    take the run's "before" snapshot (at its first tool call that may write), runs the tool, then
     lets the change log snapshot the workspace (which publishes ``files_changed`` when the call
     changed files). Every other attribute is the toolbox's."""
 
@@ -35,11 +36,13 @@ class TrackedTools:
     async def call(
         self, name: str, input_json: str, *, session_id: str, tool_call_id: str, **more: Any
     ) -> Any:
-        """Run one tool call, then snapshot.
+        """Run one tool call, with the run's before snapshot first if it has none, then
+        snapshot.
 
         Cancellation: a cancelled call is not snapshotted here; the run's end snapshot sees what
         it changed.
         """
+        await self.changes.before_tool(session_id, name)
         result = await self.inner.call(
             name, input_json, session_id=session_id, tool_call_id=tool_call_id, **more
         )

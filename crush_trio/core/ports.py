@@ -247,8 +247,9 @@ class Terminals(Protocol):
 
 
 class ChangeHooks(Protocol):
-    """The workspace's change log (:class:`crush_trio.changes.ChangeLog`): a snapshot before a
-    turn, and one after it that records what each of its runs changed."""
+    """The workspace's change log (:class:`crush_trio.changes.ChangeLog`): a turn's runs are
+    registered when it starts (no snapshot: the first tool call that may write takes it) and
+    their record, what each of them changed, is written when it ends."""
 
     async def begin_run(self, session_id: str, run_ids: list[str]) -> None: ...
 
