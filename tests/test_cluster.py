@@ -27,6 +27,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_
 
 from crush_trio.client import connect
 from crush_trio.cluster.redislog import stream_key
+from tests.fake_llm import FakeLLM, Reply, ToolCall
 from tests.services import PostgresServer, RedisServer
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class Cluster:
     project: Path
     tmp: Path
     nursery: trio.Nursery
+    #: A model that calls tools (provider ``tools``, ``tools/fake``); every node is configured
+    #: with it beside the echo model.
+    llm: FakeLLM
 
     def sql(self, query: str) -> list[list[str]]:
         dbname = self.dsn.rsplit("/", 1)[1]
@@ -179,15 +183,24 @@ async def cluster(
     redis_server.command("FLUSHALL")
     project = tmp_path / "project"
     project.mkdir()
-    config = {
-        "providers": {
-            "slow": {"type": "echo", "delay_ms": 50, "models": [{"id": "echo"}]},
-        },
-        "models": {"large": {"provider": "slow", "model": "echo"}},
-    }
-    (tmp_path / "crush.json").write_text(json.dumps(config))
+    llm = FakeLLM(default=Reply("done"), record=False)
     async with trio.open_nursery() as nursery:
-        c = Cluster([], pg_dsn, postgres_server, redis_server, project, tmp_path, nursery)
+        llm_url = await nursery.start(llm.serve)
+        config = {
+            "providers": {
+                "slow": {"type": "echo", "delay_ms": 50, "models": [{"id": "echo"}]},
+                "tools": {
+                    "type": "openai-compat",
+                    "base_url": f"{llm_url}/v1",
+                    "api_key": "x",
+                    "models": [{"id": "fake"}],
+                },
+            },
+            "models": {"large": {"provider": "slow", "model": "echo"}},
+            "permissions": {"allowed_tools": ["bash"]},
+        }
+        (tmp_path / "crush.json").write_text(json.dumps(config))
+        c = Cluster([], pg_dsn, postgres_server, redis_server, project, tmp_path, nursery, llm)
         try:
             async with trio.open_nursery() as starting:
                 for name in ("node-a", "node-b", "node-c"):
@@ -335,27 +348,28 @@ async def test_a_client_resumes_on_the_new_owner_with_no_gap(cluster: Cluster) -
 
 async def test_a_run_is_reverted_on_the_new_owner_after_fail_over(cluster: Cluster) -> None:
     """The run's change record lives in the project's data directory (shared), its run record in
-    PostgreSQL: the node that takes over a killed owner's workspace reverts the run. The echo
-    model calls no tool, so the run changed nothing: the files edited by hand while it ran are
-    not its (a run's record starts at its first tool call that may write)."""
+    PostgreSQL: the node that takes over a killed owner's workspace reverts the run. The run
+    changes the files with a tool call (a run's record starts at its first tool call that may
+    write)."""
     a, _b, c = cluster.nodes
     wid = await hold_on(a, cluster.project)
     target = cluster.project / "notes.txt"
     target.write_text("before the run\n")
+    command = "printf 'changed by the run\\n' > notes.txt && echo new > made.txt"
+    cluster.llm.push(
+        Reply(tool_calls=[ToolCall("bash", json.dumps({"command": command}))]),
+        Reply("done"),
+    )
     async with (
         connect(c.url, TOKEN, reconnect_timeout=WAIT) as client,
         client.workspace(cluster.project) as ws,
     ):
         session = await ws.create_session()
-        handle = await ws.prompt(session.id, " ".join(f"w{i}" for i in range(40)))
-        with trio.fail_after(WAIT):
-            async for _ in handle.events():
-                break  # streaming
-        target.write_text("changed while the run ran\n")
-        (cluster.project / "made.txt").write_text("new\n")
+        handle = await ws.prompt(session.id, "change the notes", model="tools/fake")
         await handle.wait(timeout=WAIT)
+        assert target.read_text() == "changed by the run\n"
         diff = await ws.run_diff(handle.run_id)
-        assert diff.files == []
+        assert sorted(f.path for f in diff.files) == ["made.txt", "notes.txt"]
         # A run in flight when the owner dies: its run_complete in the log says another node
         # took the workspace over.
         other = await ws.create_session()
@@ -366,9 +380,8 @@ async def test_a_run_is_reverted_on_the_new_owner_after_fail_over(cluster: Clust
             result = await ws.revert_run(handle.run_id)
         assert client.owners.get(wid) != a.url  # answered by the new owner
     assert result.state == "done"
-    assert result.files == []
-    assert target.read_text() == "changed while the run ran\n"  # not the run's: left alone
-    assert (cluster.project / "made.txt").exists()
+    assert target.read_text() == "before the run\n"
+    assert not (cluster.project / "made.txt").exists()
     assert (cluster.project / ".crush" / ".gitignore").read_text() == "*\n"
 
 
