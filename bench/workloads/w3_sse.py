@@ -78,33 +78,7 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
             f"characters: {row['bytes_per_char']:.2f} B/char ({row['decoded_per_char']:.2f} "
             f"decoded), run_complete {row['run_complete']}/{n}, gaps {row['gaps']}"
         )
-    table = Table(
-        f"Paced fan-out over SSE: one run of {tokens:,} tokens at {delay:g} ms per token watched "
-        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip"
-        + (f", and {n} that do not" if len(modes) > 1 else ""),
-        [
-            "stream",
-            "reply chars",
-            "blocks per client",
-            "wire bytes per client",
-            "wire bytes per reply char",
-            "decoded bytes per reply char",
-            "gaps",
-            "run_complete",
-        ],
-    )
-    for mode, row in rows.items():
-        table.add(
-            "gzip (`Accept-Encoding: gzip`)" if mode == "gzip" else "plain",
-            f"{chars:,}",
-            f"{row['frames_per_client']:,.0f}",
-            f"{row['wire_bytes_per_client']:,.0f}",
-            f"{row['bytes_per_char']:.2f}",
-            f"{row['decoded_per_char']:.2f}",
-            row["gaps"],
-            f"{row['run_complete']}/{n}",
-        )
-    result.tables.append(table)
+    result.tables.append(_table(rows, n, chars, tokens, delay))
     result.notes.append(
         f"Paced fan-out over SSE: server CPU {cpu:.2f} s over {wall:.2f} s "
         f"({cpu / wall:.0%} of a core) for {' and '.join(modes)} streams, {n} each."
@@ -128,6 +102,37 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         "cpu_share": cpu / wall if wall > 0 else float("nan"),
         **rows,
     }
+
+
+def _table(rows: dict[str, dict[str, Any]], n: int, chars: int, tokens: int, delay: float) -> Table:
+    """The SSE table: one row per kind of stream."""
+    table = Table(
+        f"Paced fan-out over SSE: one run of {tokens:,} tokens at {delay:g} ms per token watched "
+        f"by {n} SSE clients in snapshot mode (as Crush's client) asking for gzip"
+        + (f", and {n} that do not" if len(rows) > 1 else ""),
+        [
+            "stream",
+            "reply chars",
+            "blocks per client",
+            "wire bytes per client",
+            "wire bytes per reply char",
+            "decoded bytes per reply char",
+            "gaps",
+            "run_complete",
+        ],
+    )
+    for mode, row in rows.items():
+        table.add(
+            "gzip (`Accept-Encoding: gzip`)" if mode == "gzip" else "plain",
+            f"{chars:,}",
+            f"{row['frames_per_client']:,.0f}",
+            f"{row['wire_bytes_per_client']:,.0f}",
+            f"{row['bytes_per_char']:.2f}",
+            f"{row['decoded_per_char']:.2f}",
+            row["gaps"],
+            f"{row['run_complete']}/{n}",
+        )
+    return table
 
 
 def _row(done: dict[str, Any], n: int, chars: int) -> dict[str, Any]:
