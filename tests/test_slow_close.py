@@ -22,6 +22,7 @@ import itertools
 import os
 import random
 import socket
+import struct
 import uuid
 import zlib
 from contextlib import asynccontextmanager
@@ -449,3 +450,15 @@ async def test_an_eof_sends_the_rest_of_a_frame_begun_at_once_first() -> None:
             data, reset = await read_all(client)
         assert not reset
         assert data == b"a" * BIG
+
+
+async def test_a_frame_written_at_once_to_a_reset_peer_fails_the_next_write() -> None:
+    async with stream_pair() as (stream, client):
+        # The peer resets the connection (SO_LINGER 0), then a frame goes out at once.
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # on loopback the reset reaches the server's socket within the call
+        assert not stream.write_nowait(b"x" * 100)  # refused: kept as pending, no exception
+        assert not stream.writable_now  # the rest is pending, nothing more at once
+        with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
+            await stream.send_all(b"next")
+        assert stream.broken
