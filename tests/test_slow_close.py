@@ -55,6 +55,11 @@ TOKEN_DELAY: Final = 0.001
 RESUME_DELAY: Final = 0.05
 #: The slow client's receive buffer (bytes): the kernel's buffers fill quickly.
 CLIENT_RCVBUF: Final = 4096
+#: The slow client's segment size (bytes), as on Ethernet. Loopback's own (about 64 KiB) is larger
+#: than the receive buffer: once the buffer has room again the kernel sends no window update, only
+#: zero-window probes that back off to seconds apart, and a client that resumed reading could take
+#: longer than ``SLOW_CLOSE_TIMEOUT`` to drain what it is owed (the test then saw a reset).
+CLIENT_MSS: Final = 1460
 #: The text of each run: tokens of 200 random base64 characters (they compress to about 3/4),
 #: so that delta mode and compressed frames, too, outgrow the sockets' buffers at once.
 REPLY: Final = "".join(
@@ -125,14 +130,21 @@ class Frames:
         return f"{len(buf)} bytes of a frame cut short (header {buf[:10].hex()})"
 
 
+def small_buffered_socket() -> trio.socket.SocketType:
+    """A TCP socket with the slow client's small receive buffer and Ethernet-sized segments."""
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, CLIENT_MSS)
+    return sock
+
+
 async def slow_client(
     server: Server, wid: str, client_id: str, *, deltas: bool, compress: bool
 ) -> tuple[trio.socket.SocketType, Frames]:
     """An upgraded websocket as a raw socket with a small receive buffer, once ``hello`` came
     (the server has subscribed it); returns it and its frames so far."""
     host, port = server.url.removeprefix("http://").split(":")
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
+    sock = small_buffered_socket()
     await sock.connect((host, int(port)))
     query = f"client_id={client_id}&token={server.token}" + ("&deltas=1" if deltas else "")
     head = (
@@ -292,8 +304,7 @@ async def stream_pair() -> AsyncIterator[tuple[PrefixedStream, trio.socket.Socke
     small receive buffer, not read until the test says so)."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     async with listeners[0]:
-        client = trio.socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
+        client = small_buffered_socket()
         await client.connect(listeners[0].socket.getsockname())
         server = await listeners[0].accept()
         with client:
