@@ -394,14 +394,16 @@ class FakeLLM:
 
         async def flush() -> None:
             nonlocal pending, writes
-            if writes and reply.token_delay > 0:
-                await trio.sleep(reply.token_delay)
             data, pending = bytes(pending), bytearray()
             writes += 1
             await stream.send_all(data)
 
         batch = max(1, reply.batch)
         for index, frame in enumerate(frames):
+            if not pending and writes and reply.token_delay > 0:
+                # The pause comes before the next write's frames are built, so that a stamp
+                # (``Reply.stamp``) is the time its frame is sent, not a token delay earlier.
+                await trio.sleep(reply.token_delay)
             if index == reply.fault_after and fault is not None:
                 if pending:
                     await flush()

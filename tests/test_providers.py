@@ -19,6 +19,7 @@ import itertools
 import random
 import subprocess
 import sys
+import time
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -406,6 +407,21 @@ async def test_stamped_tokens_carry_send_times() -> None:
     stamps = parse_stamps(text_of(events))
     assert len(stamps) == 3
     assert stamps == sorted(stamps)
+
+
+async def test_a_stamp_is_the_time_its_token_was_sent_after_the_pause() -> None:
+    """A paced token's stamp is taken when it is written, not a token delay before: the token
+    latencies the benchmarks derive from stamps would otherwise include the pause."""
+    delay = 0.2
+    fake = FakeLLM([Reply(text="a b c", stamp=True, token_delay=delay)])
+    lags: list[float] = []
+    with trio.fail_after(LONG_TEST_TIMEOUT):
+        async with serving(fake) as provider, open_stream(provider, request(user("x"))) as events:
+            async for event in events:
+                if isinstance(event, TextDelta) and (stamps := parse_stamps(event.text)):
+                    lags.append(time.time() - stamps[-1])
+    assert len(lags) == 3
+    assert all(lag < delay for lag in lags), lags
 
 
 @both_apis
