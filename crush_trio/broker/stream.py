@@ -9,11 +9,17 @@ The **handoff** to the client's writer task is the outbox's deque (filled by
 the writer (:meth:`ClientStream._wake_writer`) and :class:`ClientQueue`, the end the writer
 drains: the only code between a queued frame and the transport's writer task.
 
-The **direct write**: while a client's writer is idle (parked on an empty queue), a transport
-that can write without waiting (:attr:`ClientStream.send_now`) gets each new frame at once, in
-the publisher's task, so a client that keeps up costs no task switch per frame. What the socket
-does not take at once stays with the transport, and a :data:`~.framing.FLUSH` item wakes the
-writer to send it before anything else.
+The **direct write**: while a client's writer is idle (it holds no frame taken from the queue
+and not yet written), a transport that can write without waiting (:attr:`ClientStream.send_now`,
+set only while its writer is idle) gets each new frame at once, in the publisher's task, so a
+client that keeps up costs no task switch per frame. What the socket does not take at once stays
+with the transport, and a :data:`~.framing.FLUSH` item wakes the writer to send it before
+anything else.
+
+A **writer on demand**: a transport whose writer task exists only while there is something to
+write (:attr:`ClientStream.start_writer`) is called when an item goes into the empty queue and
+no writer waits for it, and when the stream closes (so its writer sees the end), instead of
+keeping a task parked on the queue for the connection's life.
 """
 
 from __future__ import annotations
@@ -174,18 +180,23 @@ class ClientStream(Outbox):
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
         self.on_kill: Callable[[], object] | None = None
-        #: Set by a transport that can write a frame without waiting: called, while the writer is
-        #: idle, with each frame for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or
-        #: :data:`SENT_IN_PART` (never raises, never blocks).
+        #: Set by a transport that can write a frame without waiting, only while its writer is
+        #: idle (holds no frame taken from the queue and not yet written): called with each frame
+        #: for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or :data:`SENT_IN_PART`
+        #: (never raises, never blocks).
         self.send_now: Callable[[Event], int] | None = None
+        #: Set by a transport whose writer runs on demand: called (never blocks) when an item goes
+        #: into the empty queue while no writer waits on it, and when the stream closes; starts
+        #: the writer unless it runs already.
+        self.start_writer: Callable[[], object] | None = None
 
     # -- the handoff: write at once, or wake the writer --------------------------------------
 
     def _send_now(self, item: Event) -> bool:
         send_now = self.send_now
-        # Only while the writer is parked on the empty queue: it holds no frame taken from the
-        # queue and not yet written, which this one would overtake.
-        if send_now is None or not self._readers:
+        # Set only while the writer is idle: it holds no frame taken from the queue and not yet
+        # written, which this one would overtake.
+        if send_now is None:
             return False
         done = send_now(item)
         if done == NOT_SENT:
@@ -199,6 +210,8 @@ class ClientStream(Outbox):
         readers = self._readers
         if readers:
             readers.unpark()
+        elif self.start_writer is not None:
+            self.start_writer()
 
     def _room_made(self) -> None:
         if self._room is not None:
@@ -313,7 +326,10 @@ class ClientStream(Outbox):
         :class:`trio.EndOfChannel`."""
         if not self.closed:
             super().close()
-            self._readers.unpark_all()
+            if self._readers:
+                self._readers.unpark_all()
+            elif self.start_writer is not None:
+                self.start_writer()  # the writer on demand sees the end
             if self._room is not None:
                 self._room.unpark_all()
             self.broker.unsubscribe(self)

@@ -27,6 +27,7 @@ client that reads again within the bound gets all that; otherwise the connection
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
     from ..backend.workspace import Workspace
     from .api import Api
+    from .keepalive import Keepalive
     from .settings import Settings
 
 #: A client disconnected as too slow (1013) or dropped (1012): how long it has, from then, to
@@ -67,14 +69,15 @@ class EventSocket(Protocol):
 
     #: Most queued frames written in one send (1: one frame per send).
     max_batch: int
-    #: Idle time after which the writer pings the client (0: the transport pings by itself).
-    ping_interval: float
+    #: Set on every write to the client; the :class:`~.keepalive.Keepalive` reads and clears it
+    #: (see :meth:`OnDemandWriter.sent_since`).
+    sent: bool
 
     @property
     def send_now(self) -> Callable[[Event], int] | None:
-        """Writes one frame at once without waiting, for the broker's direct write while the
-        writer is idle (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer
-        sends every frame."""
+        """Writes one frame at once without waiting, for the broker's direct write while no
+        writer runs (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer sends
+        every frame."""
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Send these frames, in order; raise :class:`PeerGone` when the client has left."""
@@ -229,9 +232,154 @@ def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
     return WS_CLOSE_NORMAL, ""
 
 
-async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, api: Api) -> None:
-    """Serve one accepted websocket until the client leaves, is killed or the workspace closes;
-    then close it (see the module's docstring)."""
+class OnDemandWriter:
+    """A connection's writer (the only task that writes its events and replies), started on
+    demand: it runs only while the client has frames to send.
+
+    While it does not run, the broker writes each frame for the empty queue at once
+    (:attr:`~crush_trio.broker.ClientStream.send_now`, where the transport can); a frame queued
+    (one the socket would not take at once, or the rest of one it took in part: a
+    :data:`~crush_trio.broker.FLUSH` item) starts the writer in the connection's nursery
+    (:attr:`~crush_trio.broker.ClientStream.start_writer`). It writes ``hello`` and the resumed
+    frames first, then drains the queue, :attr:`EventSocket.max_batch` frames per write, and ends
+    once the queue is empty (the direct write takes over again), or ends the connection when the
+    queue has ended (the workspace closed) or the client is gone. So an idle connection holds no
+    writer task.
+
+    It is also the connection as the server's :class:`~.keepalive.Keepalive` sees it: a client
+    that was sent nothing for a ping interval is pinged (:meth:`ping_soon`), and one whose pong
+    does not come back is disconnected.
+
+    Cancellation: the connection's nursery is cancelled to end it (the client left, was killed
+    or did not answer a ping); a write in progress finishes the frame in flight first
+    (:class:`~.listener.PrefixedStream`).
+    """
+
+    __slots__ = (
+        "_context",
+        "_first",
+        "_nursery",
+        "_pinging",
+        "_running",
+        "_send_now",
+        "sock",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        sock: EventSocket,
+        stream: ClientStream,
+        nursery: trio.Nursery,
+        first: list[Event],
+    ) -> None:
+        self.sock = sock
+        self.stream = stream
+        self._nursery = nursery
+        #: ``hello`` and the resumed frames, until the first writer has sent them.
+        self._first: list[Event] | None = first
+        #: The transport's direct write (set on the stream while the writer is idle).
+        self._send_now = sock.send_now
+        self._running = False
+        self._pinging = False
+        #: The connection's context (its log context; quart's ``websocket`` for the asgi
+        #: transport): a task starts in a copy of its starter's, which is often a publisher.
+        self._context = contextvars.copy_context()
+        stream.send_now = None  # nothing goes out before the first frames
+        stream.start_writer = self.start
+        stream.on_kill = self._on_kill
+        self.start()
+
+    def start(self) -> None:
+        """Start the writer, unless it runs already (never blocks)."""
+        if not self._running:
+            self._running = True
+            self.stream.send_now = None  # it would overtake the frames the writer holds
+            self._context.run(self._nursery.start_soon, self._write)
+
+    def stop(self) -> None:
+        """The connection is over: start nothing more, write nothing more directly."""
+        stream = self.stream
+        stream.start_writer = None
+        stream.send_now = None
+
+    def end(self) -> None:
+        """End the connection (it is then closed with :func:`close_code`'s code)."""
+        self.stop()
+        self._nursery.cancel_scope.cancel()
+
+    def _on_kill(self) -> None:
+        # Never cut the frame in flight: it, then the close frame, get the bound.
+        self.sock.limit_writes(trio.current_time() + SLOW_CLOSE_TIMEOUT)
+        self.end()
+
+    async def _write(self) -> None:
+        sock, stream = self.sock, self.stream
+        receive_nowait = stream.receive.receive_nowait
+        try:
+            first, self._first = self._first, None
+            if first is not None:
+                await sock.send_frames(first)
+            while True:
+                try:
+                    frames = [receive_nowait()]
+                except trio.WouldBlock:
+                    break
+                except trio.EndOfChannel:  # the workspace closed, after everything queued
+                    self.end()
+                    return
+                if stream.killed.is_set():
+                    return  # disconnected by the broker: close now, skip what is queued
+                # Whatever else is already queued goes out in the same write.
+                while len(frames) < sock.max_batch:
+                    try:
+                        frames.append(receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                await sock.send_frames(frames)
+                stream.after_receive()
+        except PeerGone:
+            self.end()
+            return
+        # Drained: idle again, the broker writes directly (no await since the queue was empty).
+        self._running = False
+        if stream.start_writer is not None:
+            stream.send_now = self._send_now
+
+    def ping_soon(self) -> None:
+        """Ping the client in a task of the connection's own, unless a ping is on already (for
+        the :class:`~.keepalive.Keepalive`; never blocks)."""
+        if not self._pinging and self.stream.start_writer is not None:
+            self._pinging = True
+            self._context.run(self._nursery.start_soon, self._ping)
+
+    async def _ping(self) -> None:
+        try:
+            answered = await self.sock.ping()
+        except PeerGone:
+            answered = False
+        self._pinging = False
+        if not answered:
+            self.end()
+
+    def sent_since(self) -> bool:
+        """Whether anything was written to the client since the last call (the keepalive's
+        question)."""
+        sock = self.sock
+        sent, sock.sent = sock.sent, False
+        return sent
+
+
+async def serve_connection(
+    sock: EventSocket,
+    ws: Workspace,
+    sub: Subscription,
+    api: Api,
+    keepalive: Keepalive | None = None,
+) -> None:
+    """Serve one accepted websocket until the client leaves, is killed, does not answer a ping
+    (``keepalive``: the server's timer, None when the transport pings by itself) or the
+    workspace closes; then close it (see the module's docstring)."""
     set_log_context(workspace_id=ws.id)  # this connection's records, to its close line
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
@@ -240,64 +388,20 @@ async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, 
     try:
         async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
             client = stream
-            writer_scope = trio.CancelScope()
-
-            def on_kill() -> None:
-                # Never cut the frame in flight: it, then the close frame, get the bound.
-                sock.limit_writes(trio.current_time() + SLOW_CLOSE_TIMEOUT)
-                writer_scope.cancel()
-
-            stream.on_kill = on_kill
-            stream.send_now = sock.send_now
-
-            async def writer() -> None:
-                with writer_scope:
-                    try:
-                        await write_events(sock, stream, hello, first)
-                    except PeerGone:
-                        pass
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(writer)
-            while (raw := await sock.receive()) is not None:
-                await answer_command(raw, ws, api, stream, nursery)
-            nursery.cancel_scope.cancel()  # the client left
+            writer = OnDemandWriter(sock, stream, nursery, [hello, *first])
+            del hello, first
+            if keepalive is not None:
+                keepalive.add(writer)
+            try:
+                while (raw := await sock.receive()) is not None:
+                    await answer_command(raw, ws, api, stream, nursery)
+                nursery.cancel_scope.cancel()  # the client left
+            finally:
+                # Before the nursery closes to new tasks: nothing may start a writer then.
+                writer.stop()
+                if keepalive is not None:
+                    keepalive.discard(writer)
         await sock.close(*close_code(stream, ws))
     finally:
         if client is not None and client.kill_reason == TOO_SLOW_REASON:
             METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()
-
-
-async def write_events(
-    sock: EventSocket, stream: ClientStream, hello: Event, first: list[Event]
-) -> None:
-    """The writer: ``hello`` and the resumed frames, then the client's queue until it ends.
-
-    Returns when the queue ends (the client was killed, or the workspace closed after everything
-    queued, the final ``run_complete`` events included, was sent) or a ping got no pong.
-    """
-    await sock.send_frames([hello, *first])
-    first.clear()
-    idle_limit = sock.ping_interval if sock.ping_interval > 0 else float("inf")
-    while True:
-        event: Event | None = None
-        with trio.move_on_after(idle_limit):
-            try:
-                event = await stream.receive.receive()
-            except trio.EndOfChannel:
-                return
-        if event is None:
-            if not await sock.ping():
-                return
-            continue
-        if stream.killed.is_set():
-            return  # disconnected by the broker: close now, skip what is queued
-        # Whatever else is already queued goes out in the same write.
-        frames = [event]
-        while len(frames) < sock.max_batch:
-            try:
-                frames.append(stream.receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        await sock.send_frames(frames)
-        stream.after_receive()

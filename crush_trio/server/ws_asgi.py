@@ -34,8 +34,8 @@ class AsgiEventSocket:
     """quart's current ``websocket`` as an :class:`~.connection.EventSocket`."""
 
     max_batch = 1
-    ping_interval = 0.0  # hypercorn's websocket_ping_interval
     send_now = None  # hypercorn encodes and writes every frame itself
+    sent = False  # hypercorn pings the client itself (websocket_ping_interval): no keepalive
 
     def __init__(self) -> None:
         #: The connection's stream under hypercorn (None: served without the dispatcher).
@@ -58,7 +58,7 @@ class AsgiEventSocket:
         for frame in frames:
             await websocket.send(frame.text)
 
-    async def ping(self) -> bool:  # never called: ping_interval is 0
+    async def ping(self) -> bool:  # never called: hypercorn pings
         return True
 
     async def receive(self) -> str | bytes | None:

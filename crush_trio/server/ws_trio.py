@@ -6,13 +6,16 @@ commands go over the same socket; close codes 1000/1001/1009/1012/1013. A client
 permessage-deflate gets it (:mod:`crush_trio.wsdeflate`): its frames are compressed per
 connection, and its compressed commands are inflated within ``server.max_body_bytes``.
 
-Tasks per connection: trio-websocket's reader, the writer (the only task that sends events), and
-the handler itself, which runs the commands. Every write goes through the connection's
+Tasks per connection: trio-websocket's reader and the handler itself, which runs the commands.
+An idle client's frames are written at once by the broker (:meth:`TrioEventSocket.send_now`); the
+writer (:class:`~.connection.OnDemandWriter`, the only task that sends queued events) runs only
+while frames wait for a socket that would block. Every write goes through the connection's
 :class:`~.listener.PrefixedStream`, which writes each frame whole or aborts the connection: a
 client disconnected as too slow gets the frame in flight and then the close frame (1013) if it
 reads again within :data:`~.connection.SLOW_CLOSE_TIMEOUT`, else a reset and nothing more. A
-writer that has sent nothing for ``server.ws_ping_interval`` seconds pings the client and closes
-the connection if no pong comes back within :data:`PONG_TIMEOUT`.
+client that was sent nothing for ``server.ws_ping_interval`` seconds is pinged by the server's
+one timer (:mod:`.keepalive`), in a task that lasts until the pong; the connection is closed if
+no pong comes back within :data:`PONG_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Coroutine, Sequence
 
     from .api import Api
+    from .keepalive import Keepalive
     from .listener import PrefixedStream
     from .settings import Settings
 
@@ -134,13 +138,13 @@ class TrioEventSocket:
         stream: SerializedStream,
         *,
         client_id: str,
-        ping_interval: float,
         deflate: BoundedDeflate | None = None,
     ) -> None:
         self.conn = conn
         self.stream = stream
         self.client_id = client_id
-        self.ping_interval = ping_interval
+        #: Something was written since the keepalive last looked.
+        self.sent = False
         #: The negotiated permessage-deflate, or None: frames go out as shared.
         self.deflate = deflate
         self._peer_closed = False
@@ -163,6 +167,7 @@ class TrioEventSocket:
         ):
             return NOT_SENT
         data = event.ws_frame if self.deflate is None else self.deflate.frame(event)
+        self.sent = True
         return SENT if prefixed.write_nowait(data) else SENT_IN_PART
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
@@ -181,6 +186,7 @@ class TrioEventSocket:
             parts = [frame(f) for f in frames if f is not FLUSH]
         else:
             parts = [f.ws_frame for f in frames if f is not FLUSH]
+        self.sent = True
         try:
             if not parts:  # only the rest of a frame written in part by send_now
                 await self.stream.send_frames(b"", ())
@@ -230,8 +236,11 @@ class TrioEventSocket:
             self.deflate.release()
 
 
-async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Settings) -> None:
-    """Handle one connection whose head is an upgrade to ``/v1/workspaces/{wid}/ws``."""
+async def serve_event_websocket(
+    stream: PrefixedStream, api: Api, settings: Settings, keepalive: Keepalive | None = None
+) -> None:
+    """Handle one connection whose head is an upgrade to ``/v1/workspaces/{wid}/ws``; the
+    server's ``keepalive`` pings it when idle (None: never pinged)."""
     serialized = SerializedStream(stream)
     async with trio.open_nursery() as nursery:
         try:
@@ -289,14 +298,13 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             conn,
             serialized,
             client_id=sub.client_id,
-            ping_interval=settings.ws_ping_interval,
             deflate=deflate,
         )
         # The connection keeps nothing of its upgrade request (an idle client's memory).
         del request, req
         match = None
         stream.head = b""
-        await serve_connection(sock, ws, sub, api)
+        await serve_connection(sock, ws, sub, api, keepalive)
         nursery.cancel_scope.cancel()
 
 
