@@ -77,11 +77,10 @@ class ClientQueue:
     drains it the same way. One reader at a time.
     """
 
-    __slots__ = ("_readers", "_stream")
+    __slots__ = ("_stream",)
 
-    def __init__(self, stream: ClientStream, readers: trio.lowlevel.ParkingLot) -> None:
+    def __init__(self, stream: ClientStream) -> None:
         self._stream = stream
-        self._readers = readers
 
     def __len__(self) -> int:
         return len(self._stream.items)
@@ -127,7 +126,7 @@ class ClientQueue:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return event
         while True:
-            await self._readers.park()  # cancelled here: nothing was taken
+            await self._stream.readers().park()  # cancelled here: nothing was taken
             try:
                 return self.receive_nowait()
             except trio.WouldBlock:
@@ -153,6 +152,22 @@ class ClientStream(Outbox):
     transport closes it with 1013. The writer drains :attr:`receive`.
     """
 
+    __slots__ = (
+        "_killed",
+        "_md_lock",
+        "_readers",
+        "_room",
+        "broker",
+        "client_id",
+        "kill_code",
+        "kill_reason",
+        "metrics",
+        "on_kill",
+        "receive",
+        "send_now",
+        "start_writer",
+    )
+
     def __init__(
         self,
         broker: Broker,
@@ -168,14 +183,17 @@ class ClientStream(Outbox):
         self.client_id = client_id
         #: This transport's metrics (drops, gaps, kills, open streams).
         self.metrics = METRICS.transport(transport)
-        self._readers = trio.lowlevel.ParkingLot()
+        #: A writer waiting on the empty queue; made by the first that waits (:meth:`readers`:
+        #: a writer on demand never waits, see :attr:`start_writer`).
+        self._readers: trio.lowlevel.ParkingLot | None = None
         #: Producers waiting for room; made by the first that waits.
         self._room: trio.lowlevel.ParkingLot | None = None
         #: The writer's end of the queue.
-        self.receive = ClientQueue(self, self._readers)
+        self.receive = ClientQueue(self)
         #: Serializes must-deliver waits; made by the first (:meth:`_must_deliver_lock`).
         self._md_lock: trio.Lock | None = None
-        self.killed = trio.Event()
+        #: :attr:`killed`, once asked for or set (an idle client holds no event).
+        self._killed: trio.Event | None = None
         self.kill_reason = ""
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
@@ -189,6 +207,28 @@ class ClientStream(Outbox):
         #: into the empty queue while no writer waits on it, and when the stream closes; starts
         #: the writer unless it runs already.
         self.start_writer: Callable[[], object] | None = None
+
+    @property
+    def killed(self) -> trio.Event:
+        """Set once the client is killed (:meth:`kill`); the transport then closes it with
+        :attr:`kill_code` and :attr:`kill_reason`."""
+        killed = self._killed
+        if killed is None:
+            killed = self._killed = trio.Event()
+        return killed
+
+    @property
+    def is_killed(self) -> bool:
+        """:attr:`killed` is set (without making the event)."""
+        killed = self._killed
+        return killed is not None and killed.is_set()
+
+    def readers(self) -> trio.lowlevel.ParkingLot:
+        """Where a writer waits for the empty queue (made by the first that waits)."""
+        readers = self._readers
+        if readers is None:
+            readers = self._readers = trio.lowlevel.ParkingLot()
+        return readers
 
     # -- the handoff: write at once, or wake the writer --------------------------------------
 
@@ -300,7 +340,7 @@ class ClientStream(Outbox):
     def kill(self, reason: str, code: int = WS_CLOSE_TRY_AGAIN_LATER) -> None:
         """Disconnect this client (by default: it could not take a must-deliver event in time);
         the transport closes it with ``code`` and ``reason``. What was queued is dropped."""
-        if not self.killed.is_set():
+        if not self.is_killed:
             self.kill_reason = reason
             self.kill_code = code
             if reason == TOO_SLOW_REASON:

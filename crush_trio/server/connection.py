@@ -44,7 +44,7 @@ from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
     from types import TracebackType
 
     from ..backend.workspace import Workspace
@@ -86,8 +86,13 @@ class EventSocket(Protocol):
         """Ping the client; ``False`` when no pong came back in time (the connection is dead);
         raise :class:`PeerGone` when the client has left."""
 
-    async def receive(self) -> str | bytes | None:
-        """The next frame from the client; ``None`` once it has left."""
+    #: What :meth:`receive` raises once the client has left.
+    left: tuple[type[Exception], ...]
+
+    def receive(self) -> Awaitable[str | bytes | None]:
+        """The next frame from the client; ``None``, or one of :attr:`left` raised, once it has
+        left. (Not a coroutine of its own: the transport's, so an idle connection's handler
+        waits one frame less deep.)"""
 
     async def close(self, code: int, reason: str) -> None:
         """Close the connection with ``code``; bounded, never raises."""
@@ -225,7 +230,7 @@ def close_bound(write_deadline: float) -> float:
 
 def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
     """The code and reason a finished connection is closed with."""
-    if stream.killed.is_set():
+    if stream.is_killed:
         return stream.kill_code, stream.kill_reason
     if ws.closing:
         return WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED
@@ -250,9 +255,11 @@ class OnDemandWriter:
     that was sent nothing for a ping interval is pinged (:meth:`ping_soon`), and one whose pong
     does not come back is disconnected.
 
-    Cancellation: the connection's nursery is cancelled to end it (the client left, was killed
-    or did not answer a ping); a write in progress finishes the frame in flight first
-    (:class:`~.listener.PrefixedStream`).
+    Cancellation: :meth:`end` ends the connection (the client left, was killed or did not answer
+    a ping, the workspace closed): it cancels the handler's wait for commands (``reading``), the
+    writer and the ping; a write in progress finishes the frame in flight first
+    (:class:`~.listener.PrefixedStream`), and the close frame, which waits for the connection's
+    send lock, follows it.
     """
 
     __slots__ = (
@@ -260,8 +267,9 @@ class OnDemandWriter:
         "_first",
         "_nursery",
         "_pinging",
-        "_running",
+        "_reading",
         "_send_now",
+        "_writing",
         "sock",
         "stream",
     )
@@ -271,17 +279,21 @@ class OnDemandWriter:
         sock: EventSocket,
         stream: ClientStream,
         nursery: trio.Nursery,
+        reading: trio.CancelScope,
         first: list[Event],
     ) -> None:
         self.sock = sock
         self.stream = stream
         self._nursery = nursery
+        #: The handler's scope while it reads commands.
+        self._reading = reading
         #: ``hello`` and the resumed frames, until the first writer has sent them.
         self._first: list[Event] | None = first
         #: The transport's direct write (set on the stream while the writer is idle).
         self._send_now = sock.send_now
-        self._running = False
-        self._pinging = False
+        #: The running writer's scope, and the ping's (None: none runs).
+        self._writing: trio.CancelScope | None = None
+        self._pinging: trio.CancelScope | None = None
         #: The connection's context (its log context; quart's ``websocket`` for the asgi
         #: transport): a task starts in a copy of its starter's, which is often a publisher.
         self._context = contextvars.copy_context()
@@ -292,8 +304,8 @@ class OnDemandWriter:
 
     def start(self) -> None:
         """Start the writer, unless it runs already (never blocks)."""
-        if not self._running:
-            self._running = True
+        if self._writing is None:
+            self._writing = trio.CancelScope()
             self.stream.send_now = None  # it would overtake the frames the writer holds
             self._context.run(self._nursery.start_soon, self._write)
 
@@ -306,7 +318,10 @@ class OnDemandWriter:
     def end(self) -> None:
         """End the connection (it is then closed with :func:`close_code`'s code)."""
         self.stop()
-        self._nursery.cancel_scope.cancel()
+        self._reading.cancel()
+        for scope in (self._writing, self._pinging):
+            if scope is not None:
+                scope.cancel()
 
     def _on_kill(self) -> None:
         # Never cut the frame in flight: it, then the close frame, get the bound.
@@ -314,51 +329,66 @@ class OnDemandWriter:
         self.end()
 
     async def _write(self) -> None:
-        sock, stream = self.sock, self.stream
-        receive_nowait = stream.receive.receive_nowait
+        scope = self._writing
+        assert scope is not None
         try:
-            first, self._first = self._first, None
-            if first is not None:
-                await sock.send_frames(first)
-            while True:
-                try:
-                    frames = [receive_nowait()]
-                except trio.WouldBlock:
-                    break
-                except trio.EndOfChannel:  # the workspace closed, after everything queued
+            with scope:
+                if not await self._drain():
                     self.end()
                     return
-                if stream.killed.is_set():
-                    return  # disconnected by the broker: close now, skip what is queued
-                # Whatever else is already queued goes out in the same write.
-                while len(frames) < sock.max_batch:
-                    try:
-                        frames.append(receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                await sock.send_frames(frames)
-                stream.after_receive()
         except PeerGone:
             self.end()
             return
-        # Drained: idle again, the broker writes directly (no await since the queue was empty).
-        self._running = False
-        if stream.start_writer is not None:
-            stream.send_now = self._send_now
+        if not scope.cancel_called:
+            # Drained: idle again, the broker writes directly (no checkpoint since the queue
+            # was found empty, so nothing came in between).
+            self._writing = None
+            if self.stream.start_writer is not None:
+                self.stream.send_now = self._send_now
+
+    async def _drain(self) -> bool:
+        """Write the first frames, then the queue until it is empty (True) or has ended, or
+        the client was killed (False)."""
+        sock, stream = self.sock, self.stream
+        receive_nowait = stream.receive.receive_nowait
+        first, self._first = self._first, None
+        if first is not None:
+            await sock.send_frames(first)
+        while True:
+            try:
+                frames = [receive_nowait()]
+            except trio.WouldBlock:
+                return True
+            except trio.EndOfChannel:  # the workspace closed, after everything queued
+                return False
+            if stream.is_killed:
+                return False  # disconnected by the broker: close now, skip what is queued
+            # Whatever else is already queued goes out in the same write.
+            while len(frames) < sock.max_batch:
+                try:
+                    frames.append(receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            await sock.send_frames(frames)
+            stream.after_receive()
 
     def ping_soon(self) -> None:
         """Ping the client in a task of the connection's own, unless a ping is on already (for
         the :class:`~.keepalive.Keepalive`; never blocks)."""
-        if not self._pinging and self.stream.start_writer is not None:
-            self._pinging = True
+        if self._pinging is None and self.stream.start_writer is not None:
+            self._pinging = trio.CancelScope()
             self._context.run(self._nursery.start_soon, self._ping)
 
     async def _ping(self) -> None:
-        try:
-            answered = await self.sock.ping()
-        except PeerGone:
-            answered = False
-        self._pinging = False
+        scope = self._pinging
+        assert scope is not None
+        answered = True
+        with scope:
+            try:
+                answered = await self.sock.ping()
+            except PeerGone:
+                answered = False
+        self._pinging = None
         if not answered:
             self.end()
 
@@ -376,31 +406,51 @@ async def serve_connection(
     sub: Subscription,
     api: Api,
     keepalive: Keepalive | None = None,
+    nursery: trio.Nursery | None = None,
 ) -> None:
     """Serve one accepted websocket until the client leaves, is killed, does not answer a ping
     (``keepalive``: the server's timer, None when the transport pings by itself) or the
-    workspace closes; then close it (see the module's docstring)."""
+    workspace closes; then close it (see the module's docstring).
+
+    ``nursery``: where the connection's tasks run (the writer, pings, command replies), one the
+    transport has open for the connection anyway (and cancels once this returns: replies still
+    pending then are dropped); None: a nursery of its own.
+    """
+    if nursery is None:
+        async with trio.open_nursery() as own:
+            await serve_connection(sock, ws, sub, api, keepalive, own)
+            own.cancel_scope.cancel()
+        return
     set_log_context(workspace_id=ws.id)  # this connection's records, to its close line
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
     client: ClientStream | None = None
     try:
-        async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
+        async with subscribed(ws, sub) as (stream, hello, first):
             client = stream
-            writer = OnDemandWriter(sock, stream, nursery, [hello, *first])
-            del hello, first
-            if keepalive is not None:
-                keepalive.add(writer)
-            try:
-                while (raw := await sock.receive()) is not None:
-                    await answer_command(raw, ws, api, stream, nursery)
-                nursery.cancel_scope.cancel()  # the client left
-            finally:
-                # Before the nursery closes to new tasks: nothing may start a writer then.
-                writer.stop()
+            with trio.CancelScope() as reading:
+                writer = OnDemandWriter(sock, stream, nursery, reading, [hello, *first])
+                del hello, first
                 if keepalive is not None:
-                    keepalive.discard(writer)
+                    keepalive.add(writer)
+                try:
+                    # The reader, in the handler's own task (its wait is the transport's own
+                    # coroutine: an idle connection waits no frame deeper).
+                    receive, left = sock.receive, sock.left
+                    while True:
+                        try:
+                            raw = await receive()
+                        except left:
+                            break
+                        if raw is None:
+                            break
+                        await answer_command(raw, ws, api, stream, nursery)
+                    writer.end()  # the client left
+                finally:
+                    writer.stop()
+                    if keepalive is not None:
+                        keepalive.discard(writer)
         await sock.close(*close_code(stream, ws))
     finally:
         if client is not None and client.kill_reason == TOO_SLOW_REASON:

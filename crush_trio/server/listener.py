@@ -118,6 +118,20 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     locks), so the write path costs no extra lock.
     """
 
+    __slots__ = (
+        "_open",
+        "_pending",
+        "_prefix",
+        "_write_scope",
+        "_writing",
+        "aborted",
+        "broken",
+        "head",
+        "socket",
+        "transport",
+        "write_deadline",
+    )
+
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
         self.transport = stream
         self.socket = stream.socket
@@ -724,12 +738,12 @@ async def serve_dispatching(
                     wrapped = PrefixedStream(stream, head)
                     event_websocket = ws_handler is not None and is_event_websocket(head)
                     del head  # the stream holds it as long as it is needed
-                    CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                     if ws_handler is not None and event_websocket:
                         clear_user_timeout(stream.socket)
                         async with contained(wrapped, "event websocket"):
                             await ws_handler(wrapped)
                     else:
+                        CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                         # TCPServer is typed for SSL streams but takes any stream with a .socket.
                         await HttpConnection(
                             app,

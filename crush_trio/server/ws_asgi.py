@@ -23,7 +23,7 @@ from .connection import Subscription, close_bound, serve_connection
 from .listener import CONNECTION_STREAM
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Awaitable, Sequence
 
     from ..backend.workspace import Workspace
     from ..broker import Event
@@ -35,6 +35,7 @@ class AsgiEventSocket:
 
     max_batch = 1
     send_now = None  # hypercorn encodes and writes every frame itself
+    left: tuple[type[Exception], ...] = ()  # a disconnect cancels the handler (quart-trio)
     sent = False  # hypercorn pings the client itself (websocket_ping_interval): no keepalive
 
     def __init__(self) -> None:
@@ -61,8 +62,8 @@ class AsgiEventSocket:
     async def ping(self) -> bool:  # never called: hypercorn pings
         return True
 
-    async def receive(self) -> str | bytes | None:
-        return await websocket.receive()
+    def receive(self) -> Awaitable[str | bytes]:
+        return websocket.receive()
 
     async def close(self, code: int, reason: str) -> None:
         deadline = self.stream.write_deadline if self.stream is not None else math.inf
