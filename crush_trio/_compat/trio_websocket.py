@@ -23,6 +23,9 @@ place that relies on trio-websocket's internals:
   ``_for_testing_peer_closed_connection`` (which only trio-websocket's own tests wait for) are
   replaced by one event shared by every connection, already set (:data:`_SET`): all the library
   does with them is ``set()`` and ``wait()``, and an open connection holds two events fewer;
+* :meth:`DeflateConnection.stop_reading` closes the connection's ``_recv_channel`` (as its
+  ``_aclose`` does first), so that a wait in ``get_message`` ends; the reader's
+  ``_handle_message_event`` ignores a closed channel;
 * :attr:`DeflateConnection.send_lock` is the connection's ``_stream_lock``, the lock its
   ``_send`` (its only write to the stream) holds around ``send_all``: a server that also writes
   frames of its own to the stream takes the same lock, rather than one more per connection;
@@ -95,6 +98,7 @@ _METHODS: Final = {
     "_send": ("event",),
     "_reader_task": (),
     "_get_request": (),
+    "_handle_message_event": ("event",),
 }
 
 
@@ -160,6 +164,13 @@ class DeflateConnection(WebSocketConnection):
         and the connection's never interleave."""
         lock: trio.StrictFIFOLock = self._stream_lock
         return lock
+
+    def stop_reading(self) -> None:
+        """Stop handing messages over: ``get_message()``, a wait in it included, raises
+        ``ConnectionClosed`` from now on, and the reader drops what still arrives (what
+        trio-websocket's own close does first, without the close frame, which ``aclose()``
+        still sends). Never blocks."""
+        self._recv_channel.close()
 
     @property
     def compressing(self) -> bool:
@@ -317,6 +328,13 @@ def _check_methods() -> None:
     except (OSError, TypeError) as exc:
         raise _fail(f"the source of trio-websocket cannot be read ({exc})") from exc
     _check_events()
+    messages = inspect.getsource(WebSocketConnection._handle_message_event)
+    if not re.search(
+        r"await self\._send_channel\.send\(msg\)\s*except \(trio\.ClosedResourceError, "
+        r"trio\.BrokenResourceError\):",
+        messages,
+    ):
+        raise _fail("the reader no longer ignores a closed message channel")
     if connection.count("self._stream.send_all(") != 1 or not re.search(
         r"async with self\._stream_lock:(\n.*){0,4}await self\._stream\.send_all\(", send
     ):

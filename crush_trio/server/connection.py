@@ -89,6 +89,10 @@ class EventSocket(Protocol):
     #: What :meth:`receive` raises once the client has left.
     left: tuple[type[Exception], ...]
 
+    def stop_reading(self) -> None:
+        """From now on :meth:`receive` returns ``None`` or raises one of :attr:`left` (a wait
+        in it included); never blocks. Called to end a connection."""
+
     def receive(self) -> Awaitable[str | bytes | None]:
         """The next frame from the client; ``None``, or one of :attr:`left` raised, once it has
         left. (Not a coroutine of its own: the transport's, so an idle connection's handler
@@ -256,8 +260,9 @@ class OnDemandWriter:
     does not come back is disconnected.
 
     Cancellation: :meth:`end` ends the connection (the client left, was killed or did not answer
-    a ping, the workspace closed): it cancels the handler's wait for commands (``reading``), the
-    writer and the ping; a write in progress finishes the frame in flight first
+    a ping, the workspace closed): the handler stops reading commands
+    (:meth:`EventSocket.stop_reading`), and the command it runs, the writer and the ping are
+    cancelled; a write in progress finishes the frame in flight first
     (:class:`~.listener.PrefixedStream`), and the close frame, which waits for the connection's
     send lock, follows it.
     """
@@ -267,9 +272,9 @@ class OnDemandWriter:
         "_first",
         "_nursery",
         "_pinging",
-        "_reading",
         "_send_now",
         "_writing",
+        "commanding",
         "sock",
         "stream",
     )
@@ -279,14 +284,13 @@ class OnDemandWriter:
         sock: EventSocket,
         stream: ClientStream,
         nursery: trio.Nursery,
-        reading: trio.CancelScope,
         first: list[Event],
     ) -> None:
         self.sock = sock
         self.stream = stream
         self._nursery = nursery
-        #: The handler's scope while it reads commands.
-        self._reading = reading
+        #: The scope of the command the handler runs (None: it waits for the next one).
+        self.commanding: trio.CancelScope | None = None
         #: ``hello`` and the resumed frames, until the first writer has sent them.
         self._first: list[Event] | None = first
         #: The transport's direct write (set on the stream while the writer is idle).
@@ -318,8 +322,8 @@ class OnDemandWriter:
     def end(self) -> None:
         """End the connection (it is then closed with :func:`close_code`'s code)."""
         self.stop()
-        self._reading.cancel()
-        for scope in (self._writing, self._pinging):
+        self.sock.stop_reading()
+        for scope in (self.commanding, self._writing, self._pinging):
             if scope is not None:
                 scope.cancel()
 
@@ -429,28 +433,29 @@ async def serve_connection(
     try:
         async with subscribed(ws, sub) as (stream, hello, first):
             client = stream
-            with trio.CancelScope() as reading:
-                writer = OnDemandWriter(sock, stream, nursery, reading, [hello, *first])
-                del hello, first
-                if keepalive is not None:
-                    keepalive.add(writer)
-                try:
-                    # The reader, in the handler's own task (its wait is the transport's own
-                    # coroutine: an idle connection waits no frame deeper).
-                    receive, left = sock.receive, sock.left
-                    while True:
-                        try:
-                            raw = await receive()
-                        except left:
-                            break
-                        if raw is None:
-                            break
+            writer = OnDemandWriter(sock, stream, nursery, [hello, *first])
+            del hello, first
+            if keepalive is not None:
+                keepalive.add(writer)
+            try:
+                # The reader, in the handler's own task. Its wait is the transport's own
+                # coroutine, in no scope of ours: an idle connection holds nothing more.
+                receive, left = sock.receive, sock.left
+                while True:
+                    try:
+                        raw = await receive()
+                    except left:
+                        break
+                    if raw is None:
+                        break
+                    with trio.CancelScope() as writer.commanding:
                         await answer_command(raw, ws, api, stream, nursery)
-                    writer.end()  # the client left
-                finally:
-                    writer.stop()
-                    if keepalive is not None:
-                        keepalive.discard(writer)
+                    writer.commanding = None
+                writer.end()  # the client left, or the connection was ended
+            finally:
+                writer.stop()
+                if keepalive is not None:
+                    keepalive.discard(writer)
         await sock.close(*close_code(stream, ws))
     finally:
         if client is not None and client.kill_reason == TOO_SLOW_REASON:

@@ -23,7 +23,7 @@ from .connection import Subscription, close_bound, serve_connection
 from .listener import CONNECTION_STREAM
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Sequence
+    from collections.abc import Sequence
 
     from ..backend.workspace import Workspace
     from ..broker import Event
@@ -42,6 +42,9 @@ class AsgiEventSocket:
         #: The connection's stream under hypercorn (None: served without the dispatcher).
         self.stream = CONNECTION_STREAM.get()
         self._close_failed = False
+        #: The wait in :meth:`receive`, and whether :meth:`stop_reading` was called.
+        self._reading: trio.CancelScope | None = None
+        self._stopped = False
 
     def limit_writes(self, deadline: float) -> None:
         if self.stream is not None:
@@ -62,8 +65,16 @@ class AsgiEventSocket:
     async def ping(self) -> bool:  # never called: hypercorn pings
         return True
 
-    def receive(self) -> Awaitable[str | bytes]:
-        return websocket.receive()
+    def stop_reading(self) -> None:
+        self._stopped = True
+        if self._reading is not None:
+            self._reading.cancel()
+
+    async def receive(self) -> str | bytes | None:
+        if not self._stopped:
+            with trio.CancelScope() as self._reading:
+                return await websocket.receive()
+        return None
 
     async def close(self, code: int, reason: str) -> None:
         deadline = self.stream.write_deadline if self.stream is not None else math.inf

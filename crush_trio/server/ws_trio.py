@@ -229,6 +229,9 @@ class TrioEventSocket:
             return False
         return True
 
+    def stop_reading(self) -> None:
+        self.conn.stop_reading()
+
     def receive(self) -> Awaitable[str | bytes]:
         # trio-websocket's own coroutine: an idle connection's handler waits one frame less deep.
         return self.conn.get_message()
