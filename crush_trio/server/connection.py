@@ -458,5 +458,7 @@ async def serve_connection(
                     keepalive.discard(writer)
         await sock.close(*close_code(stream, ws))
     finally:
-        if client is not None and client.kill_reason == TOO_SLOW_REASON:
-            METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()
+        if client is not None:
+            client.on_kill = None  # no reference cycle (stream, writer) outlives the connection
+            if client.kill_reason == TOO_SLOW_REASON:
+                METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 #: Looks at the connections per ping interval: the silence before a ping may exceed the interval
 #: by up to ``1 / TICKS_PER_INTERVAL`` of it.
-TICKS_PER_INTERVAL: Final = 4
+TICKS_PER_INTERVAL: Final = 10
 
 
 class Pinged(Protocol):
