@@ -5,20 +5,27 @@ answers it, and hands an :class:`EventSocket` to :func:`serve_connection`, which
 
 1. subscribes to the workspace's broker, takes the ``hello`` frame in the same tick (so its seq
    cannot move) and holds the workspace for the client (:func:`subscribed`; SSE does the same);
-2. runs the **writer** (the task that writes events and replies to the socket: it drains the
-   client's bounded queue, several frames per write where the transport allows, and pings an idle
-   client where the transport asks it to). While it is idle, a transport that can write without
-   waiting (:attr:`EventSocket.send_now`) takes each new frame from the broker at once, in the
-   publisher's task, and leaves the writer only what the socket did not take;
+2. runs the **writer** on demand (:class:`OnDemandWriter`: the task that writes events and
+   replies to the socket, started when frames are queued; it drains the client's bounded queue,
+   several frames per write where the transport allows, and ends once the queue is empty). While
+   no writer runs, a transport that can write without waiting (:attr:`EventSocket.send_now`)
+   takes each new frame from the broker at once, in the publisher's task, and leaves the writer
+   only what the socket did not take; so an idle connection holds no writer task;
 3. runs the **reader** in the handler's task: every text frame is a command
    (:func:`~.commands.run_command`) whose reply waits for room in the same queue, so a client that
    floods commands without reading is slowed, then disconnected;
-4. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
+4. registers the connection with the server's :class:`~.keepalive.Keepalive` (where the
+   transport does not ping by itself): a client sent nothing for ``server.ws_ping_interval`` is
+   pinged, one that does not answer is disconnected;
+5. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
    client (1013 ``too slow``, 1012 ``dropped``), 1001 when the workspace closes, else 1000.
+
+The connection's tasks (writer, pings, replies that wait) run in a nursery the transport has open
+anyway (trio-websocket's reader's), or in one of the connection's own.
 
 The broker kills a client (:attr:`~crush_trio.broker.ClientStream.on_kill`) by bounding the
 connection's writes (:meth:`EventSocket.limit_writes`, :data:`SLOW_CLOSE_TIMEOUT` from now) and
-cancelling its writer. The writer never leaves a frame half-written: the frame in flight is
+ending the connection (its writer, if one runs, is cancelled). The writer never leaves a frame half-written: the frame in flight is
 finished, frames not begun are not sent, and the close frame follows at that frame boundary. A
 client that reads again within the bound gets all that; otherwise the connection is aborted
 (reset) and nothing more is written. How each such close ended is counted
