@@ -19,6 +19,16 @@ place that relies on trio-websocket's internals:
   trio-websocket's ``_handle_message_event`` does for an uncompressed message over the bound,
   with the same private names: it sets ``_close_reason``, sends the close frame with ``_send``,
   closes ``_recv_channel`` and clears ``_reader_running``, reading the state of ``_wsproto``;
+* once a server's connection is open, its ``_open_handshake`` (set by then) and
+  ``_for_testing_peer_closed_connection`` (which only trio-websocket's own tests wait for) are
+  replaced by one event shared by every connection, already set (:data:`_SET`): all the library
+  does with them is ``set()`` and ``wait()``, and an open connection holds two events fewer;
+* :meth:`DeflateConnection.stop_reading` closes the connection's ``_recv_channel`` (as its
+  ``_aclose`` does first), so that a wait in ``get_message`` ends; the reader's
+  ``_handle_message_event`` ignores a closed channel;
+* :attr:`DeflateConnection.send_lock` is the connection's ``_stream_lock``, the lock its
+  ``_send`` (its only write to the stream) holds around ``send_all``: a server that also writes
+  frames of its own to the stream takes the same lock, rather than one more per connection;
 * :func:`wrap_client_stream` and :func:`wrap_server_stream` are trio-websocket's functions of
   the same names with that connection: they start its ``_reader_task`` in the caller's nursery
   and wait for ``_open_handshake`` (a client) or return ``_get_request()`` (a server).
@@ -38,6 +48,7 @@ adjust this module, and update :data:`CHECKED_AGAINST` and the pin together.
 from __future__ import annotations
 
 import inspect
+import re
 from importlib import metadata
 from typing import Any, Final
 
@@ -87,6 +98,17 @@ _METHODS: Final = {
     "_send": ("event",),
     "_reader_task": (),
     "_get_request": (),
+    "_handle_message_event": ("event",),
+}
+
+
+#: The events an open server connection no longer needs its own of: one for all, already set.
+_SET: Final = trio.Event()
+_SET.set()
+#: Those events, and the only things trio-websocket does with them.
+_SHARED_EVENTS: Final = {
+    "_open_handshake": (".set()", ".wait()", " = trio.Event()"),
+    "_for_testing_peer_closed_connection": (".set()", " = trio.Event()"),
 }
 
 
@@ -136,6 +158,21 @@ class DeflateConnection(WebSocketConnection):
             )
 
     @property
+    def send_lock(self) -> trio.StrictFIFOLock:
+        """The lock every write of this connection to its stream holds (pings, pongs, close,
+        messages): a caller that writes to the stream itself holds it too, so that its writes
+        and the connection's never interleave."""
+        lock: trio.StrictFIFOLock = self._stream_lock
+        return lock
+
+    def stop_reading(self) -> None:
+        """Stop handing messages over: ``get_message()``, a wait in it included, raises
+        ``ConnectionClosed`` from now on, and the reader drops what still arrives (what
+        trio-websocket's own close does first, without the close frame, which ``aclose()``
+        still sends). Never blocks."""
+        self._recv_channel.close()
+
+    @property
     def compressing(self) -> bool:
         """Whether permessage-deflate was negotiated."""
         return self.deflate is not None and self.deflate.enabled()
@@ -154,6 +191,8 @@ class DeflateConnection(WebSocketConnection):
         )
         release_handshake(self._wsproto)  # an open connection keeps nothing of its upgrade
         self._open_handshake.set()
+        # Only ever set and waited for (see _check_events): one shared event, already set.
+        self._open_handshake = self._for_testing_peer_closed_connection = _SET
 
     async def _handle_close_connection_event(self, event: CloseConnection) -> None:
         deflate = self.deflate
@@ -283,6 +322,34 @@ def _check_methods() -> None:
         raise _fail("the reader no longer sends _initial_request first")
     if "self._connection._accept(" not in accept:
         raise _fail("WebSocketRequest.accept no longer calls the connection's _accept")
+    try:
+        connection = inspect.getsource(WebSocketConnection)
+        send = inspect.getsource(WebSocketConnection._send)
+    except (OSError, TypeError) as exc:
+        raise _fail(f"the source of trio-websocket cannot be read ({exc})") from exc
+    _check_events()
+    messages = inspect.getsource(WebSocketConnection._handle_message_event)
+    if not re.search(
+        r"await self\._send_channel\.send\(msg\)\s*except \(trio\.ClosedResourceError, "
+        r"trio\.BrokenResourceError\):",
+        messages,
+    ):
+        raise _fail("the reader no longer ignores a closed message channel")
+    if connection.count("self._stream.send_all(") != 1 or not re.search(
+        r"async with self\._stream_lock:(\n.*){0,4}await self\._stream\.send_all\(", send
+    ):
+        raise _fail("the connection no longer writes its stream only in _send, under _stream_lock")
+
+
+def _check_events() -> None:
+    try:
+        source = inspect.getsource(inspect.getmodule(WebSocketConnection))  # type: ignore[arg-type]
+    except (OSError, TypeError) as exc:
+        raise _fail(f"the source of trio-websocket cannot be read ({exc})") from exc
+    for name, uses in _SHARED_EVENTS.items():
+        found = re.findall(rf"\.{name}\b(.{{0,16}})", source)
+        if not found or any(not use.startswith(uses) for use in found):
+            raise _fail(f"WebSocketConnection.{name} is now used otherwise than {uses}")
 
 
 def _check_connection(conn: WebSocketConnection, ws: WSConnection) -> None:
@@ -294,6 +361,8 @@ def _check_connection(conn: WebSocketConnection, ws: WSConnection) -> None:
         raise _fail("WebSocketConnection._reader_running no longer starts as True")
     if not isinstance(getattr(conn, "_recv_channel", None), trio.MemoryReceiveChannel):
         raise _fail("WebSocketConnection._recv_channel is no longer a memory receive channel")
+    if not isinstance(getattr(conn, "_stream_lock", None), trio.StrictFIFOLock):
+        raise _fail("WebSocketConnection._stream_lock is no longer a trio.StrictFIFOLock")
     if not isinstance(getattr(conn, "_open_handshake", None), trio.Event):
         raise _fail("WebSocketConnection._open_handshake is no longer a trio.Event")
 

@@ -9,11 +9,17 @@ The **handoff** to the client's writer task is the outbox's deque (filled by
 the writer (:meth:`ClientStream._wake_writer`) and :class:`ClientQueue`, the end the writer
 drains: the only code between a queued frame and the transport's writer task.
 
-The **direct write**: while a client's writer is idle (parked on an empty queue), a transport
-that can write without waiting (:attr:`ClientStream.send_now`) gets each new frame at once, in
-the publisher's task, so a client that keeps up costs no task switch per frame. What the socket
-does not take at once stays with the transport, and a :data:`~.framing.FLUSH` item wakes the
-writer to send it before anything else.
+The **direct write**: while a client's writer is idle (it holds no frame taken from the queue
+and not yet written), a transport that can write without waiting (:attr:`ClientStream.send_now`,
+set only while its writer is idle) gets each new frame at once, in the publisher's task, so a
+client that keeps up costs no task switch per frame. What the socket does not take at once stays
+with the transport, and a :data:`~.framing.FLUSH` item wakes the writer to send it before
+anything else.
+
+A **writer on demand**: a transport whose writer task exists only while there is something to
+write (:attr:`ClientStream.start_writer`) is called when an item goes into the empty queue and
+no writer waits for it, and when the stream closes (so its writer sees the end), instead of
+keeping a task parked on the queue for the connection's life.
 """
 
 from __future__ import annotations
@@ -71,11 +77,10 @@ class ClientQueue:
     drains it the same way. One reader at a time.
     """
 
-    __slots__ = ("_readers", "_stream")
+    __slots__ = ("_stream",)
 
-    def __init__(self, stream: ClientStream, readers: trio.lowlevel.ParkingLot) -> None:
+    def __init__(self, stream: ClientStream) -> None:
         self._stream = stream
-        self._readers = readers
 
     def __len__(self) -> int:
         return len(self._stream.items)
@@ -121,7 +126,7 @@ class ClientQueue:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return event
         while True:
-            await self._readers.park()  # cancelled here: nothing was taken
+            await self._stream.readers().park()  # cancelled here: nothing was taken
             try:
                 return self.receive_nowait()
             except trio.WouldBlock:
@@ -147,6 +152,22 @@ class ClientStream(Outbox):
     transport closes it with 1013. The writer drains :attr:`receive`.
     """
 
+    __slots__ = (
+        "_killed",
+        "_md_lock",
+        "_readers",
+        "_room",
+        "broker",
+        "client_id",
+        "kill_code",
+        "kill_reason",
+        "metrics",
+        "on_kill",
+        "receive",
+        "send_now",
+        "start_writer",
+    )
+
     def __init__(
         self,
         broker: Broker,
@@ -162,30 +183,60 @@ class ClientStream(Outbox):
         self.client_id = client_id
         #: This transport's metrics (drops, gaps, kills, open streams).
         self.metrics = METRICS.transport(transport)
-        self._readers = trio.lowlevel.ParkingLot()
+        #: A writer waiting on the empty queue; made by the first that waits (:meth:`readers`:
+        #: a writer on demand never waits, see :attr:`start_writer`).
+        self._readers: trio.lowlevel.ParkingLot | None = None
         #: Producers waiting for room; made by the first that waits.
         self._room: trio.lowlevel.ParkingLot | None = None
         #: The writer's end of the queue.
-        self.receive = ClientQueue(self, self._readers)
+        self.receive = ClientQueue(self)
         #: Serializes must-deliver waits; made by the first (:meth:`_must_deliver_lock`).
         self._md_lock: trio.Lock | None = None
-        self.killed = trio.Event()
+        #: :attr:`killed`, once asked for or set (an idle client holds no event).
+        self._killed: trio.Event | None = None
         self.kill_reason = ""
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
         self.on_kill: Callable[[], object] | None = None
-        #: Set by a transport that can write a frame without waiting: called, while the writer is
-        #: idle, with each frame for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or
-        #: :data:`SENT_IN_PART` (never raises, never blocks).
+        #: Set by a transport that can write a frame without waiting, only while its writer is
+        #: idle (holds no frame taken from the queue and not yet written): called with each frame
+        #: for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or :data:`SENT_IN_PART`
+        #: (never raises, never blocks).
         self.send_now: Callable[[Event], int] | None = None
+        #: Set by a transport whose writer runs on demand: called (never blocks) when an item goes
+        #: into the empty queue while no writer waits on it, and when the stream closes; starts
+        #: the writer unless it runs already.
+        self.start_writer: Callable[[], object] | None = None
+
+    @property
+    def killed(self) -> trio.Event:
+        """Set once the client is killed (:meth:`kill`); the transport then closes it with
+        :attr:`kill_code` and :attr:`kill_reason`."""
+        killed = self._killed
+        if killed is None:
+            killed = self._killed = trio.Event()
+        return killed
+
+    @property
+    def is_killed(self) -> bool:
+        """:attr:`killed` is set (without making the event)."""
+        killed = self._killed
+        return killed is not None and killed.is_set()
+
+    def readers(self) -> trio.lowlevel.ParkingLot:
+        """Where a writer waits for the empty queue (made by the first that waits)."""
+        readers = self._readers
+        if readers is None:
+            readers = self._readers = trio.lowlevel.ParkingLot()
+        return readers
 
     # -- the handoff: write at once, or wake the writer --------------------------------------
 
     def _send_now(self, item: Event) -> bool:
         send_now = self.send_now
-        # Only while the writer is parked on the empty queue: it holds no frame taken from the
-        # queue and not yet written, which this one would overtake.
-        if send_now is None or not self._readers:
+        # Set only while the writer is idle: it holds no frame taken from the queue and not yet
+        # written, which this one would overtake.
+        if send_now is None:
             return False
         done = send_now(item)
         if done == NOT_SENT:
@@ -199,6 +250,8 @@ class ClientStream(Outbox):
         readers = self._readers
         if readers:
             readers.unpark()
+        elif self.start_writer is not None:
+            self.start_writer()
 
     def _room_made(self) -> None:
         if self._room is not None:
@@ -287,7 +340,7 @@ class ClientStream(Outbox):
     def kill(self, reason: str, code: int = WS_CLOSE_TRY_AGAIN_LATER) -> None:
         """Disconnect this client (by default: it could not take a must-deliver event in time);
         the transport closes it with ``code`` and ``reason``. What was queued is dropped."""
-        if not self.killed.is_set():
+        if not self.is_killed:
             self.kill_reason = reason
             self.kill_code = code
             if reason == TOO_SLOW_REASON:
@@ -313,7 +366,10 @@ class ClientStream(Outbox):
         :class:`trio.EndOfChannel`."""
         if not self.closed:
             super().close()
-            self._readers.unpark_all()
+            if self._readers:
+                self._readers.unpark_all()
+            elif self.start_writer is not None:
+                self.start_writer()  # the writer on demand sees the end
             if self._room is not None:
                 self._room.unpark_all()
             self.broker.unsubscribe(self)

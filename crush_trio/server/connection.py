@@ -5,20 +5,27 @@ answers it, and hands an :class:`EventSocket` to :func:`serve_connection`, which
 
 1. subscribes to the workspace's broker, takes the ``hello`` frame in the same tick (so its seq
    cannot move) and holds the workspace for the client (:func:`subscribed`; SSE does the same);
-2. runs the **writer** (the task that writes events and replies to the socket: it drains the
-   client's bounded queue, several frames per write where the transport allows, and pings an idle
-   client where the transport asks it to). While it is idle, a transport that can write without
-   waiting (:attr:`EventSocket.send_now`) takes each new frame from the broker at once, in the
-   publisher's task, and leaves the writer only what the socket did not take;
+2. runs the **writer** on demand (:class:`OnDemandWriter`: the task that writes events and
+   replies to the socket, started when frames are queued; it drains the client's bounded queue,
+   several frames per write where the transport allows, and ends once the queue is empty). While
+   no writer runs, a transport that can write without waiting (:attr:`EventSocket.send_now`)
+   takes each new frame from the broker at once, in the publisher's task, and leaves the writer
+   only what the socket did not take; so an idle connection holds no writer task;
 3. runs the **reader** in the handler's task: every text frame is a command
    (:func:`~.commands.run_command`) whose reply waits for room in the same queue, so a client that
    floods commands without reading is slowed, then disconnected;
-4. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
+4. registers the connection with the server's :class:`~.keepalive.Keepalive` (where the
+   transport does not ping by itself): a client sent nothing for ``server.ws_ping_interval`` is
+   pinged, one that does not answer is disconnected;
+5. ends the connection with the code :func:`close_code` chooses: the broker's when it killed the
    client (1013 ``too slow``, 1012 ``dropped``), 1001 when the workspace closes, else 1000.
+
+The connection's tasks (writer, pings, replies that wait) run in a nursery the transport has open
+anyway (trio-websocket's reader's), or in one of the connection's own.
 
 The broker kills a client (:attr:`~crush_trio.broker.ClientStream.on_kill`) by bounding the
 connection's writes (:meth:`EventSocket.limit_writes`, :data:`SLOW_CLOSE_TIMEOUT` from now) and
-cancelling its writer. The writer never leaves a frame half-written: the frame in flight is
+ending the connection (its writer, if one runs, is cancelled). The writer never leaves a frame half-written: the frame in flight is
 finished, frames not begun are not sent, and the close frame follows at that frame boundary. A
 client that reads again within the bound gets all that; otherwise the connection is aborted
 (reset) and nothing more is written. How each such close ended is counted
@@ -27,6 +34,7 @@ client that reads again within the bound gets all that; otherwise the connection
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -43,11 +51,12 @@ from .commands import answer_command
 from .security import check_request_host, check_request_origin, check_request_token, parse_seq
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
     from types import TracebackType
 
     from ..backend.workspace import Workspace
     from .api import Api
+    from .keepalive import Keepalive
     from .settings import Settings
 
 #: A client disconnected as too slow (1013) or dropped (1012): how long it has, from then, to
@@ -67,14 +76,15 @@ class EventSocket(Protocol):
 
     #: Most queued frames written in one send (1: one frame per send).
     max_batch: int
-    #: Idle time after which the writer pings the client (0: the transport pings by itself).
-    ping_interval: float
+    #: Set on every write to the client; the :class:`~.keepalive.Keepalive` reads and clears it
+    #: (see :meth:`OnDemandWriter.sent_since`).
+    sent: bool
 
     @property
     def send_now(self) -> Callable[[Event], int] | None:
-        """Writes one frame at once without waiting, for the broker's direct write while the
-        writer is idle (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer
-        sends every frame."""
+        """Writes one frame at once without waiting, for the broker's direct write while no
+        writer runs (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer sends
+        every frame."""
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Send these frames, in order; raise :class:`PeerGone` when the client has left."""
@@ -83,8 +93,17 @@ class EventSocket(Protocol):
         """Ping the client; ``False`` when no pong came back in time (the connection is dead);
         raise :class:`PeerGone` when the client has left."""
 
-    async def receive(self) -> str | bytes | None:
-        """The next frame from the client; ``None`` once it has left."""
+    #: What :meth:`receive` raises once the client has left.
+    left: tuple[type[Exception], ...]
+
+    def stop_reading(self) -> None:
+        """From now on :meth:`receive` returns ``None`` or raises one of :attr:`left` (a wait
+        in it included); never blocks. Called to end a connection."""
+
+    def receive(self) -> Awaitable[str | bytes | None]:
+        """The next frame from the client; ``None``, or one of :attr:`left` raised, once it has
+        left. (Not a coroutine of its own: the transport's, so an idle connection's handler
+        waits one frame less deep.)"""
 
     async def close(self, code: int, reason: str) -> None:
         """Close the connection with ``code``; bounded, never raises."""
@@ -222,82 +241,231 @@ def close_bound(write_deadline: float) -> float:
 
 def close_code(stream: ClientStream, ws: Workspace) -> tuple[int, str]:
     """The code and reason a finished connection is closed with."""
-    if stream.killed.is_set():
+    if stream.is_killed:
         return stream.kill_code, stream.kill_reason
     if ws.closing:
         return WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED
     return WS_CLOSE_NORMAL, ""
 
 
-async def serve_connection(sock: EventSocket, ws: Workspace, sub: Subscription, api: Api) -> None:
-    """Serve one accepted websocket until the client leaves, is killed or the workspace closes;
-    then close it (see the module's docstring)."""
+class OnDemandWriter:
+    """A connection's writer (the only task that writes its events and replies), started on
+    demand: it runs only while the client has frames to send.
+
+    While it does not run, the broker writes each frame for the empty queue at once
+    (:attr:`~crush_trio.broker.ClientStream.send_now`, where the transport can); a frame queued
+    (one the socket would not take at once, or the rest of one it took in part: a
+    :data:`~crush_trio.broker.FLUSH` item) starts the writer in the connection's nursery
+    (:attr:`~crush_trio.broker.ClientStream.start_writer`). It writes ``hello`` and the resumed
+    frames first, then drains the queue, :attr:`EventSocket.max_batch` frames per write, and ends
+    once the queue is empty (the direct write takes over again), or ends the connection when the
+    queue has ended (the workspace closed) or the client is gone. So an idle connection holds no
+    writer task.
+
+    It is also the connection as the server's :class:`~.keepalive.Keepalive` sees it: a client
+    that was sent nothing for a ping interval is pinged (:meth:`ping_soon`), and one whose pong
+    does not come back is disconnected.
+
+    Cancellation: :meth:`end` ends the connection (the client left, was killed or did not answer
+    a ping, the workspace closed): the handler stops reading commands
+    (:meth:`EventSocket.stop_reading`), and the command it runs, the writer and the ping are
+    cancelled; a write in progress finishes the frame in flight first
+    (:class:`~.listener.PrefixedStream`), and the close frame, which waits for the connection's
+    send lock, follows it.
+    """
+
+    __slots__ = (
+        "_context",
+        "_first",
+        "_nursery",
+        "_pinging",
+        "_send_now",
+        "_writing",
+        "commanding",
+        "sock",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        sock: EventSocket,
+        stream: ClientStream,
+        nursery: trio.Nursery,
+        first: list[Event],
+    ) -> None:
+        self.sock = sock
+        self.stream = stream
+        self._nursery = nursery
+        #: The scope of the command the handler runs (None: it waits for the next one).
+        self.commanding: trio.CancelScope | None = None
+        #: ``hello`` and the resumed frames, until the first writer has sent them.
+        self._first: list[Event] | None = first
+        #: The transport's direct write (set on the stream while the writer is idle).
+        self._send_now = sock.send_now
+        #: The running writer's scope, and the ping's (None: none runs).
+        self._writing: trio.CancelScope | None = None
+        self._pinging: trio.CancelScope | None = None
+        #: The connection's context (its log context; quart's ``websocket`` for the asgi
+        #: transport): a task starts in a copy of its starter's, which is often a publisher.
+        self._context = contextvars.copy_context()
+        stream.send_now = None  # nothing goes out before the first frames
+        stream.start_writer = self.start
+        stream.on_kill = self._on_kill
+        self.start()
+
+    def start(self) -> None:
+        """Start the writer, unless it runs already (never blocks)."""
+        if self._writing is None:
+            self._writing = trio.CancelScope()
+            self.stream.send_now = None  # it would overtake the frames the writer holds
+            self._context.run(self._nursery.start_soon, self._write)
+
+    def stop(self) -> None:
+        """The connection is over: start nothing more, write nothing more directly."""
+        stream = self.stream
+        stream.start_writer = None
+        stream.send_now = None
+
+    def end(self) -> None:
+        """End the connection (it is then closed with :func:`close_code`'s code)."""
+        self.stop()
+        self.sock.stop_reading()
+        for scope in (self.commanding, self._writing, self._pinging):
+            if scope is not None:
+                scope.cancel()
+
+    def _on_kill(self) -> None:
+        # Never cut the frame in flight: it, then the close frame, get the bound.
+        self.sock.limit_writes(trio.current_time() + SLOW_CLOSE_TIMEOUT)
+        self.end()
+
+    async def _write(self) -> None:
+        scope = self._writing
+        assert scope is not None
+        try:
+            with scope:
+                if not await self._drain():
+                    self.end()
+                    return
+        except PeerGone:
+            self.end()
+            return
+        if not scope.cancel_called:
+            # Drained: idle again, the broker writes directly (no checkpoint since the queue
+            # was found empty, so nothing came in between).
+            self._writing = None
+            if self.stream.start_writer is not None:
+                self.stream.send_now = self._send_now
+
+    async def _drain(self) -> bool:
+        """Write the first frames, then the queue until it is empty (True) or has ended, or
+        the client was killed (False)."""
+        sock, stream = self.sock, self.stream
+        receive_nowait = stream.receive.receive_nowait
+        first, self._first = self._first, None
+        if first is not None:
+            await sock.send_frames(first)
+        while True:
+            try:
+                frames = [receive_nowait()]
+            except trio.WouldBlock:
+                return True
+            except trio.EndOfChannel:  # the workspace closed, after everything queued
+                return False
+            if stream.is_killed:
+                return False  # disconnected by the broker: close now, skip what is queued
+            # Whatever else is already queued goes out in the same write.
+            while len(frames) < sock.max_batch:
+                try:
+                    frames.append(receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            await sock.send_frames(frames)
+            stream.after_receive()
+
+    def ping_soon(self) -> None:
+        """Ping the client in a task of the connection's own, unless a ping is on already (for
+        the :class:`~.keepalive.Keepalive`; never blocks)."""
+        if self._pinging is None and self.stream.start_writer is not None:
+            self._pinging = trio.CancelScope()
+            self._context.run(self._nursery.start_soon, self._ping)
+
+    async def _ping(self) -> None:
+        scope = self._pinging
+        assert scope is not None
+        answered = True
+        with scope:
+            try:
+                answered = await self.sock.ping()
+            except PeerGone:
+                answered = False
+        self._pinging = None
+        if not answered:
+            self.end()
+
+    def sent_since(self) -> bool:
+        """Whether anything was written to the client since the last call (the keepalive's
+        question)."""
+        sock = self.sock
+        sent, sock.sent = sock.sent, False
+        return sent
+
+
+async def serve_connection(
+    sock: EventSocket,
+    ws: Workspace,
+    sub: Subscription,
+    api: Api,
+    keepalive: Keepalive | None = None,
+    nursery: trio.Nursery | None = None,
+) -> None:
+    """Serve one accepted websocket until the client leaves, is killed, does not answer a ping
+    (``keepalive``: the server's timer, None when the transport pings by itself) or the
+    workspace closes; then close it (see the module's docstring).
+
+    ``nursery``: where the connection's tasks run (the writer, pings, command replies), one the
+    transport has open for the connection anyway (and cancels once this returns: replies still
+    pending then are dropped); None: a nursery of its own.
+    """
+    if nursery is None:
+        async with trio.open_nursery() as own:
+            await serve_connection(sock, ws, sub, api, keepalive, own)
+            own.cancel_scope.cancel()
+        return
     set_log_context(workspace_id=ws.id)  # this connection's records, to its close line
     if ws.closing:  # the workspace began closing while the upgrade was answered
         await sock.close(WS_CLOSE_GOING_AWAY, WORKSPACE_CLOSED)
         return
     client: ClientStream | None = None
     try:
-        async with subscribed(ws, sub) as (stream, hello, first), trio.open_nursery() as nursery:
+        async with subscribed(ws, sub) as (stream, hello, first):
             client = stream
-            writer_scope = trio.CancelScope()
-
-            def on_kill() -> None:
-                # Never cut the frame in flight: it, then the close frame, get the bound.
-                sock.limit_writes(trio.current_time() + SLOW_CLOSE_TIMEOUT)
-                writer_scope.cancel()
-
-            stream.on_kill = on_kill
-            stream.send_now = sock.send_now
-
-            async def writer() -> None:
-                with writer_scope:
+            writer = OnDemandWriter(sock, stream, nursery, [hello, *first])
+            del hello, first
+            if keepalive is not None:
+                keepalive.add(writer)
+            try:
+                # The reader, in the handler's own task. Its wait is the transport's own
+                # coroutine, in no scope of ours: an idle connection holds nothing more.
+                receive, left = sock.receive, sock.left
+                while True:
                     try:
-                        await write_events(sock, stream, hello, first)
-                    except PeerGone:
-                        pass
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(writer)
-            while (raw := await sock.receive()) is not None:
-                await answer_command(raw, ws, api, stream, nursery)
-            nursery.cancel_scope.cancel()  # the client left
+                        raw = await receive()
+                    except left:
+                        break
+                    if raw is None:
+                        break
+                    with trio.CancelScope() as writer.commanding:
+                        await answer_command(raw, ws, api, stream, nursery)
+                    writer.commanding = None
+                writer.end()  # the client left, or the connection was ended
+            finally:
+                writer.stop()
+                if keepalive is not None:
+                    keepalive.discard(writer)
         await sock.close(*close_code(stream, ws))
     finally:
-        if client is not None and client.kill_reason == TOO_SLOW_REASON:
-            METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()
-
-
-async def write_events(
-    sock: EventSocket, stream: ClientStream, hello: Event, first: list[Event]
-) -> None:
-    """The writer: ``hello`` and the resumed frames, then the client's queue until it ends.
-
-    Returns when the queue ends (the client was killed, or the workspace closed after everything
-    queued, the final ``run_complete`` events included, was sent) or a ping got no pong.
-    """
-    await sock.send_frames([hello, *first])
-    first.clear()
-    idle_limit = sock.ping_interval if sock.ping_interval > 0 else float("inf")
-    while True:
-        event: Event | None = None
-        with trio.move_on_after(idle_limit):
-            try:
-                event = await stream.receive.receive()
-            except trio.EndOfChannel:
-                return
-        if event is None:
-            if not await sock.ping():
-                return
-            continue
-        if stream.killed.is_set():
-            return  # disconnected by the broker: close now, skip what is queued
-        # Whatever else is already queued goes out in the same write.
-        frames = [event]
-        while len(frames) < sock.max_batch:
-            try:
-                frames.append(stream.receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        await sock.send_frames(frames)
-        stream.after_receive()
+        if client is not None:
+            client.on_kill = None  # no reference cycle (stream, writer) outlives the connection
+            if client.kill_reason == TOO_SLOW_REASON:
+                METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()

@@ -118,9 +118,27 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     locks), so the write path costs no extra lock.
     """
 
+    __slots__ = (
+        "_fd",
+        "_open",
+        "_pending",
+        "_prefix",
+        "_write_scope",
+        "_writing",
+        "aborted",
+        "broken",
+        "head",
+        "socket",
+        "transport",
+        "write_deadline",
+    )
+
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
         self.transport = stream
         self.socket = stream.socket
+        #: The socket's descriptor, for :meth:`write_nowait` (used only while the stream is
+        #: open: :attr:`writable_now`).
+        self._fd = stream.socket.fileno()
         self._prefix = prefix
         self.head = prefix  # the request head as read (the websocket endpoint reads Host from it)
         self._writing: trio.Event | None = None
@@ -191,7 +209,7 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         whole and in order; an error of the socket is left for that write to report.
         """
         try:
-            sent = os.write(self.socket.fileno(), data)
+            sent = os.write(self._fd, data)
         except OSError:  # would block (EAGAIN), or the peer is gone: the next write finds out
             sent = 0
         if sent == len(data):
@@ -724,12 +742,12 @@ async def serve_dispatching(
                     wrapped = PrefixedStream(stream, head)
                     event_websocket = ws_handler is not None and is_event_websocket(head)
                     del head  # the stream holds it as long as it is needed
-                    CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                     if ws_handler is not None and event_websocket:
                         clear_user_timeout(stream.socket)
                         async with contained(wrapped, "event websocket"):
                             await ws_handler(wrapped)
                     else:
+                        CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                         # TCPServer is typed for SSL streams but takes any stream with a .socket.
                         await HttpConnection(
                             app,

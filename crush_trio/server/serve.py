@@ -37,7 +37,8 @@ from ..tools.sandbox import probe as sandbox_probe
 from ..wsdeflate import bound_hypercorn_deflate
 from .api import Api
 from .app import create_app
-from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatching
+from .keepalive import keepalive_timer
+from .listener import ConnectionRules, WsHandler, serve_dispatching
 from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
@@ -182,18 +183,15 @@ async def serve(
     stop = trio.Event()
     api = Api(backend)
     app = create_app(api, settings, on_shutdown=stop.set)
-    hconfig = HypercornConfig()
-    hconfig.accesslog = None
-    hconfig.errorlog = logging.getLogger("crush_trio.http")
-    hconfig.graceful_timeout = HYPERCORN_GRACE
-    hconfig.websocket_ping_interval = server_opts.ws_ping_interval or None
-    hconfig.websocket_max_message_size = server_opts.max_body_bytes
-    bound_hypercorn_deflate(server_opts.max_body_bytes)
-    hconfig.wsgi_max_body_size = server_opts.max_body_bytes
-    hconfig.include_server_header = False
+    hconfig = _hypercorn_config(config)
     logging.getLogger("crush_trio.access").disabled = not options.access_log
     try:
-        async with placement.running(backend), backend.running(), trio.open_nursery() as nursery:
+        async with (
+            placement.running(backend),
+            backend.running(),
+            keepalive_timer(server_opts.ws_ping_interval) as keepalive,
+            trio.open_nursery() as nursery,
+        ):
             nursery.start_soon(trio.to_thread.run_sync, warm_ssl_context)
             # The bash sandbox's one self-test, so its outcome is logged at startup.
             nursery.start_soon(partial(trio.to_thread.run_sync, sandbox_probe))
@@ -203,11 +201,9 @@ async def serve(
             )
             ws_handler: WsHandler | None = None
             if server_opts.ws_transport == "trio-websocket" and not unix:
-
-                async def serve_ws(stream: PrefixedStream) -> None:
-                    await serve_event_websocket(stream, api, settings)
-
-                ws_handler = serve_ws
+                ws_handler = partial(
+                    serve_event_websocket, api=api, settings=settings, keepalive=keepalive
+                )
             # Every transport goes through the dispatcher: head checks and containment.
             await nursery.start(
                 partial(
@@ -240,6 +236,22 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
+
+
+def _hypercorn_config(config: Config) -> HypercornConfig:
+    """hypercorn's configuration: no access log of its own, its grace, and the server's bounds
+    on websockets and bodies."""
+    server_opts = config.server
+    hconfig = HypercornConfig()
+    hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("crush_trio.http")
+    hconfig.graceful_timeout = HYPERCORN_GRACE
+    hconfig.websocket_ping_interval = server_opts.ws_ping_interval or None
+    hconfig.websocket_max_message_size = server_opts.max_body_bytes
+    bound_hypercorn_deflate(server_opts.max_body_bytes)
+    hconfig.wsgi_max_body_size = server_opts.max_body_bytes
+    hconfig.include_server_header = False
+    return hconfig
 
 
 def _placement(options: ServeOptions, config: Config, url: str) -> Placement:

@@ -93,7 +93,7 @@ async def sse_blocks(
         yield hello.sse
         for frame in first:
             yield frame.sse
-        while not stream.killed.is_set():
+        while not stream.is_killed:
             # Never yield inside a cancel scope: the scope would span the consumer's code.
             event: Event | None = None
             with trio.move_on_after(interval if interval > 0 else math.inf):

@@ -34,13 +34,17 @@ class AsgiEventSocket:
     """quart's current ``websocket`` as an :class:`~.connection.EventSocket`."""
 
     max_batch = 1
-    ping_interval = 0.0  # hypercorn's websocket_ping_interval
     send_now = None  # hypercorn encodes and writes every frame itself
+    left: tuple[type[Exception], ...] = ()  # a disconnect cancels the handler (quart-trio)
+    sent = False  # hypercorn pings the client itself (websocket_ping_interval): no keepalive
 
     def __init__(self) -> None:
         #: The connection's stream under hypercorn (None: served without the dispatcher).
         self.stream = CONNECTION_STREAM.get()
         self._close_failed = False
+        #: The wait in :meth:`receive`, and whether :meth:`stop_reading` was called.
+        self._reading: trio.CancelScope | None = None
+        self._stopped = False
 
     def limit_writes(self, deadline: float) -> None:
         if self.stream is not None:
@@ -58,11 +62,19 @@ class AsgiEventSocket:
         for frame in frames:
             await websocket.send(frame.text)
 
-    async def ping(self) -> bool:  # never called: ping_interval is 0
+    async def ping(self) -> bool:  # never called: hypercorn pings
         return True
 
+    def stop_reading(self) -> None:
+        self._stopped = True
+        if self._reading is not None:
+            self._reading.cancel()
+
     async def receive(self) -> str | bytes | None:
-        return await websocket.receive()
+        if not self._stopped:
+            with trio.CancelScope() as self._reading:
+                return await websocket.receive()
+        return None
 
     async def close(self, code: int, reason: str) -> None:
         deadline = self.stream.write_deadline if self.stream is not None else math.inf

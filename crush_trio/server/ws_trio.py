@@ -6,13 +6,16 @@ commands go over the same socket; close codes 1000/1001/1009/1012/1013. A client
 permessage-deflate gets it (:mod:`crush_trio.wsdeflate`): its frames are compressed per
 connection, and its compressed commands are inflated within ``server.max_body_bytes``.
 
-Tasks per connection: trio-websocket's reader, the writer (the only task that sends events), and
-the handler itself, which runs the commands. Every write goes through the connection's
+Tasks per connection: trio-websocket's reader and the handler itself, which runs the commands.
+An idle client's frames are written at once by the broker (:meth:`TrioEventSocket.send_now`); the
+writer (:class:`~.connection.OnDemandWriter`, the only task that sends queued events) runs only
+while frames wait for a socket that would block. Every write goes through the connection's
 :class:`~.listener.PrefixedStream`, which writes each frame whole or aborts the connection: a
 client disconnected as too slow gets the frame in flight and then the close frame (1013) if it
 reads again within :data:`~.connection.SLOW_CLOSE_TIMEOUT`, else a reset and nothing more. A
-writer that has sent nothing for ``server.ws_ping_interval`` seconds pings the client and closes
-the connection if no pong comes back within :data:`PONG_TIMEOUT`.
+client that was sent nothing for ``server.ws_ping_interval`` seconds is pinged by the server's
+one timer (:mod:`.keepalive`), in a task that lasts until the pong; the connection is closed if
+no pong comes back within :data:`PONG_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketRequest
+from trio_websocket import ConnectionClosed, WebSocketRequest
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
@@ -38,9 +41,10 @@ from .connection import PeerGone, check_upgrade, close_bound, serve_connection
 from .security import check_request_host, check_request_token, response_headers
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Sequence
+    from collections.abc import Awaitable, Coroutine, Sequence
 
     from .api import Api
+    from .keepalive import Keepalive
     from .listener import PrefixedStream
     from .settings import Settings
 
@@ -79,32 +83,29 @@ class _Request:
 
 
 class SerializedStream(trio.abc.HalfCloseableStream):
-    """The connection's stream with a lock around writes, shared by trio-websocket's own sends
-    (pings, pongs, close) and :meth:`TrioEventSocket.send_frames`.
+    """The connection's stream as trio-websocket writes it, and a way to stop waiting for its
+    handshake when it closes (:attr:`on_close`).
 
     trio-websocket has no public way to send bytes already encoded as frames, and encoding each
     event again for every client is what the broker's shared frames avoid; so the writer writes
-    the stream under the connection directly, and this lock keeps its writes and the library's
-    from interleaving.
+    the :class:`PrefixedStream` under the connection directly, holding the connection's own
+    send lock (:attr:`~crush_trio._compat.trio_websocket.DeflateConnection.send_lock`), which
+    trio-websocket holds around each of its writes here (pings, pongs, close): one lock per
+    connection keeps its writes and the library's from interleaving.
     """
+
+    __slots__ = ("on_close", "stream", "transport")
 
     def __init__(self, stream: PrefixedStream) -> None:
         self.stream = stream
         #: The socket stream underneath (as :class:`PrefixedStream` names it).
         self.transport = stream.transport
-        self.send_lock = trio.StrictFIFOLock()
         #: Cancelled when the stream is closed (see :func:`serve_event_websocket`).
         self.on_close: trio.CancelScope | None = None
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        async with self.send_lock:
-            await self.stream.send_all(data)
-
-    async def send_frames(self, data: bytes, ends: Sequence[int]) -> None:
-        """Write several frames (ending at the offsets ``ends``) in one write; a cancellation
-        finishes only the frame in flight (:meth:`PrefixedStream.send_frames`)."""
-        async with self.send_lock:
-            await self.stream.send_frames(data, ends)
+    def send_all(self, data: bytes | bytearray | memoryview) -> Coroutine[Any, Any, None]:
+        # Called by trio-websocket only, under the connection's send lock.
+        return self.stream.send_all(data)
 
     def receive_some(self, max_bytes: int | None = None) -> Coroutine[Any, Any, bytes]:
         # The stream's own coroutine: an idle connection's reader waits one frame less deep.
@@ -114,8 +115,7 @@ class SerializedStream(trio.abc.HalfCloseableStream):
         await self.stream.wait_send_all_might_not_block()
 
     async def send_eof(self) -> None:
-        async with self.send_lock:
-            await self.stream.send_eof()
+        await self.stream.send_eof()  # never called by trio-websocket
 
     async def aclose(self) -> None:
         if self.on_close is not None:
@@ -126,21 +126,36 @@ class SerializedStream(trio.abc.HalfCloseableStream):
 class TrioEventSocket:
     """An accepted trio-websocket connection as an :class:`~.connection.EventSocket`."""
 
+    __slots__ = (
+        "_peer_closed",
+        "client_id",
+        "conn",
+        "deflate",
+        "prefixed",
+        "send_lock",
+        "sent",
+    )
+
     max_batch = MAX_FRAMES_PER_WRITE
+    #: What :meth:`receive` raises once the client has left (or its frame was too big: 1009).
+    left: tuple[type[Exception], ...] = (ConnectionClosed,)
 
     def __init__(
         self,
-        conn: WebSocketConnection,
+        conn: compat_ws.DeflateConnection,
         stream: SerializedStream,
         *,
         client_id: str,
-        ping_interval: float,
         deflate: BoundedDeflate | None = None,
     ) -> None:
         self.conn = conn
-        self.stream = stream
+        #: The stream every write goes through, and the connection's send lock (held by every
+        #: write: trio-websocket's and :meth:`send_frames`).
+        self.prefixed = stream.stream
+        self.send_lock = conn.send_lock
         self.client_id = client_id
-        self.ping_interval = ping_interval
+        #: Something was written since the keepalive last looked.
+        self.sent = False
         #: The negotiated permessage-deflate, or None: frames go out as shared.
         self.deflate = deflate
         self._peer_closed = False
@@ -155,14 +170,11 @@ class TrioEventSocket:
         :data:`~crush_trio.broker.SENT` when the socket took the whole frame; else
         :data:`~crush_trio.broker.SENT_IN_PART`: the rest waits in the stream for the writer.
         """
-        prefixed = self.stream.stream
-        if (
-            not prefixed.writable_now
-            or self.stream.send_lock.locked()
-            or self.conn.closed is not None
-        ):
+        prefixed = self.prefixed
+        if not prefixed.writable_now or self.send_lock.locked() or self.conn.closed is not None:
             return NOT_SENT
         data = event.ws_frame if self.deflate is None else self.deflate.frame(event)
+        self.sent = True
         return SENT if prefixed.write_nowait(data) else SENT_IN_PART
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
@@ -181,23 +193,25 @@ class TrioEventSocket:
             parts = [frame(f) for f in frames if f is not FLUSH]
         else:
             parts = [f.ws_frame for f in frames if f is not FLUSH]
+        self.sent = True
         try:
-            if not parts:  # only the rest of a frame written in part by send_now
-                await self.stream.send_frames(b"", ())
-            elif len(parts) == 1:
-                await self.stream.send_frames(parts[0], (len(parts[0]),))
-            else:
-                await self.stream.send_frames(
-                    b"".join(parts), list(itertools.accumulate(map(len, parts)))
-                )
+            async with self.send_lock:
+                if not parts:  # only the rest of a frame written in part by send_now
+                    await self.prefixed.send_frames(b"", ())
+                elif len(parts) == 1:
+                    await self.prefixed.send_frames(parts[0], (len(parts[0]),))
+                else:
+                    await self.prefixed.send_frames(
+                        b"".join(parts), list(itertools.accumulate(map(len, parts)))
+                    )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerGone from None
 
     def limit_writes(self, deadline: float) -> None:
-        self.stream.stream.limit_writes(deadline)
+        self.prefixed.limit_writes(deadline)
 
     def ending(self) -> str:
-        prefixed = self.stream.stream
+        prefixed = self.prefixed
         if prefixed.aborted:
             return "aborted"
         if prefixed.broken or self._peer_closed:
@@ -215,23 +229,27 @@ class TrioEventSocket:
             return False
         return True
 
-    async def receive(self) -> str | bytes | None:
-        try:
-            return await self.conn.get_message()
-        except ConnectionClosed:
-            return None  # the client left (or sent an oversized frame: closed with 1009)
+    def stop_reading(self) -> None:
+        self.conn.stop_reading()
+
+    def receive(self) -> Awaitable[str | bytes]:
+        # trio-websocket's own coroutine: an idle connection's handler waits one frame less deep.
+        return self.conn.get_message()
 
     async def close(self, code: int, reason: str) -> None:
         # The client's close frame (or its leaving) came first: no close frame of ours then.
         self._peer_closed = self.conn.closed is not None
-        with trio.move_on_after(close_bound(self.stream.stream.write_deadline), shield=True):
+        with trio.move_on_after(close_bound(self.prefixed.write_deadline), shield=True):
             await self.conn.aclose(code, reason)
         if self.deflate is not None:
             self.deflate.release()
 
 
-async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Settings) -> None:
-    """Handle one connection whose head is an upgrade to ``/v1/workspaces/{wid}/ws``."""
+async def serve_event_websocket(
+    stream: PrefixedStream, api: Api, settings: Settings, keepalive: Keepalive | None = None
+) -> None:
+    """Handle one connection whose head is an upgrade to ``/v1/workspaces/{wid}/ws``; the
+    server's ``keepalive`` pings it when idle (None: never pinged)."""
     serialized = SerializedStream(stream)
     async with trio.open_nursery() as nursery:
         try:
@@ -289,14 +307,13 @@ async def serve_event_websocket(stream: PrefixedStream, api: Api, settings: Sett
             conn,
             serialized,
             client_id=sub.client_id,
-            ping_interval=settings.ws_ping_interval,
             deflate=deflate,
         )
         # The connection keeps nothing of its upgrade request (an idle client's memory).
-        del request, req
+        del request, req, handshake
         match = None
         stream.head = b""
-        await serve_connection(sock, ws, sub, api)
+        await serve_connection(sock, ws, sub, api, keepalive, nursery)
         nursery.cancel_scope.cancel()
 
 
