@@ -42,6 +42,8 @@ from ._compat.hypercorn import use_websocket_deflate
 from ._compat.trio_websocket import BoundedExtension
 
 if TYPE_CHECKING:
+    from collections.abc import Hashable
+
     from .broker import Event
 
 #: LZ77 window of a connection's compressor (bits; the window is ``2**bits`` bytes). A client's
@@ -115,6 +117,10 @@ class Cohort:
     """One compressor state shared by every connection that got the same compressed frames, in
     the same order, since it began (with the same window).
 
+    Transport-neutral: a branch is keyed by any hashable ``key`` (an :class:`~crush_trio.broker.
+    Event` here; the SSE block's bytes for the gzip event stream, :mod:`crush_trio.server.
+    sse_gzip`), and a subclass says how one unit is compressed and framed (:meth:`_compress`).
+
     :meth:`send` is the frame of an event after this state and the state after it: computed once
     (from a copy of this state's compressor, which stays as it is for the connections still
     here) and remembered as a branch, so that the other connections here get the same bytes and
@@ -138,13 +144,14 @@ class Cohort:
         self.members = 0
         #: Only one connection is here and no other can arrive: it compresses in place.
         self.private = False
-        #: Event -> (its frame after this state, the state after it); at most MAX_BRANCHES.
-        self.branches: dict[Event, tuple[bytes, weakref.ref[Cohort]]] = {}
+        #: Key -> (its frame after this state, the state after it); at most MAX_BRANCHES.
+        self.branches: dict[Hashable, tuple[bytes, weakref.ref[Cohort]]] = {}
 
-    def send(self, event: Event, shared: bytes) -> tuple[bytes, Cohort]:
-        """The compressed frame (RSV1 set) of ``event``, whose uncompressed frame is
-        ``shared``, after this state; and the state after it (this one, changed in place, when
-        it is private)."""
+    def send(self, event: Hashable, shared: bytes) -> tuple[bytes, Cohort]:
+        """The compressed frame (for a websocket: RSV1 set) of ``event``, whose uncompressed
+        frame is ``shared``, after this state; and the state after it (this one, changed in
+        place, when it is private). ``event`` is the branch's key: two calls with equal keys
+        must have equal ``shared``."""
         if self.private:
             return self._compress(self.deflater, shared), self
         branches = self.branches
@@ -160,7 +167,7 @@ class Cohort:
             return self._compress(self.deflater, shared), self
         deflater = self.deflater.copy()
         frame = self._compress(deflater, shared)
-        after = Cohort(deflater) if self.takeover else self
+        after = type(self)(deflater) if self.takeover else self
         if len(branches) >= MAX_BRANCHES:
             del branches[next(iter(branches))]  # the oldest
         branches[event] = (frame, weakref.ref(after))
@@ -168,6 +175,8 @@ class Cohort:
 
     @staticmethod
     def _compress(deflater: Deflater, shared: bytes) -> bytes:
+        """One frame compressed after ``deflater``'s state (which it advances): here a
+        permessage-deflate text frame from the uncompressed frame ``shared``."""
         data = deflater.compress(memoryview(shared)[_header_size(len(shared)) :])
         data += deflater.flush(zlib.Z_SYNC_FLUSH)
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text

@@ -28,7 +28,7 @@ from hypercorn.config import Config as HypercornConfig
 from .. import __version__
 from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
-from ..config import Config, load_config
+from ..config import Config, ServerOptions, load_config
 from ..core.placement import LocalPlacement, Placement
 from ..defaults import DEFAULT_HOST, DEFAULT_PORT
 from ..errors import ConfigError
@@ -41,6 +41,7 @@ from .listener import ConnectionRules, PrefixedStream, WsHandler, serve_dispatch
 from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
+from .sse_listener import serve_event_stream
 from .ws_trio import serve_event_websocket
 
 log = logging.getLogger(__name__)
@@ -201,13 +202,7 @@ async def serve(
             wrapped = wrap_app(
                 ConnectionRules(app, settings.web_prefix), hconfig.wsgi_max_body_size, "asgi"
             )
-            ws_handler: WsHandler | None = None
-            if server_opts.ws_transport == "trio-websocket" and not unix:
-
-                async def serve_ws(stream: PrefixedStream) -> None:
-                    await serve_event_websocket(stream, api, settings)
-
-                ws_handler = serve_ws
+            ws_handler, sse_handler = _stream_handlers(api, settings, server_opts, unix=unix)
             # Every transport goes through the dispatcher: head checks and containment.
             await nursery.start(
                 partial(
@@ -218,6 +213,7 @@ async def serve(
                     ws_handler,
                     shutdown_trigger=http_stop.wait,
                     web_prefix=settings.web_prefix,
+                    sse_handler=sse_handler,
                 )
             )
             murl = None
@@ -240,6 +236,24 @@ async def serve(
                 os.unlink(url[len("unix:") :])
             except OSError:
                 pass
+
+
+def _stream_handlers(
+    api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
+) -> tuple[WsHandler | None, WsHandler | None]:
+    """The dispatcher's handlers of the event websocket and of the SSE event stream, served on
+    the socket (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
+    hypercorn serves them through the app's routes."""
+    if server_opts.ws_transport != "trio-websocket" or unix:
+        return None, None
+
+    async def serve_ws(stream: PrefixedStream) -> None:
+        await serve_event_websocket(stream, api, settings)
+
+    async def serve_sse(stream: PrefixedStream) -> None:
+        await serve_event_stream(stream, api, settings)
+
+    return serve_ws, serve_sse
 
 
 def _placement(options: ServeOptions, config: Config, url: str) -> Placement:
