@@ -10,6 +10,7 @@ travelled is checked, not what a client library makes of it.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import zlib
 from contextlib import asynccontextmanager
@@ -489,6 +490,39 @@ async def test_a_slow_client_gets_a_gap_then_is_disconnected_at_a_chunk_boundary
                     await raw.to_end()
         assert stream.kill_reason == "too slow"
     assert _slow_closes("closed") - closed_before == 1
+
+
+async def test_the_server_stops_promptly_under_a_client_that_stopped_reading(
+    tmp_path: Path,
+) -> None:
+    """Shutdown ends every stream: a client that reads nothing holds it up no longer than the
+    bounds of the end of its body (the chunk in flight, then the trailer)."""
+    model = ScriptedModel([Step(SLOW_REPLY[: 200 * 2000], token_delay=TOKEN_DELAY)])
+    config = slow_close_config(tmp_path, "trio-websocket")
+    async with contextlib.AsyncExitStack() as streams:
+        with trio.fail_after(WAIT * 2):
+            async with running_server(
+                tmp_path, config_file=config, provider_factory=model
+            ) as server:
+                wid = (await server.open_workspace())["id"]
+                sid = (await server.create_session(wid))["id"]
+                client_id = str(uuid.uuid4())
+                raw = await slow_sse(server, wid, client_id, gzip=True)
+                await streams.enter_async_context(raw.stream)  # open until the server is gone
+                (stream,) = [
+                    c for c in server.backend.get(wid).broker.clients if c.client_id == client_id
+                ]
+                dropped = trio.Event()
+                drop_one = stream._dropped_one
+
+                def counted_drop() -> None:
+                    drop_one()
+                    dropped.set()
+
+                stream._dropped_one = counted_drop  # type: ignore[method-assign]
+                await server.prompt(wid, sid, "a long reply")
+                await dropped.wait()  # its socket and its queue are full
+                server.handle.stop()
 
 
 async def test_cancelled_while_the_request_is_checked_leaves_nothing(

@@ -201,9 +201,13 @@ class SseSocket:
         self.unsent = False
 
     async def close(self) -> None:
-        """End the body (the gzip trailer, the last chunk), then send EOF; bounded, never
-        raises. After a write cut short, a gzip stream gets neither (it could not be inflated
-        to its end), a plain one only the last chunk."""
+        """End the body (the gzip trailer, the last chunk), then send EOF and read what the
+        client still sends until it closes (a lingering close); bounded, never raises. After a
+        write cut short, a gzip stream gets neither (it could not be inflated to its end), a
+        plain one only the last chunk.
+
+        Cancellation: the end of the body and the EOF are written shielded, within
+        :func:`~.connection.close_bound`; the lingering read stops at once."""
         gzip, tail = self.gzip, LAST_CHUNK
         if gzip is not None:
             tail = b"" if self.unsent else gzip.finish() + LAST_CHUNK
@@ -216,7 +220,8 @@ class SseSocket:
                 await stream.send_eof()
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 return
-            await discard_until_eof(stream)
+        # Not shielded: a shutdown does not wait for clients that keep the connection open.
+        await discard_until_eof(stream)
 
     def ending(self) -> str:
         """How a killed client's close went (``crush_trio_slow_client_closes_total``)."""
