@@ -154,12 +154,13 @@ async def open_sse(
     query: str | None = None,
     headers: dict[str, str] | None = None,
     token: str | None = TOKEN,
+    prefix: str = "",
 ) -> AsyncIterator[RawSse]:
     host = url.removeprefix("http://")
     address, port = host.rsplit(":", 1)
     if query is None:
         query = f"client_id={uuid.uuid4()}"
-    lines = [f"GET /v1/workspaces/{wid}/events?{query} HTTP/1.1", f"Host: {host}"]
+    lines = [f"GET {prefix}/v1/workspaces/{wid}/events?{query} HTTP/1.1", f"Host: {host}"]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
     lines.append(f"Accept-Encoding: {'gzip' if gzip else 'identity'}")
@@ -257,6 +258,20 @@ async def test_a_token_in_the_query_or_the_cookie_is_accepted(server: Server) ->
     cookie = {"Cookie": f"crush_trio_token_{port}={TOKEN}"}
     async with open_sse(server.url, ws["id"], headers=cookie, token=None) as raw:
         assert raw.status == 200
+        await raw.until(typed("hello"))
+
+
+async def test_the_web_pages_prefix_and_its_cookie_are_served(server: Server) -> None:
+    """The browser's page asks under its path prefix, with the token in the cookie scoped to it."""
+    ws = await server.open_workspace()
+    answer = await server.http.get("/", params={"token": TOKEN}, follow_redirects=False)
+    prefix = answer.headers["location"].partition("/?")[0].removesuffix("/")
+    assert prefix.startswith("/w-")
+    port = server.url.rsplit(":", 1)[1]
+    cookie = {"Cookie": f"crush_trio_token_{port}={TOKEN}"}
+    async with open_sse(server.url, ws["id"], headers=cookie, token=None, prefix=prefix) as raw:
+        assert raw.status == 200
+        assert raw.headers["connection"] == "close"  # the dispatcher's answer
         await raw.until(typed("hello"))
 
 
