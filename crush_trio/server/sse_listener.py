@@ -50,7 +50,7 @@ import trio
 from werkzeug.datastructures import Headers, MultiDict
 from werkzeug.http import parse_cookie
 
-from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, Event
+from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, TOO_SLOW_REASON, Event
 from ..errors import CrushError
 from ..logs import set_log_context
 from ..metrics import METRICS
@@ -235,7 +235,10 @@ class SseSocket:
 async def serve_event_stream(stream: PrefixedStream, api: Api, settings: Settings) -> None:
     """Handle one connection whose head is ``GET /v1/workspaces/{wid}/events`` (see the module):
     refuse it, or stream the workspace's events until the client leaves, is killed, or the
-    workspace closes."""
+    workspace closes.
+
+    Cancellation (the server's grace deadline): the subscription is undone, and the end of the
+    body is still written, shielded and bounded (:meth:`SseSocket.close`)."""
     started = time.perf_counter()
     req = EventStreamRequest(stream.head)
     stream.head = b""  # the stream keeps nothing of its request (an idle client's memory)
@@ -290,7 +293,7 @@ async def stream_events(sock: SseSocket, ws: Workspace, sub: Subscription, inter
             await read_until_gone(sock.stream)
             nursery.cancel_scope.cancel()  # the client left
     finally:
-        if client is not None and client.killed.is_set():
+        if client is not None and client.kill_reason == TOO_SLOW_REASON:
             METRICS.slow_client_closes.labels(outcome=sock.ending()).inc()
 
 
