@@ -31,9 +31,10 @@ it); connection frames go out uncompressed, so an idle client holds none.
 
 from __future__ import annotations
 
+import collections
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
@@ -129,9 +130,28 @@ class Cohort:
     connection there moved on) computes its own. So connections that keep up move together and
     cost one compression per event; one that falls behind ends up alone, as with a compressor of
     its own.
+
+    A subclass may keep the last :attr:`KEEP_BEHIND` states of a lineage (the states that grew
+    from one first branch) alive after their connections moved on, so that one up to that many
+    units behind (its writer busy, its socket full) still finds its next state and stays in the
+    cohort; a connection alone at its state then compresses in place only once no other has
+    followed it for that many units (:class:`Lineage`).
     """
 
-    __slots__ = ("__weakref__", "branches", "deflater", "first", "members", "private", "takeover")
+    #: States of a lineage kept alive behind its connections (0: none, every branch is weak).
+    KEEP_BEHIND: ClassVar[int] = 0
+
+    __slots__ = (
+        "__weakref__",
+        "branches",
+        "deflater",
+        "first",
+        "lineage",
+        "members",
+        "pos",
+        "private",
+        "takeover",
+    )
 
     def __init__(self, deflater: Deflater, *, takeover: bool = True, first: bool = False) -> None:
         self.deflater = deflater
@@ -146,6 +166,10 @@ class Cohort:
         self.private = False
         #: Key -> (its frame after this state, the state after it); at most MAX_BRANCHES.
         self.branches: dict[Hashable, tuple[bytes, weakref.ref[Cohort]]] = {}
+        #: The lineage this state belongs to (None: :attr:`KEEP_BEHIND` is 0, or a first state).
+        self.lineage: Lineage | None = None
+        #: Units sent in the lineage before this state.
+        self.pos = 0
 
     def send(self, event: Hashable, shared: bytes) -> tuple[bytes, Cohort]:
         """The compressed frame (for a websocket: RSV1 set) of ``event``, whose uncompressed
@@ -156,18 +180,36 @@ class Cohort:
             return self._compress(self.deflater, shared), self
         branches = self.branches
         branch = branches.get(event)
+        lineage = self.lineage
         if branch is not None:
             after = branch[1]()
             if after is not None and not after.private:
+                if lineage is not None:
+                    lineage.joined = after.pos  # another connection follows this line
                 return branch[0], after
-        if self.members == 1 and self.takeover and not self.first:
+        if (
+            self.members == 1
+            and self.takeover
+            and not self.first
+            and (lineage is None or self.pos - lineage.joined > self.KEEP_BEHIND)
+        ):
             # Alone here: no copy; whoever was behind finds this state gone (private).
             self.private = True
             branches.clear()
+            if lineage is not None:
+                lineage.recent.clear()  # nobody followed within KEEP_BEHIND units
             return self._compress(self.deflater, shared), self
         deflater = self.deflater.copy()
         frame = self._compress(deflater, shared)
-        after = type(self)(deflater) if self.takeover else self
+        after = self
+        if self.takeover:
+            after = type(self)(deflater)
+            if self.KEEP_BEHIND:
+                if lineage is None:  # a first branch: a new lineage
+                    lineage = Lineage(self.KEEP_BEHIND)
+                after.lineage = lineage
+                after.pos = self.pos + 1
+                lineage.recent.append(after)
         if len(branches) >= MAX_BRANCHES:
             del branches[next(iter(branches))]  # the oldest
         branches[event] = (frame, weakref.ref(after))
@@ -180,6 +222,19 @@ class Cohort:
         data = deflater.compress(memoryview(shared)[_header_size(len(shared)) :])
         data += deflater.flush(zlib.Z_SYNC_FLUSH)
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
+
+
+class Lineage:
+    """The states that grew from one first branch (see :attr:`Cohort.KEEP_BEHIND`): the last of
+    them, held alive, and where a second connection last followed."""
+
+    __slots__ = ("joined", "recent")
+
+    def __init__(self, keep: int) -> None:
+        #: The newest states, oldest first (held alive for the connections behind).
+        self.recent: collections.deque[Cohort] = collections.deque(maxlen=keep + 1)
+        #: :attr:`Cohort.pos` of the last state a connection reached by an existing branch.
+        self.joined = 0
 
 
 #: The state every connection's compression starts from, by window bits and context takeover.

@@ -7,7 +7,13 @@ from __future__ import annotations
 import zlib
 
 from crush_trio.server.sse import SSE_PING
-from crush_trio.server.sse_gzip import LAST_CHUNK, GzipStream, first_gzip_state, http_chunk
+from crush_trio.server.sse_gzip import (
+    GZIP_KEEP_BEHIND,
+    LAST_CHUNK,
+    GzipStream,
+    first_gzip_state,
+    http_chunk,
+)
 
 
 def unchunk(data: bytes) -> bytes:
@@ -113,3 +119,43 @@ def test_http_chunk_framing() -> None:
     assert http_chunk(b"x" * 26) == b"1a\r\n" + b"x" * 26 + b"\r\n"
     assert http_chunk(b"") == b""  # never the last chunk by mistake
     assert LAST_CHUNK == b"0\r\n\r\n"
+
+
+def test_a_stream_behind_its_cohort_still_shares_its_compression() -> None:
+    """A stream whose writer is busy compresses its blocks later: up to ``GZIP_KEEP_BEHIND``
+    blocks behind the others it still finds their states, and gets their very bytes."""
+    ahead, behind = GzipStream(), GzipStream()
+    ra, rb = Reader(), Reader()
+    hello = block(0)
+    ra.feed(ahead.chunk(hello))
+    rb.feed(behind.chunk(hello))
+    blocks = [block(n) for n in range(1, 40)]
+    sent = {}
+    lag = GZIP_KEEP_BEHIND - 1
+    for n, b in enumerate(blocks):
+        sent[n] = ahead.chunk(b)
+        ra.feed(sent[n])
+        if n >= lag:  # the second stream takes its blocks lag blocks later
+            chunk = behind.chunk(blocks[n - lag])
+            assert chunk is sent[n - lag]
+            rb.feed(chunk)
+    for n in range(len(blocks) - lag, len(blocks)):
+        chunk = behind.chunk(blocks[n])
+        assert chunk is sent[n]
+        rb.feed(chunk)
+    ra.end(ahead.finish())
+    rb.end(behind.finish())
+    assert ra.blocks == rb.blocks == [hello, *blocks]
+
+
+def test_a_stream_too_far_behind_goes_on_alone_and_decodes() -> None:
+    ahead, behind = GzipStream(), GzipStream()
+    ra, rb = Reader(), Reader()
+    blocks = [block(n) for n in range(3 * GZIP_KEEP_BEHIND)]
+    for b in blocks:
+        ra.feed(ahead.chunk(b))
+    for b in blocks:  # everything later than the states kept behind
+        rb.feed(behind.chunk(b))
+    ra.end(ahead.finish())
+    rb.end(behind.finish())
+    assert ra.blocks == rb.blocks == blocks

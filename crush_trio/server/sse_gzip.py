@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 #: ``wbits`` that makes zlib write a gzip header and trailer around the deflate stream.
 GZIP_WBITS: Final = 16 + GZIP_WINDOW_BITS
+#: Blocks a stream may fall behind its cohort and still share its compression (the states kept
+#: alive per lineage: up to about 136 KB of zlib state each).
+GZIP_KEEP_BEHIND: Final = 16
 #: The chunk that ends a chunked HTTP body (no trailer fields).
 LAST_CHUNK: Final = b"0\r\n\r\n"
 
@@ -46,7 +49,14 @@ def http_chunk(data: bytes) -> bytes:
 
 class GzipCohort(Cohort):
     """A gzip compressor state shared by the SSE streams that were sent the same blocks: each
-    unit is the HTTP chunk of one block compressed and sync-flushed."""
+    unit is the HTTP chunk of one block compressed and sync-flushed.
+
+    A stream whose writer fell behind (its socket full, the blocks queued) compresses its blocks
+    later than the others: :data:`KEEP_BEHIND` states of its lineage stay alive so that it still
+    finds its next state, and stays in the cohort, up to that many blocks behind.
+    """
+
+    KEEP_BEHIND = GZIP_KEEP_BEHIND
 
     __slots__ = ()
 
