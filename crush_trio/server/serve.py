@@ -202,7 +202,13 @@ async def serve(
             wrapped = wrap_app(
                 ConnectionRules(app, settings.web_prefix), hconfig.wsgi_max_body_size, "asgi"
             )
-            ws_handler, sse_handler = _stream_handlers(api, settings, server_opts, unix=unix)
+            ws_handler: WsHandler | None = None
+            if server_opts.ws_transport == "trio-websocket" and not unix:
+
+                async def serve_ws(stream: PrefixedStream) -> None:
+                    await serve_event_websocket(stream, api, settings)
+
+                ws_handler = serve_ws
             # Every transport goes through the dispatcher: head checks and containment.
             await nursery.start(
                 partial(
@@ -213,7 +219,7 @@ async def serve(
                     ws_handler,
                     shutdown_trigger=http_stop.wait,
                     web_prefix=settings.web_prefix,
-                    sse_handler=sse_handler,
+                    sse_handler=_sse_handler(api, settings, server_opts, unix=unix),
                 )
             )
             murl = None
@@ -238,22 +244,15 @@ async def serve(
                 pass
 
 
-def _stream_handlers(
+def _sse_handler(
     api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
-) -> tuple[WsHandler | None, WsHandler | None]:
-    """The dispatcher's handlers of the event websocket and of the SSE event stream, served on
-    the socket (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
-    hypercorn serves them through the app's routes."""
+) -> WsHandler | None:
+    """The dispatcher's handler of the SSE event stream, served on the socket as the event
+    websocket is (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
+    hypercorn serves it through the app's route (:mod:`.sse`)."""
     if server_opts.ws_transport != "trio-websocket" or unix:
-        return None, None
-
-    async def serve_ws(stream: PrefixedStream) -> None:
-        await serve_event_websocket(stream, api, settings)
-
-    async def serve_sse(stream: PrefixedStream) -> None:
-        await serve_event_stream(stream, api, settings)
-
-    return serve_ws, serve_sse
+        return None
+    return partial(serve_event_stream, api=api, settings=settings)
 
 
 def _placement(options: ServeOptions, config: Config, url: str) -> Placement:
