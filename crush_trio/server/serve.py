@@ -244,17 +244,6 @@ async def serve(
                 pass
 
 
-def _sse_handler(
-    api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
-) -> WsHandler | None:
-    """The dispatcher's handler of the SSE event stream, served on the socket as the event
-    websocket is (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
-    hypercorn serves it through the app's route (:mod:`.sse`)."""
-    if server_opts.ws_transport != "trio-websocket" or unix:
-        return None
-    return partial(serve_event_stream, api=api, settings=settings)
-
-
 def _placement(options: ServeOptions, config: Config, url: str) -> Placement:
     """This node's placement when the cluster is on (``cluster`` with the ``--cluster-*`` flags
     applied), else the single server's :class:`LocalPlacement`.
@@ -308,6 +297,17 @@ def _settings(options: ServeOptions, config: Config, token: str) -> Settings:
         ws_ping_interval=server_opts.ws_ping_interval,
         hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
     )
+
+
+def _sse_handler(
+    api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
+) -> WsHandler | None:
+    """The dispatcher's handler of the SSE event stream, served on the socket as the event
+    websocket is (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
+    hypercorn serves it through the app's route (:mod:`.sse`)."""
+    if server_opts.ws_transport != "trio-websocket" or unix:
+        return None
+    return partial(serve_event_stream, api=api, settings=settings)
 
 
 def _close_sockets(*socks: socket.socket | None) -> None:
