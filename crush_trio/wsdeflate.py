@@ -31,9 +31,10 @@ it); connection frames go out uncompressed, so an idle client holds none.
 
 from __future__ import annotations
 
+import collections
 import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 from wsproto.extensions import PerMessageDeflate
 from wsproto.frame_protocol import CloseReason, FrameDecoder, FrameProtocol, Opcode, RsvBits
@@ -42,6 +43,8 @@ from ._compat.hypercorn import use_websocket_deflate
 from ._compat.trio_websocket import BoundedExtension
 
 if TYPE_CHECKING:
+    from collections.abc import Hashable
+
     from .broker import Event
 
 #: LZ77 window of a connection's compressor (bits; the window is ``2**bits`` bytes). A client's
@@ -115,6 +118,10 @@ class Cohort:
     """One compressor state shared by every connection that got the same compressed frames, in
     the same order, since it began (with the same window).
 
+    Transport-neutral: a branch is keyed by any hashable ``key`` (an :class:`~crush_trio.broker.
+    Event` here; the SSE block's bytes for the gzip event stream, :mod:`crush_trio.server.
+    sse_gzip`), and a subclass says how one unit is compressed and framed (:meth:`_compress`).
+
     :meth:`send` is the frame of an event after this state and the state after it: computed once
     (from a copy of this state's compressor, which stays as it is for the connections still
     here) and remembered as a branch, so that the other connections here get the same bytes and
@@ -123,9 +130,28 @@ class Cohort:
     connection there moved on) computes its own. So connections that keep up move together and
     cost one compression per event; one that falls behind ends up alone, as with a compressor of
     its own.
+
+    A subclass may keep the last :attr:`KEEP_BEHIND` states of a lineage (the states that grew
+    from one first branch) alive after their connections moved on, so that one up to that many
+    units behind (its writer busy, its socket full) still finds its next state and stays in the
+    cohort; a connection alone at its state then compresses in place only once no other has
+    followed it for that many units (:class:`Lineage`).
     """
 
-    __slots__ = ("__weakref__", "branches", "deflater", "first", "members", "private", "takeover")
+    #: States of a lineage kept alive behind its connections (0: none, every branch is weak).
+    KEEP_BEHIND: ClassVar[int] = 0
+
+    __slots__ = (
+        "__weakref__",
+        "branches",
+        "deflater",
+        "first",
+        "lineage",
+        "members",
+        "pos",
+        "private",
+        "takeover",
+    )
 
     def __init__(self, deflater: Deflater, *, takeover: bool = True, first: bool = False) -> None:
         self.deflater = deflater
@@ -138,29 +164,52 @@ class Cohort:
         self.members = 0
         #: Only one connection is here and no other can arrive: it compresses in place.
         self.private = False
-        #: Event -> (its frame after this state, the state after it); at most MAX_BRANCHES.
-        self.branches: dict[Event, tuple[bytes, weakref.ref[Cohort]]] = {}
+        #: Key -> (its frame after this state, the state after it); at most MAX_BRANCHES.
+        self.branches: dict[Hashable, tuple[bytes, weakref.ref[Cohort]]] = {}
+        #: The lineage this state belongs to (None: :attr:`KEEP_BEHIND` is 0, or a first state).
+        self.lineage: Lineage | None = None
+        #: Units sent in the lineage before this state.
+        self.pos = 0
 
-    def send(self, event: Event, shared: bytes) -> tuple[bytes, Cohort]:
-        """The compressed frame (RSV1 set) of ``event``, whose uncompressed frame is
-        ``shared``, after this state; and the state after it (this one, changed in place, when
-        it is private)."""
+    def send(self, event: Hashable, shared: bytes) -> tuple[bytes, Cohort]:
+        """The compressed frame (for a websocket: RSV1 set) of ``event``, whose uncompressed
+        frame is ``shared``, after this state; and the state after it (this one, changed in
+        place, when it is private). ``event`` is the branch's key: two calls with equal keys
+        must have equal ``shared``."""
         if self.private:
             return self._compress(self.deflater, shared), self
         branches = self.branches
         branch = branches.get(event)
+        lineage = self.lineage
         if branch is not None:
             after = branch[1]()
             if after is not None and not after.private:
+                if lineage is not None:
+                    lineage.joined = after.pos  # another connection follows this line
                 return branch[0], after
-        if self.members == 1 and self.takeover and not self.first:
+        if (
+            self.members == 1
+            and self.takeover
+            and not self.first
+            and (lineage is None or self.pos - lineage.joined > self.KEEP_BEHIND)
+        ):
             # Alone here: no copy; whoever was behind finds this state gone (private).
             self.private = True
             branches.clear()
+            if lineage is not None:
+                lineage.recent.clear()  # nobody followed within KEEP_BEHIND units
             return self._compress(self.deflater, shared), self
         deflater = self.deflater.copy()
         frame = self._compress(deflater, shared)
-        after = Cohort(deflater) if self.takeover else self
+        after = self
+        if self.takeover:
+            after = type(self)(deflater)
+            if self.KEEP_BEHIND:
+                if lineage is None:  # a first branch: a new lineage
+                    lineage = Lineage(self.KEEP_BEHIND)
+                after.lineage = lineage
+                after.pos = self.pos + 1
+                lineage.recent.append(after)
         if len(branches) >= MAX_BRANCHES:
             del branches[next(iter(branches))]  # the oldest
         branches[event] = (frame, weakref.ref(after))
@@ -168,9 +217,24 @@ class Cohort:
 
     @staticmethod
     def _compress(deflater: Deflater, shared: bytes) -> bytes:
+        """One frame compressed after ``deflater``'s state (which it advances): here a
+        permessage-deflate text frame from the uncompressed frame ``shared``."""
         data = deflater.compress(memoryview(shared)[_header_size(len(shared)) :])
         data += deflater.flush(zlib.Z_SYNC_FLUSH)
         return frame_header(0xC1, len(data) - 4) + data[:-4]  # FIN, RSV1, text
+
+
+class Lineage:
+    """The states that grew from one first branch (see :attr:`Cohort.KEEP_BEHIND`): the last of
+    them, held alive, and where a second connection last followed."""
+
+    __slots__ = ("joined", "recent")
+
+    def __init__(self, keep: int) -> None:
+        #: The newest states, oldest first (held alive for the connections behind).
+        self.recent: collections.deque[Cohort] = collections.deque(maxlen=keep + 1)
+        #: :attr:`Cohort.pos` of the last state a connection reached by an existing branch.
+        self.joined = 0
 
 
 #: The state every connection's compression starts from, by window bits and context takeover.

@@ -1,6 +1,7 @@
 """The SSE stream gzip-compressed for a client whose Accept-Encoding takes gzip (Go's HTTP client,
 as Crush's client uses it): the same events once inflated, each one readable before the next is
-sent, the gzip trailer when the stream ends, and the plain stream for a client that does not ask."""
+sent, the gzip trailer when the stream ends, and the plain stream for a client that does not ask;
+through the dispatcher's stream and through the app's route."""
 
 from __future__ import annotations
 
@@ -15,10 +16,21 @@ import pytest
 import trio
 
 from crush_trio.server.sse import accepts_gzip
-from tests.conftest import TOKEN, WAIT, Server
+from tests.conftest import TOKEN, WAIT, Server, running_server
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
+    from pathlib import Path
+
+
+@pytest.fixture(params=["trio-websocket", "asgi"], ids=["dispatcher", "app-route"])
+async def server(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Server]:
+    """A server whose SSE stream is the dispatcher's (``trio-websocket``, the default) or the
+    app's quart route (``asgi``): both must answer the same."""
+    config = tmp_path / "crush.json"
+    config.write_text(f'{{"server": {{"ws_transport": "{request.param}"}}}}')
+    async with running_server(tmp_path, config_file=config) as srv:
+        yield srv
 
 
 class Inflated:

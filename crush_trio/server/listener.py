@@ -4,8 +4,10 @@ Each accepted connection's request head is read first and checked (see :func:`ch
 head that is too long, too slow, malformed, or carries non-ASCII bytes in a header that a library
 decodes later gets its error status here and the connection is closed. An upgrade to the event
 websocket (``GET /v1/workspaces/{wid}/ws`` with ``Upgrade: websocket``) is then served by
-trio-websocket directly (:mod:`crush_trio.server.ws_trio`); everything else, including websocket
-upgrades arriving on a reused keep-alive connection, goes to hypercorn (:class:`HttpConnection`)
+trio-websocket directly (:mod:`crush_trio.server.ws_trio`), and a first ``GET
+/v1/workspaces/{wid}/events`` by the SSE handler (:mod:`crush_trio.server.sse_listener`);
+everything else, including event streams asked for on a reused keep-alive connection, goes to
+hypercorn (:class:`HttpConnection`)
 with the bytes already read put back in front of the stream.
 
 Every connection runs inside :func:`contained`: whatever a peer sends, an exception ends that
@@ -79,6 +81,13 @@ _LINGER_RESET: Final = struct.pack("ii", 1, 0)
 _WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
 _WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
 _UPGRADE: Final = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
+_SSE_REQUEST: Final = re.compile(
+    rb"^GET /v1/workspaces/[^/?%\s]+/events(?:\?[^\s]*)? HTTP/1\.1\r\n"
+)
+#: Headers that make a request more than a plain GET (a body, an upgrade, an expectation).
+_NOT_PLAIN_GET: Final = re.compile(
+    rb"(?im)^(?:transfer-encoding|upgrade|expect)[ \t]*:|^content-length[ \t]*:[ \t]*0*[1-9]"
+)
 
 
 def clear_user_timeout(sock: Any) -> None:
@@ -688,6 +697,12 @@ def is_event_websocket(head: bytes) -> bool:
     return end >= 0 and bool(_WS_REQUEST.match(head)) and bool(_UPGRADE.search(head[:end]))
 
 
+def is_event_stream(head: bytes) -> bool:
+    """A plain HTTP/1.1 ``GET /v1/workspaces/{wid}/events`` (no body, no upgrade)."""
+    end = head.find(b"\r\n\r\n")
+    return end >= 0 and bool(_SSE_REQUEST.match(head)) and not _NOT_PLAIN_GET.search(head[:end])
+
+
 WsHandler = Callable[[PrefixedStream], Awaitable[None]]
 
 
@@ -699,12 +714,14 @@ async def serve_dispatching(
     *,
     shutdown_trigger: Callable[[], Awaitable[Any]],
     web_prefix: str = "",
+    sse_handler: WsHandler | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` with hypercorn and the event websocket with ``ws_handler`` on ``sock``
-    (``None``: every connection goes to hypercorn). A first request under ``web_prefix`` (the
-    web page's path prefix) is served as the path below it; :class:`ConnectionRules` does the
-    same for later requests on a kept-alive connection.
+    (``None``: every connection goes to hypercorn), and a first ``GET .../events`` with
+    ``sse_handler`` (:func:`is_event_stream`; ``None``: hypercorn serves it). A first request
+    under ``web_prefix`` (the web page's path prefix) is served as the path below it;
+    :class:`ConnectionRules` does the same for later requests on a kept-alive connection.
 
     Mirrors hypercorn's own trio worker (lifespan, then connections, then a graceful deadline
     after ``shutdown_trigger`` returns) with the dispatcher in front of each connection.
@@ -741,11 +758,16 @@ async def serve_dispatching(
                         return
                     wrapped = PrefixedStream(stream, head)
                     event_websocket = ws_handler is not None and is_event_websocket(head)
+                    event_stream = sse_handler is not None and is_event_stream(head)
                     del head  # the stream holds it as long as it is needed
                     if ws_handler is not None and event_websocket:
                         clear_user_timeout(stream.socket)
                         async with contained(wrapped, "event websocket"):
                             await ws_handler(wrapped)
+                    elif sse_handler is not None and event_stream:
+                        clear_user_timeout(stream.socket)  # as for the event websocket
+                        async with contained(wrapped, "event stream"):
+                            await sse_handler(wrapped)
                     else:
                         CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
                         # TCPServer is typed for SSL streams but takes any stream with a .socket.

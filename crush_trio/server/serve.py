@@ -28,7 +28,7 @@ from hypercorn.config import Config as HypercornConfig
 from .. import __version__
 from .._compat.hypercorn import wrap_app
 from ..backend.registry import Backend
-from ..config import Config, load_config
+from ..config import Config, ServerOptions, load_config
 from ..core.placement import LocalPlacement, Placement
 from ..defaults import DEFAULT_HOST, DEFAULT_PORT
 from ..errors import ConfigError
@@ -42,6 +42,7 @@ from .listener import ConnectionRules, WsHandler, serve_dispatching
 from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
+from .sse_listener import serve_event_stream
 from .ws_trio import serve_event_websocket
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ async def serve(
                     ws_handler,
                     shutdown_trigger=http_stop.wait,
                     web_prefix=settings.web_prefix,
+                    sse_handler=_sse_handler(api, settings, server_opts, unix=unix),
                 )
             )
             murl = None
@@ -307,6 +309,17 @@ def _settings(options: ServeOptions, config: Config, token: str) -> Settings:
         ws_ping_interval=server_opts.ws_ping_interval,
         hosts=HostPolicy([*server_opts.allowed_hosts, *options.allow_hosts], bind=options.host),
     )
+
+
+def _sse_handler(
+    api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
+) -> WsHandler | None:
+    """The dispatcher's handler of the SSE event stream, served on the socket as the event
+    websocket is (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
+    hypercorn serves it through the app's route (:mod:`.sse`)."""
+    if server_opts.ws_transport != "trio-websocket" or unix:
+        return None
+    return partial(serve_event_stream, api=api, settings=settings)
 
 
 def _close_sockets(*socks: socket.socket | None) -> None:
