@@ -25,11 +25,11 @@ anyway (trio-websocket's reader's), or in one of the connection's own.
 
 The broker kills a client (:attr:`~crush_trio.broker.ClientStream.on_kill`) by bounding the
 connection's writes (:meth:`EventSocket.limit_writes`, :data:`SLOW_CLOSE_TIMEOUT` from now) and
-ending the connection (its writer, if one runs, is cancelled). The writer never leaves a frame half-written: the frame in flight is
-finished, frames not begun are not sent, and the close frame follows at that frame boundary. A
-client that reads again within the bound gets all that; otherwise the connection is aborted
-(reset) and nothing more is written. How each such close ended is counted
-(``crush_trio_slow_client_closes_total``).
+ending the connection (its writer, if one runs, is cancelled). The writer never leaves a frame
+half-written: the frame in flight is finished, frames not begun are not sent, and the close frame
+follows at that frame boundary. A client that reads again within the bound gets all that;
+otherwise the connection is aborted (reset) and nothing more is written. How each such close
+ended is counted (``crush_trio_slow_client_closes_total``).
 """
 
 from __future__ import annotations
