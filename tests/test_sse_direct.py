@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.broker import SENT, SENT_IN_PART, Event
+from crush_trio.broker import SENT, SENT_IN_PART, ClientStream, Event
 from crush_trio.metrics import METRICS
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server import listener, sse_listener
@@ -451,9 +451,23 @@ async def slow_sse(server: Server, wid: str, client_id: str, *, gzip: bool) -> R
     return raw
 
 
+def drop_seen(monkeypatch: pytest.MonkeyPatch, stream: ClientStream) -> trio.Event:
+    """An event set once the broker has dropped an event for ``stream`` (its queue was full)."""
+    dropped = trio.Event()
+    drop_one = ClientStream._dropped_one
+
+    def counted_drop(self: ClientStream) -> None:
+        drop_one(self)
+        if self is stream:
+            dropped.set()
+
+    monkeypatch.setattr(ClientStream, "_dropped_one", counted_drop)
+    return dropped
+
+
 @pytest.mark.parametrize("gzip", [False, True], ids=["plain", "gzip"])
 async def test_a_slow_client_gets_a_gap_then_is_disconnected_at_a_chunk_boundary(
-    tmp_path: Path, gzip: bool
+    tmp_path: Path, gzip: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     closed_before = _slow_closes("closed")
     # Snapshot mode: every ``message`` block carries the reply so far (up to 400 KB here).
@@ -470,14 +484,7 @@ async def test_a_slow_client_gets_a_gap_then_is_disconnected_at_a_chunk_boundary
         raw = await slow_sse(server, wid, client_id, gzip=gzip)
         async with raw.stream:
             (stream,) = [c for c in broker.clients if c.client_id == client_id]
-            dropped = trio.Event()
-            drop_one = stream._dropped_one
-
-            def counted_drop() -> None:
-                drop_one()
-                dropped.set()
-
-            stream._dropped_one = counted_drop  # type: ignore[method-assign]
+            dropped = drop_seen(monkeypatch, stream)
             run = await server.prompt(wid, sid, "a long reply")
             with trio.fail_after(WAIT):
                 await dropped.wait()
@@ -508,7 +515,7 @@ async def test_a_slow_client_gets_a_gap_then_is_disconnected_at_a_chunk_boundary
 
 
 async def test_the_server_stops_promptly_under_a_client_that_stopped_reading(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Shutdown ends every stream: a client that reads nothing holds it up no longer than the
     bounds of the end of its body (the chunk in flight, then the trailer)."""
@@ -527,14 +534,7 @@ async def test_the_server_stops_promptly_under_a_client_that_stopped_reading(
                 (stream,) = [
                     c for c in server.backend.get(wid).broker.clients if c.client_id == client_id
                 ]
-                dropped = trio.Event()
-                drop_one = stream._dropped_one
-
-                def counted_drop() -> None:
-                    drop_one()
-                    dropped.set()
-
-                stream._dropped_one = counted_drop  # type: ignore[method-assign]
+                dropped = drop_seen(monkeypatch, stream)
                 await server.prompt(wid, sid, "a long reply")
                 await dropped.wait()  # its socket and its queue are full
                 server.handle.stop()

@@ -376,9 +376,18 @@ async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -
         f"content-length: {len(body)}\r\n"
         "connection: close\r\n\r\n"
     ).encode()
-    with trio.move_on_after(SEND_TIMEOUT):
+    await answer_and_linger(stream, head + body, SEND_TIMEOUT)
+
+
+async def answer_and_linger(
+    stream: trio.abc.HalfCloseableStream, answer: bytes, write_within: float
+) -> None:
+    """Write a whole answer and EOF within ``write_within`` seconds, then read and discard what the
+    client still sends until it closes (:func:`discard_until_eof`), so that the answer is not
+    lost to a reset; a client that left meanwhile ends it at once."""
+    with trio.move_on_after(write_within):
         try:
-            await stream.send_all(head + body)
+            await stream.send_all(answer)
             await stream.send_eof()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             return

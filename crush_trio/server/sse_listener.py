@@ -55,7 +55,7 @@ from ..errors import CrushError
 from ..logs import set_log_context
 from ..metrics import METRICS
 from .connection import SLOW_CLOSE_TIMEOUT, PeerGone, close_bound, parse_subscription, subscribed
-from .listener import discard_until_eof
+from .listener import answer_and_linger, discard_until_eof
 from .security import (
     check_request_host,
     check_request_origin,
@@ -353,13 +353,7 @@ async def refuse(stream: PrefixedStream, exc: CrushError) -> None:
         f"content-length: {len(body)}\r\n{extra}date: {formatdate(usegmt=True)}\r\n"
         "connection: close\r\n\r\n"
     ).encode("latin-1")
-    with trio.move_on_after(REFUSAL_TIMEOUT):
-        try:
-            await stream.send_all(head + body)
-            await stream.send_eof()
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            return
-    await discard_until_eof(stream)
+    await answer_and_linger(stream, head + body, REFUSAL_TIMEOUT)
 
 
 def _log_access(req: EventStreamRequest, status: int, started: float, settings: Settings) -> None:
