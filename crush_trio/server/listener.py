@@ -382,9 +382,8 @@ async def answer_error(stream: trio.abc.HalfCloseableStream, error: HeadError) -
 async def answer_and_linger(
     stream: trio.abc.HalfCloseableStream, answer: bytes, write_within: float
 ) -> None:
-    """Write a whole answer and EOF within ``write_within`` seconds, then read and discard what the
-    client still sends until it closes (:func:`discard_until_eof`), so that the answer is not
-    lost to a reset; a client that left meanwhile ends it at once."""
+    """Write a whole answer and EOF within ``write_within`` seconds, then discard what the client
+    still sends until it closes (:func:`discard_until_eof`): the answer is not lost to a reset."""
     with trio.move_on_after(write_within):
         try:
             await stream.send_all(answer)
