@@ -473,3 +473,25 @@ async def test_a_frame_written_at_once_to_a_reset_peer_fails_the_next_write() ->
         with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
             await stream.send_all(b"next")
         assert stream.broken
+
+
+async def test_a_write_at_once_after_the_socket_closed_underneath_reaches_no_other_file() -> None:
+    async with stream_pair() as (stream, _client):
+        number = stream.socket.fileno()
+        # The socket is closed underneath the stream (not through it), and its number is taken
+        # by another connection at once, as the kernel does under a busy server.
+        stream.socket.close()
+        one, two = socket.socketpair()
+        with one, two:
+            peer = one if two.fileno() == number else two  # the end that reads what is written
+            duplicated = number not in (one.fileno(), two.fileno())
+            if duplicated:
+                os.dup2(one.fileno(), number)
+            try:
+                assert not stream.write_nowait(b"a frame for the closed connection")
+                peer.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    peer.recv(100)  # nothing reached the connection that now has the number
+            finally:
+                if duplicated:
+                    os.close(number)

@@ -128,7 +128,6 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     """
 
     __slots__ = (
-        "_fd",
         "_open",
         "_pending",
         "_prefix",
@@ -145,9 +144,6 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
         self.transport = stream
         self.socket = stream.socket
-        #: The socket's descriptor, for :meth:`write_nowait` (used only while the stream is
-        #: open: :attr:`writable_now`).
-        self._fd = stream.socket.fileno()
         self._prefix = prefix
         self.head = prefix  # the request head as read (the websocket endpoint reads Host from it)
         self._writing: trio.Event | None = None
@@ -218,7 +214,9 @@ class PrefixedStream(trio.abc.HalfCloseableStream):
         whole and in order; an error of the socket is left for that write to report.
         """
         try:
-            sent = os.write(self._fd, data)
+            # Asked each time: a socket closed underneath answers -1 (EBADF), where a kept
+            # number could by now be another connection's or file's.
+            sent = os.write(self.socket.fileno(), data)
         except OSError:  # would block (EAGAIN), or the peer is gone: the next write finds out
             sent = 0
         if sent == len(data):
