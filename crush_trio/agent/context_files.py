@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import attrs
+import trio
 
 from ..defaults import BINARY_SNIFF_BYTES
-from .shared_check import SharedCheck
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -382,18 +382,11 @@ class ContextFileCache:
     """
 
     def __init__(self) -> None:
-        #: One load at a time (a load abandoned by its callers may still run).
+        #: One load at a time (turns of several sessions may start together).
         self._lock = threading.Lock()
         self._signature: Signature | None = None
         self.current = ContextFiles()
         self.reads = 0
-        #: Turns that start together share one check (:class:`~.shared_check.SharedCheck`).
-        self._check = SharedCheck(self._load_sync)
-
-    @property
-    def checks(self) -> int:
-        """Checks run in worker threads so far (each a stat of the candidates)."""
-        return self._check.runs
 
     def _load_sync(self, settings: ContextSettings) -> ContextFiles:
         with self._lock:
@@ -405,14 +398,13 @@ class ContextFileCache:
             return self.current
 
     async def load(self, settings: ContextSettings) -> ContextFiles:
-        """The files as they are now (read again only after a change): as a check that began
-        after this call found them, shared with the turns that started meanwhile.
+        """The files as they are now (read again only after a change).
 
         Cancellation: returns at once (a file system that hangs cannot hold a cancelled turn
         or a closing workspace); the thread finishes its read in the background, and the next
         load waits for it.
         """
-        return await self._check(settings)
+        return await trio.to_thread.run_sync(self._load_sync, settings, abandon_on_cancel=True)
 
 
 def settings_for(

@@ -40,7 +40,6 @@ from ..tools.readonly import git_repository_state
 from ..tools.sandbox import shell_env
 from ..wire import SandboxInfo
 from .context_files import ContextFileCache, ContextFiles, settings_for
-from .shared_check import SharedCheck
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -406,8 +405,6 @@ class SystemPrompts:
         self._git: collections.OrderedDict[str, GitSnapshot] = collections.OrderedDict()
         #: :func:`repository_search_key` when git last found no repository (None: it did).
         self._no_repository: tuple[object, ...] | None = None
-        #: New sessions' turns that start together share one look at those places.
-        self._search_key = SharedCheck(repository_search_key)
 
     async def context_files(self) -> ContextFiles:
         """The context files as they are now (read again only after a change)."""
@@ -439,7 +436,7 @@ class SystemPrompts:
         """:func:`git_snapshot`, except that where git found no repository it is not run again
         while every place it looks is unchanged: a few stats instead of a git process."""
         path = self.source.path
-        key = await self._search_key(path)
+        key = await trio.to_thread.run_sync(repository_search_key, path)
         if key is not None and key == self._no_repository:
             return GitSnapshot()
         snapshot = await git_snapshot(path)
