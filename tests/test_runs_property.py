@@ -103,10 +103,15 @@ async def test_every_accepted_run_ends_exactly_once(
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 reader = trio.CancelScope()
+                reader_done = trio.Event()
 
                 async def reading(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-                    with reader:
-                        await pump(task_status=task_status)
+                    done = reader_done
+                    try:
+                        with reader:
+                            await pump(task_status=task_status)
+                    finally:
+                        done.set()
 
                 await nursery.start(reading)
                 for op in script:
@@ -136,8 +141,12 @@ async def test_every_accepted_run_ends_exactly_once(
                             )
                         )
                     elif kind == "reconnect":
+                        # The old reader may already hold a frame it has not counted yet:
+                        # the next cursor is only known once it has ended.
                         reader.cancel()
+                        await reader_done.wait()
                         reader = trio.CancelScope()
+                        reader_done = trio.Event()
                         await nursery.start(reading)
                     else:
                         for _ in range(op[1]):
