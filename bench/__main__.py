@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--w3-paced-sse-clients", type=int, help="W3 paced fan-out over SSE: clients per mode"
     )
     p.add_argument(
+        "--w3-paced-debounce-ms",
+        type=int,
+        help="W3 paced fan-out: the server's publish window (default: the server's, 33 ms)",
+    )
+    p.add_argument(
         "--w3-sse-gzip-only",
         action="store_true",
         help="W3 paced fan-out over SSE: only clients that ask for gzip (no plain ones)",
@@ -114,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "w3_paced_clients": args.w3_paced_clients,
         "w3_paced_tokens": args.w3_paced_tokens,
         "w3_paced_sse_clients": args.w3_paced_sse_clients,
+        "w3_paced_debounce_ms": args.w3_paced_debounce_ms,
         "w4_idle": args.w4_idle,
         "w4_updates": args.w4_updates,
         "soak_runs": args.soak_runs,

@@ -308,7 +308,7 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     s = ctx.sizes
     n, tokens, delay = s.w3_paced_clients, s.w3_paced_tokens, s.w3_paced_delay_ms
     ctx.log(f"[W3] paced fan-out: {n} clients, {tokens} tokens at {delay:g} ms")
-    fan, chars, kinds = await _paced_fan_out(ctx, n, tokens, delay)
+    fan, chars, kinds = await _paced_fan_out(ctx, n, tokens, delay, s.w3_paced_debounce_ms)
     per_char = fan.wire_bytes / n / chars if chars else float("nan")
     decoded_per_char = fan.bytes / n / chars if chars else float("nan")
     cpu_share = fan.cpu / fan.wall if fan.wall > 0 else float("nan")
@@ -324,9 +324,14 @@ async def w3_paced(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         f"{per_frame * 1e6:.1f} µs per client-frame, {updates_per_s:.1f} updates a second per "
         f"client), run_complete {fan.complete}/{n}"
     )
+    window = (
+        "default publish window"
+        if s.w3_paced_debounce_ms is None
+        else f"publish window {s.w3_paced_debounce_ms:g} ms"
+    )
     table = Table(
         f"Paced fan-out: one run of {tokens:,} tokens at {delay:g} ms per token (fake model, "
-        "default publish window) watched by N websocket clients "
+        f"{window}) watched by N websocket clients "
         + ("with `deltas=1`" if deltas else "in snapshot mode (`--snapshots`)")
         + f", {wire} on the wire",
         [
@@ -447,16 +452,17 @@ def _paced_targets(
 
 
 async def _paced_fan_out(
-    ctx: Ctx, n: int, tokens: int, delay: float
+    ctx: Ctx, n: int, tokens: int, delay: float, debounce_ms: int | None
 ) -> tuple[FanOut, int, dict[str, list[int]]]:
     """Run the paced fan-out: its figures, the reply's characters and one client's frames by
-    type (see :func:`w3_paced`)."""
+    type (see :func:`w3_paced`); ``debounce_ms`` None leaves the server's publish window."""
     work = ctx.dir("w3-paced")
     handles: list[Any] = []
     fake = fake_model(ctx, "w3-paced-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
+    options = {} if debounce_ms is None else {"debounce_ms": debounce_ms}
     async with (
         fake as fake_url,
-        server_process(fake_config(fake_url), work) as server,
+        server_process(fake_config(fake_url, options=options), work) as server,
         hold_workspace(server, work / "project") as ws,
     ):
         session = await ws.create_session("bench")
