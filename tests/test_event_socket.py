@@ -7,6 +7,7 @@ gates of the scripted model and from frames, never from sleeping.
 
 from __future__ import annotations
 
+import random
 import uuid
 from functools import partial
 from typing import TYPE_CHECKING
@@ -183,3 +184,59 @@ async def test_max_connections_keeps_every_connection_alive() -> None:
                 await burst()
                 assert accepted == size  # no connection was closed and re-opened
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("crush_config", [{"options": {"debounce_ms": 0}}])
+@pytest.mark.parametrize("deltas", [True, False])
+async def test_resuming_again_and_again_while_runs_stream_sees_each_seq_once(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    deltas: bool,
+) -> None:
+    """A client that leaves after a few frames and comes back with ``since`` each time, while
+    two runs stream an update per word, gets every seq exactly once, in order, and both
+    ``run_complete`` events (in snapshot mode some updates come as a ``gap`` in their place,
+    PROTOCOL §6.6)."""
+    ws = crush_workspace
+    sessions = [await ws.create_session() for _ in range(2)]
+    for _ in sessions:
+        words = " ".join(f"w{i}" for i in range(150))
+        scripted_model.add(Step(text=words, token_delay=0.001))
+    rng = random.Random(31)
+    seqs: list[int] = []
+    completes: list[str] = []
+    connections = 0
+    open_socket = partial(open_event_socket, crush_server.url, ws.id, crush_server.token)
+    with trio.fail_after(CAP):
+        async with open_socket(deltas=deltas) as sock:
+            since = sock.hello["seq"]
+        handles = [await ws.prompt(s.id, "stream") for s in sessions]
+        while len(completes) < len(handles):
+            connections += 1
+            async with open_socket(since=since, deltas=deltas) as sock:
+                for _ in range(rng.randint(1, 6)):
+                    text = await sock.receive()
+                    assert text is not None, "the server closed the stream"
+                    frame = orjson.loads(text)
+                    if frame["type"] == "gap":
+                        # Only in snapshot mode: a streaming update published while no
+                        # snapshot-mode client was connected has no snapshot form to replay.
+                        assert not deltas, frame
+                        gap = frame["payload"]
+                        assert gap["from_seq"] == since + 1, (gap, since)
+                        seqs += range(gap["from_seq"], gap["to_seq"] + 1)
+                        since = gap["to_seq"]
+                        continue
+                    assert frame["seq"] == since + 1, (frame["seq"], since)
+                    since = frame["seq"]
+                    seqs.append(since)
+                    if frame["type"] == "run_complete":
+                        completes.append(frame["payload"]["payload"]["run_id"])
+                        if len(completes) == len(handles):
+                            break
+        for handle in handles:
+            await handle.wait(CAP)
+    assert sorted(completes) == sorted(h.run_id for h in handles)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert connections > 20  # the runs streamed across many reconnects
