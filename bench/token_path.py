@@ -1,12 +1,14 @@
 """The client side of the token path, alone: N concurrent model streams through the provider.
 
-``python -m bench.token_path URL [N] [--raw]`` streams one reply per task from an
+``python -m bench.token_path URL [N] [--raw] [--rounds R]`` streams one reply per task from an
 OpenAI-compatible server (start ``python -m bench.fake --port P --tokens 200 --delay-ms 20``
 first; URL is ``http://127.0.0.1:P/v1``) through :class:`~crush_trio.providers.openai.OpenAIProvider`
 and :class:`~crush_trio.core.assembler.StepAssembler`, and prints the process's CPU seconds
 spent streaming. ``--raw`` reads the same replies from a bare Trio socket with a minimal HTTP/1.1
 chunked reader instead of the HTTP client (SSE decoding, parsing and assembly unchanged): the
-floor under the HTTP client, for comparison only. Time the whole process from outside
+floor under the HTTP client, for comparison only. ``--rounds R`` runs R rounds of N and prints
+the CPU per stream of the rounds after the first, on kept-alive connections (with ``--tokens 2``
+mostly the cost of starting a model request). Time the whole process from outside
 (``/usr/bin/time -v``), alternating the two commands, on a shared machine.
 """
 
@@ -72,20 +74,30 @@ async def _via_socket(url: str, i: int) -> int:
         buffer += more
 
 
-async def _main(url: str, n: int, raw: bool) -> None:
+async def _main(url: str, n: int, raw: bool, rounds: int) -> None:
     provider = OpenAIProvider("fake", Settings(base_url=url))
-    lengths: list[int] = []
+    warm: list[float] = []
+    for r in range(rounds):
+        lengths: list[int] = []
 
-    async def one(i: int) -> None:
-        lengths.append(await (_via_socket(url, i) if raw else _via_provider(provider, i)))
+        async def one(i: int, lengths: list[int] = lengths) -> None:
+            lengths.append(await (_via_socket(url, i) if raw else _via_provider(provider, i)))
 
-    start = time.process_time()
-    async with trio.open_nursery() as nursery:
-        for i in range(n):
-            nursery.start_soon(one, i)
-    spent = time.process_time() - start
+        start = time.process_time()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+        spent = time.process_time() - start
+        if r:
+            warm.append(spent)
+        print(
+            f"round {r + 1}: {n} streams, {sum(lengths)} characters, {spent:.3f} CPU s streaming",
+            file=sys.stderr,
+        )
     await provider.aclose()
-    print(f"{n} streams, {sum(lengths)} characters, {spent:.3f} CPU s streaming", file=sys.stderr)
+    if warm:
+        per = sum(warm) / len(warm) / n
+        print(f"warm rounds: {per * 1e3:.3f} ms of CPU per stream", file=sys.stderr)
 
 
 def main() -> None:
@@ -93,8 +105,14 @@ def main() -> None:
     parser.add_argument("url")
     parser.add_argument("n", type=int, nargs="?", default=50)
     parser.add_argument("--raw", action="store_true")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of N streams; rounds after the first reuse the kept-alive connections",
+    )
     args = parser.parse_args()
-    trio.run(_main, args.url, args.n, args.raw)
+    trio.run(_main, args.url, args.n, args.raw, args.rounds)
 
 
 if __name__ == "__main__":
