@@ -190,6 +190,8 @@ class RawServer:
         self.responses = list(responses)
         self.connections = 0
         self.requests = 0
+        #: Each request's head (request line and header lines) as received.
+        self.heads: list[bytes] = []
         self.closed_by_client = 0
         self.client_gone = trio.Event()
 
@@ -213,6 +215,7 @@ class RawServer:
                         return
                     buffer += more
                 head, buffer = buffer.split(b"\r\n\r\n", 1)
+                self.heads.append(head)
                 length = 0
                 for line in head.split(b"\r\n")[1:]:
                     name, _, value = line.partition(b":")
@@ -284,9 +287,7 @@ async def test_the_fast_path_is_taken_for_an_http11_chunked_stream() -> None:
     server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
     with trio.fail_after(TEST_TIMEOUT):
         async with streamer(server) as (http, url):
-            client = http._client
-            request = client.build_request("POST", url, content=b"{}")
-            response = await client.send(request, stream=True)
+            response = await http.send(http.request(url, b"{}"))
             try:
                 body = take_over(response, timeout=None)
                 assert isinstance(body, SocketBody)
@@ -429,8 +430,7 @@ async def test_a_compressed_body_is_read_through_httpx() -> None:
     server = RawServer(([response], False))
     with trio.fail_after(TEST_TIMEOUT):
         async with streamer(server) as (http, url):
-            client = http._client
-            sent = await client.send(client.build_request("POST", url, content=b"{}"), stream=True)
+            sent = await http.send(http.request(url, b"{}"))
             try:
                 assert take_over(sent, timeout=None) is None
             finally:
@@ -439,6 +439,44 @@ async def test_a_compressed_body_is_read_through_httpx() -> None:
     with trio.fail_after(TEST_TIMEOUT):
         async with streamer(server) as (http, url):
             assert await datas(http, url) == WANT
+
+
+async def test_a_request_carries_the_provider_headers_once_each() -> None:
+    """The request goes to the connection pool without httpx's client: it still carries the
+    client's default headers under the provider's, and ``extra_headers`` replace a header of
+    any case instead of adding a second one."""
+    server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(read_watch())
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            url = await nursery.start(server.serve)
+            extra = {"user-agent": "agent/2", "X-Org": "o"}
+            settings = Settings(base_url=url, max_retries=0, extra_headers=extra)
+            http = HttpStreamer("raw", settings, headers={"Authorization": "Bearer k"})
+            try:
+                assert await datas(http, url + "/v1/chat") == WANT
+            finally:
+                await http.aclose()
+                nursery.cancel_scope.cancel()
+    (request,) = server.heads
+    lines = request.decode().split("\r\n")
+    assert lines[0] == "POST /v1/chat HTTP/1.1"
+    fields = [tuple(part.strip() for part in line.split(":", 1)) for line in lines[1:]]
+    names = [name.lower() for name, _ in fields]
+    assert len(names) == len(set(names)), names
+    got = {name.lower(): value for name, value in fields}
+    assert got == {
+        "host": url.removeprefix("http://"),
+        "connection": "keep-alive",
+        "user-agent": "agent/2",
+        "accept": "text/event-stream",
+        "accept-encoding": "identity",
+        "authorization": "Bearer k",
+        "x-org": "o",
+        "content-type": "application/json",
+        "content-length": str(len(b'{"x":1}')),
+    }
 
 
 async def test_a_response_from_another_transport_is_read_through_httpx() -> None:

@@ -384,15 +384,46 @@ class HttpStreamer:
             max_keepalive_connections=MAX_PROVIDER_CONNECTIONS,
             keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
         )
-        self._client = httpx.AsyncClient(
-            headers=merged,
-            timeout=timeout,
-            transport=ShardedTransport(limits=limits, verify=shared_ssl_context()),
+        # Requests go to the transport itself: a provider's POST needs none of the client's
+        # layers (URL merging, auth flows, redirects, a cookie jar, event hooks), which cost
+        # about a third of a request's start. The headers are those the client would have
+        # sent (its defaults under ours), merged once; no cookie jar, as Go's default client.
+        self._headers = httpx.Headers(
+            {"Connection": "keep-alive", "User-Agent": f"python-httpx/{httpx.__version__}"}
         )
+        self._headers.update(merged)  # by name in any case, as the client's merge
+        self._headers["content-type"] = "application/json"
+        self._timeout = timeout.as_dict()
+        self._transport = ShardedTransport(limits=limits, verify=shared_ssl_context())
 
     async def aclose(self) -> None:
-        """Close the client and its pooled connections."""
-        await self._client.aclose()
+        """Close the pooled connections."""
+        await self._transport.aclose()
+
+    def request(self, url: str, payload: bytes) -> httpx.Request:
+        """The POST of ``payload`` (JSON) to ``url``, with this provider's headers and timeouts.
+
+        Raises:
+            httpx.InvalidURL: ``url`` is not a URL.
+        """
+        return httpx.Request(
+            "POST",
+            url,
+            headers=self._headers,
+            content=payload,
+            extensions={"timeout": self._timeout},
+        )
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` through the provider's connection pool; the body is left to read.
+
+        Raises:
+            httpx.TransportError: connecting, writing or reading the head failed (or timed out).
+            httpx.UnsupportedProtocol: the URL's scheme is not http or https.
+        """
+        response = await self._transport.handle_async_request(request)
+        response.request = request
+        return response
 
     async def stream_sse(
         self,
@@ -451,9 +482,7 @@ class HttpStreamer:
         name = self.provider
         response: httpx.Response | None = None
         try:
-            request = self._client.build_request(
-                "POST", url, content=payload, headers={"content-type": "application/json"}
-            )
+            request = self.request(url, payload)
         except httpx.InvalidURL as exc:
             self._metrics.error("config")
             raise ProviderError(
@@ -465,7 +494,7 @@ class HttpStreamer:
         started = trio.current_time()
         try:
             with trio.move_on_after(self.settings.first_byte_timeout):
-                response = await self._client.send(request, stream=True)
+                response = await self.send(request)
                 self._metrics.latency.observe(trio.current_time() - started)
                 status = response.status_code
                 if not 200 <= status <= 299:
