@@ -37,6 +37,7 @@ from crush_trio.broker import Event as BrokerEvent
 from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
+from crush_trio.server.commands import reply_frame
 from crush_trio.wsdeflate import BoundedDeflate
 from tests.conftest import running_server
 
@@ -488,3 +489,31 @@ def test_connections_that_got_the_same_frames_share_their_compression(no_takeove
         assert sent[2][12] is not sent[0][11]  # after its own turn: its own compression
         # With context takeover each frame points back at the ones before it.
         assert sum(len(f) for f in sent[0]) < sum(len(e.ws_frame) for e in events) / 2
+
+
+def test_a_command_reply_keeps_its_connection_in_step_with_the_others() -> None:
+    """A command's reply goes out uncompressed (RSV1 clear, outside the window), so the
+    connection that sent the command still shares the others' compression afterwards, and
+    reads every frame."""
+    offer = "permessage-deflate"
+    conns = [BoundedDeflate(1 << 20) for _ in range(2)]
+    for conn in conns:
+        assert conn.accept(offer) is not None
+    events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 21)]
+    reply = reply_frame({"type": "reply", "id": "c1", "ok": True, "result": {"run_id": "r1"}})
+    sent: list[list[bytes]] = [[], []]
+    texts: list[list[str]] = [[], []]
+    for n, event in enumerate(events):
+        if n == 5:
+            frame = conns[1].frame(reply)
+            assert frame is reply.ws_frame  # the shared uncompressed frame
+            assert frame[0] == 0x81  # FIN, text, RSV1 clear
+            sent[1].append(frame)
+            texts[1].append(reply.text)
+        frames = [conn.frame(event) for conn in conns]
+        assert frames[0] is frames[1]  # still compressed once for both
+        for i, frame in enumerate(frames):
+            sent[i].append(frame)
+            texts[i].append(event.text)
+    for i in range(2):
+        assert _decoded(offer, sent[i]) == texts[i]
