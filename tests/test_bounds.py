@@ -446,21 +446,29 @@ CLOSED_MARK = b"crush_trio.server.listener: event websocket from "
 SERVE_WITH_CLOSE_LINES = (
     "import logging, sys; from crush_trio.cli import main; "
     "logging.getLogger('crush_trio.server.listener').setLevel(logging.DEBUG); "
+    "logging.getLogger('crush_trio.changes.service').setLevel(logging.DEBUG); "
     "sys.exit(main(sys.argv[1:]))"
 )
+#: The change log's line once its first snapshot of a workspace is taken (its git commands
+#: and their pipes are gone).
+WARMED_MARK = b"first snapshot taken"
 
 
 class ClosedConnections:
-    """Counts the server's ``event websocket from ... closed`` lines as they arrive on stderr."""
+    """Counts the server's ``event websocket from ... closed`` lines as they arrive on stderr,
+    and notes the change log's first snapshot (:data:`WARMED_MARK`)."""
 
     def __init__(self) -> None:
         self.count = 0
         self._changed = trio.Event()
+        self.warmed = trio.Event()
 
     async def read(self, stderr: trio.abc.ReceiveStream) -> None:
         pending = b""
         async for chunk in stderr:
             *lines, pending = (pending + chunk).split(b"\n")
+            if any(WARMED_MARK in line for line in lines):
+                self.warmed.set()
             closed = sum(1 for line in lines if CLOSED_MARK in line and line.endswith(b" closed"))
             if closed:
                 self.count += closed
@@ -551,11 +559,13 @@ async def _rounds_keep_baseline(
             f"/v1/workspaces/{wid}/agent", json={"session_id": sid, "prompt": words}
         )
         assert r.status_code == 202, r.text
-        # The turn starts with a workspace snapshot (a git subprocess and its pipes); its user
-        # message is written once that is done, so the baseline is taken after it.
+        # The workspace's first snapshot runs git (subprocesses and their pipes) in the
+        # background from its open, and the turn's user message is written as it starts: the
+        # baseline is taken once both are done.
         with trio.fail_after(WAIT):
             while not (await http.get(f"/v1/workspaces/{wid}/sessions/{sid}/messages")).json():
                 pass
+            await closes.warmed.wait()
         limit = trio.Semaphore(50)
         fds_before = _fds(pid)
 

@@ -298,6 +298,7 @@ class ChangeLog:
         def work() -> None:
             tree = self._snapshot_sync()
             self._keep_sync([(f"opened/{tree}", tree)])
+            log.debug("workspace %s: first snapshot taken (tree %s)", self.workspace, tree)
 
         async with self._lock:
             try:
