@@ -479,6 +479,21 @@ async def test_a_request_carries_the_provider_headers_once_each() -> None:
     }
 
 
+async def test_cookies_a_provider_sets_are_neither_kept_nor_sent_back() -> None:
+    """A provider (or a gateway before it) that sets a new cookie on every response: nothing
+    is kept between requests, so the cookies cannot pile up in memory, and no request carries
+    a ``Cookie`` header."""
+    cookies = "".join(f"set-cookie: c{n}={'x' * 1000}; Path=/\r\n" for n in range(50))
+    reply = [head(CHUNKED, cookies), chunked([EVENTS])]
+    server = RawServer((reply, False), (reply, False), (reply, False))
+    with trio.fail_after(TEST_TIMEOUT):
+        async with streamer(server) as (http, url):
+            for _ in range(3):
+                assert await datas(http, url) == WANT
+    assert len(server.heads) == 3
+    assert all(b"cookie" not in request.lower() for request in server.heads)
+
+
 async def test_a_response_from_another_transport_is_read_through_httpx() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=EVENTS, headers={"content-type": "text/event-stream"})
