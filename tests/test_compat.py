@@ -166,6 +166,25 @@ def test_the_listener_overrides_the_hooks_not_the_private_methods() -> None:
     assert "_close" not in vars(HttpConnection)
 
 
+def test_the_hypercorn_check_fails_loudly_when_the_h11_state_is_no_longer_reachable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hypercorn.protocol.h11 import H11Protocol
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.h11 = None
+
+    monkeypatch.setattr(H11Protocol, "__init__", init)
+    with pytest.raises(CompatError, match=r"H11Protocol no longer sets self\.connection"):
+        hypercorn_compat.check()
+
+
+def test_a_connection_without_h11_state_is_never_taken_back() -> None:
+    """Before its protocol is set up (or for HTTP/2, a websocket): busy, so hypercorn keeps it."""
+    connection = hypercorn_compat.HypercornConnection.__new__(hypercorn_compat.HypercornConnection)
+    assert connection.cycle_state() == "busy"
+
+
 def test_the_hypercorn_check_fails_loudly_when_the_websocket_extension_name_is_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

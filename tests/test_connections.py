@@ -26,8 +26,8 @@ import trio.testing
 import trio_websocket
 from trio_websocket import ConnectionClosed, open_websocket_url
 
+from crush_trio.server import dispatch, ws_trio
 from crush_trio.server import head as request_head
-from crush_trio.server import listener, ws_trio
 from crush_trio.server.head import HEAD_LIMIT
 from crush_trio.server.listener import contained
 from crush_trio.server.routes import events as app_module
@@ -113,7 +113,7 @@ def watch_connection_ends(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int,
     """Events set when the server's handler of a connection ends, by the client's local port
     (create the event before connecting)."""
     ended: dict[int, trio.Event] = {}
-    real_contained = listener.contained
+    real_contained = dispatch.contained
 
     @contextlib.asynccontextmanager
     async def contained_watched(stream: Any, what: str = "connection") -> Any:
@@ -128,7 +128,7 @@ def watch_connection_ends(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int,
             if what == "connection" and port in ended:
                 ended[port].set()
 
-    monkeypatch.setattr(listener, "contained", contained_watched)
+    monkeypatch.setattr(dispatch, "contained", contained_watched)
     yield ended
 
 
@@ -496,8 +496,10 @@ async def test_pipelined_requests_from_a_client_that_leaves_free_their_connectio
 
 
 async def test_an_sse_stream_that_never_starts_leaves_no_hold(
-    server: Server, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The app's route (``ws_transport: "asgi"``; also what serves an event stream pipelined
+    behind another answer)."""
     real_serve_sse = app_module.serve_sse  # type: ignore[attr-defined]
 
     async def fails_before_the_body(*args: Any) -> Any:
@@ -505,16 +507,19 @@ async def test_an_sse_stream_that_never_starts_leaves_no_hold(
         raise ConnectionResetError("the client left before the body started")
 
     monkeypatch.setattr(app_module, "serve_sse", fails_before_the_body)
-    opener = str(uuid.uuid4())
-    info = await server.open_workspace(client_id=opener)
-    r = await server.http.get(
-        f"/v1/workspaces/{info['id']}/events", params={"client_id": str(uuid.uuid4())}
-    )
-    assert r.status_code == 500
-    ws = server.backend.get(info["id"])
-    server.backend.release(ws.id, opener)
-    with trio.fail_after(WAIT):
-        await ws.closed.wait()
+    config = tmp_path / "asgi.json"
+    config.write_text('{"server": {"ws_transport": "asgi"}}')
+    async with running_server(tmp_path, config_file=config) as server:
+        opener = str(uuid.uuid4())
+        info = await server.open_workspace(client_id=opener)
+        r = await server.http.get(
+            f"/v1/workspaces/{info['id']}/events", params={"client_id": str(uuid.uuid4())}
+        )
+        assert r.status_code == 500
+        ws = server.backend.get(info["id"])
+        server.backend.release(ws.id, opener)
+        with trio.fail_after(WAIT):
+            await ws.closed.wait()
 
 
 # -- slowloris --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import trio.testing
 from crush_trio.broker import SENT, SENT_IN_PART, ClientStream, Event
 from crush_trio.metrics import METRICS
 from crush_trio.providers.scripted import ScriptedModel, Step
-from crush_trio.server import listener, sse_listener
+from crush_trio.server import dispatch, listener, sse_listener
 from crush_trio.server.sse_listener import SseSocket
 from crush_trio.testing import TEST_TOKEN
 
@@ -573,13 +573,13 @@ def test_the_dispatcher_takes_only_plain_first_gets_of_events() -> None:
         return "\r\n".join([line, "Host: x", *headers, "", ""]).encode()
 
     events = "GET /v1/workspaces/abc/events?client_id=1 HTTP/1.1"
-    assert listener.is_event_stream(head(events))
-    assert listener.is_event_stream(head("GET /v1/workspaces/abc/events HTTP/1.1"))
-    assert listener.is_event_stream(head(events, "Content-Length: 0"))
-    assert not listener.is_event_stream(head(events, "Content-Length: 5"))
-    assert not listener.is_event_stream(head(events, "Transfer-Encoding: chunked"))
-    assert not listener.is_event_stream(head(events, "Upgrade: websocket"))
-    assert not listener.is_event_stream(head(events.replace("1.1", "1.0")))
-    assert not listener.is_event_stream(head(events.replace("GET", "POST")))
-    assert not listener.is_event_stream(head("GET /v1/workspaces/a%2Fb/events HTTP/1.1"))
-    assert not listener.is_event_stream(head("GET /v1/workspaces/abc/events/x HTTP/1.1"))
+    assert dispatch.is_event_stream(head(events))
+    assert dispatch.is_event_stream(head("GET /v1/workspaces/abc/events HTTP/1.1"))
+    assert dispatch.is_event_stream(head(events, "Content-Length: 0"))
+    assert not dispatch.is_event_stream(head(events, "Content-Length: 5"))
+    assert not dispatch.is_event_stream(head(events, "Transfer-Encoding: chunked"))
+    assert not dispatch.is_event_stream(head(events, "Upgrade: websocket"))
+    assert not dispatch.is_event_stream(head(events.replace("1.1", "1.0")))
+    assert not dispatch.is_event_stream(head(events.replace("GET", "POST")))
+    assert not dispatch.is_event_stream(head("GET /v1/workspaces/a%2Fb/events HTTP/1.1"))
+    assert not dispatch.is_event_stream(head("GET /v1/workspaces/abc/events/x HTTP/1.1"))

@@ -12,14 +12,21 @@ internals:
   sends) are private; :class:`HypercornConnection` maps them to the public hooks
   :meth:`~HypercornConnection.read_data` and :meth:`~HypercornConnection.close_connection`,
   which default to hypercorn's own behaviour;
+* the HTTP/1.1 connection state behind a connection (``TCPServer.protocol``, hypercorn's
+  ``ProtocolWrapper``; its ``protocol``, the ``H11Protocol``; its ``connection``, an
+  ``h11.Connection``), read only through h11's public API by
+  :meth:`HypercornConnection.cycle_state`, so that the listener can take a kept-alive
+  connection back between two requests; when that chain is not there (HTTP/2, a websocket, a
+  newer hypercorn) the answer is False and hypercorn keeps serving the connection;
 * ``hypercorn.protocol.ws_stream.PerMessageDeflate``: the extension class hypercorn's websocket
   handshake (``Handshake.accept``) builds, by that module-level name, for every websocket it
   accepts. hypercorn has no setting for its websocket extensions, so
   :func:`use_websocket_deflate` replaces that name (process-wide) with a subclass of wsproto's
   ``PerMessageDeflate`` that bounds inflation (:class:`crush_trio.wsdeflate.HypercornDeflate`);
 * the undocumented modules the listener builds a worker from: ``TCPServer`` and ``MAX_RECV``,
-  ``Lifespan``, ``WorkerContext``, the ``RawData`` and ``Closed`` events, ``ConnectionState``
-  and ``wrap_app`` (re-exported here, so the listener imports none of hypercorn's internals itself).
+  ``Lifespan``, ``WorkerContext``, the ``RawData``, ``Closed`` and ``Updated`` events,
+  ``ConnectionState`` and ``wrap_app`` (re-exported here, so the listener imports none of
+  hypercorn's internals itself).
 
 Checked against hypercorn :data:`CHECKED_AGAINST`, pinned exactly in ``pyproject.toml``.
 :func:`check` runs when this module is imported and raises :class:`CompatError` naming what
@@ -32,9 +39,11 @@ message before checking its size).
 from __future__ import annotations
 
 import inspect
+import re
 from importlib import metadata
-from typing import Final
+from typing import Final, Literal
 
+import h11
 from wsproto.extensions import PerMessageDeflate
 
 from . import CompatError
@@ -48,6 +57,7 @@ __all__ = [
     "HypercornConnection",
     "Lifespan",
     "RawData",
+    "Updated",
     "WorkerContext",
     "check",
     "use_websocket_deflate",
@@ -78,8 +88,9 @@ def _fail(what: str) -> CompatError:
 
 
 try:
-    from hypercorn.events import Closed, RawData
-    from hypercorn.protocol import ws_stream
+    from hypercorn.events import Closed, RawData, Updated
+    from hypercorn.protocol import ProtocolWrapper, ws_stream
+    from hypercorn.protocol.h11 import H11Protocol
     from hypercorn.trio.lifespan import Lifespan
     from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
     from hypercorn.trio.worker_context import WorkerContext
@@ -108,6 +119,30 @@ class HypercornConnection(TCPServer):
     async def close_connection(self) -> None:
         """Send EOF and close the stream (hypercorn's own close)."""
         await super()._close()
+
+    def cycle_state(self) -> Literal["idle", "answering", "busy"]:
+        """Where an HTTP/1.1 connection is between two requests, from h11's states:
+
+        * ``"idle"``: at rest, the last answer sent in full, no byte of a next request taken in
+          (both states ``IDLE``, nothing in h11's buffer);
+        * ``"answering"``: the request read to its end, nothing of a next one taken in, its
+          answer not ended yet or hypercorn's next cycle not started yet (it starts once the
+          answer has ended and the application's task is done, then hypercorn sends
+          ``Updated(idle=True)``). A client that has the whole body of a ``content-length``
+          answer may send its next request before the answer's end has been recorded;
+        * ``"busy"``: anything else: a request being read, HTTP/2, a websocket, the protocol
+          not set up yet, or the chain of attributes this reads not there.
+        """
+        wrapper = getattr(self, "protocol", None)
+        connection = getattr(getattr(wrapper, "protocol", None), "connection", None)
+        if type(connection) is not h11.Connection or connection.trailing_data != (b"", False):
+            return "busy"
+        ours, theirs = connection.our_state, connection.their_state
+        if ours is h11.IDLE and theirs is h11.IDLE:
+            return "idle"
+        if theirs is h11.DONE and ours in (h11.SEND_RESPONSE, h11.SEND_BODY, h11.DONE):
+            return "answering"
+        return "busy"
 
 
 def use_websocket_deflate(extension: type[PerMessageDeflate]) -> None:
@@ -152,6 +187,13 @@ def check() -> None:
     missing = [name for name in _ATTRIBUTES if f"self.{name} =" not in source]
     if missing:
         raise _fail(f"TCPServer no longer sets {', '.join(missing)}")
+    for owner, attribute in ((ProtocolWrapper, "protocol"), (H11Protocol, "connection")):
+        try:
+            init_source = inspect.getsource(owner.__init__)
+        except (OSError, TypeError) as exc:
+            raise _fail(f"the source of {owner.__name__} cannot be read ({exc})") from exc
+        if not re.search(rf"self\.{attribute}\b[^=\n]*=", init_source):
+            raise _fail(f"{owner.__name__} no longer sets self.{attribute}")
     if not isinstance(MAX_RECV, int) or MAX_RECV <= 0:
         raise _fail("hypercorn.trio.tcp_server.MAX_RECV is no longer a positive int")
     deflate = getattr(ws_stream, _DEFLATE_NAME, None)

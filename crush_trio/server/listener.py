@@ -1,17 +1,13 @@
-"""One address for HTTP and the event websocket: a connection dispatcher in front of hypercorn.
+"""The connection layer under the dispatcher (:mod:`.dispatch`): whole-frame writes, hypercorn's
+connection with its close rules, and containment.
 
-Each accepted connection's request head is read first and checked (see :func:`check_head`): a
-head that is too long, too slow, malformed, or carries non-ASCII bytes in a header that a library
-decodes later gets its error status here and the connection is closed. An upgrade to the event
-websocket (``GET /v1/workspaces/{wid}/ws`` with ``Upgrade: websocket``) is then served by
-trio-websocket directly (:mod:`crush_trio.server.ws_trio`), and a first ``GET
-/v1/workspaces/{wid}/events`` by the SSE handler (:mod:`crush_trio.server.sse_listener`);
-everything else, including event streams asked for on a reused keep-alive connection, goes to
-hypercorn (:class:`HttpConnection`)
-with the bytes already read put back in front of the stream.
-
-Every connection runs inside :func:`contained`: whatever a peer sends, an exception ends that
-connection only, with one log line.
+* :class:`PrefixedStream`: a socket stream with the bytes the dispatcher already read put back
+  in front of it, whose every write is a whole frame (or the connection is aborted);
+* :class:`HttpConnection`: hypercorn's connection with a close that is never lost, a lingering
+  close, and a kept-alive connection handed back to the dispatcher between two requests;
+* :class:`ConnectionRules`: the head rules for the requests hypercorn serves;
+* :func:`contained`: whatever a peer sends, an exception ends that connection only, with one
+  log line.
 
 Why trio-websocket for the event websocket: hypercorn's websocket send path costs about three
 times the CPU per message of a bare trio-websocket server, keeps five tasks per idle connection,
@@ -28,9 +24,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
-from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import h11
@@ -41,20 +35,17 @@ from trio_websocket import ConnectionClosed
 from .._compat.hypercorn import (
     MAX_RECV,
     Closed,
-    ConnectionState,
     HypercornConnection,
-    Lifespan,
     RawData,
-    WorkerContext,
+    Updated,
 )
-from .head import HeadError, check_head, check_headers, read_head
-from .peers import sandboxed_peer
+from .head import HEAD_LIMIT, HEAD_TIMEOUT, HeadError, check_headers
 from .security import strip_web_prefix
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine, Sequence
     from types import TracebackType
 
-    from hypercorn.config import Config as HypercornConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +65,17 @@ WRITE_TIMEOUT: Final = 30.0
 #: finishes the frame it was writing within this bound (seconds), so that nothing is ever
 #: written after a frame cut short; a frame not finished in time aborts the connection (reset).
 FRAME_FINISH_TIMEOUT: Final = SEND_TIMEOUT
+#: Longest the reader of a kept-alive connection waits, holding the start of a next request,
+#: for hypercorn to end the answer before it and start its next cycle (seconds); then the
+#: request goes to hypercorn.
+CYCLE_TIMEOUT: Final = 1.0
+#: How every request the dispatcher may take over from hypercorn begins.
+_GET: Final = b"GET "
 #: ``SO_LINGER`` on, with a zero timeout: closing the socket resets the connection and the
 #: kernel discards what it has not sent.
 _LINGER_RESET: Final = struct.pack("ii", 1, 0)
 
-_WS_REQUEST: Final = re.compile(rb"^GET /v1/workspaces/[^/?\s]+/ws(?:\?[^\s]*)? HTTP/1\.1\r\n")
 _WS_PATH: Final = re.compile(r"^/v1/workspaces/[^/]+/ws$")
-_UPGRADE: Final = re.compile(rb"(?im)^upgrade:[ \t]*websocket[ \t]*\r?$")
-_SSE_REQUEST: Final = re.compile(
-    rb"^GET /v1/workspaces/[^/?%\s]+/events(?:\?[^\s]*)? HTTP/1\.1\r\n"
-)
-#: Headers that make a request more than a plain GET (a body, an upgrade, an expectation).
-_NOT_PLAIN_GET: Final = re.compile(
-    rb"(?im)^(?:transfer-encoding|upgrade|expect)[ \t]*:|^content-length[ \t]*:[ \t]*0*[1-9]"
-)
 
 
 def clear_user_timeout(sock: Any) -> None:
@@ -516,14 +504,29 @@ class HttpConnection(HypercornConnection):
     after EOF is sent, what the client still sends (a body the answer made moot) is read and
     discarded for up to :data:`LINGER_TIMEOUT`, so the kernel does not reset the connection
     before the client has read the answer.
+
+    A kept-alive connection can be taken back between two requests: when the next request's
+    head (read whole, within the dispatcher's bounds) starts while hypercorn is at rest
+    (:meth:`_at_rest`) and ``take_over`` claims it (returns the bytes to serve it from),
+    hypercorn's part ends without a write or a close, and :attr:`handed_back` holds those bytes
+    for the dispatcher. Anything else (a request begun during an answer, one ``take_over``
+    declines) goes to hypercorn as before.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, take_over: Callable[[bytes], bytes | None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._eof_sent = False
         self._reader: trio.lowlevel.Task | None = None
         self._reader_done = trio.Event()
         self._reading = trio.CancelScope()
+        self._take_over = take_over
+        #: Set when hypercorn starts its next request cycle (see :meth:`_at_rest`).
+        self._rested = trio.Event()
+        #: The next request that ``take_over`` claimed (its head, and what followed it): the
+        #: connection was left open for the dispatcher to serve it.
+        self.handed_back: bytes | None = None
 
     async def read_data(self) -> None:
         self._reader = trio.lowlevel.current_task()
@@ -534,6 +537,10 @@ class HttpConnection(HypercornConnection):
                 await self.protocol.handle(Closed())  # also ends a request read meanwhile
         finally:
             self._reader_done.set()
+            # Nothing more is read: an idle timer restarted by the end of an answer must not
+            # hold the connection's task open until it expires.
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(Updated(idle=False))
 
     async def protocol_send(self, event: Any) -> None:
         """hypercorn's send, except that a write failing because the peer has gone also ends the
@@ -545,6 +552,18 @@ class HttpConnection(HypercornConnection):
         cycle that never comes (observed: 30 s to more than 50 s). The peer is gone: nothing
         more can be read or answered, so the reader ends at once.
         """
+        if isinstance(event, Updated):
+            if event.idle:  # h11 is in its next cycle already
+                self._rested.set()
+                if self._reader_done.is_set():
+                    return  # the connection is ending: no idle timer (see read_data)
+            # Shielded: the application's task that reports the next cycle is being cancelled
+            # (the framework ends its request's tasks once the answer is sent), and the idle
+            # timer's restart must not be lost with it, or an idle kept-alive connection would
+            # never time out.
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+            return
         if not isinstance(event, RawData):
             await super().protocol_send(event)
             return
@@ -566,6 +585,17 @@ class HttpConnection(HypercornConnection):
                     data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                 break
+            if data and _GET.startswith(data[:4]) and self._take_over and await self._at_rest():
+                data, still_open = await self._rest_of_head(bytes(data))
+                claimed = self._take_over(data) if still_open else None
+                if claimed is not None:
+                    self.handed_back = claimed
+                    await super().protocol_send(Updated(idle=False))  # stops the idle timer
+                    return
+                await self.protocol.handle(RawData(data=data))
+                if still_open:
+                    continue
+                break
             await self.protocol.handle(RawData(data=bytes(data)))
             if not data:
                 break
@@ -574,10 +604,40 @@ class HttpConnection(HypercornConnection):
             return
         await self.protocol.handle(Closed())
 
+    async def _at_rest(self) -> bool:
+        """Whether hypercorn is at rest between two requests (see :meth:`cycle_state`); while it
+        is still ending the answer to the request before, waits for its next cycle (up to
+        :data:`CYCLE_TIMEOUT`; hypercorn would not read the next request before then either)."""
+        state = self.cycle_state()
+        if state == "answering":
+            with trio.move_on_after(CYCLE_TIMEOUT):
+                while (state := self.cycle_state()) == "answering":
+                    self._rested = trio.Event()
+                    await self._rested.wait()
+        return state == "idle"
+
+    async def _rest_of_head(self, data: bytes) -> tuple[bytes, bool]:
+        """``data`` and what follows it up to the end of its request head, within the
+        dispatcher's bounds (:data:`~.head.HEAD_LIMIT`, :data:`~.head.HEAD_TIMEOUT`; a head
+        not whole by then is left to hypercorn's rules), and whether the client is still
+        there (False: it closed, or the connection broke)."""
+        with trio.move_on_after(HEAD_TIMEOUT):
+            while b"\r\n\r\n" not in data and len(data) < HEAD_LIMIT:
+                try:
+                    more = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    return data, False
+                if not more:
+                    return data, False
+                data += more
+        return data, True
+
     async def _linger(self) -> None:
         await discard_until_eof(self.stream)
 
     async def close_connection(self) -> None:
+        if self.handed_back is not None:
+            return  # the dispatcher serves the connection on
         with trio.move_on_after(CLOSE_BOUND + LINGER_TIMEOUT + SEND_TIMEOUT, shield=True):
             if not self._eof_sent:
                 self._eof_sent = True
@@ -681,118 +741,3 @@ def _has_body(headers: Any) -> bool:
         if name == b"content-length" and value.strip() not in (b"0", b""):
             return True
     return False
-
-
-def strip_head_prefix(head: bytes, web_prefix: str) -> bytes:
-    """``head`` (a checked request head and what followed it) with the web page's path prefix
-    taken off the request target (see :func:`~.security.strip_web_prefix`)."""
-    if not web_prefix:
-        return head
-    line_end = head.find(b"\r\n")
-    method, target, version = head[:line_end].split(b" ", 2)
-    path, sep, query = target.partition(b"?")
-    stripped = strip_web_prefix(path.decode("ascii"), web_prefix)
-    if stripped is None:
-        return head
-    target = stripped.encode("ascii") + sep + query
-    return b" ".join((method, target, version)) + head[line_end:]
-
-
-def is_event_websocket(head: bytes) -> bool:
-    end = head.find(b"\r\n\r\n")
-    return end >= 0 and bool(_WS_REQUEST.match(head)) and bool(_UPGRADE.search(head[:end]))
-
-
-def is_event_stream(head: bytes) -> bool:
-    """A plain HTTP/1.1 ``GET /v1/workspaces/{wid}/events`` (no body, no upgrade)."""
-    end = head.find(b"\r\n\r\n")
-    return end >= 0 and bool(_SSE_REQUEST.match(head)) and not _NOT_PLAIN_GET.search(head[:end])
-
-
-WsHandler = Callable[[PrefixedStream], Awaitable[None]]
-
-
-async def serve_dispatching(
-    app: Any,
-    config: HypercornConfig,
-    sock: Any,
-    ws_handler: WsHandler | None,
-    *,
-    shutdown_trigger: Callable[[], Awaitable[Any]],
-    web_prefix: str = "",
-    sse_handler: WsHandler | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` with hypercorn and the event websocket with ``ws_handler`` on ``sock``
-    (``None``: every connection goes to hypercorn), and a first ``GET .../events`` with
-    ``sse_handler`` (:func:`is_event_stream`; ``None``: hypercorn serves it). A first request
-    under ``web_prefix`` (the web page's path prefix) is served as the path below it;
-    :class:`ConnectionRules` does the same for later requests on a kept-alive connection.
-
-    Mirrors hypercorn's own trio worker (lifespan, then connections, then a graceful deadline
-    after ``shutdown_trigger`` returns) with the dispatcher in front of each connection.
-    """
-    lifespan_state: dict[str, Any] = {}
-    lifespan = Lifespan(app, config, lifespan_state)
-    context = WorkerContext(None)
-    listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    # A Unix socket needs no token, so no sandboxed command may connect to it (peers.py).
-    unix = sock.family == socket.AF_UNIX
-
-    async with trio.open_nursery() as lifespan_nursery:
-        await lifespan_nursery.start(lifespan.handle_lifespan)
-        await lifespan.wait_for_startup()
-        async with trio.open_nursery() as connections:
-
-            async def handle(stream: trio.SocketStream) -> None:
-                async with contained(stream):
-                    refused = sandboxed_peer(stream.socket) if unix else None
-                    if refused is not None:
-                        log.warning("refused a Unix-socket connection: %s", refused)
-                        await answer_error(stream, HeadError(403, refused))
-                        return
-                    try:
-                        head = await read_head(stream)
-                        if not head:
-                            return
-                        check_head(head)
-                        head = strip_head_prefix(head, web_prefix)
-                    except HeadError as exc:
-                        await answer_error(stream, exc)
-                        return
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                        return
-                    wrapped = PrefixedStream(stream, head)
-                    event_websocket = ws_handler is not None and is_event_websocket(head)
-                    event_stream = sse_handler is not None and is_event_stream(head)
-                    del head  # the stream holds it as long as it is needed
-                    if ws_handler is not None and event_websocket:
-                        clear_user_timeout(stream.socket)
-                        async with contained(wrapped, "event websocket"):
-                            await ws_handler(wrapped)
-                    elif sse_handler is not None and event_stream:
-                        clear_user_timeout(stream.socket)  # as for the event websocket
-                        async with contained(wrapped, "event stream"):
-                            await sse_handler(wrapped)
-                    else:
-                        CONNECTION_STREAM.set(wrapped)  # this task's, and hypercorn's under it
-                        # TCPServer is typed for SSL streams but takes any stream with a .socket.
-                        await HttpConnection(
-                            app,
-                            config,
-                            context,
-                            ConnectionState(lifespan_state.copy()),
-                            wrapped,
-                        )
-
-            task_status.started()
-            async with trio.open_nursery() as accepting:
-                accepting.start_soon(
-                    partial(trio.serve_listeners, handle, [listener], handler_nursery=connections)
-                )
-                await shutdown_trigger()
-                accepting.cancel_scope.cancel()
-            await context.terminated.set()
-            connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
-        await lifespan.wait_for_shutdown()
-        lifespan_nursery.cancel_scope.cancel()

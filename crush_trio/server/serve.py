@@ -37,8 +37,9 @@ from ..tools.sandbox import probe as sandbox_probe
 from ..wsdeflate import bound_hypercorn_deflate
 from .api import Api
 from .app import create_app
+from .dispatch import WsHandler, serve_dispatching
 from .keepalive import keepalive_timer
-from .listener import ConnectionRules, WsHandler, serve_dispatching
+from .listener import ConnectionRules
 from .metrics_http import metrics_socket, metrics_url, serve_metrics
 from .security import HostPolicy
 from .settings import Settings
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 #: Seconds hypercorn waits for open connections after the app has closed its streams (its
 #: websocket ping tasks outlive their connection by up to one ping interval; nothing else is left).
 HYPERCORN_GRACE: Final = 0.5
+#: Seconds a kept-alive HTTP connection may sit idle between two requests before the server
+#: closes it (hypercorn's keep-alive timeout).
+KEEP_ALIVE_TIMEOUT: Final = 5.0
 LISTEN_BACKLOG: Final = 1024
 
 
@@ -201,7 +205,7 @@ async def serve(
                 ConnectionRules(app, settings.web_prefix), hconfig.wsgi_max_body_size, "asgi"
             )
             ws_handler: WsHandler | None = None
-            if server_opts.ws_transport == "trio-websocket" and not unix:
+            if server_opts.ws_transport == "trio-websocket":
                 ws_handler = partial(
                     serve_event_websocket, api=api, settings=settings, keepalive=keepalive
                 )
@@ -215,7 +219,7 @@ async def serve(
                     ws_handler,
                     shutdown_trigger=http_stop.wait,
                     web_prefix=settings.web_prefix,
-                    sse_handler=_sse_handler(api, settings, server_opts, unix=unix),
+                    sse_handler=_sse_handler(api, settings, server_opts),
                 )
             )
             murl = None
@@ -248,6 +252,7 @@ def _hypercorn_config(config: Config) -> HypercornConfig:
     hconfig.accesslog = None
     hconfig.errorlog = logging.getLogger("crush_trio.http")
     hconfig.graceful_timeout = HYPERCORN_GRACE
+    hconfig.keep_alive_timeout = KEEP_ALIVE_TIMEOUT
     hconfig.websocket_ping_interval = server_opts.ws_ping_interval or None
     hconfig.websocket_max_message_size = server_opts.max_body_bytes
     bound_hypercorn_deflate(server_opts.max_body_bytes)
@@ -311,13 +316,11 @@ def _settings(options: ServeOptions, config: Config, token: str) -> Settings:
     )
 
 
-def _sse_handler(
-    api: Api, settings: Settings, server_opts: ServerOptions, *, unix: bool
-) -> WsHandler | None:
+def _sse_handler(api: Api, settings: Settings, server_opts: ServerOptions) -> WsHandler | None:
     """The dispatcher's handler of the SSE event stream, served on the socket as the event
-    websocket is (``server.ws_transport: "trio-websocket"``, not on a Unix socket); ``None``:
+    websocket is (``server.ws_transport: "trio-websocket"``, TCP or Unix socket); ``None``:
     hypercorn serves it through the app's route (:mod:`.sse`)."""
-    if server_opts.ws_transport != "trio-websocket" or unix:
+    if server_opts.ws_transport != "trio-websocket":
         return None
     return partial(serve_event_stream, api=api, settings=settings)
 

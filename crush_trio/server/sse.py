@@ -1,9 +1,10 @@
 """The event stream as Server-Sent Events (``GET /v1/workspaces/{wid}/events``, PROTOCOL §5).
 
 This is the quart route: it serves the stream when the event websocket is the app's too
-(``server.ws_transport: "asgi"``), on a Unix socket, and on a kept-alive connection. A
-connection's first request is otherwise served on the socket by :mod:`.sse_listener`, with the
-same answers and the same bytes once inflated (the gzip constants here apply to both).
+(``server.ws_transport: "asgi"``), and when its request is pipelined behind another answer on a
+kept-alive connection. It is otherwise served on the socket by :mod:`.sse_listener` (see
+:mod:`.dispatch`), with the same answers and the same bytes once inflated (the gzip constants
+here apply to both).
 
 The same subscription as the websockets (:func:`~.connection.subscribed`), but no commands and no
 close code: the body is an async iterator that hypercorn drains, so the writer is the response

@@ -1,9 +1,10 @@
-"""The event stream over SSE served by the connection dispatcher (see :mod:`.listener`).
+"""The event stream over SSE served by the connection dispatcher (see :mod:`.dispatch`).
 
-``GET /v1/workspaces/{wid}/events`` as the first request of a connection (HTTP/1.1, no body) is
-served here, on the socket, when the event websocket is too (``server.ws_transport:
-"trio-websocket"``, not on a Unix socket); the quart route (:mod:`.sse`) serves it otherwise, and
-on a kept-alive connection. Same contract (PROTOCOL §5): the same checks in the same order
+``GET /v1/workspaces/{wid}/events`` (HTTP/1.1, no body), as a connection's first request or as a
+later one of a kept-alive connection that hypercorn handed back, is served here, on the socket
+(TCP or Unix), when the event websocket is too (``server.ws_transport: "trio-websocket"``); the
+quart route (:mod:`.sse`) serves it otherwise, and when it is pipelined behind another answer.
+Same contract (PROTOCOL §5): the same checks in the same order
 (``Host`` 421, token 401, ``Origin`` 403, the cluster's redirect, workspace 404, ``client_id``/
 ``since``/``Last-Event-ID``/``deltas`` 400, a closing workspace), answered with the same status,
 JSON body and headers; then ``200`` with the quart route's headers, a chunked body of SSE blocks
