@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="W3 paced fan-out over SSE: only clients that ask for gzip (no plain ones)",
     )
+    p.add_argument(
+        "--w3-sse-keepalive",
+        action="store_true",
+        help="W3 paced fan-out over SSE: each client asks for its stream on a kept-alive "
+        "connection, after another request (as Go's HTTP client reuses idle connections)",
+    )
     p.add_argument("--w4-idle", type=int, help="W4 idle websocket clients")
     p.add_argument("--w4-updates", type=int, help="W4 tokens streamed by the stalled-client run")
     p.add_argument("--soak-runs", type=int, help="W4 soak runs (full: 10,000)")
@@ -131,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
     if args.w3_sse_gzip_only:
         sizes = dataclasses.replace(sizes, w3_paced_sse_plain=False)
+    if args.w3_sse_keepalive:
+        sizes = dataclasses.replace(sizes, w3_paced_sse_keepalive=True)
     default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)
     if args.soak_minutes is not None and "W6" not in default:
         default.append("W6")

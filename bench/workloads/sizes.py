@@ -58,6 +58,9 @@ class Sizes:
     w4_warmup: bool = True
     #: W3's paced fan-out over SSE: also as many plain (uncompressed) clients as gzip ones.
     w3_paced_sse_plain: bool = True
+    #: W3's paced fan-out over SSE: each stream asked for on a kept-alive connection after a
+    #: ``GET`` of the workspace (Go's HTTP client reuses idle connections).
+    w3_paced_sse_keepalive: bool = False
     #: W3's paced fan-out: the server's publish window (``options.debounce_ms``); None leaves the
     #: server's default (33 ms, Crush's), so about 30 updates a second reach each client. 100
     #: gives the 10 updates a second that the fan-out's targets are held to at least.

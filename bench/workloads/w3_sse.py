@@ -31,9 +31,10 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
     s = ctx.sizes
     n, tokens, delay = s.w3_paced_sse_clients, s.w3_paced_tokens, s.w3_paced_delay_ms
     modes = ("gzip", "plain") if s.w3_paced_sse_plain else ("gzip",)
+    kept = ", each after a GET on its kept-alive connection" if s.w3_paced_sse_keepalive else ""
     ctx.log(
         f"[W3] paced fan-out over SSE: {len(modes)} x {n} clients ({', '.join(modes)}), "
-        f"{tokens} tokens at {delay:g} ms"
+        f"{tokens} tokens at {delay:g} ms{kept}"
     )
     work = ctx.dir("w3-paced-sse")
     fake = fake_model(ctx, "w3-sse-fake", "--tokens", str(tokens), "--delay-ms", f"{delay:g}")
@@ -51,10 +52,22 @@ async def w3_paced_sse(ctx: Ctx, result: WorkloadResult) -> dict[str, Any]:
         session = await ws.create_session("bench")
         for mode, child in children.items():
             gzip = mode == "gzip"
-            await child.send({"url": server.url, "wid": ws.id, "count": n, "gzip": gzip})
+            await child.send(
+                {
+                    "url": server.url,
+                    "wid": ws.id,
+                    "count": n,
+                    "gzip": gzip,
+                    "keep_alive": s.w3_paced_sse_keepalive,
+                }
+            )
             ready = await child.recv_event("ready", READY_TIMEOUT)
             if ready["failed"] or ready["gzip"] != (n if gzip else 0):
                 raise RuntimeError(f"SSE watchers (gzip={gzip}): {ready}")
+            ctx.log(
+                f"  SSE {mode}: {ready['closing']}/{n} streams served on the socket by the "
+                "dispatcher (their answer says connection: close), the rest by the app's route"
+            )
         cpu0, t0 = server.cpu(), time.monotonic()
         handle = await ws.prompt(session.id, "Stream your tokens.")
         done = {
