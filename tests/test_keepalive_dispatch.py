@@ -22,10 +22,10 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio.server.head import HEAD_LIMIT
+from crush_trio.server.head import HEAD_LIMIT, HEAD_TIMEOUT
 from crush_trio.server.serve import KEEP_ALIVE_TIMEOUT, serve
 
-from .conftest import TOKEN, WAIT, Server, serve_options
+from .conftest import TOKEN, WAIT, Server, running_server, serve_options
 from .test_sse_direct import RawSse, data_of, typed
 
 
@@ -226,8 +226,6 @@ async def test_an_event_websocket_after_other_requests_is_the_dispatchers(
 async def test_a_kept_alive_stream_ends_with_the_server(tmp_path: Path) -> None:
     """Shutdown ends a stream taken over from hypercorn like any other: the last chunk, then
     the connection closes."""
-    from .conftest import running_server
-
     async with running_server(tmp_path) as server:
         ws = await server.open_workspace()
         raw, stream = await stream_after(server, ws["id"], [request(server, "/v1/workspaces")])
@@ -284,3 +282,23 @@ async def test_over_a_unix_socket_the_event_stream_is_the_dispatchers(tmp_path: 
             hello = await raw.until(typed("hello"))
             assert data_of(hello)["payload"]["workspace_id"] == wid
         handle.stop()
+
+
+@pytest.mark.parametrize("sent", ["part of a head", "a whole head"])
+async def test_shutdown_while_a_kept_alive_request_is_read_ends_the_connection(
+    tmp_path: Path, sent: str
+) -> None:
+    """Cancellation between two requests: the server stopping while the reader holds the start
+    of a next head (or a whole one, routed to the event stream) ends the connection well within
+    the head's own timeout."""
+    async with running_server(tmp_path) as server:
+        ws = await server.open_workspace()
+        stream, raw = await after_one_answer(server)
+        async with stream:
+            head = request(server, events_target(ws["id"]))
+            await stream.send_all(head[:20] if sent == "part of a head" else head)
+            await trio.testing.wait_all_tasks_blocked()
+            server.handle.stop()
+            with trio.fail_after(HEAD_TIMEOUT / 2):
+                while await stream.receive_some(65536):
+                    pass
