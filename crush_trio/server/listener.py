@@ -527,9 +527,19 @@ class HttpConnection(HypercornConnection):
         #: The next request that ``take_over`` claimed (its head, and what followed it): the
         #: connection was left open for the dispatcher to serve it.
         self.handed_back: bytes | None = None
+        #: When the connection, at rest between two requests, is closed (trio clock; inf while
+        #: a request is served): the reader's own timer, see :meth:`protocol_send`.
+        self._idle_deadline = math.inf
+        #: The scope of the reader's wait for more bytes, and when that wait ends at the latest
+        #: besides the idle timer (``read_timeout``).
+        self._read_scope: trio.CancelScope | None = None
+        self._read_limit = math.inf
 
     async def read_data(self) -> None:
         self._reader = trio.lowlevel.current_task()
+        # The idle timer is the reader's own (see protocol_send): stop the one hypercorn started.
+        await super().protocol_send(Updated(idle=False))
+        self._set_idle_deadline(trio.current_time() + self.config.keep_alive_timeout)
         try:
             with self._reading:
                 await self._read_until_closed()
@@ -537,10 +547,11 @@ class HttpConnection(HypercornConnection):
                 await self.protocol.handle(Closed())  # also ends a request read meanwhile
         finally:
             self._reader_done.set()
-            # Nothing more is read: an idle timer restarted by the end of an answer must not
-            # hold the connection's task open until it expires.
-            with trio.CancelScope(shield=True):
-                await super().protocol_send(Updated(idle=False))
+
+    def _set_idle_deadline(self, deadline: float) -> None:
+        self._idle_deadline = deadline
+        if self._read_scope is not None:
+            self._read_scope.deadline = min(deadline, self._read_limit)
 
     async def protocol_send(self, event: Any) -> None:
         """hypercorn's send, except that a write failing because the peer has gone also ends the
@@ -553,16 +564,15 @@ class HttpConnection(HypercornConnection):
         more can be read or answered, so the reader ends at once.
         """
         if isinstance(event, Updated):
+            # The idle timer is a deadline on the reader's wait, not hypercorn's task per
+            # request: that task's restart comes from the application's task, which the
+            # framework cancels as the answer ends, so it was lost (an idle kept-alive
+            # connection never closed), and a task per request costs more than a deadline.
             if event.idle:  # h11 is in its next cycle already
                 self._rested.set()
-                if self._reader_done.is_set():
-                    return  # the connection is ending: no idle timer (see read_data)
-            # Shielded: the application's task that reports the next cycle is being cancelled
-            # (the framework ends its request's tasks once the answer is sent), and the idle
-            # timer's restart must not be lost with it, or an idle kept-alive connection would
-            # never time out.
-            with trio.CancelScope(shield=True):
-                await super().protocol_send(event)
+                self._set_idle_deadline(trio.current_time() + self.config.keep_alive_timeout)
+            else:
+                self._set_idle_deadline(math.inf)
             return
         if not isinstance(event, RawData):
             await super().protocol_send(event)
@@ -579,18 +589,26 @@ class HttpConnection(HypercornConnection):
                 await self.protocol.handle(Closed())
 
     async def _read_until_closed(self) -> None:
+        read_timeout = self.config.read_timeout or math.inf
         while not self._eof_sent:
+            self._read_limit = trio.current_time() + read_timeout
+            data: bytes | bytearray = b""
             try:
-                with trio.fail_after(self.config.read_timeout or math.inf):
+                deadline = min(self._idle_deadline, self._read_limit)
+                with trio.CancelScope(deadline=deadline) as waiting:
+                    self._read_scope = waiting
                     data = await self.stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            finally:
+                self._read_scope = None
+            if waiting.cancelled_caught:  # idle past keep_alive_timeout, or read_timeout
                 break
             if data and _GET.startswith(data[:4]) and self._take_over and await self._at_rest():
                 data, still_open = await self._rest_of_head(bytes(data))
                 claimed = self._take_over(data) if still_open else None
                 if claimed is not None:
                     self.handed_back = claimed
-                    await super().protocol_send(Updated(idle=False))  # stops the idle timer
                     return
                 await self.protocol.handle(RawData(data=data))
                 if still_open:
