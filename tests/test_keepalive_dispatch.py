@@ -10,7 +10,10 @@ stream says ``connection: close`` (it ends the connection), the app's route does
 from __future__ import annotations
 
 import base64
+import logging
 import os
+import socket
+import struct
 import tempfile
 import uuid
 from functools import partial
@@ -302,3 +305,37 @@ async def test_shutdown_while_a_kept_alive_request_is_read_ends_the_connection(
             with trio.fail_after(HEAD_TIMEOUT / 2):
                 while await stream.receive_some(65536):
                     pass
+
+
+async def test_a_kept_alive_head_with_a_non_ascii_host_gets_the_rules_400(server: Server) -> None:
+    """The dispatcher declines a head it would refuse; hypercorn's rules refuse it the same."""
+    ws = await server.open_workspace()
+    stream, raw = await after_one_answer(server)
+    async with stream:
+        head = request(server, events_target(ws["id"])).replace(b"Host: ", b"Host: \xff", 1)
+        await stream.send_all(head)
+        await read_next_head(raw)
+        assert raw.status == 400
+        assert "header host holds bytes" in orjson.loads(raw.body)["message"].lower()
+    await assert_healthy(server)
+
+
+@pytest.mark.parametrize("cut", [3, 40])
+async def test_a_client_that_resets_in_a_kept_alive_head_leaves_the_server_well(
+    server: Server, caplog: pytest.LogCaptureFixture, cut: int
+) -> None:
+    caplog.set_level(logging.WARNING)
+    ws = await server.open_workspace()
+    stream, _ = await after_one_answer(server)
+    await stream.send_all(request(server, events_target(ws["id"]))[:cut])
+    await trio.testing.wait_all_tasks_blocked()
+    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await stream.aclose()
+    await assert_healthy(server)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+async def assert_healthy(server: Server) -> None:
+    with trio.fail_after(WAIT):
+        r = await server.http.get("/v1/health")
+    assert r.status_code == 200
