@@ -12,8 +12,6 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import socket
-import struct
 import tempfile
 import uuid
 from functools import partial
@@ -29,6 +27,7 @@ from crush_trio.server.head import HEAD_LIMIT, HEAD_TIMEOUT
 from crush_trio.server.serve import KEEP_ALIVE_TIMEOUT, serve
 
 from .conftest import TOKEN, WAIT, Server, running_server, serve_options
+from .test_connections import assert_healthy, reset
 from .test_sse_direct import RawSse, data_of, typed
 
 
@@ -329,13 +328,7 @@ async def test_a_client_that_resets_in_a_kept_alive_head_leaves_the_server_well(
     stream, _ = await after_one_answer(server)
     await stream.send_all(request(server, events_target(ws["id"]))[:cut])
     await trio.testing.wait_all_tasks_blocked()
-    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    reset(stream)
     await stream.aclose()
     await assert_healthy(server)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-
-
-async def assert_healthy(server: Server) -> None:
-    with trio.fail_after(WAIT):
-        r = await server.http.get("/v1/health")
-    assert r.status_code == 200

@@ -119,8 +119,6 @@ class Routes:
         ``take_over``): ``data`` (the next head, whole, and what followed it) as the dispatcher
         serves it when one of its handlers does, else None. A head the dispatcher would refuse
         stays with hypercorn, whose rules (:class:`~.listener.ConnectionRules`) refuse it."""
-        if self.ws_handler is None and self.sse_handler is None:
-            return None
         end = data.find(b"\r\n\r\n")
         if end < 0 or end + 4 > HEAD_LIMIT:
             return None
@@ -159,6 +157,8 @@ async def serve_dispatching(
     # A Unix socket needs no token, so no sandboxed command may connect to it (peers.py).
     unix = sock.family == socket.AF_UNIX
     routes = Routes(ws_handler, sse_handler, web_prefix)
+    # With no handler of its own there is nothing to take back: hypercorn reads every request.
+    take_over = routes.claim if ws_handler is not None or sse_handler is not None else None
 
     async def serve_request(stream: trio.SocketStream, head: bytes) -> bytes | None:
         """Serve the request ``head`` begins (checked, prefix stripped); the next one's bytes
@@ -181,7 +181,7 @@ async def serve_dispatching(
             context,
             ConnectionState(lifespan_state.copy()),
             wrapped,
-            take_over=routes.claim,
+            take_over=take_over,
         )
         await connection
         return connection.handed_back
