@@ -210,9 +210,16 @@ class Child:
 
     @classmethod
     async def start(
-        cls, name: str, argv: Sequence[str], *, log_dir: Path, env: dict[str, str] | None = None
+        cls,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Child:
-        """Start ``argv`` (relative to the repository root); stderr goes to ``log_dir/name.log``."""
+        """Start ``argv`` in ``cwd`` (default: the repository root); stderr goes to
+        ``log_dir/name.log``."""
         log_path = log_dir / f"{name}.log"
         log_file = _open_log(log_path)
         process = await trio.lowlevel.open_process(
@@ -220,7 +227,7 @@ class Child:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log_file,
-            cwd=REPO_ROOT,
+            cwd=cwd or REPO_ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         return cls(name, process, log_path, log_file)
