@@ -286,7 +286,7 @@ class Child:
 
     async def stop(self, sig: int = signal.SIGTERM) -> int | None:
         """Signal the child and reap it; returns its exit code."""
-        with trio.move_on_after(STOP_TIMEOUT, shield=True):
+        with trio.CancelScope(shield=True):
             if self.process.returncode is None:
                 try:
                     self.process.send_signal(sig)
@@ -295,8 +295,11 @@ class Child:
                 with trio.move_on_after(STOP_TIMEOUT):
                     await self.process.wait()
             if self.process.returncode is None:
+                # Its own bound: one shared with the wait above would have expired with it,
+                # and a child that ignores ``sig`` would outlive the benchmark.
                 self.process.kill()
-                await self.process.wait()
+                with trio.move_on_after(STOP_TIMEOUT):
+                    await self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None:
                 with trio.move_on_after(1, shield=True):
