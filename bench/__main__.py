@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--w1-min-runs", type=int, help="W1 runs measured per level (at least)")
     p.add_argument("--w2-runs", type=int, help="W2 concurrent runs")
     p.add_argument("--w2-rounds", type=int, help="W2 measured rounds (full: 5)")
+    p.add_argument(
+        "--w2-peer",
+        action="store_true",
+        help="W2: also run the rounds against OpenCode's server (installed with npm on first "
+        "use) and report the CPU ratio",
+    )
     p.add_argument("--w3-clients", type=_ints, help="W3 client counts, e.g. 10,100,1000")
     p.add_argument("--w3-updates", type=int, help="W3 tokens streamed by the run")
     p.add_argument("--w3-paced-clients", type=int, help="W3 paced fan-out: websocket clients")
@@ -139,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = dataclasses.replace(sizes, w3_paced_sse_plain=False)
     if args.w3_sse_keepalive:
         sizes = dataclasses.replace(sizes, w3_paced_sse_keepalive=True)
+    if args.w2_peer:
+        sizes = dataclasses.replace(sizes, w2_peer=True)
     default = list(WORKLOADS) if args.smoke else list(DEFAULT_FULL)
     if args.soak_minutes is not None and "W6" not in default:
         default.append("W6")

@@ -33,8 +33,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import httpx
 import orjson
@@ -42,6 +43,9 @@ import trio
 
 from .procs import Child, child_process, cpu_seconds, python
 from .report import percentile
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 #: The OpenCode release measured (pinned so that figures compare across runs).
 VERSION: Final = "1.18.33"
@@ -257,17 +261,26 @@ async def one_round(
     return result
 
 
-async def measure(args: argparse.Namespace) -> list[Round]:
-    binary = install(args.dir)
+async def measure(
+    *,
+    runs: int,
+    rounds: int,
+    tokens: int,
+    delay_ms: float,
+    directory: Path = DEFAULT_DIR,
+    log: Callable[[str], None] = print,
+) -> Round:
+    """W2's rounds against OpenCode (see the module doc); returns the rounds pooled."""
+    binary = install(directory)
     workdir = Path(tempfile.mkdtemp(prefix="peer-opencode-"))
-    fake_argv = python("-m", "bench.fake", "--port", "0", "--tokens", str(args.tokens))
-    fake_argv += ["--delay-ms", f"{args.delay_ms:g}", "--stamp"]
-    rounds: list[Round] = []
+    fake_argv = python("-m", "bench.fake", "--port", "0", "--tokens", str(tokens))
+    fake_argv += ["--delay-ms", f"{delay_ms:g}", "--stamp"]
+    measured: list[Round] = []
     async with child_process("fake", fake_argv, workdir, "fake-llm listening on ") as (_, line):
         fake_url = line.split(" on ", 1)[1].strip()
         server, url = await start_opencode(binary, fake_url, workdir)
         try:
-            limits = httpx.Limits(max_connections=args.runs + 8)
+            limits = httpx.Limits(max_connections=runs + 8)
             async with (
                 httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, limits=limits) as client,
                 trio.open_nursery() as nursery,
@@ -275,20 +288,32 @@ async def measure(args: argparse.Namespace) -> list[Round]:
                 watch = Watch()
                 for n in range(READERS):
                     nursery.start_soon(read_events, client, watch, n == 0)
-                await one_round(client, watch, server.pid, args.runs, "Warm up.")
-                for r in range(args.rounds):
+                await one_round(client, watch, server.pid, runs, "Warm up.")
+                for r in range(rounds):
                     done = await one_round(
-                        client, watch, server.pid, args.runs, "Reply with your tokens."
+                        client, watch, server.pid, runs, "Reply with your tokens."
                     )
-                    rounds.append(done)
-                    print(f"round {r + 1}/{args.rounds}: {_line(done)}", flush=True)
+                    measured.append(done)
+                    log(f"OpenCode round {r + 1}/{rounds}: {_line(done)}")
                 nursery.cancel_scope.cancel()
         finally:
             # Killed: under this load it takes longer than the benchmark's stop bound to end
             # on SIGTERM, and nothing of its state is kept.
             await server.stop(signal.SIGKILL)
-    print(f"(logs: {workdir})")
-    return rounds
+    log(f"(OpenCode's logs: {workdir})")
+    return pooled(measured)
+
+
+def pooled(rounds: list[Round]) -> Round:
+    """Several rounds as one."""
+    total = Round(sum(r.runs for r in rounds))
+    for r in rounds:
+        total.cpu += r.cpu
+        total.below += r.below
+        total.wall += r.wall
+        total.first_text += r.first_text
+        total.token_latency += r.token_latency
+    return total
 
 
 def _ms(x: float) -> str:
@@ -316,14 +341,19 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.delay_ms:g} ms/token; load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    rounds = trio.run(measure, args)
-    runs = sum(r.runs for r in rounds)
-    pooled = Round(runs, sum(r.cpu for r in rounds), sum(r.below for r in rounds))
-    pooled.first_text = [x for r in rounds for x in r.first_text]
-    pooled.token_latency = [x for r in rounds for x in r.token_latency]
-    pooled.wall = sum(r.wall for r in rounds)
-    print(f"pooled: {_line(pooled)}")
-    print(f"the driver's own CPU: {time.process_time():.1f} s over {pooled.wall:.1f} s of rounds")
+    total = trio.run(
+        partial(
+            measure,
+            runs=args.runs,
+            rounds=args.rounds,
+            tokens=args.tokens,
+            delay_ms=args.delay_ms,
+            directory=args.dir,
+            log=lambda line: print(line, flush=True),
+        )
+    )
+    print(f"pooled: {_line(total)}")
+    print(f"the driver's own CPU: {time.process_time():.1f} s over {total.wall:.1f} s of rounds")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ class Sizes:
     #: server's default (33 ms, Crush's), so about 30 updates a second reach each client. 100
     #: gives the 10 updates a second that the fan-out's targets are held to at least.
     w3_paced_debounce_ms: int | None = None
+    #: W2: also run its rounds against OpenCode's server (:mod:`bench.peer_opencode`, npm) and
+    #: report the ratio of the CPU per run, the form W2's CPU target is stated in.
+    w2_peer: bool = False
     smoke: bool = False
 
 

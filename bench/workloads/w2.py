@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from .. import charts
+from .. import charts, peer_opencode
 from ..procs import (
     server_process,
 )
@@ -19,6 +19,8 @@ from .rounds import LevelResult, run_rounds
 
 # Target (issue "Load benchmarks"): see docs/performance.md.
 W2_FIRST_TEXT_P50_TARGET: Final = 0.100  # seconds
+#: Server CPU per run at most this share of OpenCode's in the same run (``--w2-peer``).
+W2_PEER_CPU_RATIO_TARGET: Final = 0.1
 #: Token sent by the model → visible to a client, p99 (issue "Fan-out at the machine's limit").
 W2_TOKEN_P99_TARGET: Final = 0.050  # seconds
 
@@ -94,6 +96,8 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}; "
         f"gap frames (lossy events dropped for a full client queue): {level.gaps}.",
     ]
+    if s.w2_peer:
+        await _against_opencode(ctx, result, level.cpu_per_run)
     result.raw = {
         "first_text": first,
         "first_token_sent": level.first_token_sent,
@@ -107,3 +111,28 @@ async def w2(ctx: Ctx) -> WorkloadResult:
     }
     result.chart = lambda path: charts.w2(path, result.raw)
     return result
+
+
+async def _against_opencode(ctx: Ctx, result: WorkloadResult, ours: float) -> None:
+    """The same rounds against OpenCode's server, right after ours (``--w2-peer``)."""
+    s = ctx.sizes
+    ctx.log(f"[W2] the same rounds against OpenCode {peer_opencode.VERSION}")
+    theirs = await peer_opencode.measure(
+        runs=s.w2_runs, rounds=s.w2_rounds, tokens=s.w2_tokens, delay_ms=s.w2_delay_ms, log=ctx.log
+    )
+    per_run = theirs.cpu / theirs.runs
+    ratio = ours / per_run
+    result.targets.append(
+        Target(
+            "server CPU per run / OpenCode's (same run)",
+            f"{ms(ours)} / {ms(per_run)} = {ratio:.3f}",
+            f"≤ {W2_PEER_CPU_RATIO_TARGET:g}",
+            ratio <= W2_PEER_CPU_RATIO_TARGET,
+        )
+    )
+    result.notes.append(
+        f"OpenCode {peer_opencode.VERSION} on the same rounds (python -m bench.peer_opencode): "
+        f"{ms(per_run)} of CPU per run, first text p50 "
+        f"{ms(percentile(theirs.first_text, 50))}, token p99 "
+        f"{ms(percentile(theirs.token_latency, 99))}."
+    )
