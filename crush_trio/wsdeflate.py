@@ -15,11 +15,13 @@ The server compresses every frame per connection, with context takeover: an even
 for all clients (:attr:`crush_trio.broker.Event.ws_frame`), then deflated into each negotiating
 client's own LZ77 window, where the envelope of the previous events (the keys, the message and
 session ids) makes a ``message_delta`` cost about 20 bytes instead of about 230. Connections
-whose compressed frames so far were the same events in the same order have the same compressor
-state, so they share it (a :class:`Cohort` state): the first of them to send an event compresses
-it once, and the others send the same bytes; a connection that gets another compressed event
-(an event dropped for it, other events replayed on resume) goes on from a copy of the state,
-alone or with the others that took the same turn. A connection's own frames (``hello``,
+whose compressed frames so far were the same events in the same order share one compressor (a
+:class:`Lane`): the first of them to send an event compresses it in place, once, and the others
+send the same bytes from the lane's log of its last frames; a connection that gets another
+compressed event (an event dropped for it, other events replayed on resume) goes on with a new
+compressor, alone or with the others that took the same turn. (The SSE gzip streams share their
+compression with :class:`Cohort` states instead, which copy a state where connections part: a
+gzip member cannot start a new compressor half-way.) A connection's own frames (``hello``,
 ``gap``, a command's ``reply``) go out uncompressed and leave it in step. Compressing each
 event once with ``server_no_context_takeover`` and sharing the compressed bytes keeps the
 encode-once property but saves little on small events (measured on a recorded paced run: 22
@@ -74,7 +76,11 @@ TOO_BIG_REASON: Final = "Exceeded maximum message size: {} bytes (inflated)"
 
 #: Most branches one shared compressor state remembers (connections that got different events
 #: after it); a connection whose event is not among them compresses it from a copy of its own.
+#: Also the most lanes remembered by their first event (:func:`_start_lane`), per window.
 MAX_BRANCHES: Final = 4
+#: Frames a websocket compression lane keeps, newest last (:class:`Lane`): a connection up to
+#: that many events behind its lane's compressor still sends the lane's bytes.
+LANE_LOG: Final = 64
 
 _SYNC_TAIL: Final = b"\x00\x00\xff\xff"
 #: The opcodes whose frames carry message data (compressible; RFC 7692 §6).
@@ -241,6 +247,77 @@ class Lineage:
         self.joined = 0
 
 
+class Lane:
+    """One websocket compressor shared by the connections that were sent the same compressed
+    events in the same order, advanced in place, with the frames of its last :data:`LANE_LOG`
+    events.
+
+    A connection is at a position in a lane (:meth:`BoundedDeflate.frame`). One at the lane's
+    head compresses its event in place and logs the frame; one behind it, whose event is the
+    one the lane logged at its position, sends the logged bytes; any other (it missed an
+    event, got one of its own, or fell further behind than the log) starts a lane of its own
+    from a new compressor. A new compressor is valid at any point of a connection: it points
+    back at nothing the client's window does not hold, and RFC 7692 lets a sender reference
+    as little of the window as it likes. So the connections that keep together cost one
+    compression per event and no copy of the compressor, which :class:`Cohort` pays for each
+    event that more than one connection at a state receives (a copy of about 140 KB of zlib
+    state costs several times a small event's compression).
+    """
+
+    __slots__ = ("__weakref__", "deflater", "frames", "head", "keys")
+
+    def __init__(self, window_bits: int) -> None:
+        self.deflater: Deflater = zlib.compressobj(
+            COMPRESS_LEVEL, zlib.DEFLATED, -window_bits, SERVER_MEM_LEVEL
+        )
+        #: Events compressed so far.
+        self.head = 0
+        #: The last events compressed (compared by identity: one object per published event)
+        #: and their frames.
+        self.keys: collections.deque[object] = collections.deque(maxlen=LANE_LOG)
+        self.frames: collections.deque[bytes] = collections.deque(maxlen=LANE_LOG)
+
+    def add(self, event: object, shared: bytes) -> bytes:
+        """Compress ``event`` (uncompressed frame ``shared``) at the head; its frame."""
+        frame = Cohort._compress(self.deflater, shared)
+        self.keys.append(event)
+        self.frames.append(frame)
+        self.head += 1
+        return frame
+
+    def logged(self, pos: int, event: object) -> bytes | None:
+        """The frame this lane sent as its event number ``pos`` when that was ``event`` and
+        the frame is still logged; else None."""
+        back = self.head - pos
+        if 0 < back <= len(self.keys) and self.keys[-back] is event:
+            return self.frames[-back]
+        return None
+
+
+#: Lanes by the event they started with, newest last, per window bits: connections whose first
+#: compressed event (on connecting, or after leaving their lane) is the same share a lane.
+_LANE_STARTS: dict[int, collections.OrderedDict[Hashable, weakref.ref[Lane]]] = {}
+
+
+def _start_lane(event: Hashable, shared: bytes, window_bits: int) -> tuple[Lane, bytes]:
+    """A lane whose first event is ``event``, and its frame: one that started with it and
+    still logs it, else a new one."""
+    starts = _LANE_STARTS.setdefault(window_bits, collections.OrderedDict())
+    ref = starts.get(event)
+    lane = ref() if ref is not None else None
+    if lane is not None:
+        frame = lane.logged(0, event)
+        if frame is not None:
+            return lane, frame
+    lane = Lane(window_bits)
+    frame = lane.add(event, shared)
+    starts[event] = weakref.ref(lane)
+    starts.move_to_end(event)
+    while len(starts) > MAX_BRANCHES:
+        starts.popitem(last=False)
+    return lane, frame
+
+
 #: The state every connection's compression starts from, by window bits and context takeover.
 _FIRST_STATES: dict[tuple[int, bool], Cohort] = {}
 
@@ -282,8 +359,11 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
         #: The connection's zlib compressor of wsproto's path (:meth:`frame_outbound`), created
         #: with its first compressed frame.
         self._deflater: Deflater | None = None
-        #: Where the server's compression of this connection is (:meth:`frame`): a state shared
-        #: with the connections that got the same frames; None before the first.
+        #: Where the server's compression of this connection is (:meth:`frame`): with context
+        #: takeover its lane and its position in it, else the state shared by every frame; None
+        #: before the first.
+        self._lane: Lane | None = None
+        self._pos = 0
         self._cohort: Cohort | None = None
         #: The connection's zlib decompressor, created with its first compressed message.
         self._inflater: Inflater | None = None
@@ -406,15 +486,28 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
         """The server's frame of ``event`` on this connection: compressed into the connection's
         window (RSV1 set), or the shared uncompressed frame when it is larger than
         :data:`MAX_COMPRESSED_EVENT` or one of :data:`UNCOMPRESSED_TYPES`. The compression
-        state is shared with the connections that got the same frames (:class:`Cohort`)."""
+        is shared with the connections that got the same frames: a :class:`Lane` with context
+        takeover, else the one state every frame starts from (:class:`Cohort`)."""
         shared = event.ws_frame
         if len(shared) > MAX_COMPRESSED_EVENT or event.type in UNCOMPRESSED_TYPES:
             return shared
+        if not self.server_no_context_takeover:
+            lane, pos = self._lane, self._pos
+            if lane is not None:
+                self._pos = pos + 1
+                if pos == lane.head:
+                    return lane.add(event, shared)
+                frame = lane.logged(pos, event)
+                if frame is not None:
+                    return frame
+            bits = min(self.server_max_window_bits, SERVER_WINDOW_BITS)
+            self._lane, frame = _start_lane(event, shared, bits)
+            self._pos = 1
+            return frame
         cohort = self._cohort
         if cohort is None:
             cohort = self._cohort = first_state(
-                min(self.server_max_window_bits, SERVER_WINDOW_BITS),
-                takeover=not self.server_no_context_takeover,
+                min(self.server_max_window_bits, SERVER_WINDOW_BITS), takeover=False
             )
             cohort.members += 1
         frame, after = cohort.send(event, shared)
@@ -426,6 +519,7 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
 
     def release(self) -> None:
         """The connection is over: it leaves its compression state (:meth:`frame`)."""
+        self._lane = None
         cohort, self._cohort = self._cohort, None
         if cohort is not None:
             cohort.members -= 1

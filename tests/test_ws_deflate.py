@@ -38,7 +38,7 @@ from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server.commands import reply_frame
-from crush_trio.wsdeflate import BoundedDeflate
+from crush_trio.wsdeflate import LANE_LOG, BoundedDeflate, Cohort
 from tests.conftest import running_server
 
 if TYPE_CHECKING:
@@ -445,10 +445,10 @@ def _decoded(offer: str, frames: list[bytes]) -> list[str]:
 
 @pytest.mark.parametrize("no_takeover", [False, True])
 def test_connections_that_got_the_same_frames_share_their_compression(no_takeover: bool) -> None:
-    """Connections that were sent the same events in the same order share one compressor state
-    (:class:`~crush_trio.wsdeflate.Cohort`): one compression per event, the same bytes for all.
-    One that gets another event (its ``gap``), or falls behind until the others' state is
-    gone, goes on from its own copy; every connection still reads exactly its own events."""
+    """Connections that were sent the same events in the same order share one compressor
+    (a :class:`~crush_trio.wsdeflate.Lane`; without context takeover, the state every frame
+    starts from): one compression per event, the same bytes for all. One that gets another
+    event (its own), or falls behind, still reads exactly its own events."""
     offer = "permessage-deflate" + ("; server_no_context_takeover" if no_takeover else "")
     conns = []
     for _ in range(4):
@@ -517,3 +517,83 @@ def test_a_command_reply_keeps_its_connection_in_step_with_the_others() -> None:
             texts[i].append(event.text)
     for i in range(2):
         assert _decoded(offer, sent[i]) == texts[i]
+
+
+def test_a_lane_compresses_each_event_once_and_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections in step share one compressor that advances in place: one compression per
+    event whatever the number of connections, and no copy of the compressor's state (a copy
+    costs several times a small event's compression)."""
+    copies: list[int] = []  # calls of Cohort.send
+    compressions: list[int] = []
+    real_compress = Cohort._compress
+
+    def counted(deflater: Any, shared: bytes) -> bytes:
+        compressions.append(1)
+        return real_compress(deflater, shared)
+
+    monkeypatch.setattr(Cohort, "_compress", staticmethod(counted))
+    # The shared states that copy a compressor where connections part are not used at all.
+    monkeypatch.setattr(Cohort, "send", lambda *args: copies.append(1))
+    conns = [BoundedDeflate(1 << 20) for _ in range(3)]
+    for conn in conns:
+        assert conn.accept("permessage-deflate") is not None
+    events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 31)]
+    sent: list[list[bytes]] = [[] for _ in conns]
+    for event in events:
+        frames = [conn.frame(event) for conn in conns]
+        assert frames[0] is frames[1] is frames[2]
+        for i, frame in enumerate(frames):
+            sent[i].append(frame)
+    assert len(compressions) == len(events)
+    assert not copies
+    for i in range(3):
+        assert _decoded("permessage-deflate", sent[i]) == [e.text for e in events]
+
+
+def test_a_connection_behind_its_lane_sends_the_logged_bytes_then_leaves_it() -> None:
+    """One connection keeps up, one misses an event (dropped for it: its ``gap``), one falls
+    behind by up to the lane's log and then by more. The one within the log sends the lane's
+    bytes; the others go on with a new compressor; every connection reads exactly its own
+    events with a standard inflater."""
+    offer = "permessage-deflate"
+    conns = [BoundedDeflate(1 << 20) for _ in range(4)]
+    for conn in conns:
+        assert conn.accept(offer) is not None
+    events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 201)]
+    sent: list[list[bytes]] = [[] for _ in conns]
+    texts: list[list[str]] = [[] for _ in conns]
+
+    def send(i: int, event: BrokerEvent) -> bytes:
+        frame = conns[i].frame(event)
+        sent[i].append(frame)
+        texts[i].append(event.text)
+        return frame
+
+    lead = [send(0, e) for e in events[:LANE_LOG]]
+    skipped = 7
+    for n, event in enumerate(events[:LANE_LOG]):
+        if n != skipped:
+            send(1, event)  # connection 1 never gets event 7
+    within = [send(2, e) for e in events[:LANE_LOG]]  # LANE_LOG behind the lead: still logged
+    assert all(a is b for a, b in zip(lead, within, strict=True))
+    assert sent[1][skipped] is not lead[skipped + 1]  # its own compression from there on
+    lead += [send(0, e) for e in events[LANE_LOG:]]
+    late = [send(3, e) for e in events]  # joins at the first event, now far behind the lead
+    assert late[0] is not lead[0]  # past the log: a lane of its own
+    for i in range(4):
+        assert _decoded(offer, sent[i]) == texts[i]
+    assert len(texts[1]) == LANE_LOG - 1
+
+
+def test_connections_that_start_with_the_same_event_share_a_lane() -> None:
+    """Connections that join between two events start a lane with the next one, together; a
+    connection that joins later starts its own."""
+    conns = [BoundedDeflate(1 << 20) for _ in range(3)]
+    for conn in conns:
+        assert conn.accept("permessage-deflate") is not None
+    first, second = _delta(1, "first event"), _delta(2, "second event")
+    assert conns[0].frame(first) is conns[1].frame(first)
+    assert conns[0].frame(second) is conns[1].frame(second)
+    own = conns[2].frame(second)  # joined after the first event
+    assert own is not conns[0].frame(_delta(3, "x")) and own[0] == 0xC1
+    assert _decoded("permessage-deflate", [own]) == [second.text]
