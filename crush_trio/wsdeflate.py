@@ -81,6 +81,9 @@ MAX_BRANCHES: Final = 4
 #: Frames a websocket compression lane keeps, newest last (:class:`Lane`): a connection up to
 #: that many events behind its lane's compressor still sends the lane's bytes.
 LANE_LOG: Final = 64
+#: ... and at most about this many bytes of them (each event's uncompressed frame, which the log
+#: keeps alive, and its compressed one): large snapshots keep fewer.
+LANE_LOG_BYTES: Final = 512 * 1024
 
 _SYNC_TAIL: Final = b"\x00\x00\xff\xff"
 #: The opcodes whose frames carry message data (compressible; RFC 7692 §6).
@@ -264,7 +267,7 @@ class Lane:
     state costs several times a small event's compression).
     """
 
-    __slots__ = ("__weakref__", "deflater", "frames", "head", "keys")
+    __slots__ = ("__weakref__", "deflater", "frames", "head", "keys", "logged_bytes", "sizes")
 
     def __init__(self, window_bits: int) -> None:
         self.deflater: Deflater = zlib.compressobj(
@@ -274,14 +277,26 @@ class Lane:
         self.head = 0
         #: The last events compressed (compared by identity: one object per published event)
         #: and their frames.
-        self.keys: collections.deque[object] = collections.deque(maxlen=LANE_LOG)
-        self.frames: collections.deque[bytes] = collections.deque(maxlen=LANE_LOG)
+        self.keys: collections.deque[object] = collections.deque()
+        self.frames: collections.deque[bytes] = collections.deque()
+        #: Bytes of each logged event (uncompressed and compressed frames), and their sum.
+        self.sizes: collections.deque[int] = collections.deque()
+        self.logged_bytes = 0
 
     def add(self, event: object, shared: bytes) -> bytes:
         """Compress ``event`` (uncompressed frame ``shared``) at the head; its frame."""
         frame = Cohort._compress(self.deflater, shared)
+        size = len(shared) + len(frame)
         self.keys.append(event)
         self.frames.append(frame)
+        self.sizes.append(size)
+        self.logged_bytes += size
+        while len(self.keys) > LANE_LOG or (
+            self.logged_bytes > LANE_LOG_BYTES and len(self.keys) > 1
+        ):
+            self.keys.popleft()
+            self.frames.popleft()
+            self.logged_bytes -= self.sizes.popleft()
         self.head += 1
         return frame
 

@@ -38,7 +38,7 @@ from crush_trio.client import WorkspaceClient, open_event_socket
 from crush_trio.config import DEFAULT_MAX_BODY_BYTES
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server.commands import reply_frame
-from crush_trio.wsdeflate import LANE_LOG, BoundedDeflate, Cohort
+from crush_trio.wsdeflate import LANE_LOG, LANE_LOG_BYTES, BoundedDeflate, Cohort
 from tests.conftest import running_server
 
 if TYPE_CHECKING:
@@ -588,12 +588,36 @@ def test_a_connection_behind_its_lane_sends_the_logged_bytes_then_leaves_it() ->
 def test_connections_that_start_with_the_same_event_share_a_lane() -> None:
     """Connections that join between two events start a lane with the next one, together; a
     connection that joins later starts its own."""
-    conns = [BoundedDeflate(1 << 20) for _ in range(3)]
+    conns = [BoundedDeflate(1 << 20) for _ in range(4)]
     for conn in conns:
         assert conn.accept("permessage-deflate") is not None
     first, second = _delta(1, "first event"), _delta(2, "second event")
     assert conns[0].frame(first) is conns[1].frame(first)
-    assert conns[0].frame(second) is conns[1].frame(second)
-    own = conns[2].frame(second)  # joined after the first event
-    assert own is not conns[0].frame(_delta(3, "x")) and own[0] == 0xC1
-    assert _decoded("permessage-deflate", [own]) == [second.text]
+    in_step = conns[0].frame(second)
+    assert conns[1].frame(second) is in_step
+    joined = [conns[i].frame(second) for i in (2, 3)]  # both joined after the first event
+    assert joined[0] is joined[1]  # a lane of their own, shared
+    assert joined[0] is not in_step
+    assert _decoded("permessage-deflate", [joined[0]]) == [second.text]
+
+
+def test_a_lane_logs_a_bounded_number_of_bytes() -> None:
+    """The log behind a lane's head keeps its events alive: large snapshots keep fewer of
+    them (``LANE_LOG_BYTES``), small events at most ``LANE_LOG``; a connection behind the
+    log's start still reads its events."""
+    conns = [BoundedDeflate(1 << 20) for _ in range(2)]
+    for conn in conns:
+        assert conn.accept("permessage-deflate") is not None
+    big = [_delta(n, f"snapshot {n} " + "x" * 60_000) for n in range(1, 31)]
+    lead = [conns[0].frame(e) for e in big]
+    lane = conns[0]._lane
+    assert lane is not None
+    assert lane.logged_bytes <= LANE_LOG_BYTES + len(big[-1].ws_frame) + len(lead[-1])
+    assert len(lane.keys) < len(big)
+    behind = [conns[1].frame(e) for e in big]
+    assert behind[0] is not lead[0]  # past the log from the start: a lane of its own
+    assert _decoded("permessage-deflate", behind) == [e.text for e in big]
+    small = [_delta(n, f"t{n} ") for n in range(100, 300)]
+    for event in small:
+        conns[0].frame(event)
+    assert len(lane.keys) == LANE_LOG
