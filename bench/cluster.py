@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 import trio
 
-from bench.procs import cpu_seconds
+from bench.procs import cpu_seconds, tree_cpu_seconds
 from crush_trio.client import Client, connect
 from crush_trio.client.runs import RunHandle
 
@@ -104,30 +104,6 @@ async def start_node(
     return Node(name, process, url)
 
 
-def _tree_cpu(root_pid: int) -> float:
-    """CPU seconds of a process and every process below it (PostgreSQL's backends)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii") as f:
-                data = f.read()
-        except OSError:
-            continue
-        ppid = int(data[data.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [root_pid]
-    while todo:
-        pid = todo.pop()
-        try:
-            total += cpu_seconds(pid)
-        except OSError:
-            continue
-        todo += children.get(pid, [])
-    return total
-
-
 @attrs.define
 class Load:
     handles: list[RunHandle] = attrs.field(factory=list)
@@ -192,10 +168,10 @@ async def throughput(
         ]
         async with workspaces(clients, projects) as opened:
             cpu0 = sum(cpu_seconds(n.process.pid) for n in nodes)
-            svc0 = sum(_tree_cpu(pid) for pid in service_pids)
+            svc0 = sum(tree_cpu_seconds(pid) for pid in service_pids)
             load = await run_load(opened, runs, SHORT_PROMPT)
             cpu = sum(cpu_seconds(n.process.pid) for n in nodes) - cpu0
-            svc = sum(_tree_cpu(pid) for pid in service_pids) - svc0
+            svc = sum(tree_cpu_seconds(pid) for pid in service_pids) - svc0
     failed = [h.run_id for h in load.handles if h.complete is None or h.complete.error]
     return {
         "setup": name,

@@ -41,7 +41,14 @@ import httpx
 import orjson
 import trio
 
-from .procs import Child, child_process, cpu_seconds, python
+from .procs import (
+    Child,
+    child_process,
+    children_cpu_seconds,
+    cpu_seconds,
+    python,
+    tree_cpu_seconds,
+)
 from .report import percentile
 
 if TYPE_CHECKING:
@@ -143,30 +150,7 @@ async def start_opencode(binary: Path, fake_url: str, workdir: Path) -> tuple[Ch
 def tree_cpu(pid: int) -> tuple[float, float]:
     """CPU seconds of ``pid`` itself, and of the processes under it (alive, or reaped by it)."""
     own = cpu_seconds(pid)
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii") as f:
-                data = f.read()
-        except OSError:
-            continue
-        ppid = int(data[data.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    below = 0.0
-    stack = list(children.get(pid, []))
-    while stack:
-        child = stack.pop()
-        try:
-            below += cpu_seconds(child)
-        except OSError:
-            continue
-        stack += children.get(child, [])
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    reaped = (int(fields[14]) + int(fields[15])) / os.sysconf("SC_CLK_TCK")
-    return own, below + reaped
+    return own, tree_cpu_seconds(pid) - own + children_cpu_seconds(pid)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,6 +72,31 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and of every live process below it (a process gone meanwhile
+    counts for nothing)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                data = f.read()
+        except OSError:
+            continue
+        ppid = int(data[data.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        one = todo.pop()
+        try:
+            total += cpu_seconds(one)
+        except OSError:
+            continue
+        todo += children.get(one, [])
+    return total
+
+
 def children_cpu_seconds(pid: int) -> float:
     """User plus system CPU time of the process's children it has waited for (``cutime`` and
     ``cstime``: the commands the server ran, with their own children), in seconds."""

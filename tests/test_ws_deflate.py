@@ -429,6 +429,21 @@ def _delta(seq: int, text: str) -> BrokerEvent:
     return BrokerEvent(seq, "message_delta", body, False)
 
 
+class _Sent:
+    """What each of some connections was sent: its frames, and the texts of their events."""
+
+    def __init__(self, conns: list[BoundedDeflate]) -> None:
+        self.conns = conns
+        self.frames: list[list[bytes]] = [[] for _ in conns]
+        self.texts: list[list[str]] = [[] for _ in conns]
+
+    def send(self, i: int, event: BrokerEvent) -> bytes:
+        frame = self.conns[i].frame(event)
+        self.frames[i].append(frame)
+        self.texts[i].append(event.text)
+        return frame
+
+
 def _decoded(offer: str, frames: list[bytes]) -> list[str]:
     """What a standard client that negotiated ``offer`` reads from ``frames``."""
     client_ext = PerMessageDeflate()
@@ -457,14 +472,8 @@ def test_connections_that_got_the_same_frames_share_their_compression(no_takeove
         conns.append(conn)
     events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 41)]
     own = _delta(0, "a reply to this connection's command")
-    sent: list[list[bytes]] = [[] for _ in conns]
-    texts: list[list[str]] = [[] for _ in conns]
-
-    def send(i: int, event: BrokerEvent) -> bytes:
-        frame = conns[i].frame(event)
-        sent[i].append(frame)
-        texts[i].append(event.text)
-        return frame
+    record = _Sent(conns)
+    send, sent, texts = record.send, record.frames, record.texts
 
     lagging: list[BrokerEvent] = []
     for n, event in enumerate(events):
@@ -560,14 +569,8 @@ def test_a_connection_behind_its_lane_sends_the_logged_bytes_then_leaves_it() ->
     for conn in conns:
         assert conn.accept(offer) is not None
     events = [_delta(n, f"token {n} of a reply that repeats itself ") for n in range(1, 201)]
-    sent: list[list[bytes]] = [[] for _ in conns]
-    texts: list[list[str]] = [[] for _ in conns]
-
-    def send(i: int, event: BrokerEvent) -> bytes:
-        frame = conns[i].frame(event)
-        sent[i].append(frame)
-        texts[i].append(event.text)
-        return frame
+    record = _Sent(conns)
+    send, sent, texts = record.send, record.frames, record.texts
 
     lead = [send(0, e) for e in events[:LANE_LOG]]
     skipped = 7
