@@ -9,7 +9,20 @@ import attrs
 import pytest
 
 from crush_trio.client import Event, RunComplete, RunHandle, StreamStats
-from crush_trio.wire import PermissionRequest
+from crush_trio.client.events import Gap
+from crush_trio.client.runs import route_of
+from crush_trio.wire import (
+    AgentEvent,
+    DeltaPartType,
+    Message,
+    MessageDelta,
+    PermissionNotification,
+    PermissionRequest,
+    Role,
+    Session,
+    TextPart,
+    ToolCallPart,
+)
 
 if TYPE_CHECKING:
     from crush_trio.client.runs import GrantAction
@@ -97,3 +110,76 @@ def test_run_handle_forgets_itself_when_its_run_completes_and_ignores_others() -
     assert feed.calls == [("forget", "r1")]
     assert handle.done
     assert handle.text == "done"
+
+
+def _state(handle: RunHandle, feed: RecordingFeed) -> tuple[Any, ...]:
+    return (
+        handle.events_received,
+        handle.done,
+        handle.started,
+        dict(handle.messages),
+        list(handle.errors),
+        dict(handle.permission_requests),
+        len(feed.calls),
+    )
+
+
+def _routing_events() -> list[Event]:
+    """One workspace's events for two sessions: the turns of ``ra`` (prompt "hi") and ``rb``
+    (prompt "hi" in another session), with a tool call, its permission, errors and a gap."""
+    user_a = Message("ua", "sa", Role.USER, [TextPart("hi")])
+    reply_a = Message("aa", "sa", Role.ASSISTANT, [ToolCallPart("call-1", "bash")])
+    grown_a = Message("aa", "sa", Role.ASSISTANT, [ToolCallPart("call-1", "bash"), TextPart("x")])
+    delta_a = MessageDelta("aa", "sa", 1, DeltaPartType.TEXT, 0, "x")
+    user_b = Message("ub", "sb", Role.USER, [TextPart("hi")])
+    return [
+        Event("message", user_a, 1, "created"),
+        Event("message", reply_a, 2, "created"),
+        Event("message_delta", delta_a, 3, "updated", None, grown_a),
+        Event("message", user_b, 4, "created"),
+        Event("agent_event", AgentEvent("error", run_id="ra", text="boom"), 5, "created"),
+        Event("agent_event", AgentEvent("retry", session_id="sb", text="again"), 6, "created"),
+        Event("agent_event", AgentEvent("mcp", text="up"), 7, "created"),
+        Event("permission_request", PermissionRequest("p1", "sa", "call-1", "bash"), 8, "created"),
+        Event("permission_notification", PermissionNotification("call-1", granted=True), 9),
+        Event("session", Session("sa", "title"), 10, "updated"),
+        Event("gap", Gap(3), None, "created"),
+        Event("run_complete", RunComplete("sa", "other", message_id="zz"), 11, "created"),
+        Event("run_complete", RunComplete("sa", "ra", text="done"), 12, "created"),
+        Event("run_complete", RunComplete("sb", "rb", text="done"), 13, "created"),
+    ]
+
+
+def test_an_event_is_offered_only_to_the_handles_that_can_keep_it() -> None:
+    """The event stream offers an event only to the handles of its route (the handles of its
+    session, or of its run): a client following many runs pays per event for the runs of that
+    session, not for all of them. Every handle outside the route would have kept nothing."""
+    feeds = {name: RecordingFeed() for name in ("ra", "ra2", "rb")}
+    handles = {
+        "ra": RunHandle(None, "sa", "ra", "hi", feed=feeds["ra"]),  # type: ignore[arg-type]
+        "ra2": RunHandle(None, "sa", "ra2", "yo", feed=feeds["ra2"]),  # type: ignore[arg-type]
+        "rb": RunHandle(None, "sb", "rb", "hi", feed=feeds["rb"]),  # type: ignore[arg-type]
+    }
+    narrow = 0
+    for event in _routing_events():
+        route = route_of(event)
+        for name, handle in handles.items():
+            routed = route is not None and (
+                handle.run_id == route.run_id
+                if route.run_id is not None
+                else route.session_id in (None, handle.session_id)
+            )
+            before = _state(handle, feeds[name])
+            handle.offer(event)
+            if not routed:
+                assert _state(handle, feeds[name]) == before, (event.type, event.seq, name)
+                narrow += 1
+    # Every handle kept what was its own: the routes lost nothing.
+    assert [handles[n].text for n in ("ra", "rb")] == ["done", "done"]
+    assert handles["ra"].errors[0].text == "boom"
+    assert list(handles["ra"].permission_requests) == ["p1"]
+    assert not handles["ra2"].done
+    # Messages, deltas, session-wide agent events and run_complete reach one session only.
+    assert route_of(_routing_events()[2]) is not None
+    assert route_of(_routing_events()[2]).session_id == "sa"  # type: ignore[union-attr]
+    assert narrow >= 20

@@ -34,6 +34,7 @@ import math
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol
 
+import attrs
 import trio
 
 from ..wire import (
@@ -85,6 +86,39 @@ class RunFeed(Protocol):
 
     def forget(self, handle: RunHandle) -> None:
         """The run has ended: offer it no more events."""
+
+
+@attrs.frozen
+class Route:
+    """Which run handles an event can concern (see :func:`route_of`): the handle of ``run_id``,
+    else the handles of ``session_id``, else (both None) every handle."""
+
+    run_id: str | None = None
+    session_id: str | None = None
+
+
+#: The route of an event every handle is offered (``gap``, ``permission_notification``).
+EVERY_HANDLE: Final = Route()
+
+
+def route_of(event: Event) -> Route | None:
+    """The handles :meth:`RunHandle.offer` may keep ``event`` for, by the rules in the module
+    docstring; None when no handle keeps it. The event stream offers an event only to these, so
+    an event costs the handles of its session, not every run the client follows."""
+    payload = event.payload
+    kind = event.type
+    if kind == "message" or kind == MESSAGE_DELTA:
+        message = event.message
+        return None if message is None else Route(session_id=message.session_id)
+    if kind == "run_complete" or kind == "permission_request":
+        return Route(session_id=payload.session_id)
+    if kind == "agent_event":
+        if payload.run_id:
+            return Route(run_id=payload.run_id)
+        return Route(session_id=payload.session_id) if payload.session_id else None
+    if kind == "gap" or kind == "permission_notification":
+        return EVERY_HANDLE
+    return None
 
 
 def is_own_agent_event(event: AgentEvent, run_id: str, session_id: str) -> bool:
@@ -229,7 +263,9 @@ class RunHandle:
     # -- routing (called by the event stream's reader task; never blocks) -------------------------
 
     def offer(self, event: Event) -> None:
-        """Take ``event`` if it belongs to this run (see the module docstring)."""
+        """Take ``event`` if it belongs to this run (see the module docstring). The event
+        stream offers an event only to the handles of its :func:`route_of`; this method keeps
+        the whole rule, so offering it to any other handle changes nothing."""
         if self.done:
             return
         payload = event.payload

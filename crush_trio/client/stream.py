@@ -55,7 +55,7 @@ from ..wire import Role
 from .deltas import Assembler
 from .errors import Conflict, CrushError, NotFound, Timeout, Unreachable, error_for_status
 from .events import MESSAGE_DELTA, Event, Mailbox, decode_frame
-from .runs import GrantAction, RunHandle, deadline_after, deadline_scope
+from .runs import GrantAction, RunHandle, deadline_after, deadline_scope, route_of
 from .transport import HELLO_TIMEOUT, receive_hello, rejection_error
 
 if TYPE_CHECKING:
@@ -186,6 +186,8 @@ class EventStream:
         self._records = records
         self._open_socket = open_socket
         self._runs: dict[str, RunHandle] = {}
+        #: The same handles by session: an event is offered to its session's (:func:`route_of`).
+        self._sessions: dict[str, dict[str, RunHandle]] = {}
         self._feeds: set[Mailbox] = set()
         self._resync: dict[RunHandle, bool] = {}
         self._resync_wakeup = trio.Event()
@@ -276,6 +278,7 @@ class EventStream:
     def track(self, handle: RunHandle) -> None:
         """Offer every event from now on to ``handle``, until it ends or :meth:`forget`."""
         self._runs[handle.run_id] = handle
+        self._sessions.setdefault(handle.session_id, {})[handle.run_id] = handle
 
     def add_feed(self, mailbox: Mailbox) -> None:
         """Put every event from now on into ``mailbox`` (closed when the stream ends)."""
@@ -290,6 +293,11 @@ class EventStream:
         """Stop offering events to ``handle`` and drop its pending refetch."""
         if self._runs.get(handle.run_id) is handle:
             del self._runs[handle.run_id]
+        same = self._sessions.get(handle.session_id)
+        if same is not None and same.get(handle.run_id) is handle:
+            del same[handle.run_id]
+            if not same:
+                del self._sessions[handle.session_id]
         self._resync.pop(handle, None)
 
     def resync(self, handle: RunHandle, *, messages: bool) -> None:
@@ -559,7 +567,17 @@ class EventStream:
     def _dispatch(self, event: Event) -> None:
         for mailbox in self._feeds:
             mailbox.put(event)
-        for handle in list(self._runs.values()):
+        route = route_of(event)
+        if route is None:
+            return
+        if route.run_id is not None:
+            handle = self._runs.get(route.run_id)
+            handles = [] if handle is None else [handle]
+        elif route.session_id is not None:
+            handles = list(self._sessions.get(route.session_id, {}).values())
+        else:
+            handles = list(self._runs.values())
+        for handle in handles:
             handle.offer(event)
 
     def reread(self, session_id: str) -> None:
