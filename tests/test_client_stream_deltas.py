@@ -106,8 +106,6 @@ async def test_assembled_text_equals_the_stored_message(
     assert printed(events) == reply == final.text()
 
 
-
-
 def kill_streams(server: CrushServer, workspace_id: str, client_id: str) -> None:
     broker = server.backend.get(workspace_id).broker
     for stream in list(broker.clients):

@@ -52,7 +52,10 @@ def test_permission_cards_read_as_what_they_do_and_answer_by_key(
             Step(
                 tool_calls=[
                     ("view", {"path": "notes.txt"}),
-                    ("edit", {"path": "notes.txt", "old_string": "old words", "new_string": "new words"}),
+                    (
+                        "edit",
+                        {"path": "notes.txt", "old_string": "old words", "new_string": "new words"},
+                    ),
                 ]
             ),
             Step(text="edited"),
@@ -68,7 +71,9 @@ def test_permission_cards_read_as_what_they_do_and_answer_by_key(
         # A command is shown as a command, with what it risks.
         expect(card.locator(".perm-command")).to_have_text("$ echo made > made.txt")
         expect(card.locator(".permission-risks")).to_contain_text("runs a program")
-        expect(card.locator('button[data-action="deny"]')).to_have_attribute("aria-keyshortcuts", "D")
+        expect(card.locator('button[data-action="deny"]')).to_have_attribute(
+            "aria-keyshortcuts", "D"
+        )
         # Typing in the prompt box never answers a card.
         page.focus("#prompt")
         page.keyboard.type("sad")
