@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
+from ..procs import cpu_seconds
 from .common import (
     Ctx,
     all_events,
@@ -37,6 +38,8 @@ class LevelResult:
     cpu: float = 0.0
     #: CPU of the commands the server ran and waited for (``bash``'s sandboxes).
     children_cpu: float = 0.0
+    #: CPU of the client worker processes over the measured rounds (they share the cores).
+    clients_cpu: float = 0.0
     tokens: int = 0
     events: int = 0
     hwm: int = 0
@@ -87,12 +90,15 @@ async def run_rounds(
     token_latency: list[float] = []
     async with workers(ctx, "runs", [cfg] * procs, f"w-{level.mode}-{level.n}") as ws:
 
-        async def one_round(text: str) -> tuple[list[dict[str, Any]], float, float, float]:
+        async def one_round(
+            text: str, *, measured: bool = True
+        ) -> tuple[list[dict[str, Any]], float, float, float]:
             """The workers' ``done`` events, the server's CPU seconds, the start time and the
             CPU seconds of the server's children."""
             for child, share in zip(ws, shares, strict=True):
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
+            clients0 = sum(cpu_seconds(child.pid) for child in ws)
             cpu0, t0, child0 = server.cpu(), time.time(), server.children_cpu()
             command = {
                 "cmd": "go",
@@ -102,11 +108,14 @@ async def run_rounds(
             }
             await broadcast(ws, command)
             done = await all_events(ws, "done", ctx.sizes.phase_timeout + 30)
-            return done, server.cpu() - cpu0, t0, server.children_cpu() - child0
+            cpu, children = server.cpu() - cpu0, server.children_cpu() - child0
+            if measured:
+                level.clients_cpu += sum(cpu_seconds(child.pid) for child in ws) - clients0
+            return done, cpu, t0, children
 
         await all_events(ws, "ready", 60)
         if warm_up is not None:
-            await one_round(warm_up)
+            await one_round(warm_up, measured=False)
         for r in range(rounds):
             done, cpu, t0, children_cpu = await one_round(prompt_text)
             level.cpu += cpu
