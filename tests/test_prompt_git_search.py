@@ -65,3 +65,8 @@ def test_the_search_key_changes_with_every_place_git_looks(tmp_path: Path) -> No
         assert repository_search_key(work) != first
         place.unlink()
     assert repository_search_key(work) == first
+    # Without following links (the event loop's check): the same key, or None at a link.
+    assert repository_search_key(work, follow=False) == first
+    (tmp_path / "elsewhere").mkdir()
+    (work / ".git").symlink_to(tmp_path / "elsewhere")
+    assert repository_search_key(work, follow=False) is None

@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import trio
 
+from crush_trio.agent import context_files
 from crush_trio.agent.context_files import (
     HARD_LINKED,
     NOT_REGULAR,
     OUTSIDE,
     ContextFileCache,
     ContextSettings,
+    quick_signature,
     read_context_files,
     settings_for,
 )
@@ -262,6 +264,70 @@ async def test_unchanged_files_are_not_read_again(tmp_path: Path) -> None:
         third = await cache.load(settings(tmp_path))
     assert cache.reads == 2
     assert [f.path for f in third.files] == ["CRUSH.md", "AGENTS.md"]
+
+
+async def test_unchanged_plain_files_are_checked_without_a_worker_thread(tmp_path: Path) -> None:
+    """A turn whose context files are plain files (or absent) checks them on the event loop
+    with ``lstat`` alone; any change, even one that keeps the size, is still seen."""
+    agents = tmp_path / "AGENTS.md"
+    agents.write_text("one")
+    (tmp_path / ".github").mkdir()
+    (tmp_path / ".github" / "copilot-instructions.md").write_text("two")
+    cache = ContextFileCache()
+    with trio.fail_after(CAP):
+        first = await cache.load(settings(tmp_path))
+        assert (cache.thread_loads, cache.reads) == (1, 1)
+        for _ in range(3):
+            assert await cache.load(settings(tmp_path)) is first
+        assert (cache.thread_loads, cache.reads) == (1, 1)
+        agents.write_text("uno")  # the same size
+        changed = await cache.load(settings(tmp_path))
+        assert (cache.thread_loads, cache.reads) == (2, 2)
+        assert [f.content for f in changed.files] == ["two", "uno"]
+        agents.unlink()
+        agents.symlink_to(tmp_path / ".github" / "copilot-instructions.md")
+        for _ in range(2):  # a link cannot be checked on the loop: every load asks the thread
+            linked = await cache.load(settings(tmp_path, trusted=True))
+        assert (cache.thread_loads, cache.reads) == (4, 3)
+        assert [f.content for f in linked.files] == ["two"]  # one file under two names
+
+
+async def test_a_change_during_a_read_is_seen_by_the_next_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agents = tmp_path / "AGENTS.md"
+    agents.write_text("one")
+    real = context_files.read_context_files
+
+    def read_then_edit(settings: ContextSettings) -> Any:
+        found = real(settings)
+        agents.write_text("two")  # after the read, before the turn uses it
+        return found
+
+    cache = ContextFileCache()
+    with trio.fail_after(CAP):
+        monkeypatch.setattr(context_files, "read_context_files", read_then_edit)
+        assert [f.content for f in (await cache.load(settings(tmp_path))).files] == ["one"]
+        monkeypatch.setattr(context_files, "read_context_files", real)
+        assert [f.content for f in (await cache.load(settings(tmp_path))).files] == ["two"]
+
+
+def test_the_quick_check_never_looks_behind_a_link_or_into_a_directory(tmp_path: Path) -> None:
+    project, outside = tmp_path / "p", tmp_path / "o"
+    project.mkdir()
+    (outside / "rules").mkdir(parents=True)
+    (outside / "copilot-instructions.md").write_text("outside")
+    assert quick_signature(settings(project)) is not None
+    (project / ".github").symlink_to(outside)  # a nested name's directory is a link
+    assert quick_signature(settings(project)) is None
+    (project / ".github").unlink()
+    (project / ".cursor").mkdir()
+    (project / ".cursor" / "rules").mkdir()  # a directory of rules is walked in the thread
+    assert quick_signature(settings(project)) is None
+    (project / ".cursor" / "rules").rmdir()
+    assert quick_signature(settings(project)) is not None
+    configured = settings_for(project, None, False, ("notes/",), 1000, 10_000)
+    assert quick_signature(configured) is None  # configured paths may be anywhere
 
 
 async def git(cwd: Path, *args: str) -> None:

@@ -28,6 +28,13 @@ Bounds and refusals (each refusal is listed with its reason in ``GET .../agent``
 Everything here blocks on the file system: :class:`ContextFileCache` runs it in a worker thread.
 Re-reading is cheap when nothing changed: each turn stats the candidates and compares their
 signature (device, inode, size, times) with the last read's; only a change reads files again.
+
+One check runs on the event loop instead, because a worker thread's round trip costs a turn far
+more than the check itself when many turns start at once (the thread waits for the interpreter
+at each of its system calls): :func:`quick_signature`, an ``lstat`` of each fixed name directly
+in the workspace (already resolved for the turn) and the user config directory. It never follows
+a symbolic link and never reads; where it cannot tell (a link, a directory, a configured path)
+it says so, and the turn checks in the worker thread as before.
 """
 
 from __future__ import annotations
@@ -244,6 +251,61 @@ def _inside(path: Path, workspace: Path) -> bool:
 Signature = tuple[object, ...]
 
 
+def quick_signature(settings: ContextSettings) -> Signature | None:
+    """:func:`signature` where it can be had from ``lstat`` alone: every candidate is one of the
+    fixed names (no ``options.context_paths``), and each is absent or a regular file. None when
+    one is anything else (a symbolic link, a directory, a device, an error): then only
+    :func:`signature` can tell.
+
+    Blocking:
+        Only ``lstat`` of names in two directories the caller has resolved (the workspace and
+        the user config directory), and of the subdirectory of a nested name when it is a real
+        directory; nothing behind a symbolic link (which could lead anywhere, a mount that
+        hangs included) and nothing read. Cheap enough for the event loop.
+    """
+    if settings.context_paths:
+        return None
+    parts: list[object] = [settings]
+    places: list[Path] = []
+    if settings.user_dir is not None:
+        places += [settings.user_dir / name for name in USER_CONTEXT_FILES]
+    places += [settings.workspace / name.rstrip("/") for name in DEFAULT_CONTEXT_PATHS]
+    parents: dict[Path, bool] = {}  # a nested name's subdirectory: True when it is a directory
+    for place in places:
+        parent = place.parent
+        if parent != settings.workspace and parent != settings.user_dir:
+            if parent not in parents:
+                kind = _lstat_kind(parent)
+                if kind is None or kind not in (stat.S_IFDIR, 0):
+                    return None
+                parents[parent] = kind == stat.S_IFDIR
+            if not parents[parent]:
+                parts.append(None)
+                continue
+        try:
+            st = os.lstat(place)
+        except FileNotFoundError:
+            parts.append(None)
+            continue
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        times = (st.st_mtime_ns, st.st_ctime_ns)
+        parts.append((st.st_dev, st.st_ino, st.st_mode, st.st_size, *times, st.st_nlink))
+    return tuple(parts)
+
+
+def _lstat_kind(path: Path) -> int | None:
+    """The file type bits of ``path`` (``lstat``), 0 when it does not exist, None on an error."""
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return None
+
+
 def signature(settings: ContextSettings) -> Signature:
     """What the files look like now, without reading them: a change of any candidate's
     identity, size or times (or of the settings) changes it."""
@@ -377,25 +439,41 @@ def read_context_files(settings: ContextSettings) -> ContextFiles:
 class ContextFileCache:
     """The context files of one workspace, read again only when they changed.
 
-    :meth:`load` runs in a worker thread: it compares the candidates' :func:`signature` with the
-    last read's and returns the cached result when nothing changed.
+    :meth:`load` compares the candidates' :func:`quick_signature` with the one taken before the
+    last read, on the event loop; when that cannot tell, or differs, it compares their
+    :func:`signature` in a worker thread and reads the files again only when that changed.
     """
 
     def __init__(self) -> None:
         #: One load at a time (turns of several sessions may start together).
         self._lock = threading.Lock()
         self._signature: Signature | None = None
-        self.current = ContextFiles()
+        #: The quick signature taken before the last read, and what that read found (one
+        #: attribute: the event loop reads it while a thread may be replacing it).
+        self._known: tuple[Signature | None, ContextFiles] = (None, ContextFiles())
         self.reads = 0
+        #: Loads answered in a worker thread (the others were answered by the quick check).
+        self.thread_loads = 0
+
+    @property
+    def current(self) -> ContextFiles:
+        """What the last read found."""
+        return self._known[1]
 
     def _load_sync(self, settings: ContextSettings) -> ContextFiles:
         with self._lock:
+            self.thread_loads += 1
+            # Taken before the signature and the read: a change after it makes the next quick
+            # check differ, so the next turn reads again.
+            quick = quick_signature(settings)
             sig = signature(settings)
+            current = self.current
             if sig != self._signature:
-                self.current = read_context_files(settings)
+                current = read_context_files(settings)
                 self._signature = sig
                 self.reads += 1
-            return self.current
+            self._known = (quick, current)
+            return current
 
     async def load(self, settings: ContextSettings) -> ContextFiles:
         """The files as they are now (read again only after a change).
@@ -404,6 +482,10 @@ class ContextFileCache:
         or a closing workspace); the thread finishes its read in the background, and the next
         load waits for it.
         """
+        quick, known = self._known
+        if quick is not None and quick_signature(settings) == quick:
+            await trio.lowlevel.checkpoint()
+            return known
         return await trio.to_thread.run_sync(self._load_sync, settings, abandon_on_cancel=True)
 
 

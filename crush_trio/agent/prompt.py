@@ -26,6 +26,7 @@ import functools
 import importlib.resources
 import os
 import shutil
+import stat
 import string
 import subprocess
 import sys
@@ -198,14 +199,18 @@ async def git_snapshot(path: Path, *, within: float = GIT_STATUS_TIMEOUT) -> Git
     return GitSnapshot(True, branch, status, "more changes not shown" if more else "")
 
 
-def repository_search_key(path: Path) -> tuple[object, ...] | None:
+def repository_search_key(path: Path, *, follow: bool = True) -> tuple[object, ...] | None:
     """The stat of every place git looks for a repository from ``path``: each of
     :data:`GIT_SEARCHED_NAMES` in ``path`` and in each of its parents (and, for a symbolic link,
     its target). None when one changed within :data:`GIT_SEARCH_RACY_SECONDS` or cannot be
     read: then it cannot say that nothing changed.
 
+    ``follow`` False: None also when a place is a symbolic link (its target is not looked at).
+
     Blocking:
-        Stats files; call it in a thread.
+        Stats files; call it in a thread. With ``follow`` False it is only ``lstat`` of names in
+        the directories of ``path``'s resolved path, nothing behind a link: cheap enough for the
+        event loop, which resolves that path anyway.
     """
     key: list[object] = []
     recent = time.time_ns() - int(GIT_SEARCH_RACY_SECONDS * 1e9)
@@ -215,7 +220,9 @@ def repository_search_key(path: Path) -> tuple[object, ...] | None:
             place = directory / name
             try:
                 found = [os.lstat(place)]
-                if os.path.islink(place):
+                if stat.S_ISLNK(found[0].st_mode):
+                    if not follow:
+                        return None
                     found.append(os.stat(place))
             except (FileNotFoundError, NotADirectoryError):
                 key.append(None)
@@ -434,9 +441,12 @@ class SystemPrompts:
 
     async def _read_git(self) -> GitSnapshot:
         """:func:`git_snapshot`, except that where git found no repository it is not run again
-        while every place it looks is unchanged: a few stats instead of a git process."""
+        while every place it looks is unchanged: a few stats instead of a git process (on the
+        event loop when no place is a symbolic link, else in a worker thread)."""
         path = self.source.path
-        key = await trio.to_thread.run_sync(repository_search_key, path)
+        key = repository_search_key(path, follow=False)
+        if key is None:
+            key = await trio.to_thread.run_sync(repository_search_key, path)
         if key is not None and key == self._no_repository:
             return GitSnapshot()
         snapshot = await git_snapshot(path)
