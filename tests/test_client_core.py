@@ -183,3 +183,13 @@ def test_an_event_is_offered_only_to_the_handles_that_can_keep_it() -> None:
     assert route_of(_routing_events()[2]) is not None
     assert route_of(_routing_events()[2]).session_id == "sa"  # type: ignore[union-attr]
     assert narrow >= 20
+
+
+def test_the_client_drops_an_idle_connection_before_the_server_closes_it() -> None:
+    """A pooled connection is reused only while the server still keeps it: a request sent as
+    the server closes an idle connection fails ("Server disconnected without sending a
+    response"), which happened to a benchmark's session create between two rounds."""
+    from crush_trio.client.connection import KEEPALIVE_EXPIRY
+    from crush_trio.server.serve import KEEP_ALIVE_TIMEOUT
+
+    assert KEEPALIVE_EXPIRY <= KEEP_ALIVE_TIMEOUT - 1.0

@@ -47,6 +47,10 @@ DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 #: Longest pause honoured from one ``Retry-After`` (a cluster node whose owner is unreachable);
 #: the request's own timeout bounds the sum (seconds).
 MAX_RETRY_AFTER: Final = 5.0
+#: Seconds an idle pooled connection is reused at most: below the server's keep-alive timeout
+#: (5 s, docs/protocol.md), so a request never goes out on a connection the server is closing
+#: at that moment (which fails it with "Server disconnected without sending a response").
+KEEPALIVE_EXPIRY: Final = 4.0
 
 
 def parse_server_url(url: str, token: str | None = None) -> tuple[str, str | None, str | None]:
@@ -397,9 +401,15 @@ async def connect(
     # configured node, so no https request goes out unverified.
     verify = any(b.startswith("https://") for b in (base, *node_bases))
     limits = (
-        httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY,
+        )
         if max_connections is not None
-        else httpx.Limits(max_connections=100, max_keepalive_connections=20)
+        else httpx.Limits(
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY
+        )
     )
     transport = None
     if unix_path is not None:
