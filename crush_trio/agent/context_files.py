@@ -266,37 +266,54 @@ def quick_signature(settings: ContextSettings) -> Signature | None:
     if settings.context_paths:
         return None
     parts: list[object] = [settings]
-    places: list[Path] = []
+    join = os.path.join
     if settings.user_dir is not None:
-        places += [settings.user_dir / name for name in USER_CONTEXT_FILES]
-    places += [settings.workspace / name.rstrip("/") for name in DEFAULT_CONTEXT_PATHS]
-    parents: dict[Path, bool] = {}  # a nested name's subdirectory: True when it is a directory
-    for place in places:
-        parent = place.parent
-        if parent != settings.workspace and parent != settings.user_dir:
-            if parent not in parents:
-                kind = _lstat_kind(parent)
+        user_dir = os.fspath(settings.user_dir)
+        for name in USER_CONTEXT_FILES:
+            if not _add_quick(parts, join(user_dir, name)):
+                return None
+    workspace = os.fspath(settings.workspace)
+    subdirs: dict[str, bool] = {}  # a nested name's subdirectory: True when it is a directory
+    for subdir, name in _QUICK_NAMES:
+        if subdir:
+            is_dir = subdirs.get(subdir)
+            if is_dir is None:
+                kind = _lstat_kind(join(workspace, subdir))
                 if kind is None or kind not in (stat.S_IFDIR, 0):
                     return None
-                parents[parent] = kind == stat.S_IFDIR
-            if not parents[parent]:
+                is_dir = subdirs[subdir] = kind == stat.S_IFDIR
+            if not is_dir:
                 parts.append(None)
                 continue
-        try:
-            st = os.lstat(place)
-        except FileNotFoundError:
-            parts.append(None)
-            continue
-        except OSError:
+        if not _add_quick(parts, join(workspace, name)):
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        times = (st.st_mtime_ns, st.st_ctime_ns)
-        parts.append((st.st_dev, st.st_ino, st.st_mode, st.st_size, *times, st.st_nlink))
     return tuple(parts)
 
 
-def _lstat_kind(path: Path) -> int | None:
+#: :data:`DEFAULT_CONTEXT_PATHS` as (subdirectory or "", name) for :func:`quick_signature`.
+_QUICK_NAMES: Final = tuple(
+    (os.path.dirname(name.rstrip("/")), name.rstrip("/")) for name in DEFAULT_CONTEXT_PATHS
+)
+
+
+def _add_quick(parts: list[object], path: str) -> bool:
+    """Append ``path``'s ``lstat`` data (None when it is absent) to ``parts``; False when it is
+    neither absent nor a regular file, or cannot be looked at."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parts.append(None)
+        return True
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    times = (st.st_mtime_ns, st.st_ctime_ns)
+    parts.append((st.st_dev, st.st_ino, st.st_mode, st.st_size, *times, st.st_nlink))
+    return True
+
+
+def _lstat_kind(path: str) -> int | None:
     """The file type bits of ``path`` (``lstat``), 0 when it does not exist, None on an error."""
     try:
         return stat.S_IFMT(os.lstat(path).st_mode)

@@ -214,10 +214,10 @@ def repository_search_key(path: Path, *, follow: bool = True) -> tuple[object, .
     """
     key: list[object] = []
     recent = time.time_ns() - int(GIT_SEARCH_RACY_SECONDS * 1e9)
-    real = Path(os.path.realpath(path))
-    for directory in (real, *real.parents):
+    directory = os.path.realpath(path)
+    while True:
         for name in GIT_SEARCHED_NAMES:
-            place = directory / name
+            place = os.path.join(directory, name)
             try:
                 found = [os.lstat(place)]
                 if stat.S_ISLNK(found[0].st_mode):
@@ -235,7 +235,10 @@ def repository_search_key(path: Path, *, follow: bool = True) -> tuple[object, .
                 key.append(
                     (st.st_ino, st.st_mode, st.st_uid, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 )
-    return tuple(key)
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return tuple(key)
+        directory = parent
 
 
 async def _run_git_status(path: Path, within: float) -> tuple[bytes, int | None, bool]:
