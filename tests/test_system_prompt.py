@@ -328,6 +328,26 @@ def test_the_quick_check_never_looks_behind_a_link_or_into_a_directory(tmp_path:
     assert quick_signature(settings(project)) is not None
     configured = settings_for(project, None, False, ("notes/",), 1000, 10_000)
     assert quick_signature(configured) is None  # configured paths may be anywhere
+    (project / "AGENTS.md").write_text("plain")
+    plain = quick_signature(settings(project))
+    assert plain is not None
+    os.link(project / "AGENTS.md", outside / "other-name")  # now a file with another link
+    assert quick_signature(settings(project)) not in (None, plain)
+    (project / "AGENTS.md").unlink()
+    os.mkfifo(project / "AGENTS.md")  # never opened here: the thread's read refuses it
+    assert quick_signature(settings(project)) is None
+
+
+async def test_a_fifo_named_like_a_context_file_is_refused_without_blocking(
+    tmp_path: Path,
+) -> None:
+    os.mkfifo(tmp_path / "AGENTS.md")
+    cache = ContextFileCache()
+    with trio.fail_after(CAP):
+        for _ in range(2):
+            found = await cache.load(settings(tmp_path))
+    assert found.files == ()
+    assert cache.thread_loads == 2  # the quick check cannot tell: the thread checks each time
 
 
 async def git(cwd: Path, *args: str) -> None:
