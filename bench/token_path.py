@@ -24,6 +24,7 @@ import trio
 
 from crush_trio.core.assembler import StepAssembler
 from crush_trio.providers import base as pb
+from crush_trio.providers.body import read_watch
 from crush_trio.providers.http import Settings, SSEDecoder
 from crush_trio.providers.openai import ChatStreamParser, OpenAIProvider, build_chat_body
 from crush_trio.wire import Message, Role
@@ -75,6 +76,13 @@ async def _via_socket(url: str, i: int) -> int:
 
 
 async def _main(url: str, n: int, raw: bool, rounds: int) -> None:
+    # The server reads every provider stream under one read watch (its stall timeout), not a
+    # cancel scope per read: measure the same path.
+    async with read_watch():
+        await _rounds(url, n, raw, rounds)
+
+
+async def _rounds(url: str, n: int, raw: bool, rounds: int) -> None:
     provider = OpenAIProvider("fake", Settings(base_url=url))
     warm: list[float] = []
     for r in range(rounds):
