@@ -297,6 +297,26 @@ async def test_collect_until_keeps_every_event_before_the_match(
     assert seqs == list(range(first_seq, first_seq + len(seqs)))  # none skipped, none twice
 
 
+async def test_a_subscription_to_some_types_gets_only_those(
+    crush_workspace: WorkspaceClient,
+) -> None:
+    ws = crush_workspace
+    session = await ws.create_session()
+    async with (
+        ws.subscribe(timeout=CAP) as everything,
+        ws.subscribe(timeout=CAP, types={"run_complete"}) as ends,
+    ):
+        runs = [await ws.prompt(session.id, text) for text in ("one two", "three four")]
+        for run in runs:
+            await run.wait(CAP)
+        seen = await everything.collect_until(completes_run(runs[-1].run_id), CAP)
+        got = [await ends.next(CAP) for _ in runs]
+    assert "message" in {e.type for e in seen}
+    assert [e.type for e in got] == ["run_complete", "run_complete"]
+    assert [e.payload.run_id for e in got] == [r.run_id for r in runs]
+    assert [e.seq for e in got] == [e.seq for e in seen if e.type == "run_complete"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dropped streams
 

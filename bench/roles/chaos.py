@@ -395,7 +395,7 @@ async def role_chaos(io: Io, cfg: dict[str, Any]) -> None:
     async with (
         connect(cfg["url"], TOKEN, request_timeout=HTTP_TIMEOUT, max_connections=64) as client,
         client.workspace(cfg["project"]) as ws,
-        ws.subscribe(timeout=None) as feed,
+        ws.subscribe(timeout=None, types={"run_complete"}) as feed,
         trio.open_nursery() as nursery,
     ):
         chaos = Chaos(cfg, ws, nursery)

@@ -267,7 +267,7 @@ async def role_runs(io: Io, cfg: dict[str, Any]) -> None:
             deltas=client_deltas(),
         ) as client,
         client.workspace(cfg["project"]) as ws,
-        ws.subscribe(timeout=None) as feed,
+        ws.subscribe(timeout=None, types={"run_complete"}) as feed,
         trio.open_nursery() as nursery,
     ):
         runs = Runs(ws, stamp=bool(cfg.get("stamp")))

@@ -188,7 +188,8 @@ class EventStream:
         self._runs: dict[str, RunHandle] = {}
         #: The same handles by session: an event is offered to its session's (:func:`route_of`).
         self._sessions: dict[str, dict[str, RunHandle]] = {}
-        self._feeds: set[Mailbox] = set()
+        #: Subscriptions' mailboxes, each with the event types it takes (None: every type).
+        self._feeds: dict[Mailbox, frozenset[str] | None] = {}
         self._resync: dict[RunHandle, bool] = {}
         self._resync_wakeup = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -280,12 +281,13 @@ class EventStream:
         self._runs[handle.run_id] = handle
         self._sessions.setdefault(handle.session_id, {})[handle.run_id] = handle
 
-    def add_feed(self, mailbox: Mailbox) -> None:
-        """Put every event from now on into ``mailbox`` (closed when the stream ends)."""
-        self._feeds.add(mailbox)
+    def add_feed(self, mailbox: Mailbox, types: frozenset[str] | None = None) -> None:
+        """Put every event from now on into ``mailbox`` (closed when the stream ends); with
+        ``types``, only the events of those types, and every ``gap``."""
+        self._feeds[mailbox] = types
 
     def remove_feed(self, mailbox: Mailbox) -> None:
-        self._feeds.discard(mailbox)
+        self._feeds.pop(mailbox, None)
 
     # -- the run handles' protocol (RunFeed) -----------------------------------------------------
 
@@ -565,8 +567,9 @@ class EventStream:
         self._dispatch(event)
 
     def _dispatch(self, event: Event) -> None:
-        for mailbox in self._feeds:
-            mailbox.put(event)
+        for mailbox, types in self._feeds.items():
+            if types is None or event.type in types:
+                mailbox.put(event)
         route = route_of(event)
         if route is None:
             return

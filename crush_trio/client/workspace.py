@@ -43,7 +43,7 @@ from .transport import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncIterator, Iterable, Sequence
 
     from .link import ServerLink
 
@@ -264,18 +264,23 @@ class WorkspaceClient(SessionRequests, AgentRequests):
         self,
         *,
         timeout: float | None = DEFAULT_RUN_TIMEOUT,  # noqa: ASYNC109
+        types: Iterable[str] | None = None,
     ) -> AsyncIterator[Subscription]:
         """Every event of the workspace from now on, until the block ends.
 
         ``async for event in sub`` waits at most ``timeout`` seconds for each event (then raises
         :class:`Timeout`); :meth:`Subscription.next` and :meth:`Subscription.until` take their own.
 
+        ``types``: only the events of these types (``"run_complete"``, ``"message"``...), and
+        every ``gap``; the others never reach the subscription's mailbox, so a consumer that
+        wants a few events does not wake for every streamed delta.
+
         Backpressure: as :class:`~crush_trio.client.events.Mailbox` (lossy events beyond its
         size are dropped and reported as a ``gap`` event).
         """
         self._stream.check_open()
         mailbox = Mailbox(self.mailbox_size)
-        self._stream.add_feed(mailbox)
+        self._stream.add_feed(mailbox, None if types is None else frozenset(types))
         try:
             yield Subscription(self, mailbox, timeout)
         finally:
