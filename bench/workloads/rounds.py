@@ -63,6 +63,10 @@ class LevelResult:
     def cpu_per_run(self) -> float:
         return self.cpu / self.runs if self.runs else float("nan")
 
+    @property
+    def clients_cpu_per_run(self) -> float:
+        return self.clients_cpu / self.runs if self.runs else float("nan")
+
 
 async def run_rounds(
     ctx: Ctx,

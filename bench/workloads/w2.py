@@ -95,7 +95,7 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         "headers by the token delay); the rest is its way back to the client.",
         f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}; "
         f"gap frames (lossy events dropped for a full client queue): {level.gaps}.",
-        f"The client processes' CPU per run: {ms(level.clients_cpu / max(1, level.runs))} "
+        f"The client processes' CPU per run: {ms(level.clients_cpu_per_run)} "
         "(the client library following each run, and the benchmark's bookkeeping); they share "
         "the machine's cores with the server and the fake model.",
     ]
@@ -111,7 +111,7 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         "token_p50": percentile(lat, 50),
         "token_p99": percentile(lat, 99),
         "cpu_per_run": level.cpu_per_run,
-        "clients_cpu_per_run": level.clients_cpu / max(1, level.runs),
+        "clients_cpu_per_run": level.clients_cpu_per_run,
     }
     result.chart = lambda path: charts.w2(path, result.raw)
     return result
