@@ -97,6 +97,17 @@ def tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def loop_counts(pid: int) -> tuple[int, int]:
+    """The process's write calls (``syscw`` of ``/proc/<pid>/io``: every thread, every file and
+    socket) and its main thread's voluntary context switches (``/proc/<pid>/status``: for a Trio
+    server, how often its loop went to sleep and was woken)."""
+    with open(f"/proc/{pid}/io", encoding="ascii") as f:
+        writes = next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        sleeps = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+    return writes, sleeps
+
+
 def children_cpu_seconds(pid: int) -> float:
     """User plus system CPU time of the process's children it has waited for (``cutime`` and
     ``cstime``: the commands the server ran, with their own children), in seconds."""
@@ -370,6 +381,9 @@ class ServerProcess:
 
     def children_cpu(self) -> float:
         return children_cpu_seconds(self.pid)
+
+    def loop_counts(self) -> tuple[int, int]:
+        return loop_counts(self.pid)
 
     def memory(self) -> Memory:
         return memory(self.pid)

@@ -40,6 +40,10 @@ class LevelResult:
     children_cpu: float = 0.0
     #: CPU of the client worker processes over the measured rounds (they share the cores).
     clients_cpu: float = 0.0
+    #: The server's write calls, and its loop's sleeps, over the measured rounds
+    #: (:func:`~bench.procs.loop_counts`).
+    server_writes: int = 0
+    server_sleeps: int = 0
     tokens: int = 0
     events: int = 0
     hwm: int = 0
@@ -66,6 +70,14 @@ class LevelResult:
     @property
     def clients_cpu_per_run(self) -> float:
         return self.clients_cpu / self.runs if self.runs else float("nan")
+
+    @property
+    def writes_per_run(self) -> float:
+        return self.server_writes / self.runs if self.runs else float("nan")
+
+    @property
+    def sleeps_per_run(self) -> float:
+        return self.server_sleeps / self.runs if self.runs else float("nan")
 
 
 async def run_rounds(
@@ -103,6 +115,7 @@ async def run_rounds(
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
             clients0 = sum(cpu_seconds(child.pid) for child in ws)
+            counts0 = server.loop_counts()
             cpu0, t0, child0 = server.cpu(), time.time(), server.children_cpu()
             command = {
                 "cmd": "go",
@@ -115,6 +128,9 @@ async def run_rounds(
             cpu, children = server.cpu() - cpu0, server.children_cpu() - child0
             if measured:
                 level.clients_cpu += sum(cpu_seconds(child.pid) for child in ws) - clients0
+                writes, sleeps = server.loop_counts()
+                level.server_writes += writes - counts0[0]
+                level.server_sleeps += sleeps - counts0[1]
             return done, cpu, t0, children
 
         await all_events(ws, "ready", 60)

@@ -95,6 +95,8 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         "headers by the token delay); the rest is its way back to the client.",
         f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}; "
         f"gap frames (lossy events dropped for a full client queue): {level.gaps}.",
+        f"The server's write calls per run: {level.writes_per_run:.0f} (its sockets and files, "
+        f"every thread); its loop slept and was woken {level.sleeps_per_run:.0f} times per run.",
         f"The client processes' CPU per run: {ms(level.clients_cpu_per_run)} "
         "(the client library following each run, and the benchmark's bookkeeping); they share "
         "the machine's cores with the server and the fake model.",
