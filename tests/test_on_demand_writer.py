@@ -76,6 +76,8 @@ class ScriptedSocket:
         self.how: list[str] = []
         #: Writes by the writer (each one batch).
         self.batches: list[int] = []
+        #: Direct writes (the broker's), by the number of frames each wrote.
+        self.direct_writes: list[int] = []
         self.sent = False
         self.blocked = False
         self.partial = False
@@ -89,18 +91,22 @@ class ScriptedSocket:
         self.commands_send, self._commands = trio.open_memory_channel[str | bytes](4)
 
     @property
-    def send_now(self) -> Callable[[Event], int] | None:
+    def send_now(self) -> Callable[[Sequence[Event]], int] | None:
         return self._send_now
 
-    def _send_now(self, event: Event) -> int:
+    def _send_now(self, events: Sequence[Event]) -> int:
         assert self.pending is None, "a direct write while the rest of a frame was pending"
         if self.blocked:
             return NOT_SENT
         self.sent = True
+        self.direct_writes.append(len(events))
+        *whole, last = events
+        for event in whole:
+            self._put(event, "direct")
         if self.partial:
-            self.pending = event
+            self.pending = last
             return SENT_IN_PART
-        self._put(event, "direct")
+        self._put(last, "direct")
         return SENT
 
     def _put(self, event: Event, how: str) -> None:
@@ -297,6 +303,94 @@ async def test_the_rest_of_a_frame_taken_in_part_goes_out_before_the_next_frames
             c.broker.publish(lossy(3))  # direct again, in part again
             await trio.testing.wait_all_tasks_blocked()
             assert [seq_of(f) for f in c.sock.wire[1:]] == [1, 2, 3, 4]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_batch_of_publishes_goes_out_in_two_writes_its_first_frame_then_the_rest(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            c.sock.direct_writes.clear()
+            with c.broker.batched():
+                c.broker.publish(lossy(0))
+                assert c.sock.direct_writes == [1]  # the first at once: the socket takes it
+                for n in range(1, 5):
+                    c.broker.publish(lossy(n))
+                assert c.sock.direct_writes == [1]  # the rest are held for the end
+                assert len(c.sock.wire) == 2
+            assert c.sock.direct_writes == [1, 4]
+            c.broker.publish(lossy(5))  # no batch: each frame at once again
+            assert c.sock.direct_writes == [1, 4, 1]
+            assert c.task_names() == []
+            assert [seq_of(f) for f in c.sock.wire[1:]] == [1, 2, 3, 4, 5, 6]
+            assert set(c.sock.how[1:]) == {"direct"}  # (hello went by the first writer)
+            nursery.cancel_scope.cancel()
+
+
+async def test_frames_held_by_a_batch_that_the_socket_refuses_are_queued_in_order(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            with c.broker.batched():
+                for n in range(4):
+                    c.broker.publish(lossy(n))
+                c.sock.blocked = True  # (a transport's state cannot change within a batch)
+            assert c.task_names() == ["_write"]  # the held three were queued for the writer
+            c.broker.publish(lossy(4))  # behind them
+            assert len(c.broker.clients) == 1
+            (client,) = c.broker.clients
+            assert len(client.receive) == 4
+            c.sock.unblock()
+            await trio.testing.wait_all_tasks_blocked()
+            assert [seq_of(f) for f in c.sock.wire[1:]] == [1, 2, 3, 4, 5]
+            assert len(client.receive) == 0
+            assert client.receive.bytes == 0
+            assert c.task_names() == []
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_rest_of_a_batch_written_in_part_goes_out_before_later_frames(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            with c.broker.batched():
+                for n in range(3):
+                    c.broker.publish(lossy(n))
+                c.sock.partial = True  # the held frames' write will be taken in part
+            assert c.task_names() == ["_write"]
+            c.sock.partial = False
+            c.broker.publish(lossy(3))
+            await trio.testing.wait_all_tasks_blocked()
+            assert [seq_of(f) for f in c.sock.wire[1:]] == [1, 2, 3, 4]
+            assert c.task_names() == []
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_batch_after_a_frame_taken_in_part_queues_behind_its_rest(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            second = await serve(nursery, broker=c.broker)
+            c.sock.partial = True
+            c.sock.direct_writes.clear()
+            second.sock.direct_writes.clear()
+            with c.broker.batched():
+                for n in range(3):
+                    c.broker.publish(lossy(n))
+            assert c.sock.direct_writes == [1]  # in part: the rest of it, then the queue
+            assert second.sock.direct_writes == [1, 2]  # the other client: first, then rest
+            await trio.testing.wait_all_tasks_blocked()
+            for served in (c, second):
+                assert [seq_of(f) for f in served.sock.wire[1:]] == [1, 2, 3]
+            assert c.sock.how[1:] == ["direct", "writer", "writer"]
             nursery.cancel_scope.cancel()
 
 

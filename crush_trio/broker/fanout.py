@@ -6,6 +6,7 @@ and in cluster mode once the event log accepted it (see :mod:`crush_trio.broker`
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -39,7 +40,7 @@ from .framing import (
 from .stream import TOO_SLOW_REASON, ClientStream
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
 log = logging.getLogger("crush_trio.broker")
 
@@ -110,6 +111,8 @@ class Broker:
         self.killed = 0
         self.published = 0
         self.closed = False
+        #: While :meth:`batched` is on: the clients holding frames for one write at its end.
+        self.batch: list[ClientStream] | None = None
         # -- cluster mode: the event log -------------------------------------------------------
         self.log = log
         self.log_append_timeout = log_append_timeout
@@ -177,6 +180,28 @@ class Broker:
         for client in list(self.clients):
             client.offer(event)
         return event
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Publish the events of the block with as few writes as a client can take: a
+        client written to directly gets its first frame at once and the rest in one write when
+        the block ends (:meth:`ClientStream.release_held`). For a caller that publishes many
+        events at one moment, such as the ends of many streams' publish windows.
+
+        The block must not wait (no checkpoint): the frames held for a client would otherwise
+        be overtaken by a write of another task. Nested blocks are one batch.
+        """
+        if self.batch is not None:
+            yield
+            return
+        batch: list[ClientStream] = []
+        self.batch = batch
+        try:
+            yield
+        finally:
+            self.batch = None
+            for client in batch:
+                client.release_held()
 
     def publish(self, obj: Any, kind: EventKind = EventKind.UPDATED) -> Event:
         """Publish a lossy event. Never blocks.
@@ -367,25 +392,27 @@ class Broker:
     def _fan_out(self, batch: list[Event], deliveries: trio.Nursery) -> None:
         """The log accepted ``batch``: keep it for replay and offer it to every client, in order.
 
-        A must-deliver event that a client has no room for is delivered by a task in
+        A client written to directly gets the batch in one write (:meth:`batched`). A
+        must-deliver event that a client has no room for is delivered by a task in
         ``deliveries`` (bounded by ``must_deliver_timeout``); the client holds later lossy
         events back into its gap meanwhile, so it still sees events in seq order.
         """
-        for event in batch:
-            self.durable_seq = event.seq
-            self._remember(event)
-            if event.must_deliver:
-                slow = [c for c in list(self.clients) if not c.try_deliver_nowait(event)]
-                done = self._md_waiters.pop(event.seq, None)
-                if slow:
-                    for client in slow:
-                        client.reserve_delivery()
-                    deliveries.start_soon(self._deliver_reserved, event, slow, done)
-                elif done is not None:
-                    done.set()
-            else:
-                for client in list(self.clients):
-                    client.offer(event)
+        with self.batched():  # one write per client for the batch
+            for event in batch:
+                self.durable_seq = event.seq
+                self._remember(event)
+                if event.must_deliver:
+                    slow = [c for c in list(self.clients) if not c.try_deliver_nowait(event)]
+                    done = self._md_waiters.pop(event.seq, None)
+                    if slow:
+                        for client in slow:
+                            client.reserve_delivery()
+                        deliveries.start_soon(self._deliver_reserved, event, slow, done)
+                    elif done is not None:
+                        done.set()
+                else:
+                    for client in list(self.clients):
+                        client.offer(event)
 
     async def _deliver_reserved(
         self, event: Event, slow: list[ClientStream], done: trio.Event | None

@@ -14,7 +14,9 @@ and not yet written), a transport that can write without waiting (:attr:`ClientS
 set only while its writer is idle) gets each new frame at once, in the publisher's task, so a
 client that keeps up costs no task switch per frame. What the socket does not take at once stays
 with the transport, and a :data:`~.framing.FLUSH` item wakes the writer to send it before
-anything else.
+anything else. Within a batch of publishes (:meth:`.fanout.Broker.batched`), a client's first
+frame goes out at once and the rest are held for one write at the batch's end
+(:meth:`ClientStream.release_held`).
 
 A **writer on demand**: a transport whose writer task exists only while there is something to
 write (:attr:`ClientStream.start_writer`) is called when an item goes into the empty queue and
@@ -37,7 +39,7 @@ from .framing import FLUSH, Event, Gap
 from .outbox import Outbox
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
 
 log = logging.getLogger("crush_trio.broker")
 
@@ -60,6 +62,9 @@ class Broker(Protocol):
     dropped: int
     killed: int
     must_deliver_timeout: float
+    #: While a batch of publishes is on (:meth:`.fanout.Broker.batched`): the clients holding
+    #: frames for one write at its end; None otherwise.
+    batch: list[ClientStream] | None
 
     @property
     def latest_seq(self) -> int: ...
@@ -153,6 +158,7 @@ class ClientStream(Outbox):
     """
 
     __slots__ = (
+        "_held",
         "_killed",
         "_md_lock",
         "_readers",
@@ -198,15 +204,19 @@ class ClientStream(Outbox):
         self.kill_code = WS_CLOSE_TRY_AGAIN_LATER
         #: Called once when the client is killed (a transport cancels its writer with it).
         self.on_kill: Callable[[], object] | None = None
-        #: Set by a transport that can write a frame without waiting, only while its writer is
+        #: Set by a transport that can write frames without waiting, only while its writer is
         #: idle (holds no frame taken from the queue and not yet written): called with each frame
-        #: for the empty queue; answers :data:`NOT_SENT`, :data:`SENT` or :data:`SENT_IN_PART`
+        #: for the empty queue (or with the frames a batch held, :meth:`release_held`) to write
+        #: in one write; answers :data:`NOT_SENT`, :data:`SENT` or :data:`SENT_IN_PART`
         #: (never raises, never blocks).
-        self.send_now: Callable[[Event], int] | None = None
+        self.send_now: Callable[[Sequence[Event]], int] | None = None
         #: Set by a transport whose writer runs on demand: called (never blocks) when an item goes
         #: into the empty queue while no writer waits on it, and when the stream closes; starts
         #: the writer unless it runs already.
         self.start_writer: Callable[[], object] | None = None
+        #: Frames held for one write at the end of a batch (:meth:`release_held`); None when
+        #: none is on for this client.
+        self._held: list[Event] | None = None
 
     @property
     def killed(self) -> trio.Event:
@@ -238,13 +248,43 @@ class ClientStream(Outbox):
         # written, which this one would overtake.
         if send_now is None:
             return False
-        done = send_now(item)
+        held = self._held
+        if held is not None:  # a batch's first frame went out whole: the rest go at its end
+            held.append(item)
+            return True
+        done = send_now((item,))
         if done == NOT_SENT:
             return False
         if done == SENT_IN_PART:
             self.items = collections.deque((FLUSH,))
             self._wake_writer()
+            return True
+        batch = self.broker.batch
+        if batch is not None:
+            self._held = []
+            batch.append(self)
         return True
+
+    def release_held(self) -> None:
+        """A batch of publishes ended (:meth:`.fanout.Broker.batched`): write the frames held
+        since its first, in one write. Nothing can have changed the transport's state since
+        that first frame went out whole (a batch does not wait), so it takes them at once; if
+        it still does not, they are queued in order for the writer (an overshoot of the queue's
+        bounds by at most one batch)."""
+        held, self._held = self._held, None
+        if not held or self.closed:
+            return
+        send_now = self.send_now
+        done = NOT_SENT if send_now is None else send_now(held)
+        if done == SENT:
+            return
+        # Nothing was queued meanwhile: every frame since the first was held.
+        if done == SENT_IN_PART:
+            self.items = collections.deque((FLUSH,))
+        else:
+            self.items = collections.deque(held)
+            self.bytes += sum(item.size for item in held)
+        self._wake_writer()
 
     def _wake_writer(self) -> None:
         readers = self._readers

@@ -81,10 +81,10 @@ class EventSocket(Protocol):
     sent: bool
 
     @property
-    def send_now(self) -> Callable[[Event], int] | None:
-        """Writes one frame at once without waiting, for the broker's direct write while no
-        writer runs (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the writer sends
-        every frame."""
+    def send_now(self) -> Callable[[Sequence[Event]], int] | None:
+        """Writes frames at once, in one write, without waiting, for the broker's direct
+        write while no writer runs (:attr:`~crush_trio.broker.ClientStream.send_now`); None: the
+        writer sends every frame."""
 
     async def send_frames(self, frames: Sequence[Event]) -> None:
         """Send these frames, in order; raise :class:`PeerGone` when the client has left."""

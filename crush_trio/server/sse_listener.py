@@ -165,14 +165,19 @@ class SseSocket:
         gzip = self.gzip
         return http_chunk(block) if gzip is None else gzip.chunk(block)
 
-    def send_now(self, event: Event) -> int:
-        """Write ``event``'s block at once, without waiting (the broker's direct write, while
-        the writer is parked; see :meth:`.ws_trio.TrioEventSocket.send_now`)."""
+    def send_now(self, events: Sequence[Event]) -> int:
+        """Write ``events``' blocks at once, in one write, without waiting (the broker's direct
+        write, while the writer is parked; see :meth:`.ws_trio.TrioEventSocket.send_now`)."""
         stream = self.stream
         if not stream.writable_now:
             return NOT_SENT
         self.writes += 1
-        return SENT if stream.write_nowait(self.chunk(event.sse)) else SENT_IN_PART
+        if len(events) == 1:
+            data = self.chunk(events[0].sse)
+        else:
+            chunk = self.chunk
+            data = b"".join([chunk(event.sse) for event in events])
+        return SENT if stream.write_nowait(data) else SENT_IN_PART
 
     async def send_blocks(self, blocks: Sequence[bytes]) -> None:
         """Write ``blocks`` (SSE blocks) in one write, each a chunk (none: only the rest of a

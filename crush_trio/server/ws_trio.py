@@ -160,20 +160,28 @@ class TrioEventSocket:
         self.deflate = deflate
         self._peer_closed = False
 
-    def send_now(self, event: Event) -> int:
-        """Write ``event``'s frame at once, without waiting (the broker's direct write: called
-        only while this connection's writer is idle, see
+    def send_now(self, events: Sequence[Event]) -> int:
+        """Write ``events``' frames at once, in one write, without waiting (the broker's direct
+        write: called only while this connection's writer is idle, see
         :attr:`~crush_trio.broker.ClientStream.send_now`).
 
         Returns :data:`~crush_trio.broker.NOT_SENT` when a write is in progress or pending, the
-        connection is closing, or its writes have a deadline (the writer sends the frame then);
-        :data:`~crush_trio.broker.SENT` when the socket took the whole frame; else
+        connection is closing, or its writes have a deadline (the writer sends the frames then);
+        :data:`~crush_trio.broker.SENT` when the socket took them all; else
         :data:`~crush_trio.broker.SENT_IN_PART`: the rest waits in the stream for the writer.
         """
         prefixed = self.prefixed
         if not prefixed.writable_now or self.send_lock.locked() or self.conn.closed is not None:
             return NOT_SENT
-        data = event.ws_frame if self.deflate is None else self.deflate.frame(event)
+        deflate = self.deflate
+        if len(events) == 1:
+            event = events[0]
+            data = event.ws_frame if deflate is None else deflate.frame(event)
+        elif deflate is None:
+            data = b"".join([event.ws_frame for event in events])
+        else:
+            frame = deflate.frame
+            data = b"".join([frame(event) for event in events])
         self.sent = True
         return SENT if prefixed.write_nowait(data) else SENT_IN_PART
 
