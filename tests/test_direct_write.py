@@ -24,6 +24,8 @@ from crush_trio.server.ws_trio import TrioEventSocket
 from .test_ws_deflate import CAP, REPLY, comparable, open_raw, reply_step
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import pytest
 
     from crush_trio.client import WorkspaceClient
@@ -36,11 +38,14 @@ class CountedSends:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.answers: Counter[int] = Counter()
+        #: Direct writes by the number of frames each wrote.
+        self.frames: Counter[int] = Counter()
         send_now = TrioEventSocket.send_now
 
-        def counted(sock: TrioEventSocket, event: Event) -> int:
-            answer = send_now(sock, event)
+        def counted(sock: TrioEventSocket, events: Sequence[Event]) -> int:
+            answer = send_now(sock, events)
             self.answers[answer] += 1
+            self.frames[len(events)] += 1
             return answer
 
         monkeypatch.setattr(TrioEventSocket, "send_now", counted)
@@ -114,3 +119,44 @@ async def test_frames_the_socket_takes_only_in_part_are_finished_by_the_writer_i
     # Every direct write took half a frame; the writer sent each rest before the next frame.
     assert sends.answers[SENT_IN_PART] >= 6
     assert sends.answers[SENT] == 0
+
+
+async def test_replies_in_step_go_out_several_frames_per_write_the_same_to_every_client(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three replies streaming at once: their publish windows fall into step, and a window's
+    frames reach a client in two writes (its first frame at once, the rest at the batch's end).
+    A plain and a compressed client decode the same frames, every seq once and in order."""
+    sends = CountedSends(monkeypatch)
+    ws = crush_workspace
+    sessions = [await ws.create_session() for _ in range(3)]
+    for _ in sessions:
+        scripted_model.add(reply_step())
+    with trio.fail_after(CAP):
+        plain = await open_raw(crush_server, ws.id, [])
+        packed = await open_raw(crush_server, ws.id, [PerMessageDeflate()])
+        for raw in (plain, packed):
+            await raw.messages_until(None)  # the hello
+        handles = [await ws.prompt(session.id, "stream a reply") for session in sessions]
+        got = {}
+        for name, raw in (("plain", plain), ("packed", packed)):
+            frames: list[dict[str, Any]] = []
+            for handle in handles:
+                ended = {
+                    f["payload"]["payload"]["run_id"] for f in frames if f["type"] == "run_complete"
+                }
+                if handle.run_id not in ended:
+                    frames += await raw.messages_until(handle.run_id)
+            got[name] = comparable(frames)
+        for handle in handles:
+            await handle.wait(CAP)
+        for raw in (plain, packed):
+            await raw.stream.aclose()
+    assert got["packed"] == got["plain"]
+    seqs = [seq for seq, _, _ in got["plain"]]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert [kind for _, kind, _ in got["plain"]].count("run_complete") == 3
+    assert sum(n for size, n in sends.frames.items() if size > 1) >= 2

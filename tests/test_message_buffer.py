@@ -7,6 +7,7 @@ debounce window long enough that the flusher never fires on its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from crush_trio.wire import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterable
+    from collections.abc import AsyncIterator, Iterable, Iterator
     from pathlib import Path
 
 #: Trio-clock cap for each test's waits.
@@ -603,3 +604,102 @@ async def test_flush_session_waits_for_a_write_in_flight_of_that_session() -> No
             fake.gate.set()
     assert flushed.is_set()
     assert fake.rows == {"m": "mine"}
+
+
+class Batches:
+    """The ``batch`` callback: records which publishes happened inside which batch, and when."""
+
+    def __init__(self, published: Recorder) -> None:
+        self.published = published
+        #: (trio time, ids published) per batch that published something.
+        self.batches: list[tuple[float, list[str]]] = []
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        before = len(self.published.events)
+        yield
+        ids = [mid for _, mid, _ in self.published.events[before:]]
+        if ids:
+            self.batches.append((trio.current_time(), ids))
+
+
+async def test_windows_that_end_close_together_are_published_together_in_one_batch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A window ending within half a window of an earlier one ends with it: the streams fall
+    into step, and one wake of the flusher publishes them all (one write per client)."""
+    fake, published = FakeStore(), Recorder()
+    batches = Batches(published)
+    service = MessageService(fake, published, write_window=NEVER, batch=batches)
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            start = trio.current_time()
+            messages = {}
+            for mid, at in (("a", 0.0), ("b", 0.010), ("c", 0.020)):
+                await trio.sleep_until(start + at)
+                messages[mid] = message = msg(mid)
+                await service.create(message)  # its window starts now
+                message.parts = [TextPart("x")]
+                await service.update(message)  # held for the end of the window
+            # a's window ends at 33 ms, b's at 43 (within half a window: ends with a's), c's
+            # at 53 (not within it).
+            await trio.sleep_until(start + DEBOUNCE_SECONDS + 0.001)
+            assert batches.batches == [(pytest.approx(start + DEBOUNCE_SECONDS), ["a", "b"])]
+            await trio.sleep_until(start + 0.020 + DEBOUNCE_SECONDS + 0.001)
+            assert batches.batches[1] == (pytest.approx(start + 0.020 + DEBOUNCE_SECONDS), ["c"])
+            # In step from now on: a and b's next windows end together.
+            for mid in ("a", "b"):
+                messages[mid].parts = [TextPart("xy")]
+                await service.update(messages[mid])
+            await trio.sleep_until(start + 2 * DEBOUNCE_SECONDS + 0.001)
+            assert batches.batches[2] == (pytest.approx(start + 2 * DEBOUNCE_SECONDS), ["a", "b"])
+            nursery.cancel_scope.cancel()
+    assert len(batches.batches) == 3
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps of the tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_a_later_deadline_does_not_wake_the_flusher(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An update held for its window wakes the flusher only when that window ends before the
+    flusher's next deadline. Five streams in step, each updated at its own moment: the flusher
+    steps about twice a window (its deadline, and the first update held after it), not once per
+    stream's update."""
+    fake, published = FakeStore(), Recorder()
+    service = MessageService(fake, published, write_window=NEVER)
+    steps = TaskSteps("MessageService.run")
+    windows = 20
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            messages = [msg(f"m{i}") for i in range(5)]
+            for message in messages:
+                await service.create(message)  # their windows start together
+            trio.lowlevel.add_instrument(steps)
+            try:
+                end = trio.current_time() + windows * DEBOUNCE_SECONDS
+                while trio.current_time() < end:
+                    for message in messages:
+                        await trio.sleep(0.001)
+                        message.parts = [TextPart(message.text() + "x")]
+                        await service.update(message)
+                await trio.sleep(DEBOUNCE_SECONDS)
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+            nursery.cancel_scope.cancel()
+    for message in messages:
+        assert (EventKind.UPDATED, message.id, message.text()) in published.events
+    assert service.publish_count == pytest.approx(5 * windows, abs=10)
+    assert steps.steps <= 2 * windows + 3

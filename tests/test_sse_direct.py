@@ -36,7 +36,7 @@ from .test_slow_close import _config as slow_close_config
 from .test_ws_deflate import CAP, REPLY, reply_step
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from pathlib import Path
 
     from crush_trio.client import WorkspaceClient
@@ -312,10 +312,13 @@ async def test_an_idle_stream_gets_a_ping_within_the_interval(
 
 
 async def watch_reply(
-    server: CrushServer, ws: WorkspaceClient, model: ScriptedModel
+    server: CrushServer, ws: WorkspaceClient, model: ScriptedModel, replies: int = 1
 ) -> dict[str, list[bytes]]:
-    session = await ws.create_session()
-    model.add(reply_step())
+    """``replies`` paced replies at once (one session each), watched by a plain and two gzip
+    raw clients: the blocks each got after ``hello``."""
+    sessions = [await ws.create_session() for _ in range(replies)]
+    for _ in sessions:
+        model.add(reply_step())
     got = {}
     with trio.fail_after(CAP):
         async with (
@@ -325,14 +328,17 @@ async def watch_reply(
         ):
             for raw in (plain, zipped, zipped2):
                 await raw.until(typed("hello"))
-            handle = await ws.prompt(session.id, "stream a reply")
+            handles = [await ws.prompt(session.id, "stream a reply") for session in sessions]
             for name, raw in (("plain", plain), ("gzip", zipped), ("gzip2", zipped2)):
-                await raw.until(typed("run_complete"))
+                while sum(map(typed("run_complete"), raw.blocks)) < replies:
+                    assert not raw.ended, raw.blocks
+                    await raw.next_blocks()
                 got[name] = [b for b in raw.blocks if b.startswith(b"id: ") and b"hello" not in b]
-            await handle.wait(CAP)
+            for handle in handles:
+                await handle.wait(CAP)
     complete = data_of(got["plain"][-1])["payload"]["payload"]
     assert complete["text"] == REPLY
-    assert sum(data_of(b)["type"] == "message" for b in got["plain"]) >= 3
+    assert sum(data_of(b)["type"] == "message" for b in got["plain"]) >= 3 * replies
     return got
 
 
@@ -341,11 +347,14 @@ class CountedSends:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.answers: dict[int, int] = {}
+        #: Direct writes by the number of blocks each wrote.
+        self.blocks: dict[int, int] = {}
         send_now = SseSocket.send_now
 
-        def counted(sock: SseSocket, event: Event) -> int:
-            answer = send_now(sock, event)
+        def counted(sock: SseSocket, events: Sequence[Event]) -> int:
+            answer = send_now(sock, events)
             self.answers[answer] = self.answers.get(answer, 0) + 1
+            self.blocks[len(events)] = self.blocks.get(len(events), 0) + 1
             return answer
 
         monkeypatch.setattr(SseSocket, "send_now", counted)
@@ -376,6 +385,22 @@ async def test_blocks_written_in_part_are_finished_by_the_writer_in_order(
     assert got["gzip"] == got["plain"] == got["gzip2"]
     assert sends.answers.get(SENT_IN_PART, 0) >= 9
     assert sends.answers.get(SENT, 0) == 0
+
+
+async def test_replies_in_step_go_out_several_blocks_per_write_the_same_plain_and_gzip(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three replies at once: their publish windows fall into step, and the rest of a window's
+    blocks after its first go out in one write, chunk by chunk (gzip: each block flushed)."""
+    sends = CountedSends(monkeypatch)
+    got = await watch_reply(crush_server, crush_workspace, scripted_model, replies=3)
+    assert got["gzip"] == got["plain"] == got["gzip2"]
+    ids = [int(b.split(b"\n", 1)[0][4:]) for b in got["plain"]]
+    assert ids == sorted(set(ids))
+    assert sum(n for size, n in sends.blocks.items() if size > 1) >= 2
 
 
 # -- how a stream ends --------------------------------------------------------------------------

@@ -329,6 +329,7 @@ class Workspace:
             debounce=self.config.options.debounce_ms / 1000,
             write_window=self.server.message_write_ms / 1000,
             publish_delta=self.broker.publish_delta,
+            batch=self.broker.batched,
         )
         self.runs = RunBook(self.store)
         prompts = SystemPrompts(self, user_dir=self.user_context_dir)

@@ -7,7 +7,11 @@ the latest state of each message and
 - **publishes** ``updated`` at most once per publish window (``debounce``,
   :data:`DEBOUNCE_SECONDS`; Crush's 33 ms). The window is a throttle with a leading edge: an
   update that comes after a quiet window is published at once (so the first words of a reply are
-  visible without waiting), later ones when the window since the last event ends;
+  visible without waiting), later ones when the window since the last event ends. A window that
+  ends within :data:`ALIGN_FRACTION` of a window after the one the flusher wakes for ends with
+  it, so the streams fall into step and one wake publishes them all, inside the ``batch``
+  callback (the broker's, which gives each client one write for the lot); a window is shortened
+  that way once when its stream joins, by at most that fraction;
 - **writes** the latest state of every pending message in one batch at most once per write
   window (``write_window``, :data:`WRITE_WINDOW_SECONDS`, never shorter than the publish window).
   Streaming state is published from memory before it is written; a crash can lose at most one
@@ -49,9 +53,11 @@ Rules the state below keeps:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Final, NamedTuple
 
 import trio
@@ -66,6 +72,8 @@ logger = logging.getLogger(__name__)
 #: Publish window for streaming updates of one message (seconds): at most one ``updated`` event
 #: per message per window (Crush's 33 ms). Configured by ``options.debounce_ms``.
 DEBOUNCE_SECONDS: Final = DEFAULT_DEBOUNCE_MS / 1000
+#: A publish window that ends within this fraction of a window after another one ends with it.
+ALIGN_FRACTION: Final = 0.5
 
 #: Write window (seconds): pending streaming state is written to the store at most this long
 #: after its first unwritten update, all pending messages in one transaction. Configured by
@@ -178,6 +186,7 @@ class MessageService:
         debounce: float = DEBOUNCE_SECONDS,
         write_window: float = WRITE_WINDOW_SECONDS,
         publish_delta: PublishDelta | None = None,
+        batch: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         for name, value in (("debounce", debounce), ("write_window", write_window)):
             if not (value >= 0 and math.isfinite(value)):
@@ -185,6 +194,10 @@ class MessageService:
         self._store = store
         self._publish = publish
         self._publish_delta = publish_delta
+        #: Wraps the publishes of one moment (the windows that end together, a written batch):
+        #: the broker's :meth:`~crush_trio.broker.Broker.batched`, so a client gets them in one
+        #: write.
+        self._batch = batch
         self._appends: dict[str, _Appends] = {}  # id -> appends since its last event
         self._debounce = debounce
         self._write_window = max(write_window, debounce)
@@ -196,6 +209,9 @@ class MessageService:
         self._shapes: dict[str, tuple[str, Shape]] = {}  # id -> (session_id, last updated shape)
         self._write_lock = trio.Lock()
         self._wakeup = trio.Event()
+        #: When the flusher's wait ends (inf: no deadline; -inf: it is not waiting, and looks
+        #: at every deadline before it waits again). A new deadline wakes it only if earlier.
+        self._sleep_until = -math.inf
         self._running = False
         self.peak_pending = 0
         self.flush_count = 0
@@ -229,13 +245,21 @@ class MessageService:
                 deadline = self._next_deadline()
                 if deadline is None:
                     self._wakeup = trio.Event()
-                    await self._wakeup.wait()
+                    self._sleep_until = math.inf
+                    try:
+                        await self._wakeup.wait()
+                    finally:
+                        self._sleep_until = -math.inf
                     continue
                 if deadline > trio.current_time():
                     # A new deadline may come before this one (a publish after a quiet window).
                     self._wakeup = trio.Event()
-                    with trio.move_on_at(deadline):
-                        await self._wakeup.wait()
+                    self._sleep_until = deadline
+                    try:
+                        with trio.move_on_at(deadline):
+                            await self._wakeup.wait()
+                    finally:
+                        self._sleep_until = -math.inf
                     continue
                 self._publish_due(trio.current_time())
                 now = trio.current_time()
@@ -404,8 +428,10 @@ class MessageService:
         if last is None or now - last >= self._debounce:
             self._published(message, now)  # leading edge: nothing was shown for a window
             return
-        self._unpublished[mid] = (last + self._debounce, message)
-        self._wakeup.set()
+        due = last + self._debounce
+        self._unpublished[mid] = (due, message)
+        if due < self._sleep_until:
+            self._wakeup.set()
 
     def _add_append(self, mid: str, append: MessageDelta) -> None:
         if mid not in self._appends:
@@ -439,8 +465,13 @@ class MessageService:
         self._publish(message, EventKind.UPDATED)
 
     def _publish_due(self, now: float) -> None:
-        for _due, message in [e for e in self._unpublished.values() if e[0] <= now]:
-            self._published(message, now)
+        # Windows that end soon are ended now too, so the streams' windows fall into step and
+        # one wake publishes many (each stream's next window starts now).
+        horizon = now + self._debounce * ALIGN_FRACTION
+        due = [message for when, message in self._unpublished.values() if when <= horizon]
+        with self._batch():
+            for message in due:
+                self._published(message, now)
 
     def _next_deadline(self) -> float | None:
         # Write windows all have the same length, so the earliest is the first entry.
@@ -453,8 +484,9 @@ class MessageService:
     def _add_pending(self, message: Message) -> None:
         self._pending[message.id] = message
         if message.id not in self._due:
-            self._due[message.id] = trio.current_time() + self._write_window
-            self._wakeup.set()
+            due = self._due[message.id] = trio.current_time() + self._write_window
+            if due < self._sleep_until:
+                self._wakeup.set()
         self.peak_pending = max(self.peak_pending, len(self._pending))
 
     def _drop(self, match: Callable[[Message], bool], ids: Iterable[str]) -> None:
@@ -499,15 +531,16 @@ class MessageService:
                     raise
                 self.flush_count += 1
                 now = trio.current_time()
-                for message in batch:
-                    # Publish what no event has shown yet; skip rows the store did not write
-                    # (session gone) and messages forgotten while the write ran.
-                    if (
-                        message.id in self._unpublished
-                        and message.id in written
-                        and message.id in self._inflight
-                    ):
-                        self._published(message, now)
+                with self._batch():
+                    for message in batch:
+                        # Publish what no event has shown yet; skip rows the store did not
+                        # write (session gone) and messages forgotten while the write ran.
+                        if (
+                            message.id in self._unpublished
+                            and message.id in written
+                            and message.id in self._inflight
+                        ):
+                            self._published(message, now)
             finally:
                 self._inflight = {}
 
