@@ -10,6 +10,8 @@ writer.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,7 @@ from wsproto.extensions import PerMessageDeflate
 from crush_trio.broker import SENT, SENT_IN_PART, Event
 from crush_trio.server import listener
 from crush_trio.server.ws_trio import TrioEventSocket
+from crush_trio.wire import AgentEvent
 
 from .test_ws_deflate import CAP, REPLY, comparable, open_raw, reply_step
 
@@ -160,3 +163,37 @@ async def test_replies_in_step_go_out_several_frames_per_write_the_same_to_every
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert [kind for _, kind, _ in got["plain"]].count("run_complete") == 3
     assert sum(n for size, n in sends.frames.items() if size > 1) >= 2
+
+
+async def test_a_client_reset_within_a_batch_ends_its_connection_only(
+    crush_server: CrushServer, crush_workspace: WorkspaceClient
+) -> None:
+    """A client whose connection is reset after a batch's first frame went out: the write of
+    the held frames fails, its rest goes to the writer, which finds the client gone and ends
+    that connection. The other client gets every frame of the batch; the server serves on."""
+    broker = crush_server.backend.get(crush_workspace.id).broker
+    with trio.fail_after(CAP):
+        gone = await open_raw(crush_server, crush_workspace.id, [])
+        kept = await open_raw(crush_server, crush_workspace.id, [PerMessageDeflate()])
+        for raw in (gone, kept):
+            await raw.messages_until(None)  # the hello
+        before = len(broker.clients)
+        with broker.batched():
+            first = broker.publish(AgentEvent("info", text="first"))
+            # A reset (linger 0) reaches the server's socket at once on loopback.
+            gone.stream.socket.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+            gone.stream.socket.close()
+            for n in range(3):
+                broker.publish(AgentEvent("info", text=f"held {n}"))
+        frames = []
+        while len(frames) < 4:
+            frames += await kept.messages_until(None)
+        assert [f["seq"] for f in frames] == list(range(first.seq, first.seq + 4))
+        while len(broker.clients) != before - 1:  # the reset client's connection ended
+            await trio.testing.wait_all_tasks_blocked(0.01)
+        again = await open_raw(crush_server, crush_workspace.id, [])
+        await again.messages_until(None)
+        for raw in (kept, again):
+            await raw.stream.aclose()

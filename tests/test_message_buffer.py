@@ -692,7 +692,7 @@ async def test_a_later_deadline_does_not_wake_the_flusher(
                 end = trio.current_time() + windows * DEBOUNCE_SECONDS
                 while trio.current_time() < end:
                     for message in messages:
-                        await trio.sleep(0.001)
+                        await trio.sleep(0.001)  # virtual time (autojump_clock)
                         message.parts = [TextPart(message.text() + "x")]
                         await service.update(message)
                 await trio.sleep(DEBOUNCE_SECONDS)
