@@ -500,30 +500,38 @@ class EventStream:
     async def _read(self, conn: WebSocketConnection) -> str:
         """Read frames until the connection ends; returns why it ended.
 
+        A connection silent for :data:`KEEPALIVE_INTERVAL` since its last frame is pinged. The
+        silence is timed from each frame's arrival without a cancel scope per frame: the one
+        scope's deadline is moved on only when it fires.
+
         The connection's end is handled here, inside its ``async with`` block, so that the
         websocket library closes it cleanly.
         """
+        heard = trio.current_time()
         while True:
             try:
-                with trio.move_on_after(KEEPALIVE_INTERVAL) as idle:
-                    raw = await conn.get_message()
-                if idle.cancelled_caught:
-                    with trio.move_on_after(PING_TIMEOUT) as ping:
-                        await conn.ping()
-                    if ping.cancelled_caught:
-                        return f"no answer to a keep-alive ping within {PING_TIMEOUT:g} s"
-                    continue
+                with trio.CancelScope(deadline=heard + KEEPALIVE_INTERVAL):
+                    while True:
+                        raw = await conn.get_message()
+                        heard = trio.current_time()
+                        try:
+                            frame = orjson.loads(raw)
+                        except orjson.JSONDecodeError:
+                            log.warning("ignoring an event frame that is not JSON")
+                            continue
+                        self._handle_frame(frame)
+                if trio.current_time() < heard + KEEPALIVE_INTERVAL:
+                    continue  # a frame came meanwhile: time the silence from it
+                with trio.move_on_after(PING_TIMEOUT) as ping:
+                    await conn.ping()
+                if ping.cancelled_caught:
+                    return f"no answer to a keep-alive ping within {PING_TIMEOUT:g} s"
+                heard = trio.current_time()
             except ConnectionClosed as exc:
                 reason = exc.reason
                 if reason is None:
                     return "connection closed"
                 return f"closed with code {reason.code} {reason.reason or reason.name}"
-            try:
-                frame = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                log.warning("ignoring an event frame that is not JSON")
-                continue
-            self._handle_frame(frame)
 
     def _handle_frame(self, frame: Any) -> None:
         if isinstance(frame, dict) and frame.get("type") == "reply":
