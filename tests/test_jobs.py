@@ -173,7 +173,7 @@ async def test_the_streamer_publishes_at_most_once_per_interval(
         nursery.start_soon(streamer.run)
         for i in range(100):
             streamer.feed(f"{i}\n".encode())
-            await trio.sleep(0.01)
+            await trio.sleep(0.01)  # virtual time (autojump_clock)
         nursery.cancel_scope.cancel()
     streamer.close()
     times = [t for t, _ in published]

@@ -63,21 +63,25 @@ class LevelResult:
     def runs_per_s(self) -> float:
         return self.runs / self.wall if self.wall else float("nan")
 
+    def per_run(self, total: float) -> float:
+        """``total`` over the measured runs (NaN before any run)."""
+        return total / self.runs if self.runs else float("nan")
+
     @property
     def cpu_per_run(self) -> float:
-        return self.cpu / self.runs if self.runs else float("nan")
+        return self.per_run(self.cpu)
 
     @property
     def clients_cpu_per_run(self) -> float:
-        return self.clients_cpu / self.runs if self.runs else float("nan")
+        return self.per_run(self.clients_cpu)
 
     @property
     def writes_per_run(self) -> float:
-        return self.server_writes / self.runs if self.runs else float("nan")
+        return self.per_run(self.server_writes)
 
     @property
     def sleeps_per_run(self) -> float:
-        return self.server_sleeps / self.runs if self.runs else float("nan")
+        return self.per_run(self.server_sleeps)
 
 
 async def run_rounds(
