@@ -3,13 +3,18 @@ replay bounds and resume frames."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import orjson
 import pytest
 import trio
 import trio.testing
 
-from crush_trio.broker import Broker, ClientStream, Event
+from crush_trio.broker import NOT_SENT, SENT, Broker, ClientStream, Event
 from crush_trio.wire import AgentEvent, EventKind, RunComplete
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 
 def lossy(n: int) -> AgentEvent:
@@ -152,3 +157,51 @@ async def test_closing_the_broker_ends_every_stream() -> None:
         stream.receive.receive_nowait()
     with pytest.raises(trio.ClosedResourceError):
         broker.subscribe()
+
+
+class AfterFirstStep(trio.abc.Instrument):
+    """Calls ``action`` once, right after the first step of the task named ``name``."""
+
+    def __init__(self, name: str, action: Callable[[], object]) -> None:
+        self.name = name
+        self.action: Callable[[], object] | None = action
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.action is not None and task.name.endswith(self.name):
+            action, self.action = self.action, None
+            action()
+
+
+async def test_a_writer_never_holds_a_taken_frame_across_a_yield() -> None:
+    """A transport that leaves the direct write set while its writer waits on the queue (SSE):
+    a frame published while the writer yields inside ``receive`` must not go out ahead of the
+    one it is receiving. The writer takes its frame only after its last checkpoint."""
+    broker = Broker()
+    stream, _ = broker.subscribe()
+    wire: list[int] = []
+    refuse = True
+
+    def send_now(events: Sequence[Event]) -> int:
+        if refuse:
+            return NOT_SENT
+        wire.extend(orjson.loads(e.text)["seq"] for e in events)
+        return SENT
+
+    stream.send_now = send_now
+    broker.publish(lossy(1))  # refused: queued for the writer
+    refuse = False
+
+    async def writer() -> None:
+        event = await stream.receive.receive()
+        wire.append(orjson.loads(event.text)["seq"])  # written at once, as a writer would
+
+    # Published at the writer's first yield, i.e. while it is inside ``receive``.
+    instrument = AfterFirstStep("writer", lambda: broker.publish(lossy(2)))
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert instrument.action is None
+    assert wire + [orjson.loads(e.text)["seq"] for e in drain(stream)] == [1, 2]

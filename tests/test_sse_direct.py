@@ -403,6 +403,24 @@ async def test_replies_in_step_go_out_several_blocks_per_write_the_same_plain_an
     assert sum(n for size, n in sends.blocks.items() if size > 1) >= 2
 
 
+async def test_replies_in_step_to_streams_with_little_room_are_finished_in_order(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three replies at once, every write taken only in half: the writer finishes each chunk
+    begun directly and sends the rest of the window's blocks after it, whole and in order."""
+    sends = CountedSends(monkeypatch)
+    monkeypatch.setattr(listener, "os", HalfWrites())
+    got = await watch_reply(crush_server, crush_workspace, scripted_model, replies=3)
+    assert got["gzip"] == got["plain"] == got["gzip2"]
+    ids = [int(b.split(b"\n", 1)[0][4:]) for b in got["plain"]]
+    assert ids == sorted(set(ids))
+    assert sends.answers.get(SENT_IN_PART, 0) >= 9
+    assert sends.answers.get(SENT, 0) == 0
+
+
 # -- how a stream ends --------------------------------------------------------------------------
 
 

@@ -121,21 +121,19 @@ class ClientQueue:
         raise trio.WouldBlock
 
     async def receive(self) -> Event:
-        """The next item (a checkpoint, like a memory channel's; one reader at a time)."""
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            event = self.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return event
+        """The next item (a checkpoint, like a memory channel's; one reader at a time).
+
+        The item is taken after the last checkpoint, never before one: a writer must not hold
+        an item across a yield, because the queue looks empty meanwhile and the broker's direct
+        write (:attr:`ClientStream.send_now`, which a transport such as SSE leaves set while its
+        writer waits here) would send the next frame ahead of it.
+        """
+        await trio.lowlevel.checkpoint()  # cancelled here: nothing was taken
         while True:
-            await self._stream.readers().park()  # cancelled here: nothing was taken
             try:
                 return self.receive_nowait()
             except trio.WouldBlock:
-                continue
+                await self._stream.readers().park()  # cancelled here: nothing was taken
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self
