@@ -124,23 +124,17 @@ async def test_frames_the_socket_takes_only_in_part_are_finished_by_the_writer_i
     assert sends.answers[SENT] == 0
 
 
-async def test_replies_in_step_go_out_several_frames_per_write_the_same_to_every_client(
-    crush_server: CrushServer,
-    crush_workspace: WorkspaceClient,
-    scripted_model: ScriptedModel,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Three replies streaming at once: their publish windows fall into step, and a window's
-    frames reach a client in two writes (its first frame at once, the rest at the batch's end).
-    A plain and a compressed client decode the same frames, every seq once and in order."""
-    sends = CountedSends(monkeypatch)
-    ws = crush_workspace
-    sessions = [await ws.create_session() for _ in range(3)]
+async def watch_replies_in_step(
+    server: CrushServer, ws: WorkspaceClient, model: ScriptedModel, replies: int = 3
+) -> dict[str, list[tuple[int, str, bytes]]]:
+    """``replies`` paced replies at once, watched by a plain and a compressed raw client: their
+    decoded frames (the same in both, every seq once and in order, checked here)."""
+    sessions = [await ws.create_session() for _ in range(replies)]
     for _ in sessions:
-        scripted_model.add(reply_step())
+        model.add(reply_step())
     with trio.fail_after(CAP):
-        plain = await open_raw(crush_server, ws.id, [])
-        packed = await open_raw(crush_server, ws.id, [PerMessageDeflate()])
+        plain = await open_raw(server, ws.id, [])
+        packed = await open_raw(server, ws.id, [PerMessageDeflate()])
         for raw in (plain, packed):
             await raw.messages_until(None)  # the hello
         handles = [await ws.prompt(session.id, "stream a reply") for session in sessions]
@@ -161,8 +155,37 @@ async def test_replies_in_step_go_out_several_frames_per_write_the_same_to_every
     assert got["packed"] == got["plain"]
     seqs = [seq for seq, _, _ in got["plain"]]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-    assert [kind for _, kind, _ in got["plain"]].count("run_complete") == 3
+    assert [kind for _, kind, _ in got["plain"]].count("run_complete") == replies
+    return got
+
+
+async def test_replies_in_step_go_out_several_frames_per_write_the_same_to_every_client(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three replies streaming at once: their publish windows fall into step, and a window's
+    frames reach a client in two writes (its first frame at once, the rest at the batch's end).
+    A plain and a compressed client decode the same frames, every seq once and in order."""
+    sends = CountedSends(monkeypatch)
+    await watch_replies_in_step(crush_server, crush_workspace, scripted_model)
     assert sum(n for size, n in sends.frames.items() if size > 1) >= 2
+
+
+async def test_replies_in_step_to_sockets_with_little_room_are_finished_in_order(
+    crush_server: CrushServer,
+    crush_workspace: WorkspaceClient,
+    scripted_model: ScriptedModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same with every write taken only in half: each batch's first frame is left in part,
+    the writer finishes it and sends the rest of the window's frames after it, whole."""
+    sends = CountedSends(monkeypatch)
+    monkeypatch.setattr(listener, "os", HalfWrites())
+    await watch_replies_in_step(crush_server, crush_workspace, scripted_model)
+    assert sends.answers[SENT_IN_PART] >= 6
+    assert sends.answers[SENT] == 0
 
 
 async def test_a_client_reset_within_a_batch_ends_its_connection_only(
