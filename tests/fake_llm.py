@@ -34,12 +34,15 @@ import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
 import h11
 import orjson
 import trio
+
+if TYPE_CHECKING:
+    import ssl
 
 #: Bytes read from a socket per receive.
 RECV_SIZE: Final = 64 * 1024
@@ -176,8 +179,11 @@ class FakeLLM:
         *,
         default: ReplySource | None = None,
         record: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.replies: collections.deque[Reply] = collections.deque(replies)
+        #: Serve over TLS with this server context (the base URL is then ``https://``).
+        self.ssl_context = ssl_context
         self.default = default
         self.record = record
         self.requests: list[RecordedRequest] = []
@@ -217,16 +223,20 @@ class FakeLLM:
 
         Every connection runs in a nursery owned by this task.
         """
-        listeners = await trio.open_tcp_listeners(port, host=host)
-        bound_host, bound_port = listeners[0].socket.getsockname()[:2]
-        self.base_url = f"http://{bound_host}:{bound_port}"
+        tcp = await trio.open_tcp_listeners(port, host=host)
+        bound_host, bound_port = tcp[0].socket.getsockname()[:2]
+        scheme = "http" if self.ssl_context is None else "https"
+        self.base_url = f"{scheme}://{bound_host}:{bound_port}"
+        listeners: list[trio.abc.Listener[Any]] = list(tcp)
+        if self.ssl_context is not None:
+            listeners = [trio.SSLListener(listener, self.ssl_context) for listener in tcp]
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, self._connection, listeners)
             task_status.started(self.base_url)
 
     # --- one connection ----------------------------------------------------------------------
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, stream: trio.abc.Stream) -> None:
         self.connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_SIZE)
         try:
@@ -245,7 +255,7 @@ class FakeLLM:
             await trio.aclose_forcefully(stream)
 
     async def _read_request(
-        self, conn: h11.Connection, stream: trio.SocketStream
+        self, conn: h11.Connection, stream: trio.abc.Stream
     ) -> RecordedRequest | None:
         head: h11.Request | None = None
         body = bytearray()
@@ -289,7 +299,7 @@ class FakeLLM:
         return None
 
     async def _respond(
-        self, conn: h11.Connection, stream: trio.SocketStream, request: RecordedRequest
+        self, conn: h11.Connection, stream: trio.abc.Stream, request: RecordedRequest
     ) -> bool:
         """Answer one request; False when the connection must close."""
         self.request_count += 1
@@ -316,7 +326,7 @@ class FakeLLM:
     async def _send_simple(
         self,
         conn: h11.Connection,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         status: int,
         body: Any,
         headers: list[tuple[str, str]] | None = None,
@@ -334,7 +344,7 @@ class FakeLLM:
     async def _stream(
         self,
         conn: h11.Connection,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         request: RecordedRequest,
         reply: Reply,
     ) -> bool:
@@ -376,7 +386,7 @@ class FakeLLM:
     async def _send_frames(
         self,
         conn: h11.Connection,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         reply: Reply,
         frames: list[bytes | Callable[[], bytes]],
         state: dict[str, bool],

@@ -18,7 +18,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpcore
 import pytest
 import trio_websocket
 from hypercorn.protocol import ws_stream
@@ -26,7 +25,6 @@ from hypercorn.trio import tcp_server
 from wsproto.extensions import PerMessageDeflate
 
 from crush_trio._compat import CompatError
-from crush_trio._compat import httpcore as httpcore_compat
 from crush_trio._compat import hypercorn as hypercorn_compat
 from crush_trio._compat import trio_websocket as trio_websocket_compat
 
@@ -58,7 +56,7 @@ def load_fresh(module: ModuleType) -> None:
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-ADAPTERS = [httpcore_compat, hypercorn_compat, trio_websocket_compat]
+ADAPTERS = [hypercorn_compat, trio_websocket_compat]
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda m: m.__name__)
@@ -68,59 +66,6 @@ def test_an_adapter_names_the_pinned_versions_and_they_are_installed(adapter: An
         assert pins.get(name) == version, f"pyproject.toml must pin {name}=={version}"
         assert metadata.version(name) == version
     adapter.check()
-
-
-def test_the_httpcore_check_fails_loudly_when_a_wrapper_stops_holding_its_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from httpcore._async.connection_pool import PoolByteStream
-
-    def renamed(self: Any, stream: Any, pool_request: Any, pool: Any) -> None:
-        self._inner = stream  # an upgrade that renamed the attribute
-
-    monkeypatch.setattr(PoolByteStream, "__init__", renamed)
-    with pytest.raises(CompatError) as info:
-        httpcore_compat.check()
-    message = str(info.value)
-    assert "PoolByteStream._stream no longer holds the wrapped object" in message
-    assert "checked against httpx 0.28.1, httpcore 1.0.9, h11 0.16.0" in message
-
-
-def test_the_httpcore_check_fails_loudly_when_the_h11_state_is_gone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    original = httpcore.AsyncHTTP11Connection.__init__
-
-    def without_state(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        del self._h11_state
-
-    monkeypatch.setattr(httpcore.AsyncHTTP11Connection, "__init__", without_state)
-    with pytest.raises(CompatError, match="_h11_state is no longer"):
-        httpcore_compat.check()
-
-
-def test_importing_the_httpcore_adapter_fails_loudly_when_a_private_module_lost_a_class(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from httpcore._async import http11
-
-    monkeypatch.delattr(http11, "HTTP11ConnectionByteStream")
-    with pytest.raises(CompatError, match="a private stream wrapper is gone"):
-        load_fresh(httpcore_compat)
-
-
-def test_the_httpcore_adapter_finds_nothing_behind_a_stream_it_does_not_know() -> None:
-    assert httpcore_compat.http11_exchange(object()) is None
-
-
-def test_a_finished_exchange_is_what_h11_reaches_after_a_whole_response() -> None:
-    import h11
-
-    state = httpcore_compat.finished_exchange()
-    assert (state.our_state, state.their_state) == (h11.DONE, h11.DONE)
-    state.start_next_cycle()  # what httpcore does to reuse the connection
-    assert (state.our_state, state.their_state) == (h11.IDLE, h11.IDLE)
 
 
 def test_the_hypercorn_check_fails_loudly_when_a_hooked_method_is_gone(
@@ -499,7 +444,7 @@ def test_no_private_name_is_imported_across_modules() -> None:
 
 def test_every_adapter_says_which_versions_it_was_checked_against() -> None:
     adapters = [p for p in COMPAT.glob("*.py") if p.name != "__init__.py"]
-    assert {p.stem for p in adapters} >= {"httpcore", "hypercorn", "trio_websocket"}
+    assert {p.stem for p in adapters} >= {"hypercorn", "trio_websocket"}
     for path in adapters:
         text = path.read_text()
         assert "CHECKED_AGAINST" in text, path.name

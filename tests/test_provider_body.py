@@ -20,7 +20,6 @@ import pytest
 import trio
 import trio.testing
 
-from crush_trio._compat import CompatError
 from crush_trio.errors import ProviderError
 from crush_trio.providers.body import (
     MAX_CHUNK_BYTES,
@@ -33,9 +32,9 @@ from crush_trio.providers.body import (
     LengthDecoder,
     SocketBody,
     read_watch,
-    take_over,
 )
 from crush_trio.providers.http import HttpStreamer, Settings, SSEEvent
+from crush_trio.providers.transport import take_over
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -216,11 +215,7 @@ class RawServer:
                     buffer += more
                 head, buffer = buffer.split(b"\r\n\r\n", 1)
                 self.heads.append(head)
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
+                length = request_length(head)
                 while len(buffer) < length:
                     buffer += await stream.receive_some(65536)
                 buffer = buffer[length:]
@@ -230,6 +225,16 @@ class RawServer:
                     await stream.send_all(piece)
                 if close:
                     return
+
+
+def request_length(head: bytes) -> int:
+    """The ``content-length`` of a request head (0 without one)."""
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return length
 
 
 def head(framing: str, extra: str = "") -> bytes:
@@ -282,8 +287,7 @@ WANT = ['{"n": 1}', '{"n": 2}', "[DONE]"]
 
 
 async def test_the_fast_path_is_taken_for_an_http11_chunked_stream() -> None:
-    """With the pinned httpx/httpcore the reader finds the connection: if an upgrade changes
-    their insides, this fails instead of silently falling back to the slower reader."""
+    """A response of the providers' own transport is read from its connection."""
     server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
     with trio.fail_after(TEST_TIMEOUT):
         async with streamer(server) as (http, url):
@@ -603,55 +607,6 @@ async def test_a_read_waiting_when_the_read_watch_stops_ends_with_a_clear_error(
     assert seen == ['{"n": 1}']
     assert len(errors) == 1
     assert "the provider read watch stopped" in str(errors[0])
-
-
-class _Wrapped(httpx.AsyncByteStream):
-    """A custom transport's response stream the body reader does not know."""
-
-    def __init__(self, inner: httpx.AsyncByteStream) -> None:
-        self.inner = inner
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self.inner.__aiter__()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-class WrappingTransport(httpx.AsyncBaseTransport):
-    def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        return httpx.Response(
-            response.status_code,
-            headers=response.headers,
-            stream=_Wrapped(response.stream),
-            extensions=response.extensions,
-        )
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-async def test_an_httpcore_response_whose_connection_is_not_found_fails_loudly() -> None:
-    """An HTTP/1.1 response of httpcore's (its network stream says so) whose connection the
-    adapter cannot reach means its private shape changed: an error naming the adapter, never a
-    silent fall back to the slower reader."""
-    server = RawServer(([head(CHUNKED), chunked([EVENTS])], False))
-    with trio.fail_after(TEST_TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(server.serve)
-            async with httpx.AsyncClient(transport=WrappingTransport()) as client:
-                async with client.stream("GET", url) as response:
-                    with pytest.raises(
-                        CompatError,
-                        match=r"crush_trio\._compat\.httpcore: the HTTP/1\.1 connection",
-                    ):
-                        take_over(response, timeout=None)
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_read_of_a_stopping_watch_moves_to_another_running_one(

@@ -8,8 +8,6 @@ in ``pyproject.toml``, and each checks its assumptions when imported, raising a 
 that names what changed rather than degrading silently. ``tests/test_compat.py`` checks the
 rule over the source tree.
 
-* :mod:`crush_trio._compat.httpcore`: ``httpcore``'s HTTP/1.1 connection behind an ``httpx``
-  response, for the provider body reader (:mod:`crush_trio.providers.body`).
 * :mod:`crush_trio._compat.hypercorn`: ``hypercorn``'s per-connection reader and closer, for the
   listener's connection rules (:mod:`crush_trio.server.listener`), and the extension class of
   its websocket handshake (:mod:`crush_trio.wsdeflate`).

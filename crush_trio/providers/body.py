@@ -1,34 +1,22 @@
-"""A streaming reader of HTTP/1.1 response bodies below ``httpx``, for provider event streams.
+"""A streaming reader of HTTP/1.1 response bodies, for provider event streams.
 
-``httpx`` reads a streamed body through five nested async generators per chunk (``httpx``'s
-response stream, ``httpcore``'s pool and connection streams, ``h11``'s event loop), with a
-context manager for error mapping and a cancel scope per socket read: about half of the
-client-side CPU of a paced token. This module keeps ``httpx`` for everything before the body
-(the request, the connection pool, TLS, proxies, headers and errors) and reads the body itself:
+The body of a model's reply is read from its connection, one socket read per payload, without
+``httpx``'s stream layers:
 
 * :class:`ChunkedDecoder` and :class:`LengthDecoder` are pure logic, bytes in and payload bytes
   out, tested with every chunking.
-* :class:`SocketBody` is an async iterator of payload bytes that reads the connection's network
-  stream (``response.extensions["network_stream"]``; a plain TCP connection is read from its
-  Trio socket directly). One socket read gives at most one payload, however many chunks it held.
-* :func:`take_over` decides whether the fast path applies: HTTP/1.1 through ``httpcore``'s own
-  HTTP/1.1 connection, no ``content-encoding``, a body framed by ``transfer-encoding: chunked``,
-  ``content-length`` or the connection's end. Anything else (HTTP/2, a compressed body, another
-  transport) returns ``None`` and the caller reads through ``httpx``.
+* :class:`SocketBody` is an async iterator of payload bytes that reads the connection (a plain
+  TCP connection from its socket directly, a TLS one through its Trio stream). One socket read
+  gives at most one payload, however many chunks it held.
+* :func:`crush_trio.providers.transport.take_over` decides whether it applies: a response of the
+  providers' own transport (:mod:`crush_trio.providers.transport`) whose body is not compressed.
+  Anything else (a compressed body, another transport) is read through ``httpx``.
 
-Handing the connection back: ``httpcore`` returns a connection to its pool when its ``h11``
-state machine saw the whole response. When :class:`SocketBody` read the whole body itself, the
-connection is at a message boundary, so :meth:`SocketBody.aclose` marks the exchange finished
-(the same state ``h11`` reaches after a complete response) and closing the response then
-returns the connection to the pool. When the body was not read to its end, the server asked to
-close, or it sent bytes past the end of the body, nothing is marked and closing the response
-closes the connection, as ``httpx`` does.
-
-Finding ``httpcore``'s connection behind the response and marking its exchange finished needs
-private names of ``httpcore`` and ``httpx``: all of that is in the adapter
-:mod:`crush_trio._compat.httpcore`, which checks them at import against the pinned versions and
-fails loudly when an upgrade changed them. This module uses only its small public surface and
-the documented ``network_stream`` response extension.
+Handing the connection back: when :class:`SocketBody` read the whole body and nothing followed
+it, :meth:`SocketBody.aclose` marks the response's stream finished, and closing the response
+then returns the connection to the pool. When the body was not read to its end, the server
+asked to close, or it sent bytes past the end of the body, nothing is marked and closing the
+response closes the connection.
 
 Read timeouts: a read of a plain TCP socket is timed by the read watch of :func:`read_watch`, one
 task in the nursery of whoever runs the providers (the server's backend), instead of a cancel
@@ -39,21 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
-import httpcore
 import trio
-
-from .._compat import CompatError
-from .._compat.httpcore import Http11Exchange, http11_exchange
-from .pool import ReleasingStream
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
-    import httpx
 
 #: Bytes asked of the socket per read.
 READ_SIZE: Final = 64 * 1024
@@ -239,6 +220,12 @@ class LengthDecoder:
 Decoder = ChunkedDecoder | LengthDecoder
 
 
+class Finishable(Protocol):
+    """What :class:`SocketBody` tells when it read the body whole (the response's stream)."""
+
+    def mark_finished(self) -> None: ...
+
+
 class SocketBody:
     """The payload of one response body, read from its connection: ``async for data in body``.
 
@@ -265,7 +252,7 @@ class SocketBody:
         first: bytes,
         *,
         timeout: float | None,
-        connection: Http11Exchange | None = None,
+        connection: Finishable | None = None,
         reusable: bool = False,
         fd: int | None = None,
     ) -> None:
@@ -434,101 +421,3 @@ async def read_watch() -> AsyncIterator[None]:
                 else:
                     body._unwatched = True
                     body._interrupt()
-
-
-def _releasing_inner(stream: object) -> object | None:
-    """The inner stream of the sharded transport's response stream (providers/pool.py)."""
-    return stream.inner if isinstance(stream, ReleasingStream) else None
-
-
-def take_over(response: httpx.Response, *, timeout: float | None) -> SocketBody | None:
-    """Read ``response``'s body with :class:`SocketBody`, or None where the fast path does not
-    apply (then read it through ``httpx``). Call it right after the headers arrived, before
-    anything read the body."""
-    if response.extensions.get("http_version") != b"HTTP/1.1" or response.is_stream_consumed:
-        return None
-    headers = response.headers
-    if headers.get("content-encoding", "identity").lower() not in ("", "identity"):
-        return None
-    if response.status_code in (204, 304) or response.status_code < 200:
-        return None
-    network = response.extensions.get("network_stream")
-    if not isinstance(network, httpcore.AsyncNetworkStream):
-        return None  # not from httpcore (a mock or custom transport)
-    exchange = http11_exchange(response.stream, _releasing_inner)
-    if exchange is None:
-        # An HTTP/1.1 response of httpcore's whose connection cannot be found: the private
-        # shape changed in a way the adapter's import check missed. Say so; do not slow down.
-        raise CompatError(
-            "crush_trio._compat.httpcore: the HTTP/1.1 connection behind an httpx response was "
-            f"not found (stream {type(response.stream).__name__}); update the adapter"
-        )
-    if not exchange.at_body_start:
-        return None
-    first, closed = exchange.trailing_data
-    decoder: Decoder
-    until_close = False
-    coding = headers.get("transfer-encoding")
-    if coding is not None:
-        if coding.lower().replace(" ", "") != "chunked":
-            return None
-        decoder = ChunkedDecoder()
-    else:
-        length = headers.get("content-length")
-        if length is None:
-            decoder = LengthDecoder(None)
-            until_close = True
-        elif length.isdigit():
-            decoder = LengthDecoder(int(length))
-        else:
-            return None
-    # A close-delimited body ends the connection; a server that asked to close means it.
-    reusable = (
-        not closed and not until_close and "close" not in headers.get("connection", "").lower()
-    )
-    sock = network.get_extra_info("socket")
-    return SocketBody(
-        _reader(network),
-        decoder,
-        first,
-        fd=sock.fileno() if isinstance(sock, trio.socket.SocketType) else None,
-        timeout=timeout,
-        connection=exchange,
-        reusable=reusable,
-    )
-
-
-def _reader(network: httpcore.AsyncNetworkStream) -> Callable[[], Awaitable[bytes]]:
-    """One read of the connection: its Trio socket for plain TCP, else the stream's ``read``."""
-    sock = network.get_extra_info("socket")
-    if network.get_extra_info("ssl_object") is None and isinstance(sock, trio.socket.SocketType):
-        # Wait, then read: a paced token is never there yet when the reader comes back, so
-        # reading first (as Trio's socket does) costs a failed recv and its exception per chunk.
-        fd = sock.fileno()
-        wait_readable = trio.lowlevel.wait_readable
-        read = os.read
-
-        async def read_socket() -> bytes:
-            while True:
-                try:
-                    await wait_readable(fd)
-                    return read(fd, READ_SIZE)
-                except BlockingIOError:
-                    continue
-                except (OSError, trio.ClosedResourceError) as exc:
-                    raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
-
-        return read_socket
-
-    async def read_stream() -> bytes:
-        try:
-            return await network.read(READ_SIZE)
-        except httpcore.NetworkError as exc:
-            raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
-
-    return read_stream
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -4,17 +4,18 @@ Layers, from the wire up:
 
 * :class:`SSEDecoder` is pure logic: bytes in, :class:`SSEEvent` values out. It knows nothing of
   sockets or clocks, so it is tested by feeding it bytes split at every possible point.
-* :class:`HttpStreamer` is the thin Trio shell. It owns one ``httpx.AsyncClient`` per provider,
-  posts a JSON body, retries transient failures, enforces the named timeouts on Trio's clock, and
-  yields decoded events. The body of an HTTP/1.1 stream is read below ``httpx`` by
-  :mod:`crush_trio.providers.body` where that applies (``httpx``'s reader elsewhere). Every
+* :class:`HttpStreamer` is the thin Trio shell. It owns one connection pool per provider (the
+  providers' own HTTP/1.1 transport, :mod:`crush_trio.providers.transport`, under ``httpx``'s
+  request and response types), posts a JSON body, retries transient failures, enforces the
+  named timeouts on Trio's clock, and yields decoded events. The body of a stream is read from
+  its connection by :mod:`crush_trio.providers.body` (through ``httpx`` when compressed). Every
   ``httpx`` exception, and every error of that reader, becomes a
   :class:`~crush_trio.errors.ProviderError` here, so the provider modules above it never see HTTP
   errors.
 
 Timeouts (all config keys of a provider, in seconds):
 
-* ``connect_timeout``: opening the TCP (and TLS) connection; ``httpx``'s connect timeout.
+* ``connect_timeout``: opening the TCP (and TLS) connection.
 * ``first_byte_timeout``: from sending the request until the response headers *and* the first
   chunk of the body arrived. Enforced with :func:`trio.move_on_after`, so Trio's clock (and a
   test's ``MockClock``) drives it.
@@ -57,8 +58,9 @@ from ..defaults import (
 from ..errors import ProviderError
 from ..metrics import METRICS, status_kind
 from .base import Retrying
-from .body import BodyError, BodyTimeout, IncompleteBody, take_over
-from .pool import ShardedTransport, shared_ssl_context
+from .body import BodyError, BodyTimeout, IncompleteBody
+from .pool import shared_ssl_context
+from .transport import Http11Transport, take_over
 
 #: Largest extra wait added to a server's ``Retry-After``, as a fraction of it (so that clients
 #: told the same delay spread out instead of retrying at the same instant).
@@ -368,21 +370,16 @@ class HttpStreamer:
             **dict(settings.extra_headers),
         }
         # The first byte is timed on Trio's clock in _open, which also covers writing the
-        # request and waiting for the pool. A chunk gap is timed by httpcore's own per-read
-        # timeout (it enters a cancel scope around every socket read anyway, so one more scope
-        # per chunk is saved) when that cannot cut the first-byte wait short, i.e. when
-        # chunk_timeout >= first_byte_timeout (the defaults); otherwise on Trio's clock per chunk.
+        # request and waiting for the pool. A chunk gap is timed by the body reader's own read
+        # timeout (the read watch; no cancel scope per chunk) when that cannot cut the
+        # first-byte wait short, i.e. when chunk_timeout >= first_byte_timeout (the defaults);
+        # otherwise on Trio's clock per chunk.
         self._read_timeout = settings.chunk_timeout >= settings.first_byte_timeout
         timeout = httpx.Timeout(
             connect=settings.connect_timeout,
             read=settings.chunk_timeout if self._read_timeout else None,
             write=None,
             pool=None,
-        )
-        limits = httpx.Limits(
-            max_connections=MAX_PROVIDER_CONNECTIONS,
-            max_keepalive_connections=MAX_PROVIDER_CONNECTIONS,
-            keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
         )
         # Requests go to the transport itself: a provider's POST needs none of the client's
         # layers (URL merging, auth flows, redirects, a cookie jar, event hooks), which cost
@@ -395,7 +392,11 @@ class HttpStreamer:
         self._headers.update(merged)  # by name in any case, as the client's merge
         self._headers["content-type"] = "application/json"
         self._timeout = timeout.as_dict()
-        self._transport = ShardedTransport(limits=limits, verify=shared_ssl_context())
+        self._transport = Http11Transport(
+            ssl_context=shared_ssl_context(),
+            max_connections=MAX_PROVIDER_CONNECTIONS,
+            keepalive_expiry=PROVIDER_KEEPALIVE_EXPIRY,
+        )
 
     async def aclose(self) -> None:
         """Close the pooled connections."""
