@@ -19,8 +19,9 @@ import trio
 import trio.testing
 import trustme
 
+from crush_trio.providers.body import READ_PACER
 from crush_trio.providers.pool import shared_ssl_context
-from crush_trio.providers.transport import Http11Transport, parse_head, request_head
+from crush_trio.providers.transport import Connection, Http11Transport, parse_head, request_head
 from tests.fake_llm import FakeLLM, Fault, Reply
 
 if TYPE_CHECKING:
@@ -230,3 +231,79 @@ def test_providers_load_the_trust_store_once(monkeypatch: pytest.MonkeyPatch) ->
         assert loads[0] is shared_ssl_context()
     finally:
         shared_ssl_context.cache_clear()
+
+
+class FakePacer:
+    """A read pacer that releases each wait when told, and records the empty reads."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.waits = 0
+        self.empty = 0
+
+    async def before_read(self) -> bool:
+        self.waits += 1
+        await self.release.wait()
+        self.release = trio.Event()
+        return True
+
+    def read_empty(self) -> None:
+        self.empty += 1
+
+
+async def test_a_paced_read_reads_first_after_its_wait_and_waits_for_data_when_empty() -> None:
+    """After the pacer's wait the connection is read at once (what arrived meanwhile, in one
+    read); a read that finds nothing is told to the pacer and waits for the socket."""
+    left, right = trio.socket.socketpair()
+    connection = Connection(("http", "x", 80), trio.SocketStream(left), left.fileno())
+    pacer = FakePacer()
+    token = READ_PACER.set(pacer)
+    try:
+        with trio.fail_after(WAIT):
+            async with trio.open_nursery() as nursery:
+                got: list[bytes] = []
+
+                async def read() -> None:
+                    got.append(await connection.read())
+
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                await right.send(b"t1 ")
+                await right.send(b"t2 ")
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == []  # the pacer holds the read, however much arrived
+                pacer.release.set()
+            assert got == [b"t1 t2 "]
+            assert pacer.empty == 0
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                pacer.release.set()  # nothing has arrived: the read waits for the socket
+                await trio.testing.wait_all_tasks_blocked()
+                assert pacer.empty == 1
+                assert got == [b"t1 t2 "]
+                await right.send(b"t3 ")
+            assert got == [b"t1 t2 ", b"t3 "]
+            assert pacer.waits == 2
+    finally:
+        READ_PACER.reset(token)
+        left.close()
+        right.close()
+
+
+async def test_a_response_head_is_read_without_waiting_for_the_pacer() -> None:
+    fake = FakeLLM(default=Reply(text="one"))
+    pacer = FakePacer()  # never released: a paced read would hang
+    async with pooled(fake, max_connections=1) as (client, transport, url):
+        token = READ_PACER.set(pacer)
+        try:
+            with trio.fail_after(WAIT):
+                response = await client.send(
+                    client.build_request("POST", url, json=BODY), stream=True
+                )
+                assert response.status_code == 200
+                await response.aclose()
+        finally:
+            READ_PACER.reset(token)
+        assert pacer.waits == 0

@@ -22,6 +22,7 @@ from ..core.agent_state import Prompt, Turn
 from ..core.assembler import StepAssembler, repair_tool_calls
 from ..errors import CrushError, bug_message
 from ..providers import base as pb
+from ..providers.body import READ_PACER
 from ..wire import (
     AgentEvent,
     EventKind,
@@ -38,7 +39,7 @@ from .summarize import history_from_summary, step_cost
 from .tool_step import missing_results
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import AsyncIterator, Callable, Iterator
 
     from ..broker import Broker
     from ..store import MessageService
@@ -174,27 +175,43 @@ class StepIO:
         """
         assembler = StepAssembler(msg)
         stream = provider.stream(request)
-        async with contextlib.aclosing(stream):  # type: ignore[type-var]
-            async for event in stream:
-                if assembler.feed(event):
-                    if not progress.first_token:
-                        self.on_first_token(progress)
-                    await self.messages.update(msg, assembler.append)
-                elif isinstance(event, pb.Usage):
-                    await self._on_usage(msg, event, progress)
-                elif isinstance(event, pb.Retrying):
-                    self.broker.publish(
-                        AgentEvent(
-                            "retry",
-                            session_id=msg.session_id,
-                            run_id=progress.turn.primary.run_id,
-                            text=f"retry {event.attempt} in {event.delay:.1f}s: {event.reason}",
-                        ),
-                        EventKind.CREATED,
-                    )
+        # The stream's reads wait for the message's publish passes while it streams.
+        pacer = self.messages.read_pacer(msg.id)
+        paced = READ_PACER.set(pacer)
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                await self._consume(stream, assembler, msg, progress)
+        finally:
+            READ_PACER.reset(paced)
+            pacer.close()
         reason = assembler.finish()
         await self.messages.update(msg)
         return reason
+
+    async def _consume(
+        self,
+        stream: AsyncIterator[pb.StreamEvent],
+        assembler: StepAssembler,
+        msg: Message,
+        progress: TurnProgress,
+    ) -> None:
+        async for event in stream:
+            if assembler.feed(event):
+                if not progress.first_token:
+                    self.on_first_token(progress)
+                await self.messages.update(msg, assembler.append)
+            elif isinstance(event, pb.Usage):
+                await self._on_usage(msg, event, progress)
+            elif isinstance(event, pb.Retrying):
+                self.broker.publish(
+                    AgentEvent(
+                        "retry",
+                        session_id=msg.session_id,
+                        run_id=progress.turn.primary.run_id,
+                        text=f"retry {event.attempt} in {event.delay:.1f}s: {event.reason}",
+                    ),
+                    EventKind.CREATED,
+                )
 
     async def _on_usage(self, msg: Message, usage: pb.Usage, progress: TurnProgress) -> None:
         """A step's usage: the session's token counts become the step's and its cost is added

@@ -26,6 +26,7 @@ scope per read. Where no watch runs, each read has its own cancel scope (same er
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import re
 from typing import TYPE_CHECKING, Final, Protocol
@@ -218,6 +219,27 @@ class LengthDecoder:
 
 
 Decoder = ChunkedDecoder | LengthDecoder
+
+
+class ReadPacer(Protocol):
+    """When the reads of one model stream are worth making (the consumer's, who knows when what
+    it reads is shown: :class:`crush_trio.store.messages.ReadTick`)."""
+
+    async def before_read(self) -> bool:
+        """Wait until a read is worth making; True when it waited (read before waiting for the
+        socket: the data is likely there)."""
+        ...
+
+    def read_empty(self) -> None:
+        """The read after a wait found nothing."""
+        ...
+
+
+#: The pacer of the provider stream the current task consumes (None: read as data arrives).
+#: Set by the consumer around its iteration; the connection's reads consult it.
+READ_PACER: Final[contextvars.ContextVar[ReadPacer | None]] = contextvars.ContextVar(
+    "crush_trio_read_pacer", default=None
+)
 
 
 class Finishable(Protocol):

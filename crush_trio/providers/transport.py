@@ -51,6 +51,7 @@ import httpx
 import trio
 
 from .body import (
+    READ_PACER,
     READ_SIZE,
     BodyError,
     ChunkedDecoder,
@@ -190,15 +191,25 @@ class Connection:
         self.fd = fd
         self.idle_since = 0.0
 
-    async def read(self) -> bytes:
+    async def read(self, *, paced: bool = True) -> bytes:
         """Up to :data:`~crush_trio.providers.body.READ_SIZE` bytes (``b""``: the peer closed).
+        ``paced``: the read waits for the consumer's pacer first, if one is set
+        (:data:`~crush_trio.providers.body.READ_PACER`); a response head is read at once.
 
         Raises:
             IncompleteBody: the connection broke.
         """
+        pacer = READ_PACER.get() if paced else None
         try:
             if self.fd < 0:
+                if pacer is not None and await pacer.before_read() and not self._tls_ready():
+                    pacer.read_empty()
                 return bytes(await self.stream.receive_some(READ_SIZE))
+            if pacer is not None and await pacer.before_read():
+                try:
+                    return os.read(self.fd, READ_SIZE)
+                except BlockingIOError:
+                    pacer.read_empty()
             while True:
                 # Wait, then read: a paced token is never there yet when the reader comes back.
                 await trio.lowlevel.wait_readable(self.fd)
@@ -209,8 +220,17 @@ class Connection:
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
 
+    def _tls_ready(self) -> bool:
+        """Whether a TLS read would find data at once (decrypted bytes held, or the socket
+        readable)."""
+        pending = getattr(self.stream, "pending", None)
+        return bool(pending is not None and pending()) or self._readable()
+
     def stale(self) -> bool:
         """Whether the idle connection was closed or written to by the server (readable)."""
+        return self._readable()
+
+    def _readable(self) -> bool:
         try:
             poller = select.poll()
             poller.register(self._socket_fd(), select.POLLIN)
@@ -401,7 +421,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
                     read_timeout if read_timeout is not None else float("inf")
                 ) as scope:
                     try:
-                        data = await connection.read()
+                        data = await connection.read(paced=False)
                     except IncompleteBody as exc:
                         raise httpx.ReadError(str(exc)) from exc
                 if scope.cancelled_caught:

@@ -12,6 +12,9 @@ the latest state of each message and
   it, so the streams fall into step and one wake publishes them all, inside the ``batch``
   callback (the broker's, which gives each client one write for the lot); a window is shortened
   that way once when its stream joins, by at most that fraction;
+- **paces the reads** of the model streams (:class:`ReadTick`): while a message streams, its
+  stream reads its connection at the publish passes, several tokens a read, instead of once per
+  token, and a pass publishes what its reads took in;
 - **writes** the latest state of every pending message in one batch at most once per write
   window (``write_window``, :data:`WRITE_WINDOW_SECONDS`, never shorter than the publish window).
   Streaming state is published from memory before it is written; a crash can lose at most one
@@ -74,6 +77,10 @@ logger = logging.getLogger(__name__)
 DEBOUNCE_SECONDS: Final = DEFAULT_DEBOUNCE_MS / 1000
 #: A publish window that ends within this fraction of a window after another one ends with it.
 ALIGN_FRACTION: Final = 0.5
+
+#: Longest wait of a publish pass for the model streams it woke to take in what they read
+#: (seconds); a stream that takes longer has its update published with the next pass.
+READ_TICK_WAIT: Final = 0.005
 
 #: Write window (seconds): pending streaming state is written to the store at most this long
 #: after its first unwritten update, all pending messages in one transaction. Configured by
@@ -213,6 +220,14 @@ class MessageService:
         #: at every deadline before it waits again). A new deadline wakes it only if earlier.
         self._sleep_until = -math.inf
         self._running = False
+        # The read tick: the model streams that wait for the pass that publishes their message,
+        # by message id; how many the current pass woke that have not taken in their read yet,
+        # and the pass's number.
+        self._readers: dict[str, trio.lowlevel.ParkingLot] = {}
+        self._reading = 0
+        self._collecting = False
+        self._readers_back = trio.Event()
+        self._pass = 0
         self.peak_pending = 0
         self.flush_count = 0
         self.publish_count = 0
@@ -261,7 +276,10 @@ class MessageService:
                     finally:
                         self._sleep_until = -math.inf
                     continue
-                self._publish_due(trio.current_time())
+                # The pass publishes what the streams it woke took in (the same horizon).
+                now = trio.current_time()
+                await self._wake_readers(now)
+                self._publish_due(now)
                 now = trio.current_time()
                 if not any(due <= now for due in self._due.values()):
                     continue
@@ -276,6 +294,9 @@ class MessageService:
                     await trio.sleep(WRITE_RETRY_SECONDS)
         finally:
             self._running = False
+            for lot in self._readers.values():  # no pass will wake them: they read now
+                lot.unpark_all()
+            self._readers.clear()
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -415,7 +436,71 @@ class MessageService:
         self._drop(lambda m: m.session_id == session_id, ids)
         await self._wait_for_write()
 
+    def read_pacer(self, message_id: str) -> ReadTick:
+        """The read tick of the model stream that streams into ``message_id``, for its body
+        reader (:data:`crush_trio.providers.body.READ_PACER`); see :class:`ReadTick`."""
+        return ReadTick(self, message_id)
+
     # -- internals -----------------------------------------------------------------------------
+
+    def _streaming(self, message_id: str) -> bool:
+        """Whether the message's next update will wait for a publish pass: one is held, or the
+        last was published less than a window ago."""
+        entry = self._unpublished.get(message_id)
+        if entry is not None:
+            return entry[0] != math.inf
+        last = self._last_publish.get(message_id)
+        return last is not None and trio.current_time() - last < self._debounce
+
+    def _reader_due(self, message_id: str) -> float:
+        """When the pass that publishes the message's next update comes: its held update's
+        due time, else a window after its last event."""
+        entry = self._unpublished.get(message_id)
+        if entry is not None:
+            return entry[0]
+        return self._last_publish.get(message_id, -math.inf) + self._debounce
+
+    async def _park_reader(self, message_id: str) -> int:
+        """Wait for the pass that publishes the message's next update (woken by it); its
+        number."""
+        if self._reader_due(message_id) < self._sleep_until:
+            self._wakeup.set()
+        lot = self._readers.setdefault(message_id, trio.lowlevel.ParkingLot())
+        try:
+            await lot.park()
+        finally:
+            if not lot and self._readers.get(message_id) is lot:
+                del self._readers[message_id]  # cancelled while it waited
+        return self._pass
+
+    async def _wake_readers(self, now: float) -> None:
+        """Wake the streams whose message this pass publishes (the same horizon as
+        :meth:`_publish_due`), and give them up to :data:`READ_TICK_WAIT` to read and take in
+        what arrived, so that this pass publishes it."""
+        self._pass += 1
+        if not self._readers:
+            return
+        horizon = now + self._debounce * ALIGN_FRACTION
+        woken = 0
+        for mid in [mid for mid in self._readers if self._reader_due(mid) <= horizon]:
+            woken += len(self._readers.pop(mid).unpark_all())
+        if not woken:
+            return
+        self._reading = woken
+        self._readers_back = trio.Event()
+        self._collecting = True
+        try:
+            with trio.move_on_after(READ_TICK_WAIT):
+                await self._readers_back.wait()
+        finally:
+            self._collecting = False
+            self._reading = 0
+
+    def _reader_back(self, woken: int) -> None:
+        if woken == self._pass and self._reading > 0:
+            self._reading -= 1
+            if self._reading == 0:
+                self._readers_back.set()
 
     def _schedule_publish(self, message: Message) -> None:
         mid = message.id
@@ -426,6 +511,9 @@ class MessageService:
         now = trio.current_time()
         last = self._last_publish.get(mid)
         if last is None or now - last >= self._debounce:
+            if self._collecting:  # a pass is taking in reads: it publishes them together
+                self._unpublished[mid] = (now, message)
+                return
             self._published(message, now)  # leading edge: nothing was shown for a window
             return
         due = last + self._debounce
@@ -476,6 +564,9 @@ class MessageService:
     def _next_deadline(self) -> float | None:
         # Write windows all have the same length, so the earliest is the first entry.
         deadline = next(iter(self._due.values()), None)
+        if self._readers:  # streams wait for the pass that publishes their message
+            tick = min(self._reader_due(mid) for mid in self._readers)
+            deadline = tick if deadline is None else min(deadline, tick)
         if self._unpublished:
             publish = min(due for due, _ in self._unpublished.values())
             deadline = publish if deadline is None else min(deadline, publish)
@@ -549,3 +640,53 @@ class MessageService:
         for mid, message in self._inflight.items():
             if mid not in self._pending:
                 self._add_pending(message)
+
+
+class ReadTick:
+    """When a model stream reads its connection: at the publish passes while it streams.
+
+    A paced reply's tokens arrive one by one, each a wake of the event loop, an ``epoll``
+    re-arm and a read; yet what a client sees changes only at the publish passes, at most one a
+    window (:data:`DEBOUNCE_SECONDS`). While the message streams (an update is held for a
+    pass, or one went out less than a window ago) its stream waits for the next pass instead
+    of for its socket (:meth:`before_read`); the pass wakes every waiting stream at once, gives
+    them up to :data:`READ_TICK_WAIT` to read what arrived meanwhile (several tokens in one
+    read) and take it in, then publishes. A read that finds nothing (the model paused) makes
+    the next wait one for the socket (:meth:`read_empty`), as does a quiet message and the
+    stream's first read. Nothing is read later than it would be published anyway.
+
+    The stream's consumer makes one per stream and calls :meth:`close` when the stream ends.
+    """
+
+    __slots__ = ("_id", "_service", "_skip", "_woken")
+
+    def __init__(self, service: MessageService, message_id: str) -> None:
+        self._service = service
+        self._id = message_id
+        self._woken: int | None = None
+        # The first read waits for the socket: the reply's first words go out as they come.
+        self._skip = True
+
+    async def before_read(self) -> bool:
+        """Called before each read of the connection: waits for the next publish pass while
+        the message streams. True: it waited (the data is likely there, read before waiting
+        for the socket)."""
+        service = self._service
+        self.close()
+        if self._skip:
+            self._skip = False
+            return False
+        if not service._running or not service._streaming(self._id):
+            return False
+        self._woken = await service._park_reader(self._id)
+        return True
+
+    def read_empty(self) -> None:
+        """The read after a pass found nothing: the next one waits for the socket."""
+        self._skip = True
+
+    def close(self) -> None:
+        """This stream took in its read (or ended): the pass that woke it need not wait."""
+        if self._woken is not None:
+            self._service._reader_back(self._woken)
+            self._woken = None
