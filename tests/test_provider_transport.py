@@ -21,7 +21,13 @@ import trustme
 
 from crush_trio.providers.body import READ_PACER
 from crush_trio.providers.pool import shared_ssl_context
-from crush_trio.providers.transport import Connection, Http11Transport, parse_head, request_head
+from crush_trio.providers.transport import (
+    ONE_SEND_BYTES,
+    Connection,
+    Http11Transport,
+    parse_head,
+    request_head,
+)
 from tests.fake_llm import FakeLLM, Fault, Reply
 
 if TYPE_CHECKING:
@@ -307,3 +313,14 @@ async def test_a_response_head_is_read_without_waiting_for_the_pacer() -> None:
         finally:
             READ_PACER.reset(token)
         assert pacer.waits == 0
+
+
+@pytest.mark.parametrize("size", [10, ONE_SEND_BYTES - 200, ONE_SEND_BYTES + 1, 300_000])
+async def test_a_request_body_of_any_size_arrives_whole(size: int) -> None:
+    """Small bodies go out in one send with their head, large ones after it."""
+    fake = FakeLLM(default=Reply(text="ok"))
+    body = {**BODY, "messages": [{"role": "user", "content": "x" * size}]}
+    async with pooled(fake, max_connections=1) as (client, _transport, url):
+        with trio.fail_after(WAIT):
+            assert (await client.post(url, json=body)).status_code == 200
+    assert fake.requests[-1].body == body

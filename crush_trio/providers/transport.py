@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 MAX_HEAD_BYTES: Final = 64 * 1024
 #: Most informational (``1xx``) heads skipped before the final one.
 MAX_INFORMATIONAL: Final = 8
+#: A request body up to this size (bytes) goes out in one send with its head; a larger one is
+#: sent after it, not copied into one buffer.
+ONE_SEND_BYTES: Final = 64 * 1024
 
 _TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _STATUS: Final = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: ([^\r\n]*))?")
@@ -376,8 +379,10 @@ class Http11Transport(httpx.AsyncBaseTransport):
         connection = await self._checkout(origin, request)
         try:
             try:
-                await connection.stream.send_all(head + body if len(body) < 65536 else head)
-                if len(body) >= 65536:
+                if len(body) <= ONE_SEND_BYTES:
+                    await connection.stream.send_all(head + body)
+                else:
+                    await connection.stream.send_all(head)
                     await connection.stream.send_all(body)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise httpx.WriteError(f"writing the request failed: {_describe(exc)}") from exc
