@@ -54,6 +54,7 @@ from .body import (
     READ_PACER,
     READ_SIZE,
     BodyError,
+    BodyTimeout,
     ChunkedDecoder,
     Decoder,
     IncompleteBody,
@@ -290,37 +291,27 @@ class Http11Body(httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self.started:
             raise httpx.StreamConsumed()
-        self.started = True
         connection = self.connection
         if connection is None:
             raise httpx.StreamClosed()
-        decoder = self.decoder
-        pending, self.first = self.first, b""
+        self.started = True
+        # The body reader of take_over, with a cancel scope per read and httpx's errors.
+        body = SocketBody(
+            connection.read,
+            self.decoder,
+            self.first,
+            timeout=self._read_timeout,
+            connection=self,
+            reusable=self.reusable,
+        )
+        self.first = b""
         try:
-            while True:
-                if pending:
-                    data, pending = pending, b""
-                elif decoder.done:
-                    break
-                else:
-                    with trio.move_on_after(
-                        self._read_timeout if self._read_timeout is not None else float("inf")
-                    ) as scope:
-                        data = await connection.read()
-                    if scope.cancelled_caught:
-                        raise httpx.ReadTimeout("no data for the read timeout")
-                    if not data:
-                        decoder.eof()
-                        self._finished = True
-                        self.reusable = False
-                        return
-                payload = decoder.feed(data)
-                if payload:
-                    yield payload
-            self._finished = not decoder.extra
-        except IncompleteBody as exc:
-            raise httpx.RemoteProtocolError(str(exc)) from exc
-        except BodyError as exc:
+            async for payload in body:
+                yield payload
+            await body.aclose()  # marks this stream finished when the body was read whole
+        except BodyTimeout as exc:
+            raise httpx.ReadTimeout(str(exc)) from exc
+        except (IncompleteBody, BodyError) as exc:
             raise httpx.RemoteProtocolError(str(exc)) from exc
 
     async def aclose(self) -> None:
