@@ -774,7 +774,10 @@ async def test_recovery_on_the_new_owner_does_not_record_a_second_terminal(
     new owner finds the record unlogged, and failing the run again records nothing."""
     with trio.fail_after(TEST_TIMEOUT):
         # (Recorded by the old owner while it still held the lease: replay that at epoch 2.)
-        ended = Run(run_id="r", session_id="s", status=RunStatus.COMPLETED, text="ok")
+        # The run keeps the creation time the old owner saved, whichever second this is.
+        started = await taken_over.new.get_run("r")
+        assert started is not None
+        ended = attrs.evolve(started, status=RunStatus.COMPLETED, text="ok")
         assert await taken_over.new.record_terminal(ended, b"complete") is True
         expire_all(taken_over.dsn)
         assert await taken_over.cluster.expired_with_work() == [(taken_over.new.workspace_id, "/w")]
