@@ -342,6 +342,7 @@ class Workspace:
                 await background.start(self.messages.run)
                 await background.start(self.runs.writer)
                 await background.start(self.broker.watch_stalled)
+                await background.start(self.broker.coalesce_ticks)
                 await background.start(self.mcp.run)
                 # Cancelled with the background nursery below: every job's process group ends.
                 await background.start(self.jobs.run)

@@ -111,8 +111,11 @@ class Broker:
         self.killed = 0
         self.published = 0
         self.closed = False
-        #: While :meth:`batched` is on: the clients holding frames for one write at its end.
+        #: While :meth:`batched` is on, or a tick (:meth:`coalesce_ticks`): the clients holding
+        #: frames for one write at its end.
         self.batch: list[ClientStream] | None = None
+        #: Where :meth:`coalesce_ticks` waits for a tick to end; None while it does not run.
+        self._ticks: trio.lowlevel.ParkingLot | None = None
         # -- cluster mode: the event log -------------------------------------------------------
         self.log = log
         self.log_append_timeout = log_append_timeout
@@ -189,7 +192,8 @@ class Broker:
         events at one moment, such as the ends of many streams' publish windows.
 
         The block must not wait (no checkpoint): the frames held for a client would otherwise
-        be overtaken by a write of another task. Nested blocks are one batch.
+        be overtaken by a write of another task. Nested blocks are one batch, and so is a block
+        within a tick (:meth:`coalesce_ticks`): its frames go out when the tick ends.
         """
         if self.batch is not None:
             yield
@@ -202,6 +206,49 @@ class Broker:
             self.batch = None
             for client in batch:
                 client.release_held()
+
+    @property
+    def ticking(self) -> bool:
+        """Whether :meth:`coalesce_ticks` runs (a workspace's broker, while it is open)."""
+        return self._ticks is not None
+
+    def open_tick(self) -> list[ClientStream] | None:
+        """A client was just written to directly, outside any batch: the frames the event loop's
+        other tasks publish to it before :meth:`coalesce_ticks` next runs (the loop's next round
+        of tasks) are held for one write then. Returns the batch (None when the ticks are off:
+        every frame is written at once)."""
+        ticks = self._ticks
+        if ticks is None:
+            return None
+        batch = self.batch = []
+        ticks.unpark()
+        return batch
+
+    async def coalesce_ticks(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """End each tick (:meth:`open_tick`) in the event loop's round of tasks after the one
+        that opened it: the frames held since a client's first are written in one write. Runs
+        until cancelled, then ends the tick that is open and turns ticks off.
+
+        Many tasks that each publish an event in one round of the loop (a burst of runs
+        starting: each one's session, prompt and reply) then cost a client two writes, not one
+        per event; a lone event is written at once as before.
+        """
+        ticks = self._ticks = trio.lowlevel.ParkingLot()
+        task_status.started()
+        try:
+            while True:
+                await ticks.park()
+                self._end_tick()
+        finally:
+            self._ticks = None
+            self._end_tick()
+
+    def _end_tick(self) -> None:
+        batch, self.batch = self.batch, None
+        for client in batch or ():
+            client.release_held()
 
     def publish(self, obj: Any, kind: EventKind = EventKind.UPDATED) -> Event:
         """Publish a lossy event. Never blocks.

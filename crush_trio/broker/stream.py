@@ -62,12 +62,14 @@ class Broker(Protocol):
     dropped: int
     killed: int
     must_deliver_timeout: float
-    #: While a batch of publishes is on (:meth:`.fanout.Broker.batched`): the clients holding
-    #: frames for one write at its end; None otherwise.
+    #: While a batch of publishes is on (:meth:`.fanout.Broker.batched`, or a tick): the
+    #: clients holding frames for one write at its end; None otherwise.
     batch: list[ClientStream] | None
 
     @property
     def latest_seq(self) -> int: ...
+
+    def open_tick(self) -> list[ClientStream] | None: ...
 
     def client_full(self, client: ClientStream) -> None: ...
 
@@ -257,18 +259,19 @@ class ClientStream(Outbox):
             self.items = collections.deque((FLUSH,))
             self._wake_writer()
             return True
-        batch = self.broker.batch
+        broker = self.broker
+        batch = broker.batch if broker.batch is not None else broker.open_tick()
         if batch is not None:
             self._held = []
             batch.append(self)
         return True
 
     def release_held(self) -> None:
-        """A batch of publishes ended (:meth:`.fanout.Broker.batched`): write the frames held
-        since its first, in one write. Nothing can have changed the transport's state since
-        that first frame went out whole (a batch does not wait), so it takes them at once; if
-        it still does not, they are queued in order for the writer (an overshoot of the queue's
-        bounds by at most one batch)."""
+        """A batch of publishes ended (:meth:`.fanout.Broker.batched`, or a tick of the loop,
+        :meth:`.fanout.Broker.coalesce_ticks`): write the frames held since its first, in one
+        write. The socket usually takes them at once (its first frame went out whole a moment
+        ago); if it does not, they are queued in order for the writer (an overshoot of the
+        queue's bounds by at most one batch: what the loop's tasks published in one round)."""
         held, self._held = self._held, None
         if not held or self.closed:
             return
