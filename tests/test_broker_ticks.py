@@ -22,17 +22,19 @@ if TYPE_CHECKING:
     from crush_trio.broker import Broker
 
 
-async def ticking(nursery: trio.Nursery, served: Served) -> trio.CancelScope:
-    """Start the broker's ticks in a scope of their own; returns the scope."""
+async def ticking(nursery: trio.Nursery, *served: Served) -> trio.CancelScope:
+    """Start the ticks of the connections' broker in a scope of their own, and forget the
+    connections' writes so far; returns the scope."""
 
     async def run(*, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
-            await served.broker.coalesce_ticks()
+            await served[0].broker.coalesce_ticks()
 
     scope: trio.CancelScope = await nursery.start(run)
     await trio.testing.wait_all_tasks_blocked()
-    served.sock.direct_writes.clear()
+    for one in served:
+        one.sock.direct_writes.clear()
     return scope
 
 
@@ -52,8 +54,7 @@ async def test_events_published_by_many_tasks_in_one_round_go_out_in_two_writes(
         async with trio.open_nursery() as nursery:
             c = await serve(nursery)
             second = await serve(nursery, broker=c.broker)
-            await ticking(nursery, c)
-            second.sock.direct_writes.clear()
+            await ticking(nursery, c, second)
             async with trio.open_nursery() as publishers:  # five tasks, one round
                 for n in range(5):
                     publishers.start_soon(publish_from, c.broker, n)
@@ -151,8 +152,7 @@ async def test_a_client_closed_with_frames_held_gets_none_of_them(
         async with trio.open_nursery() as nursery:
             c = await serve(nursery)
             other = await serve(nursery, broker=c.broker)
-            await ticking(nursery, c)
-            other.sock.direct_writes.clear()
+            await ticking(nursery, c, other)
             for n in range(3):
                 c.broker.publish(lossy(n))
             next(iter(c.broker.clients)).kill("going away")  # one of the two, frames held

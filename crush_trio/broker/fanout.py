@@ -198,14 +198,11 @@ class Broker:
         if self.batch is not None:
             yield
             return
-        batch: list[ClientStream] = []
-        self.batch = batch
+        self.batch = []
         try:
             yield
         finally:
-            self.batch = None
-            for client in batch:
-                client.release_held()
+            self._end_batch()
 
     @property
     def ticking(self) -> bool:
@@ -240,12 +237,13 @@ class Broker:
         try:
             while True:
                 await ticks.park()
-                self._end_tick()
+                self._end_batch()
         finally:
             self._ticks = None
-            self._end_tick()
+            self._end_batch()
 
-    def _end_tick(self) -> None:
+    def _end_batch(self) -> None:
+        """End the batch or tick that is on: each client holding frames writes them."""
         batch, self.batch = self.batch, None
         for client in batch or ():
             client.release_held()
