@@ -146,7 +146,7 @@ async def test_away_for_ten_seconds_during_a_paced_reply_resumes_without_gap(
             await reconnecting.wait()
             away_from = trio.current_time()
             await trio.sleep(AWAY)
-            deltas_before = ws.stats.deltas
+            deltas_before, batches_before = ws.stats.deltas, ws.stats.batches
             allow.set()
             events += [event async for event in stream]
         run = await handle.result(CAP)
@@ -158,6 +158,8 @@ async def test_away_for_ten_seconds_during_a_paced_reply_resumes_without_gap(
     assert ws.stats.rereads == 0
     # The deltas published while away were replayed after `since`, then the reply went on live.
     assert ws.stats.deltas - deltas_before > AWAY / 0.033 / 2
+    # The replay came in frames of several envelopes (batch=1), each envelope applied in order.
+    assert ws.stats.batches > batches_before
     assert printed(events, finish=False) == reply == run.text
 
 

@@ -36,7 +36,8 @@ the client's queue (see ``server/connection.py``).
 Where an event goes, module by module:
 
 * :mod:`.framing` — :class:`Event`: the envelope encoded once, its websocket and SSE frames, the
-  ``hello`` and ``gap`` frames, an event's log record. No I/O.
+  ``hello`` and ``gap`` frames, the batch frames of a connection that takes them
+  (:func:`batch_frames`), an event's log record. No I/O.
 * :mod:`.outbox` — :class:`~.outbox.Outbox`: one client's bounded queue and its rules (queue,
   drop into a gap, wait for room, too slow) as plain logic, with no event loop.
 * :mod:`.stream` — :class:`ClientStream`: the Trio shell around an outbox (waits for room under
@@ -73,8 +74,11 @@ from .fanout import (
 from .framing import (
     FLUSH,
     GAP_FRAME_BYTES,
+    MAX_BATCH_BYTES,
+    BatchCache,
     Event,
     Gap,
+    batch_frames,
     connection_frame,
     encode_delta,
     encode_event,
@@ -107,16 +111,19 @@ __all__ = [
     "LOG_READ_PAGE",
     "LOG_RETRY_DELAY",
     "LOG_UNAVAILABLE_REASON",
+    "MAX_BATCH_BYTES",
     "NOT_SENT",
     "SENT",
     "SENT_IN_PART",
     "TOO_SLOW_REASON",
+    "BatchCache",
     "Broker",
     "ClientQueue",
     "ClientStream",
     "Event",
     "Gap",
     "Outbox",
+    "batch_frames",
     "connection_frame",
     "encode_delta",
     "encode_event",

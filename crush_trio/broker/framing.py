@@ -10,6 +10,7 @@ does I/O or knows about clients.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -18,6 +19,8 @@ import orjson
 from .. import wire
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..wire import EventKind
 
 #: Upper bound on the bytes of one ``gap`` frame (four integers and the envelope).
@@ -178,6 +181,88 @@ def connection_frame(seq: int, type: str, payload: dict[str, Any]) -> Event:
     """A frame of one connection (``hello``, ``gap``): it repeats the latest seq, takes none."""
     text = orjson.dumps({"seq": seq, "type": type, "payload": payload}).decode()
     return Event(seq, type, text, must_deliver=False)
+
+
+#: The type of a batch frame's :class:`Event` (never a payload type: it names no event).
+BATCH: Final = "batch"
+#: Most bytes of envelopes in one batch frame (``batch=1``, docs/protocol.md §6.1); an event
+#: this large or larger goes in a frame of its own.
+MAX_BATCH_BYTES: Final = 32 * 1024
+#: Batch frames remembered (:class:`BatchCache`), so that the connections sent the same events
+#: together get one shared frame, and one compression (:mod:`crush_trio.wsdeflate`).
+BATCH_CACHE_SIZE: Final = 32
+#: Frames never batched: a connection's own (``hello`` first and alone; a ``gap`` or a command's
+#: ``reply`` differ from one connection to the next, so they would split a shared compression).
+UNBATCHED_TYPES: Final = frozenset({"hello", "gap", "reply", "flush"})
+
+
+class BatchCache:
+    """Batch frames by the events they carry, the most recent :data:`BATCH_CACHE_SIZE`.
+
+    The connections of a publish pass are sent the same events one after the other: the first
+    builds the batch and the others get the same :class:`Event`, whose frame is then built once
+    and whose compression a shared compressor does once (it is keyed by the object).
+    """
+
+    __slots__ = ("_batches", "size")
+
+    def __init__(self, size: int = BATCH_CACHE_SIZE) -> None:
+        self.size = size
+        self._batches: collections.OrderedDict[tuple[Event, ...], Event] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def get(self, events: tuple[Event, ...]) -> Event:
+        """The batch frame of ``events`` (two or more, in order): a JSON array of their
+        envelopes."""
+        batches = self._batches
+        batch = batches.get(events)
+        if batch is not None:
+            batches.move_to_end(events)
+            return batch
+        text = "[" + ",".join([event.text for event in events]) + "]"
+        size = sum(event.size for event in events) + len(events) + 1
+        must_deliver = any(event.must_deliver for event in events)
+        batch = Event(events[-1].seq, BATCH, text, must_deliver, size)
+        batches[events] = batch
+        if len(batches) > self.size:
+            batches.popitem(last=False)
+        return batch
+
+
+def batch_frames(
+    events: Sequence[Event], cache: BatchCache, max_bytes: int = MAX_BATCH_BYTES
+) -> list[Event]:
+    """``events`` as the frames of a connection that takes batches (``batch=1``): each run of
+    consecutive events that fits in ``max_bytes`` becomes one batch frame (:class:`BatchCache`);
+    a run of one, an event of :data:`UNBATCHED_TYPES` and an event of ``max_bytes`` or more go
+    as they are. The order is kept."""
+    frames: list[Event] = []
+    run: list[Event] = []
+    run_bytes = 0
+
+    def end_run() -> None:
+        if len(run) == 1:
+            frames.append(run[0])
+        elif run:
+            frames.append(cache.get(tuple(run)))
+        run.clear()
+
+    for event in events:
+        cost = event.size + 1
+        if event.type in UNBATCHED_TYPES or cost > max_bytes:
+            end_run()
+            run_bytes = 0
+            frames.append(event)
+            continue
+        if run_bytes + cost > max_bytes:
+            end_run()
+            run_bytes = 0
+        run.append(event)
+        run_bytes += cost
+    end_run()
+    return frames
 
 
 #: A queue item that carries no event: the client's transport wrote the start of a frame at once

@@ -129,6 +129,7 @@ async def open_event_socket(
     max_message_size: int = MAX_EVENT_BYTES,
     deltas: bool = True,
     compression: bool = True,
+    batch: bool = False,
 ) -> AsyncIterator[EventSocket]:
     """Open one connection to a workspace's event stream for the block's duration.
 
@@ -153,6 +154,8 @@ async def open_event_socket(
             snapshots only, as a Crush client does.
         compression: offer permessage-deflate (the frames' text is the same either way;
             :attr:`EventSocket.wire_bytes` shows what travelled).
+        batch: take frames that carry several envelopes (``batch=1``): a frame is then one
+            envelope (a JSON object) or several written together (a JSON array, in order).
 
     Raises:
         ValueError: ``url`` is not a server address.
@@ -163,7 +166,7 @@ async def open_event_socket(
     """
     base, token, unix_path = parse_server_url(url, token)
     client_id = client_id or str(uuid.uuid4())
-    resource = stream_resource(workspace_id, client_id, since, deltas=deltas)
+    resource = stream_resource(workspace_id, client_id, since, deltas=deltas, batch=batch)
     headers = bearer_headers(token)
     where = f"the event stream of workspace {workspace_id} at {url.split('?')[0]}"
     counter = WireCounter()

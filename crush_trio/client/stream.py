@@ -5,7 +5,8 @@ Task ownership: :meth:`EventStream.running` opens a nursery that lives as long a
 and holds
 
 * the **reader** (:meth:`EventStream._reader`): the one task that reads the workspace's
-  websocket (opened with ``deltas=1`` unless the client says otherwise). It decodes each frame,
+  websocket (opened with ``deltas=1`` unless the client says otherwise, and ``batch=1``: the
+  events the server writes together come in one frame, a JSON array). It decodes each frame,
   assembles ``message_delta`` events into whole messages (:class:`~.deltas.Assembler`; a delta
   that shows missing text is held and its session's messages re-read) and offers each event to
   the run handles and subscriptions (never waiting on them: see
@@ -115,6 +116,8 @@ class StreamStats:
     deltas_missing: int = 0
     #: Re-reads of a session's messages made to recover missing text.
     rereads: int = 0
+    #: Frames that carried several envelopes (``batch=1``).
+    batches: int = 0
 
     def on_hello(self, seq: int, *, first: bool) -> None:
         """A connection said ``hello`` with the workspace's latest ``seq``.
@@ -519,7 +522,12 @@ class EventStream:
                         except orjson.JSONDecodeError:
                             log.warning("ignoring an event frame that is not JSON")
                             continue
-                        self._handle_frame(frame)
+                        if isinstance(frame, list):  # several envelopes (``batch=1``), in order
+                            self.stats.batches += 1
+                            for item in frame:
+                                self._handle_frame(item)
+                        else:
+                            self._handle_frame(frame)
                 if trio.current_time() < heard + KEEPALIVE_INTERVAL:
                     continue  # a frame came meanwhile: time the silence from it
                 with trio.move_on_after(PING_TIMEOUT) as ping:

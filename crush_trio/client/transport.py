@@ -50,15 +50,23 @@ def bearer_headers(token: str | None) -> list[tuple[bytes, bytes]]:
 
 
 def stream_resource(
-    workspace_id: str, client_id: str, since: int | None, *, deltas: bool = False
+    workspace_id: str,
+    client_id: str,
+    since: int | None,
+    *,
+    deltas: bool = False,
+    batch: bool = False,
 ) -> str:
     """The path and query of a workspace's event stream (PROTOCOL §5); with ``deltas`` it asks
-    for ``message_delta`` events (``deltas=1``)."""
+    for ``message_delta`` events (``deltas=1``), with ``batch`` for frames that may carry several
+    envelopes (``batch=1``: a JSON array of them, in order)."""
     query: dict[str, Any] = {"client_id": client_id}
     if since is not None:
         query["since"] = since
     if deltas:
         query["deltas"] = 1
+    if batch:
+        query["batch"] = 1
     return f"/v1/workspaces/{quote(workspace_id, safe='')}/ws?{urlencode(query)}"
 
 

@@ -294,7 +294,9 @@ class WorkspaceClient(SessionRequests, AgentRequests):
         """One websocket connection to the workspace's stream (TCP or a Unix socket), at the
         node that owns the workspace in a cluster (following 307 answers to it)."""
         client = self.client
-        resource = stream_resource(self.id, client.client_id, since, deltas=client.deltas)
+        resource = stream_resource(
+            self.id, client.client_id, since, deltas=client.deltas, batch=True
+        )
         for hops in range(MAX_REDIRECTS + 1):
             stack = AsyncExitStack()
             try:

@@ -128,6 +128,22 @@ class Subscription:
     since: int | None = None
     #: ``deltas=1``: streaming appends as ``message_delta`` events, else ``message`` snapshots.
     deltas: bool = False
+    #: ``batch=1`` (websocket): the client takes frames that carry several envelopes (a JSON
+    #: array); without it, one envelope per frame.
+    batch: bool = False
+
+
+def parse_flag(name: str, value: str | None, meaning: str, otherwise: str) -> bool:
+    """A ``0``/``1`` query parameter (absent or empty: ``0``).
+
+    Raises:
+        BadRequest: any other value; the message names the parameter and what each value means.
+    """
+    if value is None or value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise BadRequest(f"{name} must be 1 ({meaning}) or 0 ({otherwise}), got {value!r}")
 
 
 def parse_deltas(value: str | None) -> bool:
@@ -137,16 +153,12 @@ def parse_deltas(value: str | None) -> bool:
     Raises:
         BadRequest: any other value.
     """
-    if value is None or value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise BadRequest(f"deltas must be 1 (message_delta events) or 0 (snapshots), got {value!r}")
+    return parse_flag("deltas", value, "message_delta events", "snapshots")
 
 
 def parse_subscription(args: Any, last_event_id: str | None = None) -> Subscription:
     """The event stream a request asks for: ``client_id``, ``since`` (or ``Last-Event-ID``,
-    which wins) and ``deltas``, from its query ``args``.
+    which wins), ``deltas`` and ``batch``, from its query ``args``.
 
     Raises:
         BadRequest: a malformed value; the message names the parameter.
@@ -156,7 +168,10 @@ def parse_subscription(args: Any, last_event_id: str | None = None) -> Subscript
         since = parse_seq(last_event_id, "Last-Event-ID")
     else:
         since = parse_seq(args.get("since"), "since")
-    return Subscription(client_id, since, parse_deltas(args.get("deltas")))
+    batch = parse_flag(
+        "batch", args.get("batch"), "frames of several envelopes", "one envelope per frame"
+    )
+    return Subscription(client_id, since, parse_deltas(args.get("deltas")), batch)
 
 
 def check_upgrade(

@@ -151,6 +151,8 @@ class Route:
 _EMPTY: Final = {"type": "object", "maxProperties": 0, "description": "Nothing to return: {}"}
 _CLIENT_ID: Final = ("client_id", {"type": "string", "format": "uuid"}, True)
 _DELTAS: Final = ("deltas", {"type": "string", "enum": ["0", "1"]}, False)
+#: ``batch=1``: a websocket frame may carry several envelopes (a JSON array of Frames).
+_BATCH: Final = ("batch", {"type": "string", "enum": ["0", "1"]}, False)
 _SINCE: Final = ("since", {"type": "string", "pattern": "^[0-9]+$"}, False)
 _LIMIT: Final = ("limit", {"type": "string", "pattern": "^[0-9]+$"}, False)
 _BEFORE: Final = ("before", {"type": "string"}, False)
@@ -297,9 +299,10 @@ def _change_routes() -> list[Route]:
               content_type="text/event-stream", query=[_CLIENT_ID, _DELTAS, _SINCE],
               errors=(409,), tag="events",
               extra={"x-event-schema": {"$ref": _REF + "Frame"}}),
-        Route("GET", w + "/ws", "Event websocket: one Frame per text frame, takes Command "
-              "frames (sections 6 and 7)", status=101, content_type="",
-              query=[_CLIENT_ID, _DELTAS, _SINCE], errors=(409,), tag="events",
+        Route("GET", w + "/ws", "Event websocket: one Frame per text frame (with batch=1, a "
+              "JSON array of Frames written together), takes Command frames (sections 6 and 7)",
+              status=101, content_type="",
+              query=[_CLIENT_ID, _DELTAS, _SINCE, _BATCH], errors=(409,), tag="events",
               extra={"x-websocket": {"receive": {"$ref": _REF + "WsServerFrame"},
                                      "send": {"$ref": _REF + "Command"}}}),
         Route("GET", "/", "The browser client", content_type="text/html", tag="web",

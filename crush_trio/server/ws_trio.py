@@ -33,7 +33,7 @@ from trio_websocket import ConnectionClosed, WebSocketRequest
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
-from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, Event
+from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, BatchCache, Event, batch_frames
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
@@ -64,6 +64,9 @@ _GONE: Final = (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceE
 
 
 _HOST: Final = re.compile(rb"(?im)^host:[ \t]*([^\r\n]*)\r?$")
+
+#: The batch frames of the connections that take them (``batch=1``), shared by all of them.
+_BATCHES: Final = BatchCache()
 
 
 class _Request:
@@ -128,6 +131,7 @@ class TrioEventSocket:
 
     __slots__ = (
         "_peer_closed",
+        "batch",
         "client_id",
         "conn",
         "deflate",
@@ -147,6 +151,7 @@ class TrioEventSocket:
         *,
         client_id: str,
         deflate: BoundedDeflate | None = None,
+        batch: bool = False,
     ) -> None:
         self.conn = conn
         #: The stream every write goes through, and the connection's send lock (held by every
@@ -158,6 +163,9 @@ class TrioEventSocket:
         self.sent = False
         #: The negotiated permessage-deflate, or None: frames go out as shared.
         self.deflate = deflate
+        #: The client takes frames of several envelopes (``batch=1``): the events written
+        #: together go in one frame (:func:`~crush_trio.broker.batch_frames`).
+        self.batch = batch
         self._peer_closed = False
 
     def send_now(self, events: Sequence[Event]) -> int:
@@ -174,6 +182,8 @@ class TrioEventSocket:
         if not prefixed.writable_now or self.send_lock.locked() or self.conn.closed is not None:
             return NOT_SENT
         deflate = self.deflate
+        if self.batch and len(events) > 1:
+            events = batch_frames(events, _BATCHES)
         if len(events) == 1:
             event = events[0]
             data = event.ws_frame if deflate is None else deflate.frame(event)
@@ -196,6 +206,8 @@ class TrioEventSocket:
         if self.conn.closed is not None:  # closing or closed: no data frame after a close frame
             raise PeerGone
         deflate = self.deflate
+        if self.batch and len(frames) > 1:
+            frames = batch_frames([f for f in frames if f is not FLUSH], _BATCHES)
         if deflate is not None:
             frame = deflate.frame
             parts = [frame(f) for f in frames if f is not FLUSH]
@@ -316,6 +328,7 @@ async def serve_event_websocket(
             serialized,
             client_id=sub.client_id,
             deflate=deflate,
+            batch=sub.batch,
         )
         # The connection keeps nothing of its upgrade request (an idle client's memory).
         del request, req, handshake

@@ -479,8 +479,9 @@ class App {
       }
     }
     this.reopen = true;
-    // deltas=1: appends to a streaming message come as message_delta events (docs/protocol.md).
-    const query = new URLSearchParams({ client_id: this.clientId, deltas: "1" });
+    // deltas=1: appends to a streaming message come as message_delta events; batch=1: the
+    // events written together come in one frame (docs/protocol.md §6.1, §6.6).
+    const query = new URLSearchParams({ client_id: this.clientId, deltas: "1", batch: "1" });
     if (this.lastSeq !== null) query.set("since", String(this.lastSeq));
     return `/v1/workspaces/${encodeURIComponent(this.wid)}/ws?${query}`;
   }

@@ -110,13 +110,8 @@ export class EventStream {
       const helloTimer = setTimeout(() => {
         if (!greeted) socket.close(4000, "no hello");
       }, HELLO_TIMEOUT_MS);
-      socket.addEventListener("message", (ev) => {
-        let frame;
-        try {
-          frame = JSON.parse(ev.data);
-        } catch {
-          return;
-        }
+      const handle = (frame) => {
+        if (frame === null || typeof frame !== "object") return;
         if (frame.type === "reply") {
           this.settle(frame);
           return;
@@ -130,6 +125,20 @@ export class EventStream {
           return;
         }
         this.onFrame(frame);
+      };
+      socket.addEventListener("message", (ev) => {
+        let data;
+        try {
+          data = JSON.parse(ev.data);
+        } catch {
+          return;
+        }
+        // batch=1: a frame may carry several envelopes, in order (docs/protocol.md §6.1).
+        if (Array.isArray(data)) {
+          for (const frame of data) handle(frame);
+        } else {
+          handle(data);
+        }
       });
       socket.addEventListener("close", (ev) => {
         clearTimeout(helloTimer);
