@@ -46,7 +46,7 @@ from ._compat.hypercorn import use_websocket_deflate
 from ._compat.trio_websocket import BoundedExtension
 
 if TYPE_CHECKING:
-    from collections.abc import Hashable
+    from collections.abc import Callable, Hashable, Sequence
 
     from .broker import Event
 
@@ -286,7 +286,9 @@ class Lane:
     def add(self, event: object, shared: bytes) -> bytes:
         """Compress ``event`` (uncompressed frame ``shared``) at the head; its frame."""
         frame = Cohort._compress(self.deflater, shared)
-        size = len(shared) + len(frame)
+        return self._log(event, frame, len(shared) + len(frame))
+
+    def _log(self, event: object, frame: bytes, size: int) -> bytes:
         self.keys.append(event)
         self.frames.append(frame)
         self.sizes.append(size)
@@ -300,6 +302,13 @@ class Lane:
         self.head += 1
         return frame
 
+    def add_line(self, event: Event) -> bytes:
+        """Compress ``event``'s line (its envelope and a newline) at the head; the compressed
+        piece, ending with its sync flush (:meth:`BoundedDeflate.frame_lines`)."""
+        line = event.text.encode() + b"\n"
+        piece = self.deflater.compress(line) + self.deflater.flush(zlib.Z_SYNC_FLUSH)
+        return self._log(event, piece, len(line) + len(piece))
+
     def logged(self, pos: int, event: object) -> bytes | None:
         """The frame this lane sent as its event number ``pos`` when that was ``event`` and
         the frame is still logged; else None."""
@@ -309,15 +318,16 @@ class Lane:
         return None
 
 
-#: Lanes by the event they started with, newest last, per window bits: connections whose first
-#: compressed event (on connecting, or after leaving their lane) is the same share a lane.
-_LANE_STARTS: dict[int, collections.OrderedDict[Hashable, weakref.ref[Lane]]] = {}
+#: Lanes by the event they started with, newest last, per window bits and form (frames, or the
+#: lines of connections that take batches): connections whose first compressed event (on
+#: connecting, or after leaving their lane) is the same share a lane.
+_LANE_STARTS: dict[tuple[int, bool], collections.OrderedDict[Hashable, weakref.ref[Lane]]] = {}
 
 
-def _start_lane(event: Hashable, shared: bytes, window_bits: int) -> tuple[Lane, bytes]:
-    """A lane whose first event is ``event``, and its frame: one that started with it and
-    still logs it, else a new one."""
-    starts = _LANE_STARTS.setdefault(window_bits, collections.OrderedDict())
+def _start_lane(event: Event, shared: bytes | None, window_bits: int) -> tuple[Lane, bytes]:
+    """A lane whose first event is ``event``, and its frame (``shared`` None: its line, see
+    :meth:`Lane.add_line`): one that started with it and still logs it, else a new one."""
+    starts = _LANE_STARTS.setdefault((window_bits, shared is None), collections.OrderedDict())
     ref = starts.get(event)
     lane = ref() if ref is not None else None
     if lane is not None:
@@ -325,7 +335,7 @@ def _start_lane(event: Hashable, shared: bytes, window_bits: int) -> tuple[Lane,
         if frame is not None:
             return lane, frame
     lane = Lane(window_bits)
-    frame = lane.add(event, shared)
+    frame = lane.add_line(event) if shared is None else lane.add(event, shared)
     starts[event] = weakref.ref(lane)
     starts.move_to_end(event)
     while len(starts) > MAX_BRANCHES:
@@ -531,6 +541,48 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
             after.members += 1
             self._cohort = after
         return frame
+
+    def frame_lines(self, events: Sequence[Event]) -> bytes:
+        """One compressed message carrying ``events`` as lines (each envelope and a newline),
+        for a connection that takes batches (``batch=1``) with context takeover.
+
+        Each event is compressed on its own into the connection's lane, ending with a sync
+        flush, and the message is the pieces joined (the last flush's tail taken off, RFC 7692
+        §7.2.1): so connections sent the same events share their lane whichever frames the
+        events were grouped in (a command's reply between two events of one connection splits
+        its frame there, not its compression). Every compressed event of such a connection
+        goes through here, a lone one too."""
+        bits = min(self.server_max_window_bits, SERVER_WINDOW_BITS)
+        pieces = []
+        for event in events:
+            lane, pos = self._lane, self._pos
+            piece = None
+            if lane is not None:
+                self._pos = pos + 1
+                piece = lane.add_line(event) if pos == lane.head else lane.logged(pos, event)
+            if piece is None:
+                self._lane, piece = _start_lane(event, None, bits)
+                self._pos = 1
+            pieces.append(piece)
+        data = b"".join(pieces)[:-4]
+        return frame_header(0xC1, len(data)) + data  # FIN, RSV1, text
+
+    def frame_group(
+        self, group: Sequence[Event], batch: Callable[[tuple[Event, ...]], Event]
+    ) -> bytes:
+        """The frame of a group of events (:func:`~crush_trio.broker.batch_groups`) on a
+        connection that takes batches: a connection's own frame or a too large event as
+        :meth:`frame` sends it; else the group's lines (:meth:`frame_lines`), or, without
+        context takeover, its batch frame (``batch``: the shared one) compressed as
+        :meth:`frame` does."""
+        first = group[0]
+        if len(group) == 1 and (
+            first.type in UNCOMPRESSED_TYPES or first.size + 1 > MAX_COMPRESSED_EVENT
+        ):
+            return self.frame(first)
+        if self.server_no_context_takeover:
+            return self.frame(first if len(group) == 1 else batch(tuple(group)))
+        return self.frame_lines(group)
 
     def release(self) -> None:
         """The connection is over: it leaves its compression state (:meth:`frame`)."""

@@ -1,26 +1,36 @@
 """Frames of several envelopes (``batch=1`` on the event websocket, docs/protocol.md §6.1).
 
-The first half drives :func:`~crush_trio.broker.batch_frames` without a server: which events go
-together, in what order, under which bound, and that connections sent the same events together
-share one frame. The second half checks the wire through a real server: a resumed connection that
-asked for batches gets the same envelopes, in the same order, as one that did not, in fewer
-frames, compressed or not; ``hello`` stays alone and first.
+The first half drives :func:`~crush_trio.broker.batch_frames` and the compression of batches
+without a server: which events go together, in what order, under which bound; that connections
+sent the same events together share one frame; and that connections whose frames group the same
+events differently (a command's reply splits one of them) still share one compressor. The second
+half checks the wire through a real server: a connection that asked for batches reads the same
+envelopes, in the same order, as one that did not, in fewer frames, compressed or not.
 """
 
 from __future__ import annotations
 
 import uuid
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import pytest
 import trio
 
-from crush_trio.broker import MAX_BATCH_BYTES, BatchCache, Event, batch_frames, connection_frame
+from crush_trio.broker import (
+    MAX_BATCH_BYTES,
+    BatchCache,
+    Event,
+    batch_frames,
+    batch_groups,
+    connection_frame,
+)
 from crush_trio.client import open_event_socket
 from crush_trio.errors import BadRequest
 from crush_trio.providers.scripted import ScriptedModel, Step
 from crush_trio.server.connection import parse_subscription
+from crush_trio.wsdeflate import BoundedDeflate
 
 from .conftest import TOKEN, WAIT, running_server
 
@@ -33,13 +43,15 @@ def event(seq: int, type: str = "message_delta", size: int = 40) -> Event:
     return Event(seq, type, text, must_deliver=type == "run_complete")
 
 
+def lines(text: str | bytes) -> list[Any]:
+    """The envelopes of one frame's text, as a client reads them: one per line."""
+    parts = text.split("\n") if isinstance(text, str) else text.split(b"\n")
+    return [orjson.loads(line) for line in parts if line]
+
+
 def envelopes(frames: list[Event]) -> list[Any]:
-    """The envelopes a client reads from ``frames``, arrays flattened."""
-    out: list[Any] = []
-    for frame in frames:
-        data = orjson.loads(frame.text)
-        out.extend(data if isinstance(data, list) else [data])
-    return out
+    """The envelopes a client reads from ``frames``."""
+    return [envelope for frame in frames for envelope in lines(frame.text)]
 
 
 def test_consecutive_events_go_in_one_frame_and_a_connections_own_frames_alone() -> None:
@@ -92,6 +104,45 @@ def test_connections_sent_the_same_events_share_one_frame() -> None:
     assert batch_frames(e[:5], cache)[0] is not first[0]
 
 
+def inflate_frames(data: bytes, inflater: Any) -> list[str]:
+    """The texts of the compressed websocket frames in ``data`` (as a client inflates them)."""
+    texts = []
+    while data:
+        assert data[0] == 0xC1  # FIN, RSV1, text
+        size, start = data[1] & 0x7F, 2
+        if size == 126:
+            size, start = int.from_bytes(data[2:4], "big"), 4
+        payload, data = data[start : start + size], data[start + size :]
+        texts.append(inflater.decompress(payload + b"\x00\x00\xff\xff").decode())
+    return texts
+
+
+def test_connections_grouped_differently_share_one_compressor() -> None:
+    """One connection gets its events in two frames (a reply came between them), the other in
+    one: the compressed events are the same, so both stay on one compressor, and each reads its
+    envelopes back in order."""
+    a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
+    cache = BatchCache()
+    e = [event(i) for i in range(1, 9)]
+    a_frames = b"".join(a.frame_group(g, cache.get) for g in batch_groups(e[:3]))
+    a_frames += b"".join(a.frame_group(g, cache.get) for g in batch_groups(e[3:]))
+    b_frames = b"".join(b.frame_group(g, cache.get) for g in batch_groups(e))
+    assert a._lane is b._lane  # one compressor for both: each event compressed once
+    inflate_a, inflate_b = zlib.decompressobj(-15), zlib.decompressobj(-15)
+    read_a = inflate_frames(a_frames, inflate_a)
+    read_b = inflate_frames(b_frames, inflate_b)
+    assert (len(read_a), len(read_b)) == (2, 1)
+    expected = [orjson.loads(x.text) for x in e]
+    assert [x for t in read_a for x in lines(t)] == expected
+    assert [x for t in read_b for x in lines(t)] == expected
+    # A lone event is its line too, in the same window (the inflaters carry on).
+    more = event(9)
+    for deflate, inflater in ((a, inflate_a), (b, inflate_b)):
+        (text,) = inflate_frames(deflate.frame_group([more], cache.get), inflater)
+        assert lines(text) == [orjson.loads(more.text)]
+    assert a._lane is b._lane
+
+
 def test_the_batch_query_is_parsed_with_the_stream() -> None:
     cid = str(uuid.uuid4())
     assert parse_subscription({"client_id": cid}).batch is False
@@ -103,13 +154,12 @@ def test_the_batch_query_is_parsed_with_the_stream() -> None:
 
 
 async def read_until_seq(sock: Any, last: int) -> tuple[list[Any], int]:
-    """Envelopes (arrays flattened) up to ``seq`` ``last``, and how many frames carried them."""
+    """Envelopes up to ``seq`` ``last``, and how many frames carried them."""
     seen: list[Any] = []
     frames = 0
     async for raw in sock:
         frames += 1
-        data = orjson.loads(raw)
-        seen.extend(data if isinstance(data, list) else [data])
+        seen += lines(raw)
         if seen[-1]["seq"] >= last:
             return seen, frames
     raise AssertionError(f"the stream ended before seq {last}")
@@ -172,8 +222,7 @@ async def test_live_events_written_together_come_in_one_frame(tmp_path: Path) ->
                     frames = 0
                     async for raw in sock:
                         frames += 1
-                        data = orjson.loads(raw)
-                        seen.extend(data if isinstance(data, list) else [data])
+                        seen += lines(raw)
                         if sum(x["type"] == "run_complete" for x in seen) == 3:
                             break
                     got[name] = (seen, frames)

@@ -189,11 +189,17 @@ BATCH: Final = "batch"
 #: this large or larger goes in a frame of its own.
 MAX_BATCH_BYTES: Final = 32 * 1024
 #: Batch frames remembered (:class:`BatchCache`), so that the connections sent the same events
-#: together get one shared frame, and one compression (:mod:`crush_trio.wsdeflate`).
+#: together get one shared frame.
 BATCH_CACHE_SIZE: Final = 32
 #: Frames never batched: a connection's own (``hello`` first and alone; a ``gap`` or a command's
-#: ``reply`` differ from one connection to the next, so they would split a shared compression).
+#: ``reply`` differ from one connection to the next).
 UNBATCHED_TYPES: Final = frozenset({"hello", "gap", "reply", "flush"})
+
+
+def batch_text(events: Sequence[Event]) -> str:
+    """The text of a frame carrying ``events`` for a connection that takes batches: each
+    envelope followed by a newline (compact JSON holds no raw newline)."""
+    return "\n".join([event.text for event in events]) + "\n"
 
 
 class BatchCache:
@@ -201,7 +207,7 @@ class BatchCache:
 
     The connections of a publish pass are sent the same events one after the other: the first
     builds the batch and the others get the same :class:`Event`, whose frame is then built once
-    and whose compression a shared compressor does once (it is keyed by the object).
+    (and, for connections without context takeover, compressed once: it is keyed by the object).
     """
 
     __slots__ = ("_batches", "size")
@@ -214,15 +220,14 @@ class BatchCache:
         return len(self._batches)
 
     def get(self, events: tuple[Event, ...]) -> Event:
-        """The batch frame of ``events`` (two or more, in order): a JSON array of their
-        envelopes."""
+        """The batch frame of ``events`` (two or more, in order): :func:`batch_text`."""
         batches = self._batches
         batch = batches.get(events)
         if batch is not None:
             batches.move_to_end(events)
             return batch
-        text = "[" + ",".join([event.text for event in events]) + "]"
-        size = sum(event.size for event in events) + len(events) + 1
+        text = batch_text(events)
+        size = sum(event.size for event in events) + len(events)
         must_deliver = any(event.must_deliver for event in events)
         batch = Event(events[-1].seq, BATCH, text, must_deliver, size)
         batches[events] = batch
@@ -231,38 +236,41 @@ class BatchCache:
         return batch
 
 
-def batch_frames(
-    events: Sequence[Event], cache: BatchCache, max_bytes: int = MAX_BATCH_BYTES
-) -> list[Event]:
-    """``events`` as the frames of a connection that takes batches (``batch=1``): each run of
-    consecutive events that fits in ``max_bytes`` becomes one batch frame (:class:`BatchCache`);
-    a run of one, an event of :data:`UNBATCHED_TYPES` and an event of ``max_bytes`` or more go
-    as they are. The order is kept."""
-    frames: list[Event] = []
+def batch_groups(events: Sequence[Event], max_bytes: int = MAX_BATCH_BYTES) -> list[list[Event]]:
+    """``events`` grouped into the frames of a connection that takes batches (``batch=1``):
+    each run of consecutive events that fits in ``max_bytes`` is one group; an event of
+    :data:`UNBATCHED_TYPES` and an event of ``max_bytes`` or more are a group of their own. The
+    order is kept."""
+    groups: list[list[Event]] = []
     run: list[Event] = []
     run_bytes = 0
-
-    def end_run() -> None:
-        if len(run) == 1:
-            frames.append(run[0])
-        elif run:
-            frames.append(cache.get(tuple(run)))
-        run.clear()
-
     for event in events:
         cost = event.size + 1
         if event.type in UNBATCHED_TYPES or cost > max_bytes:
-            end_run()
-            run_bytes = 0
-            frames.append(event)
+            if run:
+                groups.append(run)
+                run, run_bytes = [], 0
+            groups.append([event])
             continue
         if run_bytes + cost > max_bytes:
-            end_run()
-            run_bytes = 0
+            groups.append(run)
+            run, run_bytes = [], 0
         run.append(event)
         run_bytes += cost
-    end_run()
-    return frames
+    if run:
+        groups.append(run)
+    return groups
+
+
+def batch_frames(
+    events: Sequence[Event], cache: BatchCache, max_bytes: int = MAX_BATCH_BYTES
+) -> list[Event]:
+    """The uncompressed frames of :func:`batch_groups`: a group of one is its event's own
+    frame, a larger one its :class:`BatchCache` frame."""
+    return [
+        group[0] if len(group) == 1 else cache.get(tuple(group))
+        for group in batch_groups(events, max_bytes)
+    ]
 
 
 #: A queue item that carries no event: the client's transport wrote the start of a frame at once

@@ -155,7 +155,7 @@ async def open_event_socket(
         compression: offer permessage-deflate (the frames' text is the same either way;
             :attr:`EventSocket.wire_bytes` shows what travelled).
         batch: take frames that carry several envelopes (``batch=1``): a frame is then one
-            envelope (a JSON object) or several written together (a JSON array, in order).
+            envelope or several written together, one per line, in order.
 
     Raises:
         ValueError: ``url`` is not a server address.

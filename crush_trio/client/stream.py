@@ -6,7 +6,8 @@ and holds
 
 * the **reader** (:meth:`EventStream._reader`): the one task that reads the workspace's
   websocket (opened with ``deltas=1`` unless the client says otherwise, and ``batch=1``: the
-  events the server writes together come in one frame, a JSON array). It decodes each frame,
+  events the server writes together come in one frame, one envelope per line). It decodes each
+  frame,
   assembles ``message_delta`` events into whole messages (:class:`~.deltas.Assembler`; a delta
   that shows missing text is held and its session's messages re-read) and offers each event to
   the run handles and subscriptions (never waiting on them: see
@@ -517,17 +518,7 @@ class EventStream:
                     while True:
                         raw = await conn.get_message()
                         heard = trio.current_time()
-                        try:
-                            frame = orjson.loads(raw)
-                        except orjson.JSONDecodeError:
-                            log.warning("ignoring an event frame that is not JSON")
-                            continue
-                        if isinstance(frame, list):  # several envelopes (``batch=1``), in order
-                            self.stats.batches += 1
-                            for item in frame:
-                                self._handle_frame(item)
-                        else:
-                            self._handle_frame(frame)
+                        self._handle_text(raw)
                 if trio.current_time() < heard + KEEPALIVE_INTERVAL:
                     continue  # a frame came meanwhile: time the silence from it
                 with trio.move_on_after(PING_TIMEOUT) as ping:
@@ -540,6 +531,23 @@ class EventStream:
                 if reason is None:
                     return "connection closed"
                 return f"closed with code {reason.code} {reason.reason or reason.name}"
+
+    def _handle_text(self, raw: str | bytes) -> None:
+        """One websocket frame: one envelope, or (``batch=1``) several, one per line."""
+        lines: list[str] | list[bytes] = (
+            raw.split("\n") if isinstance(raw, str) else raw.split(b"\n")
+        )
+        if len(lines) > 2 or (len(lines) == 2 and lines[1]):
+            self.stats.batches += 1
+        for line in lines:
+            if not line:
+                continue
+            try:
+                frame = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                log.warning("ignoring an event frame that is not JSON")
+                continue
+            self._handle_frame(frame)
 
     def _handle_frame(self, frame: Any) -> None:
         if isinstance(frame, dict) and frame.get("type") == "reply":

@@ -59,7 +59,7 @@ def stream_resource(
 ) -> str:
     """The path and query of a workspace's event stream (PROTOCOL §5); with ``deltas`` it asks
     for ``message_delta`` events (``deltas=1``), with ``batch`` for frames that may carry several
-    envelopes (``batch=1``: a JSON array of them, in order)."""
+    envelopes (``batch=1``: one per line, in order)."""
     query: dict[str, Any] = {"client_id": client_id}
     if since is not None:
         query["since"] = since

@@ -151,7 +151,7 @@ class Route:
 _EMPTY: Final = {"type": "object", "maxProperties": 0, "description": "Nothing to return: {}"}
 _CLIENT_ID: Final = ("client_id", {"type": "string", "format": "uuid"}, True)
 _DELTAS: Final = ("deltas", {"type": "string", "enum": ["0", "1"]}, False)
-#: ``batch=1``: a websocket frame may carry several envelopes (a JSON array of Frames).
+#: ``batch=1``: a websocket frame may carry several envelopes, one per line.
 _BATCH: Final = ("batch", {"type": "string", "enum": ["0", "1"]}, False)
 _SINCE: Final = ("since", {"type": "string", "pattern": "^[0-9]+$"}, False)
 _LIMIT: Final = ("limit", {"type": "string", "pattern": "^[0-9]+$"}, False)
@@ -299,8 +299,9 @@ def _change_routes() -> list[Route]:
               content_type="text/event-stream", query=[_CLIENT_ID, _DELTAS, _SINCE],
               errors=(409,), tag="events",
               extra={"x-event-schema": {"$ref": _REF + "Frame"}}),
-        Route("GET", w + "/ws", "Event websocket: one Frame per text frame (with batch=1, a "
-              "JSON array of Frames written together), takes Command frames (sections 6 and 7)",
+        Route("GET", w + "/ws", "Event websocket: one Frame per text frame (with batch=1, "
+              "one Frame per line for the events written together), takes Command frames "
+              "(sections 6 and 7)",
               status=101, content_type="",
               query=[_CLIENT_ID, _DELTAS, _SINCE, _BATCH], errors=(409,), tag="events",
               extra={"x-websocket": {"receive": {"$ref": _REF + "WsServerFrame"},

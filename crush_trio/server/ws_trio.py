@@ -33,7 +33,7 @@ from trio_websocket import ConnectionClosed, WebSocketRequest
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
-from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, BatchCache, Event, batch_frames
+from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, BatchCache, Event, batch_groups
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
@@ -164,7 +164,7 @@ class TrioEventSocket:
         #: The negotiated permessage-deflate, or None: frames go out as shared.
         self.deflate = deflate
         #: The client takes frames of several envelopes (``batch=1``): the events written
-        #: together go in one frame (:func:`~crush_trio.broker.batch_frames`).
+        #: together go in one frame of lines (:meth:`_batch_parts`).
         self.batch = batch
         self._peer_closed = False
 
@@ -182,9 +182,9 @@ class TrioEventSocket:
         if not prefixed.writable_now or self.send_lock.locked() or self.conn.closed is not None:
             return NOT_SENT
         deflate = self.deflate
-        if self.batch and len(events) > 1:
-            events = batch_frames(events, _BATCHES)
-        if len(events) == 1:
+        if self.batch:
+            data = b"".join(self._batch_parts(events))
+        elif len(events) == 1:
             event = events[0]
             data = event.ws_frame if deflate is None else deflate.frame(event)
         elif deflate is None:
@@ -206,9 +206,9 @@ class TrioEventSocket:
         if self.conn.closed is not None:  # closing or closed: no data frame after a close frame
             raise PeerGone
         deflate = self.deflate
-        if self.batch and len(frames) > 1:
-            frames = batch_frames([f for f in frames if f is not FLUSH], _BATCHES)
-        if deflate is not None:
+        if self.batch:
+            parts = self._batch_parts([f for f in frames if f is not FLUSH])
+        elif deflate is not None:
             frame = deflate.frame
             parts = [frame(f) for f in frames if f is not FLUSH]
         else:
@@ -226,6 +226,19 @@ class TrioEventSocket:
                     )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise PeerGone from None
+
+    def _batch_parts(self, events: Sequence[Event]) -> list[bytes]:
+        """The frames of ``events`` for a connection that takes batches: the events written
+        together grouped (:func:`~crush_trio.broker.batch_groups`), each group one frame of
+        lines: shared when uncompressed (:data:`_BATCHES`), compressed event by event in the
+        connection's lane otherwise (:meth:`BoundedDeflate.frame_group`)."""
+        groups = batch_groups(events)
+        deflate = self.deflate
+        if deflate is None:
+            return [
+                g[0].ws_frame if len(g) == 1 else _BATCHES.get(tuple(g)).ws_frame for g in groups
+            ]
+        return [deflate.frame_group(g, _BATCHES.get) for g in groups]
 
     def limit_writes(self, deadline: float) -> None:
         self.prefixed.limit_writes(deadline)

@@ -127,17 +127,17 @@ export class EventStream {
         this.onFrame(frame);
       };
       socket.addEventListener("message", (ev) => {
-        let data;
-        try {
-          data = JSON.parse(ev.data);
-        } catch {
-          return;
-        }
-        // batch=1: a frame may carry several envelopes, in order (docs/protocol.md §6.1).
-        if (Array.isArray(data)) {
-          for (const frame of data) handle(frame);
-        } else {
-          handle(data);
+        // batch=1: a frame may carry several envelopes, one per line, in order (docs/protocol.md
+        // §6.1); compact JSON holds no raw newline.
+        for (const line of String(ev.data).split("\n")) {
+          if (!line) continue;
+          let frame;
+          try {
+            frame = JSON.parse(line);
+          } catch {
+            continue;
+          }
+          handle(frame);
         }
       });
       socket.addEventListener("close", (ev) => {
