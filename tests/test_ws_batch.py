@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import pytest
 import trio
+from trio_websocket import ConnectionRejected, open_websocket_url
 
 from crush_trio.broker import (
     MAX_BATCH_BYTES,
@@ -232,3 +233,22 @@ async def test_live_events_written_together_come_in_one_frame(tmp_path: Path) ->
     assert [x["seq"] for x in batch_seen] == [x["seq"] for x in plain_seen]
     assert [x["type"] for x in batch_seen] == [x["type"] for x in plain_seen]
     assert batch_frames_read < plain_frames
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "%C3%A9", "1" * 5000])
+async def test_a_bad_batch_value_refuses_the_upgrade_and_the_server_stays_up(
+    tmp_path: Path, value: str
+) -> None:
+    async with running_server(tmp_path) as server:
+        wid = (await server.open_workspace())["id"]
+        with trio.fail_after(WAIT):
+            with pytest.raises(ConnectionRejected) as info:
+                async with open_websocket_url(
+                    server.ws_url(wid, str(uuid.uuid4())) + f"&batch={value}"
+                ):
+                    pass
+            assert info.value.status_code == 400
+            assert b"batch must be 1" in (info.value.body or b"")
+            # A good value opens the stream afterwards.
+            async with open_event_socket(server.url, wid, TOKEN, batch=True) as sock:
+                assert sock.hello["type"] == "hello"
