@@ -33,7 +33,16 @@ from trio_websocket import ConnectionClosed, WebSocketRequest
 from werkzeug.datastructures import Headers
 
 from .._compat import trio_websocket as compat_ws
-from ..broker import FLUSH, NOT_SENT, SENT, SENT_IN_PART, BatchCache, Event, batch_groups
+from ..broker import (
+    FLUSH,
+    NOT_SENT,
+    SENT,
+    SENT_IN_PART,
+    BatchCache,
+    Event,
+    batch_frames,
+    batch_groups,
+)
 from ..defaults import CLOSE_TIMEOUT
 from ..errors import CrushError
 from ..wsdeflate import BoundedDeflate
@@ -232,13 +241,10 @@ class TrioEventSocket:
         together grouped (:func:`~crush_trio.broker.batch_groups`), each group one frame of
         lines: shared when uncompressed (:data:`_BATCHES`), compressed event by event in the
         connection's lane otherwise (:meth:`BoundedDeflate.frame_group`)."""
-        groups = batch_groups(events)
         deflate = self.deflate
         if deflate is None:
-            return [
-                g[0].ws_frame if len(g) == 1 else _BATCHES.get(tuple(g)).ws_frame for g in groups
-            ]
-        return [deflate.frame_group(g, _BATCHES.get) for g in groups]
+            return [frame.ws_frame for frame in batch_frames(events, _BATCHES)]
+        return [deflate.frame_group(group, _BATCHES.get) for group in batch_groups(events)]
 
     def limit_writes(self, deadline: float) -> None:
         self.prefixed.limit_writes(deadline)
