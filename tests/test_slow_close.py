@@ -92,9 +92,12 @@ class Frames:
             elif opcode == 0x1:
                 if first & 0x40:  # RSV1: permessage-deflate
                     payload = self.inflater.decompress(payload + b"\x00\x00\xff\xff")
-                frame_obj = orjson.loads(payload)  # a whole, valid JSON envelope
-                assert "seq" in frame_obj, frame_obj
-                assert "type" in frame_obj, frame_obj
+                # One whole, valid JSON envelope, or (batch=1) several, one per line.
+                for line in payload.split(b"\n"):
+                    if line:
+                        frame_obj = orjson.loads(line)
+                        assert "seq" in frame_obj, frame_obj
+                        assert "type" in frame_obj, frame_obj
                 self.texts += 1
             else:
                 assert opcode in (0x9, 0xA), f"unexpected opcode {opcode:#x}"
@@ -139,7 +142,7 @@ def small_buffered_socket() -> trio.socket.SocketType:
 
 
 async def slow_client(
-    server: Server, wid: str, client_id: str, *, deltas: bool, compress: bool
+    server: Server, wid: str, client_id: str, *, deltas: bool, compress: bool, batch: bool = False
 ) -> tuple[trio.socket.SocketType, Frames]:
     """An upgraded websocket as a raw socket with a small receive buffer, once ``hello`` came
     (the server has subscribed it); returns it and its frames so far."""
@@ -147,6 +150,7 @@ async def slow_client(
     sock = small_buffered_socket()
     await sock.connect((host, int(port)))
     query = f"client_id={client_id}&token={server.token}" + ("&deltas=1" if deltas else "")
+    query += "&batch=1" if batch else ""
     head = (
         f"GET /v1/workspaces/{wid}/ws?{query} HTTP/1.1\r\n"
         f"Host: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -196,11 +200,15 @@ def _slow_closes(outcome: str) -> float:
     return value or 0.0
 
 
-async def _one_round(server: Server, wid: str, *, deltas: bool, compress: bool) -> Frames:
+async def _one_round(
+    server: Server, wid: str, *, deltas: bool, compress: bool, batch: bool = False
+) -> Frames:
     ws = server.backend.get(wid)
     sid = (await server.create_session(wid))["id"]
     client_id = str(uuid.uuid4())
-    sock, frames = await slow_client(server, wid, client_id, deltas=deltas, compress=compress)
+    sock, frames = await slow_client(
+        server, wid, client_id, deltas=deltas, compress=compress, batch=batch
+    )
     with sock:
         streams: list[ClientStream] = [c for c in ws.broker.clients if c.client_id == client_id]
         assert len(streams) == 1
@@ -251,6 +259,21 @@ async def test_a_client_disconnected_as_too_slow_gets_whole_frames_then_1013(
             # The client read again well within the bound: it got the close frame.
             assert frames.close_code == 1013, f"no close frame after {frames.texts} frames"
     assert _slow_closes("closed") - closed_before == ROUNDS
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "deflate"])
+async def test_a_slow_client_that_takes_batches_gets_whole_frames_then_1013(
+    tmp_path: Path, compress: bool
+) -> None:
+    """The same with ``batch=1`` (a compressed event goes out as its line, in the lane of such
+    connections): whole frames, then 1013."""
+    model = ScriptedModel([Step(REPLY, token_delay=TOKEN_DELAY) for _ in range(ROUNDS)])
+    config = _config(tmp_path, "trio-websocket")
+    async with running_server(tmp_path, config_file=config, provider_factory=model) as server:
+        wid = (await server.open_workspace())["id"]
+        for _ in range(ROUNDS):
+            frames = await _one_round(server, wid, deltas=True, compress=compress, batch=True)
+            assert frames.close_code == 1013, f"no close frame after {frames.texts} frames"
 
 
 @pytest.mark.parametrize("transport", ["trio-websocket", "asgi"])
