@@ -6,12 +6,11 @@ and holds
 
 * the **reader** (:meth:`EventStream._reader`): the one task that reads the workspace's
   websocket (opened with ``deltas=1`` unless the client says otherwise, and ``batch=1``: the
-  events the server writes together come in one frame, one envelope per line). It decodes each
-  frame,
-  assembles ``message_delta`` events into whole messages (:class:`~.deltas.Assembler`; a delta
-  that shows missing text is held and its session's messages re-read) and offers each event to
-  the run handles and subscriptions (never waiting on them: see
-  :class:`~crush_trio.client.events.Mailbox`). When the connection
+  events the server writes together come in one frame, one envelope per line). It decodes
+  each frame, assembles ``message_delta`` events into whole messages
+  (:class:`~.deltas.Assembler`; a delta that shows missing text is held and its session's
+  messages re-read) and offers each event to the run handles and subscriptions (never waiting
+  on them: see :class:`~crush_trio.client.events.Mailbox`). When the connection
   drops it reconnects with ``since=<last seq>``, so the server replays what was missed; when the
   server answers with a ``gap`` instead (the replay no longer holds it), it asks the resync task
   to re-read state over HTTP.
@@ -537,11 +536,10 @@ class EventStream:
         lines: list[str] | list[bytes] = (
             raw.split("\n") if isinstance(raw, str) else raw.split(b"\n")
         )
-        if len(lines) > 2 or (len(lines) == 2 and lines[1]):
+        envelopes = [line for line in lines if line]
+        if len(envelopes) > 1:
             self.stats.batches += 1
-        for line in lines:
-            if not line:
-                continue
+        for line in envelopes:
             try:
                 frame = orjson.loads(line)
             except orjson.JSONDecodeError:

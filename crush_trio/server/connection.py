@@ -128,8 +128,8 @@ class Subscription:
     since: int | None = None
     #: ``deltas=1``: streaming appends as ``message_delta`` events, else ``message`` snapshots.
     deltas: bool = False
-    #: ``batch=1`` (websocket): the client takes frames that carry several envelopes (a JSON
-    #: array); without it, one envelope per frame.
+    #: ``batch=1`` (websocket): the client takes frames that carry several envelopes (one per
+    #: line); without it, one envelope per frame.
     batch: bool = False
 
 
