@@ -230,6 +230,43 @@ async def test_cancel_mid_stream_closes_the_upstream_connection_and_keeps_the_ti
         assert (await ws.session(sid)).title == "Fixing the parser"
 
 
+class StepsBeforeRequest(trio.abc.Instrument):
+    """Counts the steps the task ``name`` takes while ``fake`` has had ``seen`` requests."""
+
+    def __init__(self, name: str, fake: FakeLLM, seen: int) -> None:
+        self.name = name
+        self.fake = fake
+        self.seen = seen
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name == self.name and self.fake.request_count == self.seen:
+            self.steps += 1
+
+
+async def test_a_turn_sends_its_model_request_in_the_first_step_of_its_task(
+    tmp_path: Path,
+) -> None:
+    """A turn's start (its history, its messages, its system prompt, the request's write) has
+    no schedule point, so the prompts of a burst reach the model in the order they were
+    accepted, none waiting for a round of every other task first."""
+    async with fake_provider_workspace(tmp_path, Router(), "openai") as (fake, ws):
+        warm = (await ws.create_session("warm")).id  # titled: no title request
+        await ws.run(warm, "warm up", timeout=WAIT)  # context files read, connection pooled
+        sid = (await ws.create_session("measured")).id
+        seen = fake.request_count
+        steps = StepsBeforeRequest(f"session-{sid}", fake, seen)
+        trio.lowlevel.add_instrument(steps)
+        try:
+            run = await ws.run(sid, "hello", timeout=WAIT)
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert run.text == "(no script)"
+        assert fake.request_count == seen + 1
+        assert fake.connections == 1  # the warm-up's connection, kept alive
+        assert steps.steps == 1
+
+
 async def test_malformed_chunk_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
     router = Router(Reply(text="a b c d", fault=Fault.MALFORMED, fault_after=2))
     async with fake_provider_workspace(tmp_path, router, "openai") as (fake, ws):

@@ -317,7 +317,8 @@ async def test_a_response_head_is_read_without_waiting_for_the_pacer() -> None:
 
 @pytest.mark.parametrize("size", [10, ONE_SEND_BYTES - 200, ONE_SEND_BYTES + 1, 300_000])
 async def test_a_request_body_of_any_size_arrives_whole(size: int) -> None:
-    """Small bodies go out in one send with their head, large ones after it."""
+    """Small bodies go out in one send with their head, large ones after it; one larger than
+    the socket takes at once goes out in part directly, the rest as the socket drains."""
     fake = FakeLLM(default=Reply(text="ok"))
     body = {**BODY, "messages": [{"role": "user", "content": "x" * size}]}
     async with pooled(fake, max_connections=1) as (client, _transport, url):

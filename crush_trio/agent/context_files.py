@@ -501,7 +501,7 @@ class ContextFileCache:
         """
         quick, known = self._known
         if quick is not None and quick_signature(settings) == quick:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
             return known
         return await trio.to_thread.run_sync(self._load_sync, settings, abandon_on_cancel=True)
 

@@ -195,6 +195,21 @@ class Connection:
         self.fd = fd
         self.idle_since = 0.0
 
+    async def write(self, data: bytes) -> None:
+        """Send ``data``: straight to the socket when the connection is plain (no task switch
+        when its send buffer takes it all, as a request usually fits), the rest as the stream
+        takes it."""
+        if self.fd < 0:
+            await self.stream.send_all(data)
+            return
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            sent = os.write(self.fd, data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            await self.stream.send_all(memoryview(data)[sent:])
+
     async def read(self, *, paced: bool = True) -> bytes:
         """Up to :data:`~crush_trio.providers.body.READ_SIZE` bytes (``b""``: the peer closed).
         ``paced``: the read waits for the consumer's pacer first, if one is set
@@ -371,10 +386,10 @@ class Http11Transport(httpx.AsyncBaseTransport):
         try:
             try:
                 if len(body) <= ONE_SEND_BYTES:
-                    await connection.stream.send_all(head + body)
+                    await connection.write(head + body)
                 else:
-                    await connection.stream.send_all(head)
-                    await connection.stream.send_all(body)
+                    await connection.write(head)
+                    await connection.write(body)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 raise httpx.WriteError(f"writing the request failed: {_describe(exc)}") from exc
             parsed, first = await self._read_head(connection, _timeout(request, "read"))
@@ -452,7 +467,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
 
     async def _checkout(self, origin: tuple[str, str, int], request: httpx.Request) -> Connection:
         """An idle connection to ``origin`` that is still good, or a new one."""
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             idle = self._idle.get(origin)
             now = trio.current_time()

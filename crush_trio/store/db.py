@@ -619,7 +619,7 @@ class Store:
         if session_id in self._empty_sessions:
             if self._conn is None:
                 raise self._closed_error()
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
             return []
 
         def op(conn: sqlite3.Connection) -> list[Message]:

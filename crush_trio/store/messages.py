@@ -307,9 +307,10 @@ class MessageService:
         Batches keep creation order, so rows are inserted in the order messages were created.
         Starting a turn therefore costs no database round trip of its own.
         """
-        # The checkpoint comes first: a cancelled create must not leave a message behind that
-        # its caller never learned about.
-        await trio.lowlevel.checkpoint()
+        # The cancel check comes first: a cancelled create must not leave a message behind
+        # that its caller never learned about. (No schedule point: a turn's start runs to its
+        # model request in one step of its task.)
+        await trio.lowlevel.checkpoint_if_cancelled()
         # Only assistant messages stream; others are complete when created, and tracking them
         # would grow with every turn.
         if message.role is Role.ASSISTANT and message.finish() is None:
@@ -415,7 +416,7 @@ class MessageService:
         elif any(m.session_id == session_id for m in self._inflight.values()):
             await self._wait_for_write()
         else:
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
 
     async def forget(self, message_id: str) -> None:
         """Drop a message's pending state and wait for the write in flight.
