@@ -148,6 +148,8 @@ def test_negative_windows_are_refused() -> None:
 async def test_many_updates_in_one_window_make_one_event_and_one_write(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """A message's first update goes out at once (its ``created`` starts no window); the 29
+    after it, inside the window that first event starts, go out together when it ends."""
     fake, published = FakeStore(), Recorder()
     service = MessageService(fake, published)
     with trio.fail_after(TEST_TIMEOUT):
@@ -160,10 +162,10 @@ async def test_many_updates_in_one_window_make_one_event_and_one_write(
                 message.parts = [TextPart("x" * (i + 1))]
                 await service.update(message)
                 await trio.sleep(0.001)  # virtual time (autojump_clock)
-            assert published.events == [(EventKind.CREATED, "m", "")]
+            assert published.events == [(EventKind.CREATED, "m", ""), (EventKind.UPDATED, "m", "x")]
             await trio.sleep(DEBOUNCE_SECONDS)
-            # Published from memory when the window since the created event ended...
-            assert published.events[1:] == [(EventKind.UPDATED, "m", "x" * 30)]
+            # Published from memory when the window since the first words ended...
+            assert published.events[2:] == [(EventKind.UPDATED, "m", "x" * 30)]
             assert fake.batches == []  # ...and not written yet
             assert service.pending_count == 1
             await trio.sleep(WRITE_WINDOW_SECONDS)
@@ -172,8 +174,8 @@ async def test_many_updates_in_one_window_make_one_event_and_one_write(
     assert fake.batches == [[("m", "x" * 30)]]
     assert fake.write_times[0] == pytest.approx(start + WRITE_WINDOW_SECONDS)
     assert service.flush_count == 1
-    assert len(published.events) == 2  # the write publishes nothing new
-    assert service.publish_count == 1
+    assert len(published.events) == 3  # the write publishes nothing new
+    assert service.publish_count == 2
     assert service.peak_pending == 1
     assert service.pending_count == 0
 
@@ -398,7 +400,8 @@ async def test_cancel_before_the_write_starts_keeps_state_pending() -> None:
     service = MessageService(fake, published, debounce=NEVER)
     fake.gate = trio.Event()
     await service.create(msg("a"))
-    await service.update(msg("a", TextPart("a1")))  # inside the window of the created event
+    await service.update(msg("a", TextPart("a0")))  # the first words: published at once
+    await service.update(msg("a", TextPart("a1")))  # inside the window of that event
     with trio.fail_after(TEST_TIMEOUT):
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
@@ -406,7 +409,7 @@ async def test_cancel_before_the_write_starts_keeps_state_pending() -> None:
                 await fake.write_started.wait()
                 scope.cancel()
     assert fake.batches == []
-    assert published.events == [(EventKind.CREATED, "a", "")]
+    assert published.events == [(EventKind.CREATED, "a", ""), (EventKind.UPDATED, "a", "a0")]
     assert service.pending_count == 1
 
     fake.gate = None
@@ -485,7 +488,9 @@ async def test_deleted_session_is_not_resurrected_by_a_late_flush(store: Store) 
     service = MessageService(store, published, debounce=NEVER)
     await service.create(msg("m"))
     await service.create(msg("o", session_id="other"))
-    await service.update(msg("m", TextPart("pending")))
+    await service.update(msg("m", TextPart("first")))  # published at once
+    await service.update(msg("o", TextPart("first"), session_id="other"))
+    await service.update(msg("m", TextPart("pending")))  # held for the window
     await service.update(msg("o", TextPart("kept"), session_id="other"))
 
     await service.delete_session_messages("s")
@@ -505,11 +510,12 @@ async def test_store_skips_late_write_even_without_delete_session_messages(store
     published = Recorder()
     service = MessageService(store, published, debounce=NEVER)
     await service.create(msg("m"))
-    await service.update(msg("m", TextPart("pending")))
+    await service.update(msg("m", TextPart("first")))  # published at once
+    await service.update(msg("m", TextPart("pending")))  # held for the window
     assert await store.delete_session("s")
     await service.flush_all()
     assert await store.get_message("m") is None
-    assert published.events == [(EventKind.CREATED, "m", "")]
+    assert published.events == [(EventKind.CREATED, "m", ""), (EventKind.UPDATED, "m", "first")]
 
 
 async def test_forget_drops_pending_state(store: Store) -> None:
@@ -533,7 +539,8 @@ async def test_forget_waits_for_the_write_in_flight_and_suppresses_its_event() -
     fake.gate = trio.Event()
     for mid in ("a", "b"):
         await service.create(msg(mid))
-        await service.update(msg(mid, TextPart(mid)))  # published once written
+        await service.update(msg(mid, TextPart("first")))  # published at once
+        await service.update(msg(mid, TextPart(mid)))  # held: published once written
     published.events.clear()
     forgotten = trio.Event()
     with trio.fail_after(TEST_TIMEOUT):
@@ -639,7 +646,9 @@ async def test_windows_that_end_close_together_are_published_together_in_one_bat
             for mid, at in (("a", 0.0), ("b", 0.010), ("c", 0.020)):
                 await trio.sleep_until(start + at)
                 messages[mid] = message = msg(mid)
-                await service.create(message)  # its window starts now
+                await service.create(message)
+                message.parts = [TextPart("w")]
+                await service.update(message)  # published at once: its window starts now
                 message.parts = [TextPart("x")]
                 await service.update(message)  # held for the end of the window
             # a's window ends at 33 ms, b's at 43 (within half a window: ends with a's), c's

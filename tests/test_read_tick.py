@@ -88,6 +88,8 @@ async def test_a_pass_waits_for_a_slow_reader_at_most_the_bound(
             slow, quick = msg("slow"), msg("quick")
             for message in (slow, quick):
                 await service.create(message)
+                message.parts = [TextPart("w")]
+                await service.update(message)  # published at once: the window starts
                 message.parts = [TextPart("a")]
                 await service.update(message)
             slow_pacer, quick_pacer = service.read_pacer("slow"), service.read_pacer("quick")
@@ -125,7 +127,7 @@ async def test_a_pass_waits_for_a_slow_reader_at_most_the_bound(
     slow_updates = [
         text for kind, mid, text in published.events if mid == "slow" and kind is EventKind.UPDATED
     ]
-    assert slow_updates == ["a", "ab"]
+    assert slow_updates == ["w", "a", "ab"]
 
 
 async def test_a_read_that_found_nothing_makes_the_next_wait_one_for_the_socket(
@@ -172,7 +174,7 @@ async def test_a_quiet_message_or_a_stopped_flusher_never_makes_a_reader_wait(
         assert not await pacer.before_read()  # the first read waits for its socket
         await service.create(message)
         message.parts = [TextPart("a")]
-        await service.update(message)  # held: it would wait for a pass
+        await service.update(message)  # its first words: the next read would wait for a pass
         assert not await pacer.before_read()  # but no flusher runs
         async with trio.open_nursery() as nursery:
             await nursery.start(run_flusher)
@@ -186,6 +188,30 @@ async def test_a_quiet_message_or_a_stopped_flusher_never_makes_a_reader_wait(
             flusher.cancel()
             await read.wait()
             assert trio.current_time() == stopped  # at once, not at a pass
+
+
+async def test_a_new_message_is_read_as_data_comes_until_its_first_words_are_out(
+    autojump_clock: trio.testing.MockClock, published: Recorder
+) -> None:
+    """A message's ``created`` starts no window: the reads before its first words wait for the
+    socket, not for a pass, and those words go out at once; then it streams at the passes."""
+    service = MessageService(FakeStore(), published, write_window=NEVER)
+    message = msg("m")
+    with trio.fail_after(TEST_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            await service.create(message)
+            pacer = service.read_pacer("m")
+            created = trio.current_time()
+            assert not await pacer.before_read()  # the first read (the reply's head chunk)
+            assert not await pacer.before_read()  # no words yet: the socket again
+            assert trio.current_time() == created
+            await grow(service, message, "a")
+            assert published.events[-1] == (EventKind.UPDATED, "m", "a")  # at once
+            assert await pacer.before_read()  # streaming now: the next pass
+            assert trio.current_time() == pytest.approx(created + DEBOUNCE_SECONDS)
+            pacer.close()
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_reader_cancelled_while_waiting_is_not_waited_for(

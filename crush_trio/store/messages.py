@@ -6,12 +6,13 @@ the latest state of each message and
 
 - **publishes** ``updated`` at most once per publish window (``debounce``,
   :data:`DEBOUNCE_SECONDS`; Crush's 33 ms). The window is a throttle with a leading edge: an
-  update that comes after a quiet window is published at once (so the first words of a reply are
-  visible without waiting), later ones when the window since the last event ends. A window that
-  ends within :data:`ALIGN_FRACTION` of a window after the one the flusher wakes for ends with
-  it, so the streams fall into step and one wake publishes them all, inside the ``batch``
-  callback (the broker's, which gives each client one write for the lot); a window is shortened
-  that way once when its stream joins, by at most that fraction;
+  update that comes after a quiet window, or a message's first after its ``created``, is
+  published at once (so the first words of a reply are visible without waiting), later ones when
+  the window since the last event ends. A window that ends within :data:`ALIGN_FRACTION` of a
+  window after the one the flusher wakes for ends with it, so the streams fall into step and one
+  wake publishes them all, inside the ``batch`` callback (the broker's, which gives each client
+  one write for the lot); a window is shortened that way once when its stream joins, by at most
+  that fraction;
 - **paces the reads** of the model streams (:class:`ReadTick`): while a message streams, its
   stream reads its connection at the publish passes, several tokens a read, instead of once per
   token, and a pass publishes what its reads took in;
@@ -313,9 +314,9 @@ class MessageService:
         await trio.lowlevel.checkpoint_if_cancelled()
         # Only assistant messages stream; others are complete when created, and tracking them
         # would grow with every turn.
+        # Its ``created`` starts no publish window: the reply's first words go out as they come.
         if message.role is Role.ASSISTANT and message.finish() is None:
             self._shapes[message.id] = (message.session_id, shape_of(message))
-            self._last_publish[message.id] = trio.current_time()
         self._appends.pop(message.id, None)
         self._add_pending(message)
         self._publish(message, EventKind.CREATED)
