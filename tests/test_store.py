@@ -27,6 +27,7 @@ from crush_trio.wire import (
     RunStatus,
     Session,
     TextPart,
+    Todo,
     ToolCallPart,
     ToolResultPart,
     parts_from_json,
@@ -355,6 +356,79 @@ async def test_new_session_lists_no_messages_without_a_database_call(
         assert [m.id for m in await reopened.list_messages("fresh")] == ["c"]
     finally:
         await reopened.aclose()
+
+
+async def test_new_session_is_read_without_a_database_call_until_a_write_changes_it(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session this store created is read from memory (a new session's first run reads it
+    for its busy state and its title check); each kind of write to it ends that, and the next
+    read shows what the write did."""
+    writes: dict[str, Callable[[str], Awaitable[object]]] = {
+        "title": lambda sid: store.set_title(sid, "renamed"),
+        "usage": lambda sid: store.record_step_usage(sid, 5, 6, 0.5),
+        "todos": lambda sid: store.set_todos(sid, [Todo("write the test")]),
+        "summary": lambda sid: store.set_summary(sid, "sum", 3, 0.25),
+        "message": lambda sid: store.write_messages(
+            [Message(id=f"m-{sid}", session_id=sid, role=Role.USER)]
+        ),
+        "update": lambda sid: store.update_session(Session(id=sid, title="updated", cost=2.0)),
+        "delete": lambda sid: store.delete_session(sid),
+    }
+    for sid in writes:
+        await store.create_session(Session(id=sid, title="new", created_at=7, updated_at=8))
+    calls: list[str] = []
+    real_call = store._call
+
+    async def counting(what: str, fn: Any) -> Any:
+        calls.append(what)
+        return await real_call(what, fn)
+
+    monkeypatch.setattr(store, "_call", counting)
+    for sid in writes:
+        session = await store.get_session(sid)
+        assert session == Session(id=sid, title="new", created_at=7, updated_at=8)
+        session.title = "changed by a caller"  # each read is a copy of its own
+        session.is_busy = True
+    assert calls == []
+    assert await store.get_session("title") == Session(
+        id="title", title="new", created_at=7, updated_at=8
+    )
+
+    for sid, write in writes.items():
+        await write(sid)
+    calls.clear()
+    read = {sid: await store.get_session(sid) for sid in writes}
+    assert len(calls) == len(writes)
+    assert read.pop("delete") is None
+    sessions = {sid: session for sid, session in read.items() if session is not None}
+    assert sessions.keys() == read.keys()
+    assert sessions["title"].title == "renamed"
+    assert (sessions["usage"].prompt_tokens, sessions["usage"].cost) == (5, 0.5)
+    assert [t.content for t in sessions["todos"].todos] == ["write the test"]
+    assert sessions["summary"].summary_message_id == "sum"
+    assert sessions["message"].message_count == 1
+    assert (sessions["update"].title, sessions["update"].cost) == ("updated", 2.0)
+
+
+async def test_a_deleted_message_sends_every_session_read_to_the_database(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message delete names no session, and it changes its session's message count."""
+    await store.create_session(Session(id="fresh"))
+    await store.create_session(Session(id="other"))
+    await store.write_messages([Message(id="m", session_id="other", role=Role.USER)])
+    assert await store.delete_message("m")
+    calls: list[str] = []
+    real_call = store._call
+
+    async def counting(what: str, fn: Any) -> Any:
+        calls.append(what)
+        return await real_call(what, fn)
+
+    monkeypatch.setattr(store, "_call", counting)
+    assert await store.get_session("fresh") == Session(id="fresh")
+    assert len(calls) == 1
 
 
 def test_run_id_filter_never_forgets_and_rarely_guesses() -> None:

@@ -321,6 +321,9 @@ class Store:
         #: Sessions created by this object that no message write has touched yet: listing their
         #: messages needs no thread hop (the first prompt of a new session is the common case).
         self._empty_sessions: set[str] = set()
+        #: The rows of the sessions created by this object that nothing has written since (the
+        #: busy state and the title check of a new session's first run read it, no thread hop).
+        self._fresh_sessions: dict[str, tuple[Any, ...]] = {}
 
     @classmethod
     async def open(cls, data_dir: Path) -> Store:
@@ -442,8 +445,16 @@ class Store:
         await self._call(f"creating session {session.id!r}", op)
         self._session_ids.add(session.id)
         self._empty_sessions.add(session.id)
+        self._fresh_sessions[session.id] = row
 
     async def get_session(self, session_id: str) -> Session | None:
+        row = self._fresh_sessions.get(session_id)
+        if row is not None:
+            if self._conn is None:
+                raise self._closed_error()
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return session_from_row(row)
+
         def op(conn: sqlite3.Connection) -> Session | None:
             row = conn.execute(
                 f"SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)
@@ -478,6 +489,7 @@ class Store:
             session.updated_at,
             session.id,
         )
+        self._fresh_sessions.pop(session.id, None)
 
         def op(conn: sqlite3.Connection) -> bool:
             cur = _transaction(
@@ -559,6 +571,7 @@ class Store:
         back, in one transaction; None if there is no such session."""
         sql = f"UPDATE sessions SET {assignments}, updated_at = ? WHERE id = ?"
         params = (*values, now(), session_id)
+        self._fresh_sessions.pop(session_id, None)
 
         def op(conn: sqlite3.Connection) -> Session | None:
             def tx(c: sqlite3.Connection) -> Session | None:
@@ -574,6 +587,7 @@ class Store:
 
     async def delete_message(self, message_id: str) -> bool:
         """Delete one message (a summary that was cancelled or failed). False: no such row."""
+        self._fresh_sessions.clear()  # its session's message count changes
 
         def op(conn: sqlite3.Connection) -> bool:
             cur = _transaction(
@@ -597,6 +611,7 @@ class Store:
 
         self._session_ids.discard(session_id)
         self._empty_sessions.discard(session_id)
+        self._fresh_sessions.pop(session_id, None)
         return await self._call(f"deleting session {session_id!r}", op)
 
     # -- messages ------------------------------------------------------------------------------
@@ -643,8 +658,11 @@ class Store:
             The ids that were written (the others were skipped).
         """
         rows = [(*message_row(m), m.session_id) for m in messages]
-        # Discarded before the call: from now on a listing must read the database.
-        self._empty_sessions.difference_update(row[-1] for row in rows)
+        # Discarded before the call: from now on a listing (and the session's message count)
+        # must be read from the database.
+        for row in rows:
+            self._empty_sessions.discard(row[-1])
+            self._fresh_sessions.pop(row[-1], None)
 
         def op(conn: sqlite3.Connection) -> set[str]:
             def tx(c: sqlite3.Connection) -> set[str]:
