@@ -4,8 +4,8 @@ record.
 
 The operations go through the project's client (``WorkspaceClient.prompt``, ``cancel``,
 ``clear_queue``), and every run handle must end with its run's own terminal. The
-events are also read on a raw websocket, which checks the wire itself: seqs without holes across
-reconnects with ``since``, no gap, one ``run_complete`` per accepted run. A prompt without a
+events are also read on a raw websocket in delta mode, which checks the wire itself: seqs without
+holes across reconnects with ``since``, no gap, one ``run_complete`` per accepted run. A prompt without a
 ``run_id`` (folded into the active turn) is something the client never sends, so it goes out as
 a plain HTTP request.
 
@@ -85,7 +85,10 @@ async def test_every_accepted_run_ends_exactly_once(
 
         async def pump(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             nonlocal last_seq
+            # Delta mode: a snapshot-mode client's resume may get a gap for a delta published
+            # while no snapshot-mode client was connected (docs/protocol.md §6.6, "Replay").
             url = ws_url(client.base_url, wid, cid, since=last_seq, token=client.token)
+            url += "&deltas=1"
             try:
                 async with open_websocket_url(url, max_message_size=MAX_FRAME) as conn:
                     task_status.started()

@@ -113,10 +113,12 @@ async def test_child_session_reads_cannot_write_and_its_answer_and_cost_reach_th
     assert (parent.prompt_tokens, parent.completion_tokens) == (300, 5)
 
     # Events say which session they belong to: the child's messages carry the child's id.
-    messages = payloads(seen, "message") + payloads(seen, "message_delta")
     child_ids = {m.id for m in child_messages}
     assert child_ids
-    assert {m.session_id for m in messages if m.id in child_ids} == {child.id}
+    snapshots = [m for m in payloads(seen, "message") if m.id in child_ids]
+    deltas = [d for d in payloads(seen, "message_delta") if d.message_id in child_ids]
+    assert {m.session_id for m in snapshots} == {child.id}
+    assert {d.session_id for d in deltas} <= {child.id}
     created = [s for s in payloads(seen, "session") if s.id == child.id]
     assert created
     assert created[0].parent_session_id == sid
