@@ -168,6 +168,7 @@ class FakeLLM:
         disconnected: set when a client disconnects before its response was complete.
         disconnects: how many times that happened.
         connections: TCP connections accepted (shows whether clients reuse connections).
+        streaming: replies being streamed now.
 
     Cancellation: cancel the nursery that runs :meth:`serve` to stop the server and every
     connection.
@@ -191,6 +192,7 @@ class FakeLLM:
         self.disconnected = trio.Event()
         self.disconnects = 0
         self.connections = 0
+        self.streaming = 0
         self.base_url = ""
         self._changed = trio.Event()
 
@@ -368,14 +370,18 @@ class FakeLLM:
                 state["gone"] = True
                 cancel.cancel()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch, nursery.cancel_scope)
-            try:
-                keep = await self._send_frames(conn, stream, reply, frames, state)
-            except trio.BrokenResourceError:
-                state["gone"] = True
-                keep = False
-            nursery.cancel_scope.cancel()
+        self.streaming += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, nursery.cancel_scope)
+                try:
+                    keep = await self._send_frames(conn, stream, reply, frames, state)
+                except trio.BrokenResourceError:
+                    state["gone"] = True
+                    keep = False
+                nursery.cancel_scope.cancel()
+        finally:
+            self.streaming -= 1
         if state["gone"]:
             self.disconnects += 1
             self.disconnected.set()

@@ -15,6 +15,7 @@ from typing import Final
 import orjson
 import pytest
 import trio
+import trio.testing
 
 REPO: Final = Path(__file__).resolve().parent.parent
 #: Bound on the whole smoke run: about two and a half minutes on 2 idle cores (seven workloads,
@@ -83,3 +84,31 @@ async def test_bench_smoke_runs_every_workload(tmp_path: Path) -> None:
     assert chaos["accepted"] > 0
     assert chaos["missing"] == 0, chaos
     assert chaos["duplicated"] == 0, chaos
+
+
+async def test_the_fake_model_collects_garbage_only_when_no_reply_streams(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The benchmarks' model stands in for a service on another machine: its collector's full
+    scans wait for a moment without a streaming reply, one after each stretch of requests."""
+    from bench.fake import IDLE_COLLECT_POLL, collect_when_idle
+
+    from .fake_llm import FakeLLM
+
+    collections: list[float] = []
+    monkeypatch.setattr("bench.fake.gc.collect", lambda: collections.append(trio.current_time()))
+    fake = FakeLLM(record=False)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(collect_when_idle, fake)
+            await trio.sleep(10 * IDLE_COLLECT_POLL)
+            assert collections == []  # no request yet: nothing to collect
+            fake.request_count, fake.streaming = 50, 50  # a burst, streaming
+            await trio.sleep(10 * IDLE_COLLECT_POLL)
+            assert collections == []
+            fake.streaming = 0  # every reply ended
+            ended = trio.current_time()
+            await trio.sleep(10 * IDLE_COLLECT_POLL)
+            assert len(collections) == 1
+            assert collections[0] - ended <= IDLE_COLLECT_POLL
+            nursery.cancel_scope.cancel()
