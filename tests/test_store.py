@@ -431,6 +431,29 @@ async def test_a_deleted_message_sends_every_session_read_to_the_database(
     assert len(calls) == 1
 
 
+async def test_new_sessions_kept_in_memory_are_bounded(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions created and never used pin no more than ``FRESH_SESSIONS_KEPT`` rows: past it
+    the oldest is read from the database again, with the same result."""
+    monkeypatch.setattr(db_module, "FRESH_SESSIONS_KEPT", 2)
+    for sid in ("a", "b", "c"):
+        await store.create_session(Session(id=sid, title=sid))
+    calls: list[str] = []
+    real_call = store._call
+
+    async def counting(what: str, fn: Any) -> Any:
+        calls.append(what)
+        return await real_call(what, fn)
+
+    monkeypatch.setattr(store, "_call", counting)
+    for sid in ("b", "c"):
+        assert await store.get_session(sid) == Session(id=sid, title=sid)
+    assert calls == []
+    assert await store.get_session("a") == Session(id="a", title="a")
+    assert len(calls) == 1
+
+
 def test_run_id_filter_never_forgets_and_rarely_guesses() -> None:
     ids = [str(uuid.uuid4()) for _ in range(5_000)]
     small = RunIdFilter(bits=1 << 16)

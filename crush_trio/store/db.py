@@ -250,6 +250,9 @@ def _open_in_thread(path: Path) -> sqlite3.Connection:
 RUN_FILTER_BITS: Final = 1 << 20
 #: Bits set per run id in the filter.
 RUN_FILTER_HASHES: Final = 7
+#: Most rows of new sessions kept in memory (:meth:`Store.get_session`); past it the oldest
+#: are read from the database again, so sessions created and never used pin no more memory.
+FRESH_SESSIONS_KEPT: Final = 4096
 
 
 class RunIdFilter:
@@ -446,6 +449,8 @@ class Store:
         self._session_ids.add(session.id)
         self._empty_sessions.add(session.id)
         self._fresh_sessions[session.id] = row
+        if len(self._fresh_sessions) > FRESH_SESSIONS_KEPT:
+            del self._fresh_sessions[next(iter(self._fresh_sessions))]
 
     async def get_session(self, session_id: str) -> Session | None:
         row = self._fresh_sessions.get(session_id)
