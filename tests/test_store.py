@@ -325,12 +325,8 @@ async def test_cancelled_write_that_started_is_not_torn(
     assert len(await store.list_messages("s")) == 50
 
 
-async def test_new_session_lists_no_messages_without_a_database_call(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A session this store created and no write touched is known empty; any write ends that."""
-    await store.create_session(Session(id="fresh"))
-    await store.create_session(Session(id="written"))
+def count_database_calls(store: Store, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, what each database call of ``store`` is doing, in order."""
     calls: list[str] = []
     real_call = store._call
 
@@ -339,6 +335,16 @@ async def test_new_session_lists_no_messages_without_a_database_call(
         return await real_call(what, fn)
 
     monkeypatch.setattr(store, "_call", counting)
+    return calls
+
+
+async def test_new_session_lists_no_messages_without_a_database_call(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session this store created and no write touched is known empty; any write ends that."""
+    await store.create_session(Session(id="fresh"))
+    await store.create_session(Session(id="written"))
+    calls = count_database_calls(store, monkeypatch)
     assert await store.list_messages("fresh") == []
     assert calls == []
 
@@ -377,14 +383,7 @@ async def test_new_session_is_read_without_a_database_call_until_a_write_changes
     }
     for sid in writes:
         await store.create_session(Session(id=sid, title="new", created_at=7, updated_at=8))
-    calls: list[str] = []
-    real_call = store._call
-
-    async def counting(what: str, fn: Any) -> Any:
-        calls.append(what)
-        return await real_call(what, fn)
-
-    monkeypatch.setattr(store, "_call", counting)
+    calls = count_database_calls(store, monkeypatch)
     for sid in writes:
         session = await store.get_session(sid)
         assert session == Session(id=sid, title="new", created_at=7, updated_at=8)
@@ -419,14 +418,7 @@ async def test_a_deleted_message_sends_every_session_read_to_the_database(
     await store.create_session(Session(id="other"))
     await store.write_messages([Message(id="m", session_id="other", role=Role.USER)])
     assert await store.delete_message("m")
-    calls: list[str] = []
-    real_call = store._call
-
-    async def counting(what: str, fn: Any) -> Any:
-        calls.append(what)
-        return await real_call(what, fn)
-
-    monkeypatch.setattr(store, "_call", counting)
+    calls = count_database_calls(store, monkeypatch)
     assert await store.get_session("fresh") == Session(id="fresh")
     assert len(calls) == 1
 
@@ -439,14 +431,7 @@ async def test_new_sessions_kept_in_memory_are_bounded(
     monkeypatch.setattr(db_module, "FRESH_SESSIONS_KEPT", 2)
     for sid in ("a", "b", "c"):
         await store.create_session(Session(id=sid, title=sid))
-    calls: list[str] = []
-    real_call = store._call
-
-    async def counting(what: str, fn: Any) -> Any:
-        calls.append(what)
-        return await real_call(what, fn)
-
-    monkeypatch.setattr(store, "_call", counting)
+    calls = count_database_calls(store, monkeypatch)
     for sid in ("b", "c"):
         assert await store.get_session(sid) == Session(id=sid, title=sid)
     assert calls == []
