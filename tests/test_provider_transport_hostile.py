@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import socket
+import struct
 from typing import TYPE_CHECKING, Final
 
 import httpx
@@ -400,6 +402,78 @@ async def test_a_server_that_closes_mid_head_is_an_incomplete_response(partial: 
 
 async def test_a_silent_server_is_a_read_timeout(autojump_clock: trio.testing.MockClock) -> None:
     await hostile(([], "hang"), httpx.ReadTimeout, "no response head within the read timeout")
+
+
+#: A request body larger than a loopback socket's buffers on both sides take at once.
+HUGE: Final = 32 * 1024 * 1024
+
+
+@contextlib.asynccontextmanager
+async def unread(*, reset: bool) -> AsyncIterator[tuple[Http11Transport, str, trio.Event]]:
+    """A transport, and a server that reads the start of a request and then stops reading it
+    (``reset``: resets the connection instead); the event is set when a connection ends."""
+    ended = trio.Event()
+
+    async def handle(stream: trio.SocketStream) -> None:
+        try:
+            await stream.receive_some(65536)
+            if reset:
+                linger = struct.pack("ii", 1, 0)  # close with a reset, not an orderly end
+                stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                await trio.aclose_forcefully(stream)
+                return
+            await trio.sleep_forever()
+        finally:
+            ended.set()
+
+    transport = Http11Transport(
+        ssl_context=shared_ssl_context(), max_connections=1, keepalive_expiry=30.0
+    )
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(trio.serve_tcp, host="127.0.0.1")
+        listeners = await nursery.start(serve, handle, 0)
+        port = listeners[0].socket.getsockname()[1]
+        try:
+            yield transport, f"http://127.0.0.1:{port}/v1/chat", ended
+        finally:
+            await transport.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def huge_request(url: str) -> httpx.Request:
+    timeouts = {"connect": 5.0, "read": 5.0, "write": None, "pool": None}
+    return httpx.Request("POST", url, content=b"x" * HUGE, extensions={"timeout": timeouts})
+
+
+async def test_a_request_the_server_stops_reading_waits_and_a_cancel_ends_it() -> None:
+    """The socket takes part of the request at once and the rest waits for room (the
+    provider's first_byte_timeout bounds it); a cancel meanwhile leaks no connection."""
+    with trio.fail_after(WAIT):
+        async with unread(reset=False) as (transport, url, _ended):
+            scope = trio.CancelScope()
+            outcome: list[bool] = []
+
+            async def send() -> None:
+                with scope:
+                    await transport.handle_async_request(huge_request(url))
+                outcome.append(scope.cancelled_caught)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                await trio.testing.wait_all_tasks_blocked()
+                assert outcome == []  # waiting for the server to read
+                scope.cancel()
+            assert outcome == [True]
+            assert counts(transport) == (0, 0)
+
+
+async def test_a_server_that_resets_while_the_request_is_written_is_a_write_error() -> None:
+    with trio.fail_after(WAIT):
+        async with unread(reset=True) as (transport, url, ended):
+            with pytest.raises(httpx.WriteError, match="writing the request failed"):
+                await transport.handle_async_request(huge_request(url))
+            assert counts(transport) == (0, 0)
+            await ended.wait()
 
 
 # -- request header injection ----------------------------------------------------------------
