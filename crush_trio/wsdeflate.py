@@ -305,13 +305,6 @@ class Lane:
         self.head += 1
         return frame
 
-    def add_line(self, event: Event) -> bytes:
-        """Compress ``event``'s line (its envelope and a newline) at the head; the compressed
-        piece, ending with its sync flush (:meth:`BoundedDeflate.frame_lines`)."""
-        line = event.text.encode() + b"\n"
-        piece = self.deflater.compress(line) + self.deflater.flush(zlib.Z_SYNC_FLUSH)
-        return self._log(event, piece, len(line) + len(piece))
-
     def logged(self, pos: int, event: object) -> bytes | None:
         """The frame this lane sent as its event number ``pos`` when that was ``event`` and
         the frame is still logged; else None."""
@@ -321,16 +314,15 @@ class Lane:
         return None
 
 
-#: Lanes by the event they started with, newest last, per window bits and form (frames, or the
-#: lines of connections that take batches): connections whose first compressed event (on
-#: connecting, or after leaving their lane) is the same share a lane.
-_LANE_STARTS: dict[tuple[int, bool], collections.OrderedDict[Hashable, weakref.ref[Lane]]] = {}
+#: Lanes by the event they started with, newest last, per window bits: connections whose first
+#: compressed event (on connecting, or after leaving their lane) is the same share a lane.
+_LANE_STARTS: dict[int, collections.OrderedDict[Hashable, weakref.ref[Lane]]] = {}
 
 
-def _start_lane(event: Event, shared: bytes | None, window_bits: int) -> tuple[Lane, bytes]:
-    """A lane whose first event is ``event``, and its frame (``shared`` None: its line, see
-    :meth:`Lane.add_line`): one that started with it and still logs it, else a new one."""
-    starts = _LANE_STARTS.setdefault((window_bits, shared is None), collections.OrderedDict())
+def _start_lane(event: Event, shared: bytes, window_bits: int) -> tuple[Lane, bytes]:
+    """A lane whose first event is ``event``, and its frame: one that started with it and
+    still logs it, else a new one."""
+    starts = _LANE_STARTS.setdefault(window_bits, collections.OrderedDict())
     ref = starts.get(event)
     lane = ref() if ref is not None else None
     if lane is not None:
@@ -338,12 +330,106 @@ def _start_lane(event: Event, shared: bytes | None, window_bits: int) -> tuple[L
         if frame is not None:
             return lane, frame
     lane = Lane(window_bits)
-    frame = lane.add_line(event) if shared is None else lane.add(event, shared)
+    frame = lane.add(event, shared)
+    _remember_start(starts, event, lane)
+    return lane, frame
+
+
+def _remember_start(
+    starts: collections.OrderedDict[Hashable, weakref.ref[Any]], event: Event, lane: object
+) -> None:
     starts[event] = weakref.ref(lane)
     starts.move_to_end(event)
     while len(starts) > MAX_BRANCHES:
         starts.popitem(last=False)
-    return lane, frame
+
+
+class LineLane:
+    """One websocket compressor shared by the connections that take batches (``batch=1``) and
+    were sent the same events in the same order, with the pieces of its last :data:`LANE_LOG`
+    groups (:meth:`BoundedDeflate.frame_lines`).
+
+    The connection at the lane's head compresses the events of its frame as one piece: their
+    lines (each envelope and a newline) and one sync flush. A flush per event would cost about
+    twice the CPU and a third more bytes (each flush ends a deflate block, and each block
+    starts its codes anew). A connection behind the head sends the logged pieces of the groups
+    at its position, several in one frame when its frame holds them all (pieces end on a byte
+    boundary, so they join). One whose frame ends inside a logged group (its events came in
+    other frames) cannot use that piece and starts a lane of its own, as does one that missed
+    an event or got one of its own: a new compressor is valid at any point of a connection.
+    """
+
+    __slots__ = ("__weakref__", "deflater", "groups", "head", "logged_bytes", "starts")
+
+    def __init__(self, window_bits: int) -> None:
+        self.deflater: Deflater = zlib.compressobj(
+            COMPRESS_LEVEL, zlib.DEFLATED, -window_bits, SERVER_MEM_LEVEL
+        )
+        #: Events compressed so far.
+        self.head = 0
+        #: The logged groups by the position of their first event: their events (compared by
+        #: identity: one object per published event) and their piece.
+        self.starts: dict[int, tuple[tuple[Event, ...], bytes]] = {}
+        #: The logged groups' positions and bytes (their lines and piece), oldest first.
+        self.groups: collections.deque[tuple[int, int]] = collections.deque()
+        self.logged_bytes = 0
+
+    def add(self, events: Sequence[Event]) -> bytes:
+        """Compress ``events`` as one group at the head; its piece, ending with the flush."""
+        data = "".join([event.text + "\n" for event in events]).encode()
+        piece = self.deflater.compress(data) + self.deflater.flush(zlib.Z_SYNC_FLUSH)
+        start = self.head
+        self.starts[start] = (tuple(events), piece)
+        size = len(data) + len(piece)
+        self.groups.append((start, size))
+        self.logged_bytes += size
+        self.head = start + len(events)
+        while len(self.groups) > LANE_LOG or (
+            self.logged_bytes > LANE_LOG_BYTES and len(self.groups) > 1
+        ):
+            old, old_size = self.groups.popleft()
+            del self.starts[old]
+            self.logged_bytes -= old_size
+        return piece
+
+    def logged(self, pos: int, events: Sequence[Event], i: int) -> tuple[bytes, int] | None:
+        """The piece of the group logged at ``pos`` and its length in events, when it is the
+        next events of ``events`` from index ``i`` on; else None."""
+        entry = self.starts.get(pos)
+        if entry is None:
+            return None
+        group, piece = entry
+        n = len(group)
+        if n > len(events) - i:
+            return None
+        for k in range(n):
+            if group[k] is not events[i + k]:
+                return None
+        return piece, n
+
+
+#: Line lanes by the event they started with, per window bits (as :data:`_LANE_STARTS`).
+_LINE_LANE_STARTS: dict[int, collections.OrderedDict[Hashable, weakref.ref[LineLane]]] = {}
+
+
+def _start_line_lane(
+    events: Sequence[Event], i: int, window_bits: int
+) -> tuple[LineLane, bytes, int]:
+    """A line lane whose first events are ``events[i:]``: one that started with them and still
+    logs its first group, else a new one; with the piece of its first group and the group's
+    length in events."""
+    starts = _LINE_LANE_STARTS.setdefault(window_bits, collections.OrderedDict())
+    first = events[i]
+    ref = starts.get(first)
+    lane = ref() if ref is not None else None
+    if lane is not None:
+        hit = lane.logged(0, events, i)
+        if hit is not None:
+            return lane, *hit
+    lane = LineLane(window_bits)
+    piece = lane.add(events[i:] if i else events)
+    _remember_start(starts, first, lane)
+    return lane, piece, len(events) - i
 
 
 #: The state every connection's compression starts from, by window bits and context takeover.
@@ -391,6 +477,8 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
         #: takeover its lane and its position in it, else the state shared by every frame; None
         #: before the first.
         self._lane: Lane | None = None
+        #: ... or, for a connection that takes batches, its line lane (:meth:`frame_lines`).
+        self._line_lane: LineLane | None = None
         self._pos = 0
         self._cohort: Cohort | None = None
         #: The connection's zlib decompressor, created with its first compressed message.
@@ -549,24 +637,32 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
         """One compressed message carrying ``events`` as lines (each envelope and a newline),
         for a connection that takes batches (``batch=1``) with context takeover.
 
-        Each event is compressed on its own into the connection's lane, ending with a sync
-        flush, and the message is the pieces joined (the last flush's tail taken off, RFC 7692
-        §7.2.1): so connections sent the same events share their lane whichever frames the
-        events were grouped in (a command's reply between two events of one connection splits
-        its frame there, not its compression). Every compressed event of such a connection
-        goes through here, a lone one too."""
-        bits = min(self.server_max_window_bits, SERVER_WINDOW_BITS)
+        The events are compressed into the connection's :class:`LineLane` as one group with
+        one sync flush, or sent as the pieces the lane logged for them when another connection
+        compressed them first; the message is the pieces joined (the last flush's tail taken
+        off, RFC 7692 §7.2.1). Every compressed event of such a connection goes through here,
+        a lone one too."""
         pieces = []
-        for event in events:
-            lane, pos = self._lane, self._pos
-            piece = None
+        i, n = 0, len(events)
+        while i < n:
+            lane, pos = self._line_lane, self._pos
             if lane is not None:
-                self._pos = pos + 1
-                piece = lane.add_line(event) if pos == lane.head else lane.logged(pos, event)
-            if piece is None:
-                self._lane, piece = _start_lane(event, None, bits)
-                self._pos = 1
+                if pos == lane.head:
+                    pieces.append(lane.add(events[i:] if i else events))
+                    self._pos = lane.head
+                    break
+                hit = lane.logged(pos, events, i)
+                if hit is not None:
+                    piece, k = hit
+                    pieces.append(piece)
+                    self._pos = pos + k
+                    i += k
+                    continue
+            bits = min(self.server_max_window_bits, SERVER_WINDOW_BITS)
+            self._line_lane, piece, k = _start_line_lane(events, i, bits)
             pieces.append(piece)
+            self._pos = k
+            i += k
         data = b"".join(pieces)[:-4]
         return frame_header(0xC1, len(data)) + data  # FIN, RSV1, text
 
@@ -590,6 +686,7 @@ class BoundedDeflate(PerMessageDeflate, BoundedExtension):
     def release(self) -> None:
         """The connection is over: it leaves its compression state (:meth:`frame`)."""
         self._lane = None
+        self._line_lane = None
         cohort, self._cohort = self._cohort, None
         if cohort is not None:
             cohort.members -= 1

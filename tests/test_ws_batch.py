@@ -2,8 +2,9 @@
 
 The first half drives :func:`~crush_trio.broker.batch_frames` and the compression of batches
 without a server: which events go together, in what order, under which bound; that connections
-sent the same events together share one frame; and that connections whose frames group the same
-events differently (a command's reply splits one of them) still share one compressor. The second
+sent the same events together share one frame and one compression; that a frame's events are
+compressed as one group; and when connections whose frames group the same events differently (a
+command's reply splits one of them) share one compressor. The second
 half checks the wire through a real server: a connection that asked for batches reads the same
 envelopes, in the same order, as one that did not, in fewer frames, compressed or not.
 """
@@ -63,11 +64,13 @@ def test_consecutive_events_go_in_one_frame_and_a_connections_own_frames_alone()
     e = [event(i) for i in range(1, 8)]
     sent = [hello, e[0], e[1], e[2], reply, e[3], gap, e[4], e[5], e[6]]
     frames = batch_frames(sent, cache)
-    assert [f.type for f in frames] == ["hello", "batch", "reply", "message_delta", "gap", "batch"]
-    assert [frames[i] for i in (0, 2, 3, 4)] == [hello, reply, e[3], gap]
-    # Read in order, the frames carry exactly what was sent.
-    assert envelopes(frames) == [orjson.loads(x.text) for x in sent]
-    assert (frames[1].seq, frames[5].seq) == (3, 7)
+    assert [f.type for f in frames] == ["hello", "batch", "gap", "batch", "reply"]
+    assert [frames[i] for i in (0, 2, 4)] == [hello, gap, reply]
+    # Read in order, the frames carry what was sent, the reply after the events written with
+    # it (it splits no group of events).
+    moved = [hello, *e[:4], gap, *e[4:], reply]
+    assert envelopes(frames) == [orjson.loads(x.text) for x in moved]
+    assert (frames[1].seq, frames[3].seq) == (4, 7)
     assert frames[1].size == len(frames[1].text.encode())
     # A lone event is its own frame: no array of one.
     assert batch_frames([e[0]], cache) == [e[0]]
@@ -118,17 +121,47 @@ def inflate_frames(data: bytes, inflater: Any) -> list[str]:
     return texts
 
 
+@pytest.mark.parametrize("replied_first", [True, False])
+def test_a_reply_written_with_events_splits_no_compressed_group(replied_first: bool) -> None:
+    """A connection that sent a command gets its reply written together with events that the
+    other connection gets too: the reply goes after them, so both compress the same group
+    (once, whichever is written first), and each reads its envelopes in order."""
+    a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
+    cache = BatchCache()
+    e = [event(i) for i in range(1, 9)]
+    reply = Event(0, "reply", '{"type":"reply","id":1}', False)
+    a_groups = batch_groups([*e[:3], reply, *e[3:]])
+    assert [len(g) for g in a_groups] == [8, 1]
+    order = [(a, a_groups), (b, batch_groups(e))]
+    written = {
+        id(c): b"".join(c.frame_group(g, cache.get) for g in gs)
+        for c, gs in (order if replied_first else order[::-1])
+    }
+    assert a._line_lane is b._line_lane
+    lane = a._line_lane
+    assert lane is not None
+    assert (lane.head, len(lane.groups)) == (8, 1)
+    expected = [orjson.loads(x.text) for x in e]
+    assert [
+        x for t in inflate_frames(written[id(b)], zlib.decompressobj(-15)) for x in lines(t)
+    ] == expected
+    a_frames = written[id(a)]
+    assert a_frames.endswith(reply.ws_frame)  # uncompressed, after the events
+    (text,) = inflate_frames(a_frames[: -len(reply.ws_frame)], zlib.decompressobj(-15))
+    assert lines(text) == expected
+
+
 def test_connections_grouped_differently_share_one_compressor() -> None:
-    """One connection gets its events in two frames (a reply came between them), the other in
-    one: the compressed events are the same, so both stay on one compressor, and each reads its
-    envelopes back in order."""
+    """One connection gets its events in two frames (written at two moments), the other in
+    one, compressed after them: its frame is the two logged pieces joined, so both stay on one
+    compressor, and each reads its envelopes back in order."""
     a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
     cache = BatchCache()
     e = [event(i) for i in range(1, 9)]
     a_frames = b"".join(a.frame_group(g, cache.get) for g in batch_groups(e[:3]))
     a_frames += b"".join(a.frame_group(g, cache.get) for g in batch_groups(e[3:]))
     b_frames = b"".join(b.frame_group(g, cache.get) for g in batch_groups(e))
-    assert a._lane is b._lane  # one compressor for both: each event compressed once
+    assert a._line_lane is b._line_lane  # one compressor for both: each event compressed once
     inflate_a, inflate_b = zlib.decompressobj(-15), zlib.decompressobj(-15)
     read_a = inflate_frames(a_frames, inflate_a)
     read_b = inflate_frames(b_frames, inflate_b)
@@ -141,7 +174,50 @@ def test_connections_grouped_differently_share_one_compressor() -> None:
     for deflate, inflater in ((a, inflate_a), (b, inflate_b)):
         (text,) = inflate_frames(deflate.frame_group([more], cache.get), inflater)
         assert lines(text) == [orjson.loads(more.text)]
-    assert a._lane is b._lane
+    assert a._line_lane is b._line_lane
+
+
+def test_a_frames_events_are_one_compressed_group_that_followers_send_as_logged() -> None:
+    """The events of one frame are compressed together, with one flush: fewer bytes than a
+    frame each; a connection sent the same frame sends the logged bytes (one compression)."""
+    a, b, c = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
+    cache = BatchCache()
+    e = [event(i) for i in range(1, 9)]
+    together = a.frame_group(e, cache.get)
+    assert b.frame_group(e, cache.get) == together
+    assert a._line_lane is b._line_lane
+    lane = a._line_lane
+    assert lane is not None
+    assert (lane.head, len(lane.groups)) == (8, 1)
+    one_by_one = b"".join(c.frame_group([x], cache.get) for x in e)
+    assert c._line_lane is not lane  # its first frame ends inside the lane's first group
+    assert len(together) < len(one_by_one)
+    expected = [orjson.loads(x.text) for x in e]
+    (text,) = inflate_frames(together, zlib.decompressobj(-15))
+    assert lines(text) == expected
+    texts = inflate_frames(one_by_one, zlib.decompressobj(-15))
+    assert [x for t in texts for x in lines(t)] == expected
+
+
+def test_a_connection_whose_frame_ends_inside_a_logged_group_leaves_the_lane() -> None:
+    """The connection compressed first sent eight events in one frame; another gets them in two
+    (its writer took them in two parts): it cannot send part of the logged piece, so it
+    compresses its own, and both read their envelopes in order."""
+    a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
+    cache = BatchCache()
+    e = [event(i) for i in range(1, 10)]
+    a_frames = a.frame_group(e[:8], cache.get)
+    b_frames = b.frame_group(e[:3], cache.get) + b.frame_group(e[3:8], cache.get)
+    assert a._line_lane is not b._line_lane
+    inflate_a, inflate_b = zlib.decompressobj(-15), zlib.decompressobj(-15)
+    expected = [orjson.loads(x.text) for x in e]
+    (text,) = inflate_frames(a_frames, inflate_a)
+    assert lines(text) == expected[:8]
+    assert [x for t in inflate_frames(b_frames, inflate_b) for x in lines(t)] == expected[:8]
+    # Each carries on in its own lane.
+    for deflate, inflater in ((a, inflate_a), (b, inflate_b)):
+        (text,) = inflate_frames(deflate.frame_group([e[8]], cache.get), inflater)
+        assert lines(text) == expected[8:]
 
 
 def test_the_batch_query_is_parsed_with_the_stream() -> None:
