@@ -467,7 +467,9 @@ class MessageService:
         number."""
         if self._reader_due(message_id) < self._sleep_until:
             self._wakeup.set()
-        lot = self._readers.setdefault(message_id, trio.lowlevel.ParkingLot())
+        lot = self._readers.get(message_id)
+        if lot is None:
+            lot = self._readers[message_id] = trio.lowlevel.ParkingLot()
         try:
             await lot.park()
         finally:
