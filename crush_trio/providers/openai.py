@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 DEFAULT_OPENAI_BASE_URL: Final = "https://api.openai.com/v1"
 #: The stream's last event.
 DONE_MARKER: Final = "[DONE]"
+#: Longest event data that :func:`_is_done` strips to compare with :data:`DONE_MARKER`.
+MAX_DONE_CHARS: Final = 64
 
 _FINISH_REASONS: Final = {
     "stop": FinishReason.END_TURN,
@@ -357,7 +359,9 @@ def _int(value: Any) -> int:
 
 
 def _is_done(event: SSEEvent) -> bool:
-    return event.data.strip() == DONE_MARKER
+    data = event.data
+    # Only a short event can be the marker: a chunk's data is not copied to strip it.
+    return len(data) <= MAX_DONE_CHARS and data.strip() == DONE_MARKER
 
 
 # ---------------------------------------------------------------------------------------------
