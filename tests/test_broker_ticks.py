@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import trio
 import trio.testing
 
+from crush_trio.broker import Event
+
 from .conftest import WAIT, running_server
 from .test_on_demand_writer import CAP, Served, lossy, seq_of, serve
 
@@ -102,6 +104,59 @@ async def test_a_batch_within_a_tick_is_written_at_the_tick_end_in_order(
             await trio.testing.wait_all_tasks_blocked()
             assert c.sock.direct_writes == [1, 4]
             assert seqs(c) == [1, 2, 3, 4, 5]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_reply_writes_what_was_held_before_it_then_itself(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A command's reply to a connection that holds frames of a batch: the held frames go out
+    first, in one write, then the reply, and the batch's later frames at its end. The wire has
+    the publishes' order; and a connection that takes batches has its frames split at the reply
+    written before the other connections' (whose frames then join its compressed pieces,
+    tests/test_ws_batch.py)."""
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            await ticking(nursery, c)
+            (client,) = c.broker.clients
+            reply = Event(0, "reply", '{"type":"reply","id":1}', False)
+            with c.broker.batched():
+                for n in range(3):
+                    c.broker.publish(lossy(n))
+                assert c.sock.direct_writes == [1]  # the rest held for the batch's end
+                assert client.try_deliver_nowait(reply)
+                assert c.sock.direct_writes == [1, 2, 1]
+                for n in range(3, 5):
+                    c.broker.publish(lossy(n))
+                assert c.sock.direct_writes == [1, 2, 1]
+            assert c.sock.direct_writes == [1, 2, 1, 2]
+            types = [f.type for f in c.sock.wire[1:]]
+            assert types == ["agent_event"] * 3 + ["reply"] + ["agent_event"] * 2
+            assert [seq_of(f) for f in c.sock.wire[1:] if f.type != "reply"] == [1, 2, 3, 4, 5]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_reply_behind_held_frames_the_socket_refuses_waits_behind_them(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            await ticking(nursery, c)
+            (client,) = c.broker.clients
+            reply = Event(0, "reply", '{"type":"reply","id":1}', False)
+            with c.broker.batched():
+                for n in range(3):
+                    c.broker.publish(lossy(n))
+                c.sock.blocked = True
+                assert client.try_deliver_nowait(reply)  # queued, behind the two held
+                c.broker.publish(lossy(3))
+            c.sock.unblock()
+            await trio.testing.wait_all_tasks_blocked()
+            types = [f.type for f in c.sock.wire[1:]]
+            assert types == ["agent_event"] * 3 + ["reply", "agent_event"]
+            assert c.sock.how[1:] == ["direct"] + ["writer"] * 4
             nursery.cancel_scope.cancel()
 
 

@@ -4,7 +4,7 @@ The first half drives :func:`~crush_trio.broker.batch_frames` and the compressio
 without a server: which events go together, in what order, under which bound; that connections
 sent the same events together share one frame and one compression; that a frame's events are
 compressed as one group; and when connections whose frames group the same events differently (a
-command's reply splits one of them) share one compressor. The second
+command's reply splits one of them, tests/test_broker_ticks.py) share one compressor. The second
 half checks the wire through a real server: a connection that asked for batches reads the same
 envelopes, in the same order, as one that did not, in fewer frames, compressed or not.
 """
@@ -64,13 +64,11 @@ def test_consecutive_events_go_in_one_frame_and_a_connections_own_frames_alone()
     e = [event(i) for i in range(1, 8)]
     sent = [hello, e[0], e[1], e[2], reply, e[3], gap, e[4], e[5], e[6]]
     frames = batch_frames(sent, cache)
-    assert [f.type for f in frames] == ["hello", "batch", "gap", "batch", "reply"]
-    assert [frames[i] for i in (0, 2, 4)] == [hello, gap, reply]
-    # Read in order, the frames carry what was sent, the reply after the events written with
-    # it (it splits no group of events).
-    moved = [hello, *e[:4], gap, *e[4:], reply]
-    assert envelopes(frames) == [orjson.loads(x.text) for x in moved]
-    assert (frames[1].seq, frames[3].seq) == (4, 7)
+    assert [f.type for f in frames] == ["hello", "batch", "reply", "message_delta", "gap", "batch"]
+    assert [frames[i] for i in (0, 2, 3, 4)] == [hello, reply, e[3], gap]
+    # Read in order, the frames carry exactly what was sent.
+    assert envelopes(frames) == [orjson.loads(x.text) for x in sent]
+    assert (frames[1].seq, frames[5].seq) == (3, 7)
     assert frames[1].size == len(frames[1].text.encode())
     # A lone event is its own frame: no array of one.
     assert batch_frames([e[0]], cache) == [e[0]]
@@ -121,40 +119,11 @@ def inflate_frames(data: bytes, inflater: Any) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("replied_first", [True, False])
-def test_a_reply_written_with_events_splits_no_compressed_group(replied_first: bool) -> None:
-    """A connection that sent a command gets its reply written together with events that the
-    other connection gets too: the reply goes after them, so both compress the same group
-    (once, whichever is written first), and each reads its envelopes in order."""
-    a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
-    cache = BatchCache()
-    e = [event(i) for i in range(1, 9)]
-    reply = Event(0, "reply", '{"type":"reply","id":1}', False)
-    a_groups = batch_groups([*e[:3], reply, *e[3:]])
-    assert [len(g) for g in a_groups] == [8, 1]
-    order = [(a, a_groups), (b, batch_groups(e))]
-    written = {
-        id(c): b"".join(c.frame_group(g, cache.get) for g in gs)
-        for c, gs in (order if replied_first else order[::-1])
-    }
-    assert a._line_lane is b._line_lane
-    lane = a._line_lane
-    assert lane is not None
-    assert (lane.head, len(lane.groups)) == (8, 1)
-    expected = [orjson.loads(x.text) for x in e]
-    assert [
-        x for t in inflate_frames(written[id(b)], zlib.decompressobj(-15)) for x in lines(t)
-    ] == expected
-    a_frames = written[id(a)]
-    assert a_frames.endswith(reply.ws_frame)  # uncompressed, after the events
-    (text,) = inflate_frames(a_frames[: -len(reply.ws_frame)], zlib.decompressobj(-15))
-    assert lines(text) == expected
-
-
 def test_connections_grouped_differently_share_one_compressor() -> None:
-    """One connection gets its events in two frames (written at two moments), the other in
-    one, compressed after them: its frame is the two logged pieces joined, so both stay on one
-    compressor, and each reads its envelopes back in order."""
+    """One connection gets its events in two frames (a reply came between them: what it held
+    before the reply is written at once, ahead of the others), the other in one, compressed
+    after them: its frame is the two logged pieces joined, so both stay on one compressor, and
+    each reads its envelopes back in order."""
     a, b = BoundedDeflate(1 << 20), BoundedDeflate(1 << 20)
     cache = BatchCache()
     e = [event(i) for i in range(1, 9)]

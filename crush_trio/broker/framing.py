@@ -240,20 +240,13 @@ def batch_groups(events: Sequence[Event], max_bytes: int = MAX_BATCH_BYTES) -> l
     """``events`` grouped into the frames of a connection that takes batches (``batch=1``):
     each run of consecutive events that fits in ``max_bytes`` is one group; an event of
     :data:`UNBATCHED_TYPES` and an event of ``max_bytes`` or more are a group of their own. The
-    order is kept, except that a command's reply goes after the other frames written with it
-    (docs/protocol.md §6.1): it then splits no group, so a connection that sends commands gets
-    the same groups of events as the others written the same events, and shares their
-    compression (:meth:`~crush_trio.wsdeflate.BoundedDeflate.frame_lines`)."""
+    order is kept."""
     groups: list[list[Event]] = []
-    replies: list[list[Event]] = []
     run: list[Event] = []
     run_bytes = 0
     for event in events:
         cost = event.size + 1
         if event.type in UNBATCHED_TYPES or cost > max_bytes:
-            if event.type == "reply":
-                replies.append([event])
-                continue
             if run:
                 groups.append(run)
                 run, run_bytes = [], 0
@@ -266,7 +259,7 @@ def batch_groups(events: Sequence[Event], max_bytes: int = MAX_BATCH_BYTES) -> l
         run_bytes += cost
     if run:
         groups.append(run)
-    return groups + replies if replies else groups
+    return groups
 
 
 def batch_frames(

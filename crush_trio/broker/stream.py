@@ -250,8 +250,20 @@ class ClientStream(Outbox):
             return False
         held = self._held
         if held is not None:  # a batch's first frame went out whole: the rest go at its end
-            held.append(item)
-            return True
+            if item.type != "reply":
+                held.append(item)
+                return True
+            # A command's reply: what was held before it goes now, then the reply. The frames of
+            # a connection that takes batches are split at its replies; written now, before the
+            # other connections' frames of the batch, this connection's split frames are the ones
+            # compressed first, and the others' frames join their compressed pieces
+            # (BoundedDeflate.frame_lines) rather than this one leaving their compressor.
+            self.release_held()
+            if self.items:  # the socket did not take them all: the reply waits behind them
+                self.items.append(item)
+                self.bytes += item.size
+                return True
+            return self._send_now(item)
         done = send_now((item,))
         if done == NOT_SENT:
             return False
