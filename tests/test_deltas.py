@@ -164,6 +164,8 @@ def test_apply_delta_skips_what_the_client_has_and_refuses_holes() -> None:
     assert not wire.apply_delta(msg, MessageDelta("m", "s", 0, DeltaPartType.TEXT, 9, "x"))
     assert not wire.apply_delta(msg, MessageDelta("m", "s", 2, DeltaPartType.TEXT, 0, "x"))
     assert not wire.apply_delta(msg, MessageDelta("m", "s", 0, DeltaPartType.REASONING, 0, "x"))
+    assert not wire.apply_delta(msg, MessageDelta("m", "s", 0, DeltaPartType.TEXT, -1, "x"))
+    assert fields(msg) == [("text", "héllo🙂")]
     # A delta at the next index creates the part; a tool call part takes its id and name.
     call = MessageDelta("m", "s", 1, DeltaPartType.TOOL_CALL, 0, '{"a"', "c1", "bash")
     assert wire.apply_delta(msg, call)

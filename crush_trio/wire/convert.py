@@ -108,6 +108,19 @@ def _make_converter() -> cattrs.Converter:
             tool_name=override(omit_if_default=True),
         ),
     )
+    # A delta's index and offset are never negative. The check is here, where a delta comes in,
+    # rather than a validator of the class: the server builds one per streamed token, and an
+    # attrs validator costs several times the rest of the construction.
+    structure_delta = conv.get_structure_hook(MessageDelta)
+
+    def structure_checked_delta(value: Any, cls: Any) -> MessageDelta:
+        delta: MessageDelta = structure_delta(value, cls)
+        for name in ("part", "offset"):
+            if getattr(delta, name) < 0:
+                raise ValueError(f"'{name}' must be >= 0: {getattr(delta, name)}")
+        return delta
+
+    conv.register_structure_hook(MessageDelta, structure_checked_delta)
     # A job's last piece says so with its exit code; other pieces leave both out.
     conv.register_unstructure_hook(
         ToolOutput,

@@ -34,13 +34,15 @@ class MessageDelta:
     ``offset`` is the length of the part's field before this append, in Unicode code points
     (``len(str)``). A delta whose ``part`` equals the number of parts creates the part
     (``offset`` 0); one that creates a tool call part carries ``tool_call_id`` and ``tool_name``.
+    Neither ``part`` nor ``offset`` is negative: the converter refuses such a delta
+    (:mod:`crush_trio.wire.convert`), and :func:`apply_delta` does not apply one.
     """
 
     message_id: str
     session_id: str
-    part: int = attrs.field(validator=attrs.validators.ge(0))
+    part: int
     part_type: DeltaPartType
-    offset: int = attrs.field(validator=attrs.validators.ge(0))
+    offset: int
     text: str
     tool_call_id: str = ""
     tool_name: str = ""
@@ -64,6 +66,8 @@ def apply_delta(message: Message, delta: MessageDelta) -> bool:
     the message. Text the message already holds is skipped (``offset`` below its length).
     """
     parts = message.parts
+    if delta.offset < 0:
+        return False
     if delta.part == len(parts):
         if delta.offset != 0:
             return False
