@@ -7,6 +7,7 @@ with one socket that never reads, which a client library (it reconnects) would h
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -24,10 +25,12 @@ import trio
 import trio.testing
 
 from crush_trio.backend.registry import Backend
+from crush_trio.backend.workspace import Workspace
 from crush_trio.client import Event, connect
 from crush_trio.config import ServerOptions
 from crush_trio.core.holds import Holds, HoldState
 from crush_trio.embedded import embedded
+from crush_trio.errors import Fenced
 from crush_trio.store import Store
 from crush_trio.wire import FinishReason, Message, Role, Run, RunStatus, Session, TextPart
 
@@ -350,3 +353,28 @@ async def test_runs_left_running_by_a_killed_server_are_marked_failed(tmp_path: 
     assert finish is not None
     assert finish.reason is FinishReason.ERROR
     assert msgs[-1].parts[0] == TextPart("half a rep")
+
+
+async def test_a_close_step_a_newer_owner_refuses_is_told_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node whose workspace was taken over finds its last writes refused at close (Fenced):
+    each is one warning line, not a traceback; any other failure keeps its traceback."""
+    workspace = object.__new__(Workspace)  # _close_step needs only the id
+    workspace.id = "w-fenced"
+
+    async def fenced() -> None:
+        raise Fenced("workspace 'w-fenced' is no longer owned by this node")
+
+    async def broken() -> None:
+        raise RuntimeError("disk on fire")
+
+    with caplog.at_level(logging.WARNING, logger="crush_trio.backend.workspace"):
+        await workspace._close_step("saving run records", fenced, 1.0)
+        await workspace._close_step("writing messages", broken, 1.0)
+    refused, failed = caplog.records
+    assert (refused.levelno, refused.exc_info) == (logging.WARNING, None)
+    assert "saving run records at close refused" in refused.getMessage()
+    assert "no longer owned" in refused.getMessage()
+    assert failed.levelno == logging.ERROR
+    assert failed.exc_info is not None

@@ -38,7 +38,7 @@ from ..changes import ChangeLog
 from ..changes.tracking import TrackedTools
 from ..core.holds import Holds
 from ..core.lifecycle import WorkspaceState, check_workspace_move
-from ..errors import WS_CLOSE_SERVICE_RESTART, BadRequest, Conflict
+from ..errors import WS_CLOSE_SERVICE_RESTART, BadRequest, Conflict, Fenced
 from ..logs import set_log_context
 from ..permissions import PermissionService
 from ..providers import make_provider
@@ -514,6 +514,8 @@ class Workspace:
         with trio.move_on_after(within, shield=True):
             try:
                 await step()
+            except Fenced as exc:  # a newer owner has the workspace: said in one line
+                log.warning("workspace %s: %s at close refused: %s", self.id, what, exc)
             except Exception:
                 log.exception("workspace %s: %s at close failed", self.id, what)
 
