@@ -19,6 +19,7 @@ from .conftest import WAIT, running_server
 from .test_on_demand_writer import CAP, Served, lossy, seq_of, serve
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from pathlib import Path
 
     from crush_trio.broker import Broker
@@ -42,6 +43,21 @@ async def ticking(nursery: trio.Nursery, *served: Served) -> trio.CancelScope:
 
 def seqs(served: Served) -> list[int]:
     return [seq_of(frame) for frame in served.sock.wire[1:]]  # (after hello)
+
+
+def publish(broker: Broker, numbers: Iterable[int]) -> None:
+    for n in numbers:
+        broker.publish(lossy(n))
+
+
+def reply_to(served: Served) -> None:
+    """Give the connection's client a command's reply, as its command handler does."""
+    (client,) = served.broker.clients
+    assert client.try_deliver_nowait(Event(0, "reply", '{"type":"reply","id":1}', False))
+
+
+def wire_types(served: Served) -> list[str]:
+    return [frame.type for frame in served.sock.wire[1:]]  # (after hello)
 
 
 async def publish_from(broker: Broker, n: int) -> None:
@@ -119,20 +135,15 @@ async def test_a_reply_writes_what_was_held_before_it_then_itself(
         async with trio.open_nursery() as nursery:
             c = await serve(nursery)
             await ticking(nursery, c)
-            (client,) = c.broker.clients
-            reply = Event(0, "reply", '{"type":"reply","id":1}', False)
             with c.broker.batched():
-                for n in range(3):
-                    c.broker.publish(lossy(n))
+                publish(c.broker, range(3))
                 assert c.sock.direct_writes == [1]  # the rest held for the batch's end
-                assert client.try_deliver_nowait(reply)
+                reply_to(c)
                 assert c.sock.direct_writes == [1, 2, 1]
-                for n in range(3, 5):
-                    c.broker.publish(lossy(n))
+                publish(c.broker, range(3, 5))
                 assert c.sock.direct_writes == [1, 2, 1]
             assert c.sock.direct_writes == [1, 2, 1, 2]
-            types = [f.type for f in c.sock.wire[1:]]
-            assert types == ["agent_event"] * 3 + ["reply"] + ["agent_event"] * 2
+            assert wire_types(c) == ["agent_event"] * 3 + ["reply"] + ["agent_event"] * 2
             assert [seq_of(f) for f in c.sock.wire[1:] if f.type != "reply"] == [1, 2, 3, 4, 5]
             nursery.cancel_scope.cancel()
 
@@ -144,18 +155,14 @@ async def test_a_reply_behind_held_frames_the_socket_refuses_waits_behind_them(
         async with trio.open_nursery() as nursery:
             c = await serve(nursery)
             await ticking(nursery, c)
-            (client,) = c.broker.clients
-            reply = Event(0, "reply", '{"type":"reply","id":1}', False)
             with c.broker.batched():
-                for n in range(3):
-                    c.broker.publish(lossy(n))
+                publish(c.broker, range(3))
                 c.sock.blocked = True
-                assert client.try_deliver_nowait(reply)  # queued, behind the two held
-                c.broker.publish(lossy(3))
+                reply_to(c)  # queued, behind the two held
+                publish(c.broker, range(3, 4))
             c.sock.unblock()
             await trio.testing.wait_all_tasks_blocked()
-            types = [f.type for f in c.sock.wire[1:]]
-            assert types == ["agent_event"] * 3 + ["reply", "agent_event"]
+            assert wire_types(c) == ["agent_event"] * 3 + ["reply", "agent_event"]
             assert c.sock.how[1:] == ["direct"] + ["writer"] * 4
             nursery.cancel_scope.cancel()
 
