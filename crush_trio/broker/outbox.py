@@ -161,6 +161,8 @@ class Outbox:
             return False
         if not depth and self._send_now(item):
             return True
+        items = self.items  # the direct write may have queued frames it held (ClientStream)
+        depth = len(items)
         if items is NO_ITEMS:
             items = self.items = collections.deque()
         items.append(item)

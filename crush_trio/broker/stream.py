@@ -259,10 +259,8 @@ class ClientStream(Outbox):
             # compressed first, and the others' frames join their compressed pieces
             # (BoundedDeflate.frame_lines) rather than this one leaving their compressor.
             self.release_held()
-            if self.items:  # the socket did not take them all: the reply waits behind them
-                self.items.append(item)
-                self.bytes += item.size
-                return True
+            if self.items:  # the socket did not take them all: the reply is queued behind them
+                return False
             return self._send_now(item)
         done = send_now((item,))
         if done == NOT_SENT:
