@@ -8,6 +8,7 @@ Every wait is bounded and time is the autojump clock's.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 import trio
@@ -19,7 +20,7 @@ from .conftest import WAIT, running_server
 from .test_on_demand_writer import CAP, Served, lossy, seq_of, serve
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import AsyncIterator, Iterable
     from pathlib import Path
 
     from crush_trio.broker import Broker
@@ -39,6 +40,17 @@ async def ticking(nursery: trio.Nursery, *served: Served) -> trio.CancelScope:
     for one in served:
         one.sock.direct_writes.clear()
     return scope
+
+
+@asynccontextmanager
+async def one_ticking() -> AsyncIterator[Served]:
+    """One connection served, its broker's ticks running, within the test's bound."""
+    with trio.fail_after(CAP):
+        async with trio.open_nursery() as nursery:
+            c = await serve(nursery)
+            await ticking(nursery, c)
+            yield c
+            nursery.cancel_scope.cancel()
 
 
 def seqs(served: Served) -> list[int]:
@@ -88,39 +100,31 @@ async def test_events_published_by_many_tasks_in_one_round_go_out_in_two_writes(
 async def test_a_lone_event_goes_out_at_once_and_each_round_opens_its_own_tick(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    with trio.fail_after(CAP):
-        async with trio.open_nursery() as nursery:
-            c = await serve(nursery)
-            await ticking(nursery, c)
-            c.broker.publish(lossy(0))
-            assert c.sock.direct_writes == [1]  # written before anything else runs
-            await trio.testing.wait_all_tasks_blocked()
-            c.broker.publish(lossy(1))
-            c.broker.publish(lossy(2))
-            assert c.sock.direct_writes == [1, 1]  # the second is held for the tick's end
-            await trio.testing.wait_all_tasks_blocked()
-            assert c.sock.direct_writes == [1, 1, 1]
-            assert seqs(c) == [1, 2, 3]
-            nursery.cancel_scope.cancel()
+    async with one_ticking() as c:
+        c.broker.publish(lossy(0))
+        assert c.sock.direct_writes == [1]  # written before anything else runs
+        await trio.testing.wait_all_tasks_blocked()
+        c.broker.publish(lossy(1))
+        c.broker.publish(lossy(2))
+        assert c.sock.direct_writes == [1, 1]  # the second is held for the tick's end
+        await trio.testing.wait_all_tasks_blocked()
+        assert c.sock.direct_writes == [1, 1, 1]
+        assert seqs(c) == [1, 2, 3]
 
 
 async def test_a_batch_within_a_tick_is_written_at_the_tick_end_in_order(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    with trio.fail_after(CAP):
-        async with trio.open_nursery() as nursery:
-            c = await serve(nursery)
-            await ticking(nursery, c)
-            c.broker.publish(lossy(0))
-            with c.broker.batched():
-                for n in range(1, 4):
-                    c.broker.publish(lossy(n))
-            c.broker.publish(lossy(4))
-            assert c.sock.direct_writes == [1]
-            await trio.testing.wait_all_tasks_blocked()
-            assert c.sock.direct_writes == [1, 4]
-            assert seqs(c) == [1, 2, 3, 4, 5]
-            nursery.cancel_scope.cancel()
+    async with one_ticking() as c:
+        c.broker.publish(lossy(0))
+        with c.broker.batched():
+            for n in range(1, 4):
+                c.broker.publish(lossy(n))
+        c.broker.publish(lossy(4))
+        assert c.sock.direct_writes == [1]
+        await trio.testing.wait_all_tasks_blocked()
+        assert c.sock.direct_writes == [1, 4]
+        assert seqs(c) == [1, 2, 3, 4, 5]
 
 
 async def test_a_reply_writes_what_was_held_before_it_then_itself(
@@ -131,60 +135,48 @@ async def test_a_reply_writes_what_was_held_before_it_then_itself(
     the publishes' order; and a connection that takes batches has its frames split at the reply
     written before the other connections' (whose frames then join its compressed pieces,
     tests/test_ws_batch.py)."""
-    with trio.fail_after(CAP):
-        async with trio.open_nursery() as nursery:
-            c = await serve(nursery)
-            await ticking(nursery, c)
-            with c.broker.batched():
-                publish(c.broker, range(3))
-                assert c.sock.direct_writes == [1]  # the rest held for the batch's end
-                reply_to(c)
-                assert c.sock.direct_writes == [1, 2, 1]
-                publish(c.broker, range(3, 5))
-                assert c.sock.direct_writes == [1, 2, 1]
-            assert c.sock.direct_writes == [1, 2, 1, 2]
-            assert wire_types(c) == ["agent_event"] * 3 + ["reply"] + ["agent_event"] * 2
-            assert [seq_of(f) for f in c.sock.wire[1:] if f.type != "reply"] == [1, 2, 3, 4, 5]
-            nursery.cancel_scope.cancel()
+    async with one_ticking() as c:
+        with c.broker.batched():
+            publish(c.broker, range(3))
+            assert c.sock.direct_writes == [1]  # the rest held for the batch's end
+            reply_to(c)
+            assert c.sock.direct_writes == [1, 2, 1]
+            publish(c.broker, range(3, 5))
+            assert c.sock.direct_writes == [1, 2, 1]
+        assert c.sock.direct_writes == [1, 2, 1, 2]
+        assert wire_types(c) == ["agent_event"] * 3 + ["reply"] + ["agent_event"] * 2
+        assert [seq_of(f) for f in c.sock.wire[1:] if f.type != "reply"] == [1, 2, 3, 4, 5]
 
 
 async def test_a_reply_behind_held_frames_the_socket_refuses_waits_behind_them(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    with trio.fail_after(CAP):
-        async with trio.open_nursery() as nursery:
-            c = await serve(nursery)
-            await ticking(nursery, c)
-            with c.broker.batched():
-                publish(c.broker, range(3))
-                c.sock.blocked = True
-                reply_to(c)  # queued, behind the two held
-                publish(c.broker, range(3, 4))
-            c.sock.unblock()
-            await trio.testing.wait_all_tasks_blocked()
-            assert wire_types(c) == ["agent_event"] * 3 + ["reply", "agent_event"]
-            assert c.sock.how[1:] == ["direct"] + ["writer"] * 4
-            nursery.cancel_scope.cancel()
+    async with one_ticking() as c:
+        with c.broker.batched():
+            publish(c.broker, range(3))
+            c.sock.blocked = True
+            reply_to(c)  # queued, behind the two held
+            publish(c.broker, range(3, 4))
+        c.sock.unblock()
+        await trio.testing.wait_all_tasks_blocked()
+        assert wire_types(c) == ["agent_event"] * 3 + ["reply", "agent_event"]
+        assert c.sock.how[1:] == ["direct"] + ["writer"] * 4
 
 
 async def test_frames_held_by_a_tick_that_the_socket_refuses_go_to_the_writer_in_order(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    with trio.fail_after(CAP):
-        async with trio.open_nursery() as nursery:
-            c = await serve(nursery)
-            await ticking(nursery, c)
-            for n in range(3):
-                c.broker.publish(lossy(n))
-            c.sock.blocked = True  # the socket fills before the tick ends
-            await trio.testing.wait_all_tasks_blocked()
-            assert c.task_names() == ["_write"]
-            c.broker.publish(lossy(3))  # behind the held two, in the queue
-            c.sock.unblock()
-            await trio.testing.wait_all_tasks_blocked()
-            assert seqs(c) == [1, 2, 3, 4]
-            assert c.sock.how[1:] == ["direct", "writer", "writer", "writer"]
-            nursery.cancel_scope.cancel()
+    async with one_ticking() as c:
+        for n in range(3):
+            c.broker.publish(lossy(n))
+        c.sock.blocked = True  # the socket fills before the tick ends
+        await trio.testing.wait_all_tasks_blocked()
+        assert c.task_names() == ["_write"]
+        c.broker.publish(lossy(3))  # behind the held two, in the queue
+        c.sock.unblock()
+        await trio.testing.wait_all_tasks_blocked()
+        assert seqs(c) == [1, 2, 3, 4]
+        assert c.sock.how[1:] == ["direct", "writer", "writer", "writer"]
 
 
 async def test_stopped_ticks_write_what_they_held_and_later_frames_go_out_at_once(
