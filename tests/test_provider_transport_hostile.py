@@ -197,6 +197,25 @@ def counts(transport: Http11Transport) -> tuple[int, int]:
     return transport.open_connections, transport.idle_connections
 
 
+async def cancel_once_blocked(transport: Http11Transport, req: httpx.Request) -> None:
+    """Send ``req`` until the sending task blocks; it has not ended then, and a cancel ends it
+    (cancelled, not failed)."""
+    scope = trio.CancelScope()
+    outcome: list[bool] = []
+
+    async def send() -> None:
+        with scope:
+            await transport.handle_async_request(req)
+        outcome.append(scope.cancelled_caught)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome == []
+        scope.cancel()
+    assert outcome == [True]
+
+
 async def hostile(reply: Reply, error: type[httpx.HTTPError], fragment: str) -> Wire:
     """Sends a request answered by ``reply``: it fails with ``error`` whose message has
     ``fragment``, the connection is closed and not counted, and the next request (on a new
@@ -450,20 +469,8 @@ async def test_a_request_the_server_stops_reading_waits_and_a_cancel_ends_it() -
     provider's first_byte_timeout bounds it); a cancel meanwhile leaks no connection."""
     with trio.fail_after(WAIT):
         async with unread(reset=False) as (transport, url, _ended):
-            scope = trio.CancelScope()
-            outcome: list[bool] = []
-
-            async def send() -> None:
-                with scope:
-                    await transport.handle_async_request(huge_request(url))
-                outcome.append(scope.cancelled_caught)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send)
-                await trio.testing.wait_all_tasks_blocked()
-                assert outcome == []  # waiting for the server to read
-                scope.cancel()
-            assert outcome == [True]
+            # It waits for the server to read until cancelled.
+            await cancel_once_blocked(transport, huge_request(url))
             assert counts(transport) == (0, 0)
 
 
@@ -595,24 +602,11 @@ async def test_a_request_beyond_max_connections_waits_for_a_response_to_close() 
 
 async def test_a_cancelled_waiting_request_leaves_the_counts_right() -> None:
     hang: Reply = ([OPEN_HEAD], "hang")
-    outcome: list[bool] = []
     with trio.fail_after(WAIT):
         async with wired(hang, hang, ([OK], "keep"), max_connections=2) as (transport, wire, url):
             first = await transport.handle_async_request(request(url))
             second = await transport.handle_async_request(request(url))
-            scope = trio.CancelScope()
-
-            async def waiter() -> None:
-                with scope:
-                    await transport.handle_async_request(request(url))
-                outcome.append(scope.cancelled_caught)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(waiter)
-                await trio.testing.wait_all_tasks_blocked()
-                assert outcome == []
-                scope.cancel()
-            assert outcome == [True]
+            await cancel_once_blocked(transport, request(url))  # waits for a connection
             assert counts(transport) == (2, 0)
             assert (wire.connections, wire.requests) == (2, 2)
             await first.aclose()
