@@ -247,11 +247,14 @@ class FakePacer:
         self.waits = 0
         self.empty = 0
 
-    async def before_read(self) -> bool:
+    async def before_read(self, read_now: object = None) -> bool:
         self.waits += 1
         await self.release.wait()
         self.release = trio.Event()
         return True
+
+    def taken(self) -> None:
+        return None
 
     def read_empty(self) -> None:
         self.empty += 1

@@ -12,6 +12,7 @@ stop it.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -177,6 +178,11 @@ class StepIO:
         stream = provider.stream(request)
         # The stream's reads wait for the message's publish passes while it streams.
         pacer = self.messages.read_pacer(msg.id)
+        # A publish pass may take plain text in itself, without this task (ReadTick).
+        pacer.fold.ready = lambda: (
+            progress.first_token and assembler.appending and self.messages.can_append(msg.id)
+        )
+        pacer.fold.take = functools.partial(self._take_plain, assembler, msg)
         paced = READ_PACER.set(pacer)
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
@@ -212,6 +218,17 @@ class StepIO:
                     ),
                     EventKind.CREATED,
                 )
+
+    def _take_plain(
+        self, assembler: StepAssembler, msg: Message, events: list[pb.StreamEvent]
+    ) -> None:
+        """Fold plain text taken in by a publish pass into the message, as :meth:`_consume`
+        does (the pass asked the fold's ``ready`` first)."""
+        for event in events:
+            assembler.feed(event)
+            if assembler.append is None:  # ``ready`` asked ``appending``: never here
+                raise RuntimeError("plain text taken in by a publish pass was not an append")
+            self.messages.append_nowait(msg, assembler.append)
 
     async def _on_usage(self, msg: Message, usage: pb.Usage, progress: TurnProgress) -> None:
         """A step's usage: the session's token counts become the step's and its cost is added

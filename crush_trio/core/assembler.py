@@ -60,6 +60,12 @@ class StepAssembler:
         msg = self.msg
         self.append = MessageDelta(msg.id, msg.session_id, part, part_type, offset, text)
 
+    @property
+    def appending(self) -> bool:
+        """Whether the next text or reasoning delta is an append (:attr:`append` set); not
+        right after a ``Retrying``, whose change is published whole."""
+        return not self._reset
+
     def feed(self, event: pb.StreamEvent) -> bool:
         """Fold one event into the message. True: the message changed and should be saved
         (its ``updated_at`` is set; :attr:`append` says whether it was an append); False for

@@ -21,6 +21,11 @@ response closes the connection.
 Read timeouts: a read of a plain TCP socket is timed by the read watch of :func:`read_watch`, one
 task in the nursery of whoever runs the providers (the server's backend), instead of a cancel
 scope per read. Where no watch runs, each read has its own cancel scope (same errors, more CPU).
+
+Reads at the publish passes: a stream's consumer may pace its reads (:class:`ReadPacer`); while
+a reply streams its reader then waits for the pass that publishes the reply, and the pass reads
+the socket itself and takes plain text in through the stages of :class:`ReadFold`, waking the
+reader only for what needs it (see :class:`crush_trio.store.messages.ReadTick`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import contextlib
 import contextvars
 import math
 import re
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import trio
 
@@ -166,6 +171,29 @@ class ChunkedDecoder:
             return b""
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def take_whole(self, data: bytes) -> bytes | None:
+        """The payload of ``data`` when it is whole chunks (each a size line without extensions,
+        its data and CRLF; none of them the last) and the decoder is at a chunk's start: what
+        :meth:`feed` would return, the decoder left as it is (at a chunk's start). None when it
+        is anything else; nothing changed then, and :meth:`feed` takes the same bytes."""
+        if self._state != _SIZE or self._buffer or not data:
+            return None
+        size = len(data)
+        pos = 0
+        out: list[bytes] = []
+        while pos < size:
+            eol = data.find(b"\r\n", pos, pos + 18)
+            if eol < 0 or _HEX.fullmatch(data, pos, eol) is None:
+                return None
+            length = int(data[pos:eol], 16)
+            start = eol + 2
+            end = start + length
+            if not 0 < length <= MAX_CHUNK_BYTES or data[end : end + 2] != b"\r\n":
+                return None
+            out.append(data[start:end])
+            pos = end + 2
+        return out[0] if len(out) == 1 else b"".join(out)
+
     def eof(self) -> None:
         """The connection ended: fine after the last chunk, else :class:`IncompleteBody`."""
         if self._state == _DONE:
@@ -221,13 +249,69 @@ class LengthDecoder:
 Decoder = ChunkedDecoder | LengthDecoder
 
 
+class ReadFold:
+    """The synchronous stages through which a publish pass takes in a paced read's bytes
+    itself, without waking the stream's reader task (see :class:`ReadPacer`).
+
+    Each layer of a model stream sets its stage while it runs and clears it when it ends:
+    :attr:`body` (the body's framing: the bytes read, to payload), :attr:`events` (the event
+    stream: payload, to events), :attr:`parse` (the provider's parser: events, to stream
+    events) and, from the stream's consumer, :attr:`ready` and :attr:`take`. A stage returns
+    None when it cannot take its input in without its task (a boundary, bytes split across
+    reads, an event that is not a plain text delta, anything unusual); a stage that returned
+    None changed nothing, so the same bytes then go up through the reader task as if it had
+    read them. :attr:`parse` commits its parser's state only when it gives a result, and
+    :attr:`take` is called only then and takes everything; :attr:`ready` is asked first.
+    """
+
+    __slots__ = ("body", "events", "parse", "ready", "take")
+
+    def __init__(self) -> None:
+        self.body: Callable[[bytes], bytes | None] | None = None
+        self.events: Callable[[bytes], list[Any] | None] | None = None
+        self.parse: Callable[[list[Any]], list[Any] | None] | None = None
+        self.ready: Callable[[], bool] | None = None
+        self.take: Callable[[list[Any]], None] | None = None
+
+    def run(self, data: bytes) -> bool:
+        """Take ``data`` (bytes read from the stream's connection) in through every stage.
+        False: a stage could not, or one is missing; nothing changed."""
+        body, events, parse, ready, take = self.body, self.events, self.parse, self.ready, self.take
+        if body is None or events is None or parse is None or ready is None or take is None:
+            return False
+        if not ready():
+            return False
+        payload = body(data)
+        if payload is None:
+            return False
+        found = events(payload)
+        if found is None:
+            return False
+        parsed = parse(found)
+        if parsed is None:
+            return False
+        take(parsed)
+        return True
+
+
 class ReadPacer(Protocol):
     """When the reads of one model stream are worth making (the consumer's, who knows when what
     it reads is shown: :class:`crush_trio.store.messages.ReadTick`)."""
 
-    async def before_read(self) -> bool:
+    #: The stages through which a pass may take the stream's bytes in itself.
+    fold: ReadFold
+
+    async def before_read(self, read_now: Callable[[], bytes] | None = None) -> bool:
         """Wait until a read is worth making; True when it waited (read before waiting for the
-        socket: the data is likely there)."""
+        socket: the data is likely there). ``read_now``: reads the connection without waiting
+        (raises :class:`BlockingIOError` when nothing is there), for a pass that takes the
+        bytes in through :attr:`fold` while the reader keeps waiting; after a wait,
+        :meth:`taken` tells what such a read got that :attr:`fold` did not take."""
+        ...
+
+    def taken(self) -> bytes | Exception | None:
+        """What the pass that ended the wait read for this stream and did not take in (bytes,
+        ``b""`` at the connection's end, or the read's error); None: read it yourself."""
         ...
 
     def read_empty(self) -> None:
@@ -290,6 +374,10 @@ class SocketBody:
         self._connection = connection
         self._reusable = reusable
         self._ended = False
+        pacer = READ_PACER.get()
+        self._fold = pacer.fold if pacer is not None and fd is not None else None
+        if self._fold is not None:
+            self._fold.body = self._take_whole
 
     def __aiter__(self) -> SocketBody:
         return self
@@ -352,6 +440,22 @@ class SocketBody:
             with contextlib.suppress(OSError, ValueError):
                 trio.lowlevel.notify_closing(self._fd)
 
+    def _take_whole(self, data: bytes) -> bytes | None:
+        """The body stage of the stream's :class:`ReadFold`: the payload of ``data`` read by a
+        publish pass while this body's read waits, when it is whole chunks (the read's deadline
+        then starts again, as a read's would). None when the body has bytes pending or is not
+        chunked, and when its read is not timed by the read watch: a cancel scope around the
+        read (its own, or its caller's when it has no timeout) cannot be moved by a pass."""
+        decoder = self._decoder
+        if self._pending or self._ended or self._watch is None or self._timeout is None:
+            return None
+        if not isinstance(decoder, ChunkedDecoder):
+            return None
+        payload = decoder.take_whole(data)
+        if payload is not None:
+            self._deadline = trio.current_time() + self._timeout
+        return payload
+
     @property
     def complete(self) -> bool:
         """Whether the whole body was read and nothing followed it."""
@@ -360,6 +464,9 @@ class SocketBody:
     async def aclose(self) -> None:
         """Mark the connection reusable when the body was read whole (see the module doc); the
         caller then closes the response, which hands the connection back or closes it."""
+        if self._fold is not None and self._fold.body == self._take_whole:
+            self._fold.body = None
+        self._fold = None
         connection, self._connection = self._connection, None
         if connection is not None and self._reusable and self.complete and not self._ended:
             connection.mark_finished()

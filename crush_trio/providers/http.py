@@ -36,6 +36,7 @@ reported at once instead of multiplying the wait.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
@@ -58,7 +59,7 @@ from ..defaults import (
 from ..errors import ProviderError
 from ..metrics import METRICS, status_kind
 from .base import Retrying
-from .body import BodyError, BodyTimeout, IncompleteBody
+from .body import READ_PACER, BodyError, BodyTimeout, IncompleteBody
 from .pool import shared_ssl_context
 from .transport import Http11Transport, take_over
 
@@ -206,6 +207,23 @@ class SSEDecoder:
         self._buffer = buffer[start:]
         if len(self._buffer) > self._limit:
             raise ValueError(f"an event-stream line is longer than {self._limit} bytes")
+        return events
+
+    def take_whole(self, chunk: bytes) -> list[SSEEvent] | None:
+        """The events of ``chunk`` when it is whole events of one ``data: `` line each and
+        nothing is pending: what :meth:`feed` would return, the decoder left as it is. None
+        when it is anything else; nothing changed then, and :meth:`feed` takes the same bytes
+        (and raises where it must)."""
+        if self._buffer or self._data or self._event or not chunk.endswith(b"\n\n"):
+            return None
+        events: list[SSEEvent] = []
+        for line in chunk[:-2].split(b"\n\n"):
+            if not line.startswith(b"data: ") or len(line) > self._limit:
+                return None
+            data = line[6:]
+            if b"\n" in data or b"\r" in data:
+                return None
+            events.append(SSEEvent("message", data.decode("utf-8", errors="replace")))
         return events
 
     def close(self) -> list[SSEEvent]:
@@ -474,8 +492,12 @@ class HttpStreamer:
             await trio.sleep(delay)
 
         response, chunks = outcome.response, outcome.chunks
+        decoder = SSEDecoder()
+        pacer = READ_PACER.get()
+        fold = pacer.fold if pacer is not None else None
+        if fold is not None:
+            fold.events = functools.partial(_whole_events, decoder, is_final)
         try:
-            decoder = SSEDecoder()
             chunk = outcome.first
             while chunk is not None:
                 for event in self._decode(decoder, chunk):
@@ -487,6 +509,8 @@ class HttpStreamer:
             for event in self._decode(decoder, None):
                 yield event
         finally:
+            if fold is not None:
+                fold.events = None
             with trio.move_on_after(CLEANUP_TIMEOUT, shield=True):
                 await _aclose_iter(chunks)
                 await response.aclose()
@@ -712,6 +736,17 @@ class HttpStreamer:
             with contextlib.suppress(httpx.HTTPError, BodyError, BodyTimeout, IncompleteBody):
                 async for _ in chunks:
                     pass
+
+
+def _whole_events(
+    decoder: SSEDecoder, is_final: Callable[[SSEEvent], bool], payload: bytes
+) -> list[SSEEvent] | None:
+    """The event-stream stage of a stream's :class:`~crush_trio.providers.body.ReadFold`:
+    ``payload``'s events when they are whole and none ends the stream."""
+    events = decoder.take_whole(payload)
+    if events is None or any(is_final(event) for event in events):
+        return None
+    return events
 
 
 async def _read_limited(response: httpx.Response) -> bytes:

@@ -33,6 +33,7 @@ from .base import (
     ToolSpec,
     Usage,
 )
+from .body import READ_PACER
 from .http import HttpStreamer, ProviderSettings, SSEEvent, parse_json_event, quote
 
 if TYPE_CHECKING:
@@ -210,6 +211,56 @@ class ChatStreamParser:
                 retryable=True,
             )
         out: list[StreamEvent] = []
+        self._chunk(chunk, out)
+        return out
+
+    def take_plain(self, events: list[SSEEvent]) -> list[StreamEvent] | None:
+        """The stream events of ``events`` when each is a plain chunk: text or reasoning that
+        continues the reply (no finish, no tool call, no error, no reasoning closed by text);
+        what :meth:`feed` would return for them, one after the other. None when one is
+        anything else (malformed too), or when none carries text; the parser is unchanged
+        then, and :meth:`feed` takes the same events (and raises where it must)."""
+        if self.done:
+            return None
+        reasoning_open = self._reasoning_open
+        grows = False
+        chunks: list[dict[str, Any]] = []
+        for event in events:
+            try:
+                chunk = orjson.loads(event.data)
+            except orjson.JSONDecodeError:
+                return None
+            if not isinstance(chunk, dict) or chunk.get("error"):
+                return None
+            choices = chunk.get("choices")
+            for choice in choices if isinstance(choices, list) else ():
+                if not isinstance(choice, dict) or _int(choice.get("index")) != 0:
+                    continue
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason:
+                    return None
+                delta = choice.get("delta")
+                if not isinstance(delta, dict):
+                    continue
+                if delta.get("tool_calls"):
+                    return None
+                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                if isinstance(reasoning, str) and reasoning:
+                    reasoning_open = grows = True
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    if reasoning_open:
+                        return None  # text closes the reasoning: a change the reader makes
+                    grows = True
+            chunks.append(chunk)
+        if not grows:
+            return None
+        out: list[StreamEvent] = []
+        for chunk in chunks:
+            self._chunk(chunk, out)
+        return out
+
+    def _chunk(self, chunk: dict[str, Any], out: list[StreamEvent]) -> None:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             details = usage.get("prompt_tokens_details")
@@ -224,7 +275,6 @@ class ChatStreamParser:
             for choice in choices:
                 if isinstance(choice, dict) and _int(choice.get("index")) == 0:
                     self._choice(choice, out)
-        return out
 
     def end(self) -> list[StreamEvent]:
         """The body ended: finish the reply, or fail if it never finished.
@@ -410,13 +460,21 @@ class OpenAIProvider:
         parser = ChatStreamParser(self.name)
         body = build_chat_body(request)
         events = self._http.stream_sse(self.url, body, is_final=_is_done)
-        async with contextlib.aclosing(events):
-            async for item in events:
-                if isinstance(item, Retrying):
-                    yield item
-                    continue
-                for event in parser.feed(item):
-                    yield event
+        pacer = READ_PACER.get()
+        fold = pacer.fold if pacer is not None else None
+        if fold is not None:  # a publish pass may take plain text in without this task
+            fold.parse = parser.take_plain
+        try:
+            async with contextlib.aclosing(events):
+                async for item in events:
+                    if isinstance(item, Retrying):
+                        yield item
+                        continue
+                    for event in parser.feed(item):
+                        yield event
+        finally:
+            if fold is not None:
+                fold.parse = None
         for event in parser.end():
             yield event
 

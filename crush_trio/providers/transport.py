@@ -224,7 +224,12 @@ class Connection:
                 if pacer is not None and await pacer.before_read() and not self._tls_ready():
                     pacer.read_empty()
                 return bytes(await self.stream.receive_some(READ_SIZE))
-            if pacer is not None and await pacer.before_read():
+            if pacer is not None and await pacer.before_read(self.read_now):
+                taken = pacer.taken()  # what a pass read and did not take in itself
+                if isinstance(taken, bytes):
+                    return taken
+                if taken is not None:
+                    raise taken
                 try:
                     return os.read(self.fd, READ_SIZE)
                 except BlockingIOError:
@@ -238,6 +243,10 @@ class Connection:
                     continue
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise IncompleteBody(f"the connection broke: {_describe(exc)}") from exc
+
+    def read_now(self) -> bytes:
+        """Read the plain socket without waiting (:class:`BlockingIOError`: nothing there)."""
+        return os.read(self.fd, READ_SIZE)
 
     def _tls_ready(self) -> bool:
         """Whether a TLS read would find data at once (decrypted bytes held, or the socket

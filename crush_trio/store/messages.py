@@ -15,7 +15,8 @@ the latest state of each message and
   that fraction;
 - **paces the reads** of the model streams (:class:`ReadTick`): while a message streams, its
   stream reads its connection at the publish passes, several tokens a read, instead of once per
-  token, and a pass publishes what its reads took in;
+  token, and a pass publishes what its reads took in; where it can, the pass reads a stream's
+  socket and takes plain text in itself, without waking the stream's task;
 - **writes** the latest state of every pending message in one batch at most once per write
   window (``write_window``, :data:`WRITE_WINDOW_SECONDS`, never shorter than the publish window).
   Streaming state is published from memory before it is written; a crash can lose at most one
@@ -69,6 +70,7 @@ import trio
 from ..core.ports import MessageStore as MessageStore  # noqa: TC001 (a re-export)
 from ..defaults import DEFAULT_DEBOUNCE_MS, DEFAULT_MESSAGE_WRITE_MS
 from ..errors import StoreError
+from ..providers.body import ReadFold
 from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart
 
 logger = logging.getLogger(__name__)
@@ -225,6 +227,10 @@ class MessageService:
         # by message id; how many the current pass woke that have not taken in their read yet,
         # and the pass's number.
         self._readers: dict[str, trio.lowlevel.ParkingLot] = {}
+        # The waiting streams whose bytes a pass may read and take in itself (ReadTick.take_in).
+        self._takers: dict[str, ReadTick] = {}
+        #: Reads a pass took in without waking their stream (for the benchmarks and tests).
+        self.reads_taken = 0
         self._reading = 0
         self._collecting = False
         self._readers_back = trio.Event()
@@ -298,6 +304,7 @@ class MessageService:
             for lot in self._readers.values():  # no pass will wake them: they read now
                 lot.unpark_all()
             self._readers.clear()
+            self._takers.clear()
 
     # -- the API -------------------------------------------------------------------------------
 
@@ -341,14 +348,7 @@ class MessageService:
         mid = message.id
         old = self._shapes.get(mid)
         if append is not None and old is not None:
-            # An append grows one part's text: the message's shape is unchanged, so the change
-            # is not terminal and the baseline stays (no walk over the parts per chunk).
-            self._add_pending(message)
-            if self._publish_delta is None:
-                self._appends[mid] = None
-            else:
-                self._add_append(mid, append)
-            self._schedule_publish(message)
+            self._append(message, append)
             return
         shape = shape_of(message)
         terminal = is_terminal_change(old[1] if old else None, shape)
@@ -438,6 +438,33 @@ class MessageService:
         self._drop(lambda m: m.session_id == session_id, ids)
         await self._wait_for_write()
 
+    def can_append(self, message_id: str) -> bool:
+        """Whether :meth:`append_nowait` takes an append to the message (its shape is known:
+        it was created here and is not finished)."""
+        return message_id in self._shapes
+
+    def append_nowait(self, message: Message, append: MessageDelta) -> None:
+        """:meth:`update` for an append to a message :meth:`can_append` takes, from code that
+        cannot wait (a publish pass taking a stream's read in); the same effect, no checkpoint.
+
+        Raises:
+            ValueError: the message's shape is not known (ask :meth:`can_append` first).
+        """
+        if message.id not in self._shapes:
+            raise ValueError(f"message {message.id!r} is not streaming here: use update()")
+        self._append(message, append)
+
+    def _append(self, message: Message, append: MessageDelta) -> None:
+        # An append grows one part's text: the message's shape is unchanged, so the change
+        # is not terminal and the baseline stays (no walk over the parts per chunk).
+        mid = message.id
+        self._add_pending(message)
+        if self._publish_delta is None:
+            self._appends[mid] = None
+        else:
+            self._add_append(mid, append)
+        self._schedule_publish(message)
+
     def read_pacer(self, message_id: str) -> ReadTick:
         """The read tick of the model stream that streams into ``message_id``, for its body
         reader (:data:`crush_trio.providers.body.READ_PACER`); see :class:`ReadTick`."""
@@ -462,37 +489,51 @@ class MessageService:
             return entry[0]
         return self._last_publish.get(message_id, -math.inf) + self._debounce
 
-    async def _park_reader(self, message_id: str) -> int:
+    async def _park_reader(self, message_id: str, taker: ReadTick | None = None) -> int:
         """Wait for the pass that publishes the message's next update (woken by it); its
-        number."""
+        number. ``taker``: the passes may take the stream's reads in themselves meanwhile."""
         if self._reader_due(message_id) < self._sleep_until:
             self._wakeup.set()
         lot = self._readers.get(message_id)
         if lot is None:
             lot = self._readers[message_id] = trio.lowlevel.ParkingLot()
+        if taker is not None:
+            self._takers[message_id] = taker
         try:
             await lot.park()
         finally:
             if not lot and self._readers.get(message_id) is lot:
                 del self._readers[message_id]  # cancelled while it waited
+                self._takers.pop(message_id, None)
         return self._pass
 
     async def _wake_readers(self, now: float) -> None:
-        """Wake the streams whose message this pass publishes (the same horizon as
-        :meth:`_publish_due`), and give them up to :data:`READ_TICK_WAIT` to read and take in
-        what arrived, so that this pass publishes it."""
+        """Take in the reads of the streams whose message this pass publishes (the same
+        horizon as :meth:`_publish_due`) where the pass can (:meth:`ReadTick.take_in`); wake
+        the others and give them up to :data:`READ_TICK_WAIT` to read and take in what arrived,
+        so that this pass publishes it."""
         self._pass += 1
         if not self._readers:
             return
         horizon = now + self._debounce * ALIGN_FRACTION
         woken = 0
-        for mid in [mid for mid in self._readers if self._reader_due(mid) <= horizon]:
-            woken += len(self._readers.pop(mid).unpark_all())
+        self._collecting = True  # what the pass takes in itself is published by it too
+        try:
+            for mid in [mid for mid in self._readers if self._reader_due(mid) <= horizon]:
+                lot = self._readers[mid]
+                taker = self._takers.get(mid)
+                if taker is not None and lot and taker.take_in():
+                    self.reads_taken += 1
+                    continue  # taken in: the stream goes on waiting, for the next pass
+                del self._readers[mid]
+                self._takers.pop(mid, None)
+                woken += len(lot.unpark_all())
+        finally:
+            self._collecting = bool(woken)
         if not woken:
             return
         self._reading = woken
         self._readers_back = trio.Event()
-        self._collecting = True
         try:
             with trio.move_on_after(READ_TICK_WAIT):
                 await self._readers_back.wait()
@@ -659,10 +700,17 @@ class ReadTick:
     the next wait one for the socket (:meth:`read_empty`), as does a quiet message and the
     stream's first read. Nothing is read later than it would be published anyway.
 
+    A pass need not wake the stream at all: when the stream's reader can be read without
+    waiting (a plain socket) and its layers have set their stages of :attr:`fold`, the pass
+    reads the socket itself and takes what arrived in through them (:meth:`take_in`), and the
+    reader goes on waiting. It wakes the reader for everything else, with what it read
+    (:meth:`taken`): nothing, the connection's end, an error, or bytes that are not plain text
+    whole in their read (a step's end, a tool call, usage, a chunk split across reads).
+
     The stream's consumer makes one per stream and calls :meth:`close` when the stream ends.
     """
 
-    __slots__ = ("_id", "_service", "_skip", "_woken")
+    __slots__ = ("_id", "_read_now", "_service", "_skip", "_taken", "_woken", "fold")
 
     def __init__(self, service: MessageService, message_id: str) -> None:
         self._service = service
@@ -670,20 +718,62 @@ class ReadTick:
         self._woken: int | None = None
         # The first read waits for the socket: the reply's first words go out as they come.
         self._skip = True
+        self._read_now: Callable[[], bytes] | None = None
+        self._taken: bytes | Exception | None = None
+        #: The stages through which a pass takes this stream's reads in itself.
+        self.fold = ReadFold()
 
-    async def before_read(self) -> bool:
+    async def before_read(self, read_now: Callable[[], bytes] | None = None) -> bool:
         """Called before each read of the connection: waits for the next publish pass while
         the message streams. True: it waited (the data is likely there, read before waiting
-        for the socket)."""
+        for the socket). ``read_now``: the passes may read the connection meanwhile (see the
+        class)."""
         service = self._service
         self.close()
+        self._taken = None
         if self._skip:
             self._skip = False
             return False
         if not service._running or not service._streaming(self._id):
             return False
-        self._woken = await service._park_reader(self._id)
+        self._read_now = read_now
+        try:
+            self._woken = await service._park_reader(self._id, self if read_now else None)
+        finally:
+            self._read_now = None
         return True
+
+    def taken(self) -> bytes | Exception | None:
+        """What the pass that woke the stream read and did not take in: bytes, ``b""`` (the
+        connection's end) or the read's error; None: nothing (read the socket)."""
+        taken, self._taken = self._taken, None
+        return taken
+
+    def take_in(self) -> bool:
+        """Called by a pass in place of waking the stream: read its socket and take what
+        arrived in through :attr:`fold`. True: taken in, the stream goes on waiting; False:
+        wake it (:meth:`taken` holds what was read)."""
+        read_now = self._read_now
+        if read_now is None:
+            return False
+        try:
+            data = read_now()
+        except BlockingIOError:
+            return False  # the model paused: the stream reads again, then waits for its socket
+        except OSError as exc:
+            self._taken = exc
+            return False
+        if not data:
+            self._taken = data
+            return False
+        try:
+            if self.fold.run(data):
+                return True
+        except Exception as exc:  # a stage failed: the stream reports it as its read's error
+            self._taken = exc
+            return False
+        self._taken = data
+        return False
 
     def read_empty(self) -> None:
         """The read after a pass found nothing: the next one waits for the socket."""
