@@ -605,3 +605,15 @@ async def test_a_step_cancelled_while_passes_take_it_in_closes_its_connection(
     full = "".join(TOKENS * 5)
     assert 0 < len(message.text()) < len(full)
     assert full.startswith(message.text())
+
+
+async def test_an_append_without_a_wait_is_refused_for_a_message_not_streaming_here(
+    published: Recorder,
+) -> None:
+    service = MessageService(FakeStore(), published, write_window=NEVER)
+    message = msg("m", TextPart("x"))
+    assert not service.can_append("m")
+    with pytest.raises(ValueError, match="'m' is not streaming here: use update"):
+        service.append_nowait(message, append("", "x"))
+    await service.create(message)
+    assert service.can_append("m")
