@@ -278,6 +278,7 @@ class Stages:
 
 def test_a_fold_runs_its_stages_in_order_and_takes_what_they_give() -> None:
     stages = Stages()
+    assert stages.fold.can_take()
     assert stages.fold.run(b"x")
     assert stages.calls == ["ready", "body", "events", "parse"]
     assert stages.taken == [b"x"]
@@ -291,14 +292,15 @@ def test_a_stage_that_declines_stops_the_fold_before_the_take(decline: str) -> N
     assert stages.taken == []
 
 
-def test_a_fold_not_ready_or_missing_a_stage_runs_no_stage() -> None:
-    stages = Stages(ready=False)
-    assert not stages.fold.run(b"x")
-    assert stages.calls == ["ready"]
-    stages = Stages()
-    stages.fold.events = None  # that layer has ended
-    assert not stages.fold.run(b"x")
-    assert stages.calls == []
+def test_a_fold_not_ready_or_missing_a_stage_cannot_take() -> None:
+    assert not Stages(ready=False).fold.can_take()
+    for missing in ("body", "events", "parse", "take"):
+        stages = Stages()
+        setattr(stages.fold, missing, None)  # that layer has ended, or never ran
+        assert not stages.fold.can_take()
+        assert "ready" not in stages.calls or missing == "take"
+        assert not stages.fold.run(b"x")
+        assert stages.taken == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +481,21 @@ async def test_a_reader_cancelled_while_it_waits_leaves_its_bytes_unread(
         await trio.sleep(2 * DEBOUNCE_SECONDS)
         assert service.reads_taken == 0
         assert await left.recv(64) == b"kept"
+
+
+async def test_a_stream_whose_fold_cannot_take_is_woken_to_read_itself(
+    autojump_clock: trio.testing.MockClock, published: Recorder
+) -> None:
+    """A stream without a parse stage (a provider that has none) is not read by the pass: its
+    reader reads what arrived itself."""
+    async with waiting_reader(
+        published, body=identity, events=identity, ready=lambda: True, take=print
+    ) as (service, pacer, left, right):
+        await right.send(b"b")
+        assert await pacer.before_read(reading(left))
+        assert pacer.taken() is None  # nothing read for it
+        assert os.read(left.fileno(), 64) == b"b"
+        assert service.reads_taken == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -261,7 +261,8 @@ class ReadFold:
     reads, an event that is not a plain text delta, anything unusual); a stage that returned
     None changed nothing, so the same bytes then go up through the reader task as if it had
     read them. :attr:`parse` commits its parser's state only when it gives a result, and
-    :attr:`take` is called only then and takes everything; :attr:`ready` is asked first.
+    :attr:`take` is called only then and takes everything; :attr:`ready` is asked before the
+    socket is read (:meth:`can_take`).
     """
 
     __slots__ = ("body", "events", "parse", "ready", "take")
@@ -273,13 +274,19 @@ class ReadFold:
         self.ready: Callable[[], bool] | None = None
         self.take: Callable[[list[Any]], None] | None = None
 
-    def run(self, data: bytes) -> bool:
-        """Take ``data`` (bytes read from the stream's connection) in through every stage.
-        False: a stage could not, or one is missing; nothing changed."""
-        body, events, parse, ready, take = self.body, self.events, self.parse, self.ready, self.take
-        if body is None or events is None or parse is None or ready is None or take is None:
+    def can_take(self) -> bool:
+        """Whether every stage is set and the consumer is ready: only then is it worth reading
+        the stream's socket for :meth:`run`."""
+        ready = self.ready
+        if ready is None or self.body is None or self.events is None or self.parse is None:
             return False
-        if not ready():
+        return self.take is not None and ready()
+
+    def run(self, data: bytes) -> bool:
+        """Take ``data`` (bytes read from the stream's connection, after :meth:`can_take`) in
+        through every stage. False: a stage could not, or one is missing; nothing changed."""
+        body, events, parse, take = self.body, self.events, self.parse, self.take
+        if body is None or events is None or parse is None or take is None:
             return False
         payload = body(data)
         if payload is None:

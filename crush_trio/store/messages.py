@@ -754,8 +754,8 @@ class ReadTick:
         arrived in through :attr:`fold`. True: taken in, the stream goes on waiting; False:
         wake it (:meth:`taken` holds what was read)."""
         read_now = self._read_now
-        if read_now is None:
-            return False
+        if read_now is None or not self.fold.can_take():
+            return False  # the reader reads its socket itself
         try:
             data = read_now()
         except BlockingIOError:
