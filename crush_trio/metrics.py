@@ -233,6 +233,11 @@ class Metrics:
         self.provider_retries = self._counter(
             "provider_retries", "Retried provider requests", ["provider"]
         )
+        self.provider_reads_taken = self._counter(
+            "provider_reads_taken",
+            "Reads of streaming model replies that a publish pass took in itself, without "
+            "waking the stream's task",
+        )
         self.provider_latency = self._histogram(
             "provider_latency_seconds",
             "Time from sending a provider request to its response headers",

@@ -47,6 +47,7 @@ from crush_trio.wire import (
 )
 from tests.fake_llm import FakeLLM, Fault, Reply, ToolCall
 from tests.test_message_buffer import NEVER, TEST_TIMEOUT, FakeStore, Recorder, msg
+from tests.test_metrics import snapshot
 from tests.test_providers import request, serving, user
 from tests.test_read_tick import append
 
@@ -536,6 +537,7 @@ async def step(io: StepIO, provider: Provider, message: Message) -> FinishReason
 
 
 TOKENS = [f"t{i} " for i in range(40)]
+READS_TAKEN = "crush_trio_provider_reads_taken_total"
 
 
 async def test_a_paced_step_streams_whole_with_its_text_taken_in_by_the_passes(
@@ -548,10 +550,12 @@ async def test_a_paced_step_streams_whole_with_its_text_taken_in_by_the_passes(
         token_delay=0.01,
     )
     message = msg("m")
+    taken = snapshot(READS_TAKEN)
     with trio.fail_after(STREAM_TIMEOUT):
         async with stepping(FakeLLM([reply]), published) as (provider, service, io, _fake):
             reason = await step(io, provider, message)
     assert reason is FinishReason.TOOL_USE
+    assert taken.delta(READS_TAKEN) == service.reads_taken  # what operators see
     reasoning, text, call, _finished = message.parts
     assert isinstance(reasoning, ReasoningPart)
     assert reasoning.thinking == "".join(reply.reasoning)

@@ -70,6 +70,7 @@ import trio
 from ..core.ports import MessageStore as MessageStore  # noqa: TC001 (a re-export)
 from ..defaults import DEFAULT_DEBOUNCE_MS, DEFAULT_MESSAGE_WRITE_MS
 from ..errors import StoreError
+from ..metrics import METRICS
 from ..providers.body import ReadFold
 from ..wire import EventKind, Message, MessageDelta, ReasoningPart, Role, ToolCallPart
 
@@ -516,20 +517,23 @@ class MessageService:
         if not self._readers:
             return
         horizon = now + self._debounce * ALIGN_FRACTION
-        woken = 0
+        woken = taken = 0
         self._collecting = True  # what the pass takes in itself is published by it too
         try:
             for mid in [mid for mid in self._readers if self._reader_due(mid) <= horizon]:
                 lot = self._readers[mid]
                 taker = self._takers.get(mid)
                 if taker is not None and lot and taker.take_in():
-                    self.reads_taken += 1
+                    taken += 1
                     continue  # taken in: the stream goes on waiting, for the next pass
                 del self._readers[mid]
                 self._takers.pop(mid, None)
                 woken += len(lot.unpark_all())
         finally:
             self._collecting = bool(woken)
+            if taken:
+                self.reads_taken += taken
+                METRICS.provider_reads_taken.inc(taken)
         if not woken:
             return
         self._reading = woken
