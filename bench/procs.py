@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
+import httpx
 import orjson
 import trio
 
@@ -40,6 +41,8 @@ STARTUP_TIMEOUT: Final = 60.0
 STOP_TIMEOUT: Final = 30.0
 #: The token every benchmarked server runs with.
 TOKEN: Final = "bench-token"
+#: Longest wait for one scrape of the server's metrics (seconds).
+METRICS_TIMEOUT: Final = 10.0
 #: Bytes read from a child's stdout per receive.
 READ_SIZE: Final = 64 * 1024
 #: Interval of the RSS sampler (seconds).
@@ -384,6 +387,20 @@ class ServerProcess:
 
     def loop_counts(self) -> tuple[int, int]:
         return loop_counts(self.pid)
+
+    async def metric(self, name: str) -> float:
+        """The value of the server's unlabelled metric ``name`` (``GET /metrics`` with the
+        token); 0 when it has no sample yet."""
+        async with httpx.AsyncClient(timeout=METRICS_TIMEOUT) as client:
+            response = await client.get(
+                f"{self.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+        response.raise_for_status()
+        for line in response.text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == name:
+                return float(value)
+        return 0.0
 
     def memory(self) -> Memory:
         return memory(self.pid)

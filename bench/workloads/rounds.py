@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         ServerProcess,
     )
 
+#: The server's count of reply reads its publish passes took in (docs/providers.md).
+READS_TAKEN: Final = "crush_trio_provider_reads_taken_total"
 #: A phase of runs gives up when no run has ended for this long (seconds).
 STALL_AFTER: Final = 30.0
 
@@ -44,6 +46,9 @@ class LevelResult:
     #: (:func:`~bench.procs.loop_counts`).
     server_writes: int = 0
     server_sleeps: int = 0
+    #: Reads of streaming replies the server's publish passes took in themselves
+    #: (``crush_trio_provider_reads_taken_total`` over the measured rounds).
+    reads_taken: int = 0
     tokens: int = 0
     events: int = 0
     hwm: int = 0
@@ -119,6 +124,8 @@ async def run_rounds(
                 await child.send({"cmd": "sessions", "count": share})
             await all_events(ws, "sessions", 120)
             clients0 = sum(cpu_seconds(child.pid) for child in ws)
+            # Scraped before the counts: the scrape is not the rounds' CPU or writes.
+            taken0 = await server.metric(READS_TAKEN) if measured else 0.0
             counts0 = server.loop_counts()
             cpu0, t0, child0 = server.cpu(), time.time(), server.children_cpu()
             command = {
@@ -135,6 +142,7 @@ async def run_rounds(
                 writes, sleeps = server.loop_counts()
                 level.server_writes += writes - counts0[0]
                 level.server_sleeps += sleeps - counts0[1]
+                level.reads_taken += int(await server.metric(READS_TAKEN) - taken0)
             return done, cpu, t0, children
 
         await all_events(ws, "ready", 60)

@@ -96,7 +96,9 @@ async def w2(ctx: Ctx) -> WorkloadResult:
         f"Server CPU per run at this pace: {ms(level.cpu_per_run)}; peak RSS {mb(level.hwm)}; "
         f"gap frames (lossy events dropped for a full client queue): {level.gaps}.",
         f"The server's write calls per run: {level.writes_per_run:.0f} (its sockets and files, "
-        f"every thread); its loop slept and was woken {level.sleeps_per_run:.0f} times per run.",
+        f"every thread); its loop slept and was woken {level.sleeps_per_run:.0f} times per run; "
+        f"its publish passes took {level.per_run(level.reads_taken):.0f} reads of each reply in "
+        "themselves (without waking the reply's stream task).",
         f"The client processes' CPU per run: {ms(level.clients_cpu_per_run)} "
         "(the client library following each run, and the benchmark's bookkeeping); they share "
         "the machine's cores with the server and the fake model.",
