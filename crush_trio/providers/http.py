@@ -173,18 +173,10 @@ class SSEDecoder:
         Raises:
             ValueError: an event or line exceeds the limit.
         """
-        if (
-            chunk.endswith(b"\n\n")
-            and chunk.startswith(b"data: ")
-            and not self._buffer
-            and not self._data
-            and not self._event
-            and len(chunk) - 2 <= self._limit
-        ):
-            # What a model streams: one event, one data line, whole in its chunk.
-            data = chunk[6:-2]
-            if b"\n" not in data and b"\r" not in data:
-                return [SSEEvent("message", data.decode("utf-8", errors="replace"))]
+        # What a model streams: events of one data line each, whole in their chunk.
+        whole = self.take_whole(chunk)
+        if whole is not None:
+            return whole
         buffer = self._buffer + chunk if self._buffer else chunk
         events: list[SSEEvent] = []
         start = 0
